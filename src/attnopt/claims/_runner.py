@@ -1,0 +1,107 @@
+"""Run registered claims and write the reproduction report (``attnopt reproduce``)."""
+from __future__ import annotations
+
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from attnopt.claims._registry import Claim, ClaimContext, ClaimResult, all_claims
+from attnopt.report import Section, format_value, write_report
+
+__all__ = ["ClaimRun", "run_claims", "write_claims_report"]
+
+
+@dataclass
+class ClaimRun:
+    """One executed claim: its result, or the error it raised, and its wall time."""
+
+    claim: Claim
+    result: ClaimResult | None
+    error: str | None
+    seconds: float
+    images: list[Path]
+
+    @property
+    def verdict(self) -> str:
+        return self.result.verdict if self.result is not None else "error"
+
+
+def run_claims(
+    *,
+    quick: bool,
+    out_dir: Path,
+    only: str | None = None,
+    seed: int = 0,
+    on_done: Callable[[ClaimRun], None] | None = None,
+) -> list[ClaimRun]:
+    """Run every selected claim; a claim that raises is recorded as ``error``, not hidden."""
+    runs: list[ClaimRun] = []
+    for c in all_claims(only):
+        ctx = ClaimContext(quick=quick, out_dir=out_dir, seed=seed, prefix=f"{c.paper}_{c.key}")
+        t0 = time.perf_counter()
+        result: ClaimResult | None = None
+        error: str | None = None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", category=UserWarning)
+            try:
+                result = c.func(ctx)
+                if not isinstance(result, ClaimResult):
+                    raise TypeError(f"claim {c.id} returned {type(result).__name__}, not ClaimResult")
+            except Exception:  # noqa: BLE001 - a failing claim is reported, never swallowed
+                error = traceback.format_exc()
+        run = ClaimRun(c, result, error, time.perf_counter() - t0, list(ctx.images))
+        runs.append(run)
+        if on_done is not None:
+            on_done(run)
+    return runs
+
+
+def figures_text(run: ClaimRun, limit: int = 4) -> str:
+    """The first ``limit`` measured figures as ``name=value`` text."""
+    if run.result is None:
+        return "(raised an error)"
+    items = list(run.result.figures.items())[:limit]
+    return ", ".join(f"{k}={format_value(v)}" for k, v in items)
+
+
+def write_claims_report(runs: list[ClaimRun], out_dir: Path, *, quick: bool) -> tuple[Path, Path]:
+    """Write ``report.md`` / ``report.html``: a summary table, then one section per claim."""
+    counts: dict[str, int] = {}
+    for r in runs:
+        counts[r.verdict] = counts.get(r.verdict, 0) + 1
+    intro = (
+        f"Mode: {'quick (reduced scale)' if quick else 'full'}. "
+        + ", ".join(f"{n} {v}" for v, n in sorted(counts.items()))
+        + ". Every figure below was computed in this run."
+    )
+    summary = Section(
+        "Summary",
+        headers=("paper", "claim", "reference", "verdict", "measured", "seconds"),
+        rows=[
+            (r.claim.paper, r.claim.title, r.claim.reference, r.verdict, figures_text(r), r.seconds)
+            for r in runs
+        ],
+    )
+    sections = [summary]
+    for r in runs:
+        if r.result is None:
+            text = f"Verdict: error\n\n```\n{r.error}\n```"
+            sections.append(Section(f"{r.claim.paper} — {r.claim.title}", text=text))
+            continue
+        res = r.result
+        text = f"Verdict: {res.verdict}\n\n{res.summary}"
+        if res.details:
+            text += "\n\n" + res.details
+        sections.append(
+            Section(
+                f"{r.claim.paper} — {r.claim.title} ({r.claim.reference})",
+                text=text,
+                headers=("figure", "value") if res.figures else (),
+                rows=[(k, v) for k, v in res.figures.items()],
+                images=r.images,
+            )
+        )
+    return write_report(out_dir, "report", "attnopt — reproduction report", sections, intro)

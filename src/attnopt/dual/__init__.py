@@ -1,0 +1,7 @@
+"""Exact solvers: MEM / Fenchel dual (Newton), OT dual, generic regularized maps.
+
+Each solver returns a frozen dataclass with the solution and its convergence diagnostics
+(``iterations``, ``converged``, ``grad_norm``); non-convergence also warns.
+"""
+
+__all__: list[str] = []

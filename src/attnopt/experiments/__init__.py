@@ -1,0 +1,1 @@
+"""Small trainable reproductions of the papers' experiments (imports the library, never imported by it)."""

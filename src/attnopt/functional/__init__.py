@@ -1,0 +1,12 @@
+"""Pure tensor functions: one mechanism per module, no ``nn.Module`` here.
+
+Conventions: ``q (B,H,Nq,d)``, ``k (B,H,Nk,d)``, ``v (B,H,Nk,dv)``, weights ``(B,H,Nq,Nk)``;
+scores ``<q_i,k_j>*scale`` with ``scale = 1/sqrt(d)`` by default; boolean masks use SDPA's
+convention (``True`` = take part), float masks are added to the scores.
+"""
+from attnopt.functional.generalized import generalized_attention, generalized_weights
+
+__all__ = [
+    "generalized_attention",
+    "generalized_weights",
+]

@@ -1,0 +1,32 @@
+"""Numerically safe softmax pieces shared by the functional ops (internal)."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["safe_softmax", "safe_logsumexp"]
+
+
+def safe_logsumexp(x: Tensor, dim: int, keepdim: bool = False) -> Tensor:
+    """``logsumexp`` that returns ``-inf`` (not NaN) for an all ``-inf`` slice, with finite grads."""
+    m = x.amax(dim=dim, keepdim=True).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    s = torch.exp(x - m).sum(dim=dim, keepdim=True)
+    out = torch.log(s) + m
+    return out if keepdim else out.squeeze(dim)
+
+
+def safe_softmax(x: Tensor, dim: int = -1) -> Tensor:
+    """Softmax along ``dim``; a slice that is entirely ``-inf`` gives zeros (finite gradient).
+
+    Half precision is computed in float32 and cast back.
+    """
+    orig = x.dtype
+    if orig in (torch.float16, torch.bfloat16):
+        x = x.float()
+    m = x.amax(dim=dim, keepdim=True).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(x - m)
+    s = e.sum(dim=dim, keepdim=True)
+    out = e / torch.where(s > 0, s, torch.ones_like(s))
+    return out.to(orig)

@@ -1,0 +1,182 @@
+r"""Generalized attention with a preference distribution (fenchel-dual-attention eq. 16–18).
+
+The first-order approximation ``λ ≈ αz`` of the MEM dual gives
+
+.. math:: \hat h = \sum_i t_i\, \frac{u_i \exp(\alpha \langle t_i, z\rangle)}
+          {\sum_j u_j \exp(\alpha \langle t_j, z\rangle)}
+
+i.e. softmax attention whose scores get the additive term ``log u``. With queries ``q``
+(the evidence ``z``), keys ``k`` (the templates ``t``) and values ``v``:
+``out_i = Σ_j softmax_j(α<q_i,k_j> + log u_ij + mask_ij) v_j``. Uniform ``u`` is ordinary
+dot-product attention (eq. 16); ``u_ij ∝ exp(b_{j−i})`` is T5's relative position bias (eq. 18).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnopt._validation import (
+    additive_mask,
+    causal_additive_mask,
+    check_attention_inputs,
+    check_broadcastable,
+    combine_additive,
+    resolve_scale,
+)
+from attnopt.functional._softmax import safe_softmax
+
+__all__ = ["generalized_attention", "generalized_weights", "preference_to_log"]
+
+
+def _safe_log(u: Tensor) -> Tensor:
+    """``log u`` with ``log 0 = -inf`` and a zero (not NaN) gradient at ``u = 0``."""
+    positive = u > 0
+    return torch.where(positive, torch.where(positive, u, torch.ones_like(u)).log(), float("-inf"))
+
+
+def preference_to_log(
+    preference: Tensor | None, log_preference: Tensor | None, target: tuple[int, ...], dtype: torch.dtype
+) -> Tensor | None:
+    """Validate ``preference``/``log_preference`` and return ``log u`` broadcastable to ``target``.
+
+    Raises:
+        ValueError: both given; negative, NaN or infinite ``preference``; NaN or ``+inf`` in
+            ``log_preference``; a shape that does not broadcast to ``target``.
+        TypeError: not a floating-point tensor.
+    """
+    if preference is not None and log_preference is not None:
+        raise ValueError("pass either preference or log_preference, not both")
+    if preference is not None:
+        if not isinstance(preference, Tensor) or not preference.is_floating_point():
+            raise TypeError("preference must be a floating-point torch.Tensor")
+        check_broadcastable("preference", preference, target)
+        if not torch.isfinite(preference).all():
+            raise ValueError("preference must be finite (use 0 to mask a key)")
+        if (preference < 0).any():
+            raise ValueError("preference must be non-negative (u >= 0; 0 masks a key)")
+        return _safe_log(preference).to(dtype)
+    if log_preference is not None:
+        if not isinstance(log_preference, Tensor) or not log_preference.is_floating_point():
+            raise TypeError("log_preference must be a floating-point torch.Tensor")
+        check_broadcastable("log_preference", log_preference, target)
+        if torch.isnan(log_preference).any() or torch.isposinf(log_preference).any():
+            raise ValueError("log_preference must not contain NaN or +inf (-inf masks a key)")
+        return log_preference.to(dtype)
+    return None
+
+
+def _combined_bias(
+    q: Tensor,
+    k: Tensor,
+    preference: Tensor | None,
+    log_preference: Tensor | None,
+    attn_mask: Tensor | None,
+    is_causal: bool,
+) -> Tensor | None:
+    nq, nk, _ = check_attention_inputs(q, k)
+    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+    target = (*batch, nq, nk)
+    log_u = preference_to_log(preference, log_preference, target, q.dtype)
+    mask = additive_mask(attn_mask, target, q.dtype)
+    causal = causal_additive_mask(nq, nk, q.dtype, q.device) if is_causal else None
+    return combine_additive(log_u, mask, causal)
+
+
+def generalized_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    preference: Tensor | None = None,
+    log_preference: Tensor | None = None,
+    attn_mask: Tensor | None = None,
+    scale: float | None = None,
+    is_causal: bool = False,
+    dropout_p: float = 0.0,
+) -> Tensor:
+    r"""Generalized (preference-weighted) attention, fenchel-dual-attention eq. (16)–(18).
+
+    .. math:: \mathrm{out}_i = \sum_j \frac{u_{ij} \exp(\alpha\langle q_i,k_j\rangle + m_{ij})}
+              {\sum_{j'} u_{ij'} \exp(\alpha\langle q_i,k_{j'}\rangle + m_{ij'})}\, v_j
+
+    Computed by :func:`torch.nn.functional.scaled_dot_product_attention` with the additive
+    mask ``log u + m``, so fused kernels and O(N) memory are kept. A key-only preference of
+    shape ``(B, H, 1, Nk)`` is passed through without materializing ``Nq × Nk``. Note: a
+    preference (or mask) that requires grad, or ``dropout_p > 0``, makes PyTorch use its
+    materialized math kernel (O(Nq·Nk) memory).
+
+    Args:
+        q: (B, H, Nq, d) queries — the evidence ``z``.
+        k: (B, H, Nk, d) keys — the templates ``t``.
+        v: (B, H, Nk, dv) values.
+        preference: ``u >= 0`` broadcastable to (B, H, Nq, Nk); need not be normalized
+            (scaling a row of ``u`` changes nothing); ``0`` masks a key.
+        log_preference: ``log u`` instead of ``u`` (any real, ``-inf`` masks a key).
+        attn_mask: boolean (``True`` = take part) or additive float mask, broadcastable to
+            (B, H, Nq, Nk).
+        scale: the reliability ``α`` (default ``1/sqrt(d)``); must be > 0.
+        is_causal: also apply SDPA's top-left causal mask.
+        dropout_p: dropout probability on the weights (as in SDPA).
+
+    Returns:
+        (B, H, Nq, dv). A row whose preference/mask excludes every key is all zeros, with
+        finite gradients.
+
+    Raises:
+        ValueError: both ``preference`` and ``log_preference``; a negative or non-finite
+            preference; shapes that do not broadcast; ``scale <= 0``; ``dropout_p`` not in [0, 1).
+        TypeError: non-tensor or non-floating inputs.
+    """
+    check_attention_inputs(q, k, v)
+    alpha = resolve_scale(scale, q.shape[-1])
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if preference is None and log_preference is None and attn_mask is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=alpha
+        )
+    bias = _combined_bias(q, k, preference, log_preference, attn_mask, is_causal)
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=alpha)
+
+
+def generalized_weights(
+    q: Tensor,
+    k: Tensor,
+    *,
+    preference: Tensor | None = None,
+    log_preference: Tensor | None = None,
+    attn_mask: Tensor | None = None,
+    scale: float | None = None,
+    is_causal: bool = False,
+    dropout_p: float = 0.0,
+) -> Tensor:
+    r"""The explicit weights of :func:`generalized_attention` (for analysis), eq. (16)–(18).
+
+    .. math:: \pi_{ij} = \frac{u_{ij} \exp(\alpha\langle q_i,k_j\rangle + m_{ij})}
+              {\sum_{j'} u_{ij'} \exp(\alpha\langle q_i,k_{j'}\rangle + m_{ij'})}
+
+    Args: as :func:`generalized_attention` (without ``v``).
+
+    Returns:
+        (B, H, Nq, Nk) row-stochastic weights; rows with no admissible key are zeros.
+        Half-precision inputs are normalized in float32 and returned in the input dtype.
+
+    Raises:
+        ValueError, TypeError: as :func:`generalized_attention`.
+    """
+    check_attention_inputs(q, k)
+    alpha = resolve_scale(scale, q.shape[-1])
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    bias = _combined_bias(q, k, preference, log_preference, attn_mask, is_causal)
+    compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    scores = torch.matmul(q.to(compute), k.to(compute).transpose(-2, -1)) * alpha
+    if bias is not None:
+        scores = scores + bias.to(compute)
+    weights = safe_softmax(scores, dim=-1)
+    if dropout_p > 0.0:
+        weights = F.dropout(weights, p=dropout_p)
+    return weights.to(q.dtype)

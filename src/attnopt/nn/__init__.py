@@ -1,0 +1,8 @@
+"""``nn.Module`` s: preference modules and multi-head attention wrappers built on ``functional``.
+
+Multi-head modules follow ``torch.nn.MultiheadAttention(batch_first=True)``:
+``forward(query, key=None, value=None, *, key_padding_mask=None, attn_mask=None,
+need_weights=False, is_causal=False) -> (output, weights | None)``.
+"""
+
+__all__: list[str] = []

@@ -1,0 +1,122 @@
+"""A small Markdown + HTML report writer shared by ``attnopt reproduce`` and ``analyze``.
+
+A report is a title, an optional intro and a list of :class:`Section` s; each section has
+Markdown text, an optional table and optional images. The same structure is written as
+``<name>.md`` and as a self-contained ``<name>.html`` (images linked relatively).
+"""
+from __future__ import annotations
+
+import html
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Section", "markdown_table", "format_value", "write_report"]
+
+
+def format_value(x: Any) -> str:
+    """Compact text for a measured number (4 significant digits), or ``str(x)``."""
+    if isinstance(x, bool):
+        return str(x)
+    if isinstance(x, int):
+        return str(x)
+    if isinstance(x, float):
+        if x == 0.0:
+            return "0"
+        if abs(x) >= 1e4 or abs(x) < 1e-3:
+            return f"{x:.3e}"
+        return f"{x:.4g}"
+    return str(x)
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub-flavoured Markdown table; cells go through :func:`format_value`."""
+    def cell(x: Any) -> str:
+        return format_value(x).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(cell(x) for x in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+@dataclass
+class Section:
+    """One part of a report: a heading, Markdown text, an optional table and images."""
+
+    title: str
+    text: str = ""
+    headers: Sequence[str] = ()
+    rows: Sequence[Sequence[Any]] = ()
+    images: Sequence[Path] = field(default_factory=list)
+    level: int = 2
+
+
+def _html_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(format_value(x))}</td>" for x in row) + "</tr>"
+        for row in rows
+    )
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+_CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}
+table{border-collapse:collapse;margin:1em 0;font-size:.9em}td,th{border:1px solid #ccc;
+padding:3px 8px;text-align:left}th{background:#f3f3f3}pre{background:#f7f7f7;padding:.6em;
+overflow-x:auto}img{max-width:100%;border:1px solid #eee;margin:.5em 0}
+.reproduced{color:#137333;font-weight:600}.not{color:#b3261e;font-weight:600}
+.partially{color:#a36200;font-weight:600}"""
+
+
+def _verdict_class(text: str) -> str:
+    if text.startswith("reproduced"):
+        return "reproduced"
+    if text.startswith("partially"):
+        return "partially"
+    if text.startswith("not") or text.startswith("error"):
+        return "not"
+    return ""
+
+
+def write_report(
+    out_dir: Path, name: str, title: str, sections: Sequence[Section], intro: str = ""
+) -> tuple[Path, Path]:
+    """Write ``out_dir/<name>.md`` and ``out_dir/<name>.html``; return both paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md: list[str] = [f"# {title}", ""]
+    if intro:
+        md += [intro, ""]
+    body: list[str] = [f"<h1>{html.escape(title)}</h1>"]
+    if intro:
+        body.append(f"<pre>{html.escape(intro)}</pre>" if "\n" in intro else f"<p>{html.escape(intro)}</p>")
+    for sec in sections:
+        md += ["#" * sec.level + " " + sec.title, ""]
+        body.append(f"<h{sec.level}>{html.escape(sec.title)}</h{sec.level}>")
+        if sec.text:
+            md += [sec.text, ""]
+            for para in sec.text.split("\n\n"):
+                if para.lstrip().startswith("|"):
+                    body.append(f"<pre>{html.escape(para)}</pre>")
+                else:
+                    cls = _verdict_class(para.removeprefix("Verdict: ").strip().lower())
+                    attr = f' class="{cls}"' if para.startswith("Verdict:") and cls else ""
+                    body.append(f"<p{attr}>{html.escape(para)}</p>")
+        if sec.headers:
+            md += [markdown_table(sec.headers, sec.rows), ""]
+            body.append(_html_table(sec.headers, sec.rows))
+        for img in sec.images:
+            rel = os.path.relpath(img, out_dir)
+            md += [f"![{Path(rel).stem}]({rel})", ""]
+            body.append(f'<img src="{html.escape(rel)}" alt="{html.escape(Path(rel).stem)}">')
+    md_path = out_dir / f"{name}.md"
+    html_path = out_dir / f"{name}.html"
+    md_path.write_text("\n".join(md))
+    html_path.write_text(
+        "<!doctype html><html><head><meta charset='utf-8'><title>"
+        f"{html.escape(title)}</title><style>{_CSS}</style></head><body>"
+        + "\n".join(body)
+        + "</body></html>"
+    )
+    return md_path, html_path
