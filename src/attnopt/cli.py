@@ -92,7 +92,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def _add_analyze(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     try:
-        from attnopt.analysis.cli_analyze import add_analyze_parser
+        from attnopt.cli_analyze import add_analyze_parser
     except ImportError:
         return
     add_analyze_parser(sub)
