@@ -1,0 +1,154 @@
+"""Shared multi-head plumbing for every attention module (internal).
+
+:class:`MultiheadBase` owns the input/output projections, head splitting and the mask
+conventions of ``torch.nn.MultiheadAttention(batch_first=True)``; a mechanism subclasses it
+and implements :meth:`MultiheadBase.attend` on ``(B, H, N, d)`` tensors.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["MultiheadBase", "merge_masks"]
+
+
+def merge_masks(
+    attn_mask: Tensor | None, key_padding_mask: Tensor | None, batch: int, nq: int, nk: int
+) -> Tensor | None:
+    """Combine ``nn.MultiheadAttention``-style masks into one SDPA-style mask.
+
+    Args:
+        attn_mask: (Nq, Nk) or (B*H, Nq, Nk)/(B, H, Nq, Nk) — boolean ``True`` = *not allowed*
+            (``nn.MultiheadAttention`` convention) or additive float.
+        key_padding_mask: (B, Nk) — boolean ``True`` = padding, or additive float.
+    Returns:
+        ``None`` or an additive float mask broadcastable to (B, H, Nq, Nk) (``-inf`` = drop).
+    Raises:
+        ValueError: shapes that do not fit.
+    """
+    out: Tensor | None = None
+    if attn_mask is not None:
+        if attn_mask.dim() == 2:
+            if attn_mask.shape != (nq, nk):
+                raise ValueError(f"attn_mask must be ({nq}, {nk}), got {tuple(attn_mask.shape)}")
+            m = attn_mask.view(1, 1, nq, nk)
+        elif attn_mask.dim() == 3:
+            if attn_mask.shape[1:] != (nq, nk) or attn_mask.shape[0] % batch:
+                raise ValueError(f"attn_mask must be (B*H, {nq}, {nk}), got {tuple(attn_mask.shape)}")
+            m = attn_mask.view(batch, -1, nq, nk)
+        elif attn_mask.dim() == 4:
+            m = attn_mask
+        else:
+            raise ValueError(f"attn_mask must have 2, 3 or 4 dims, got {attn_mask.dim()}")
+        out = _to_additive(m, "attn_mask")
+    if key_padding_mask is not None:
+        if key_padding_mask.shape != (batch, nk):
+            raise ValueError(
+                f"key_padding_mask must be (B, Nk) = ({batch}, {nk}), got {tuple(key_padding_mask.shape)}"
+            )
+        kp = _to_additive(key_padding_mask.view(batch, 1, 1, nk), "key_padding_mask")
+        out = kp if out is None else out + kp
+    return out
+
+
+def _to_additive(mask: Tensor, name: str) -> Tensor:
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, device=mask.device).masked_fill_(mask, float("-inf"))
+    if not mask.is_floating_point():
+        raise TypeError(f"{name} must be boolean or floating point, got {mask.dtype}")
+    return mask
+
+
+class MultiheadBase(nn.Module):
+    """Projections and head handling shared by the attention modules.
+
+    Args:
+        embed_dim: model dimension E (``= num_heads * head_dim``).
+        num_heads: H.
+        bias: bias in the input/output projections.
+        kdim, vdim: feature sizes of key/value inputs (default ``embed_dim``).
+        dropout: dropout on the attention weights during training.
+    Raises:
+        ValueError: ``embed_dim`` not divisible by ``num_heads`` or non-positive sizes.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        bias: bool = True,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if embed_dim <= 0 or num_heads <= 0:
+            raise ValueError(f"embed_dim and num_heads must be > 0, got {embed_dim}, {num_heads}")
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        self.embed_dim, self.num_heads = embed_dim, num_heads
+        self.head_dim = embed_dim // num_heads
+        self.dropout = dropout
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.k_proj = nn.Linear(kdim or embed_dim, embed_dim, bias=bias)
+        self.v_proj = nn.Linear(vdim or embed_dim, embed_dim, bias=bias)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+
+    def split_heads(self, x: Tensor) -> Tensor:
+        """(B, N, E) -> (B, H, N, E/H)."""
+        b, n, _ = x.shape
+        return x.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
+
+    def merge_heads(self, x: Tensor) -> Tensor:
+        """(B, H, N, d) -> (B, N, H*d)."""
+        b, h, n, d = x.shape
+        return x.transpose(1, 2).reshape(b, n, h * d)
+
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, need_weights: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """The mechanism on ``(B, H, N, d)`` tensors; ``mask`` is additive (``-inf`` = drop).
+
+        Returns ``(out (B,H,Nq,d), weights (B,H,Nq,Nk) or None)``.
+        """
+        raise NotImplementedError
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        *,
+        key_padding_mask: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        need_weights: bool = False,
+        is_causal: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Attend ``query (B, Nq, E)`` to ``key (B, Nk, kdim)``/``value (B, Nk, vdim)``.
+
+        ``key``/``value`` default to ``query`` (self-attention). Masks follow
+        ``nn.MultiheadAttention``: boolean ``True`` = not allowed / padding; float = additive.
+
+        Returns:
+            ``(output (B, Nq, E), weights (B, H, Nq, Nk) if need_weights else None)``.
+        """
+        if query.dim() != 3:
+            raise ValueError(f"query must be (B, N, E) (batch_first), got {tuple(query.shape)}")
+        key = query if key is None else key
+        value = key if value is None else value
+        if key.shape[:2] != value.shape[:2] or key.shape[0] != query.shape[0]:
+            raise ValueError(
+                f"query/key/value batch or length mismatch: {tuple(query.shape)}, "
+                f"{tuple(key.shape)}, {tuple(value.shape)}"
+            )
+        q = self.split_heads(self.q_proj(query))
+        k = self.split_heads(self.k_proj(key))
+        v = self.split_heads(self.v_proj(value))
+        mask = merge_masks(attn_mask, key_padding_mask, query.shape[0], q.shape[-2], k.shape[-2])
+        if mask is not None:
+            mask = mask.to(q.dtype)
+        out, weights = self.attend(q, k, v, mask, is_causal, need_weights)
+        return self.out_proj(self.merge_heads(out)), weights
