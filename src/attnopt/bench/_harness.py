@@ -128,7 +128,9 @@ def forward_backward(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> 
     return run
 
 
-def peak_memory_mb(factory: str, kwargs: dict[str, Any], *, device: str = "cpu", timeout: float = 600) -> float:
+def peak_memory_mb(
+    factory: str, kwargs: dict[str, Any], *, device: str = "cpu", timeout: float = 600
+) -> float:
     """Peak extra memory (MB) of one call, measured in a fresh Python process.
 
     Args:
