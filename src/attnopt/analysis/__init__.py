@@ -1,3 +1,7 @@
 """Measuring attention: hooks, dual deviation, decomposition, column mass, policy views."""
 
-__all__: list[str] = []
+from attnopt.analysis.column_mass import column_mass
+
+__all__: list[str] = [
+    "column_mass",
+]
