@@ -5,4 +5,18 @@ Multi-head modules follow ``torch.nn.MultiheadAttention(batch_first=True)``:
 need_weights=False, is_causal=False) -> (output, weights | None)``.
 """
 
-__all__: list[str] = []
+from attnopt.nn.generalized import GeneralizedMultiheadAttention
+from attnopt.nn.preference import (
+    ALiBiPreference,
+    KeyPreference,
+    PreferenceModule,
+    T5RelativePreference,
+)
+
+__all__: list[str] = [
+    "ALiBiPreference",
+    "GeneralizedMultiheadAttention",
+    "KeyPreference",
+    "PreferenceModule",
+    "T5RelativePreference",
+]

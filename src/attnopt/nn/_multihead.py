@@ -107,6 +107,14 @@ class MultiheadBase(nn.Module):
         b, h, n, d = x.shape
         return x.transpose(1, 2).reshape(b, n, h * d)
 
+    def input_bias(self, query: Tensor, key: Tensor) -> Tensor | None:  # noqa: ARG002
+        """Optional additive score bias computed from the raw inputs (e.g. a preference ``log u``).
+
+        ``query (B, Nq, E)``, ``key (B, Nk, kdim)`` -> ``None`` or a tensor broadcastable to
+        ``(B, H, Nq, Nk)``; it is added to the mask handed to :meth:`attend`. Default: ``None``.
+        """
+        return None
+
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, need_weights: bool
     ) -> tuple[Tensor, Tensor | None]:
@@ -148,6 +156,9 @@ class MultiheadBase(nn.Module):
         k = self.split_heads(self.k_proj(key))
         v = self.split_heads(self.v_proj(value))
         mask = merge_masks(attn_mask, key_padding_mask, query.shape[0], q.shape[-2], k.shape[-2])
+        bias = self.input_bias(query, key)
+        if bias is not None:
+            mask = bias if mask is None else bias + mask
         if mask is not None:
             mask = mask.to(q.dtype)
         out, weights = self.attend(q, k, v, mask, is_causal, need_weights)

@@ -1,0 +1,199 @@
+r"""Preference modules producing ``log u`` for generalized attention (fenchel-dual-attention).
+
+In the MEM view (eq. 16–18) a preference distribution ``u`` over the templates (keys) enters
+attention as an additive ``log u`` on the scores. These modules produce it:
+
+* :class:`T5RelativePreference` — ``u_ij ∝ exp(b_{bucket(j−i)})`` with learned per-head
+  scalars ``b`` over T5's log-spaced relative-position buckets (eq. 17–18);
+* :class:`ALiBiPreference` — ``log u_ij = −m_h |i − j|`` with fixed per-head slopes;
+* :class:`KeyPreference` — a small network of the key-side context, ``log u_j = NN(x_j)``
+  (the context-dependent preference of Sec. 7): key-only, shape ``(B, H, 1, Nk)``.
+
+Every module implements ``log_preference(query, key)`` for inputs ``(B, Nq, E)``,
+``(B, Nk, E)``, returning a tensor broadcastable to ``(B, H, Nq, Nk)``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "PreferenceModule",
+    "T5RelativePreference",
+    "ALiBiPreference",
+    "KeyPreference",
+    "relative_position_bucket",
+    "alibi_slopes",
+]
+
+
+class PreferenceModule(nn.Module):
+    """Base class: a module producing ``log u`` broadcastable to ``(B, H, Nq, Nk)``."""
+
+    def log_preference(self, query: Tensor, key: Tensor) -> Tensor:
+        """``log u`` for ``query (B, Nq, E)`` and ``key (B, Nk, E)``."""
+        raise NotImplementedError
+
+
+def relative_position_bucket(
+    relative_position: Tensor, *, bidirectional: bool = True, num_buckets: int = 32, max_distance: int = 128
+) -> Tensor:
+    """T5's bucketing of ``relative_position = key_pos − query_pos`` (as in T5 / HF transformers).
+
+    Half of the buckets (per direction when ``bidirectional``) are exact small distances, the
+    rest are log-spaced up to ``max_distance``; larger distances share the last bucket. With
+    ``bidirectional=False`` (decoder / causal), positive (future) positions map to bucket 0.
+    """
+    buckets = torch.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        buckets = buckets + (relative_position > 0).long() * num_buckets
+        distance = relative_position.abs()
+    else:
+        distance = -torch.clamp(relative_position, max=0)
+    max_exact = num_buckets // 2
+    is_small = distance < max_exact
+    large = max_exact + (
+        torch.log(distance.float().clamp(min=1) / max_exact)
+        / math.log(max_distance / max_exact)
+        * (num_buckets - max_exact)
+    ).long()
+    large = torch.clamp(large, max=num_buckets - 1)
+    return buckets + torch.where(is_small, distance, large)
+
+
+class T5RelativePreference(PreferenceModule):
+    r"""T5 relative position bias as a preference (fenchel-dual-attention eq. 17–18).
+
+    .. math:: \log u_{ij} = b_{h,\,\mathrm{bucket}(j - i)}
+
+    Args:
+        num_heads: H; one learned scalar per (bucket, head).
+        num_buckets: number of relative-position buckets (T5: 32).
+        max_distance: distance beyond which positions share a bucket (T5: 128).
+        bidirectional: encoder-style (True) or causal/decoder-style (False) buckets.
+
+    Note:
+        A learned bias requires grad, so :func:`torch.nn.functional.scaled_dot_product_attention`
+        falls back to its materialized math kernel (O(Nq·Nk) memory) during training.
+    """
+
+    def __init__(
+        self, num_heads: int, *, num_buckets: int = 32, max_distance: int = 128, bidirectional: bool = True
+    ) -> None:
+        super().__init__()
+        if num_heads <= 0 or num_buckets <= 1 or max_distance <= 1:
+            raise ValueError(
+                f"num_heads > 0, num_buckets > 1 and max_distance > 1 required, got "
+                f"{num_heads}, {num_buckets}, {max_distance}"
+            )
+        if (num_buckets // (2 if bidirectional else 1)) // 2 >= max_distance:
+            raise ValueError("max_distance must exceed the number of exact buckets")
+        self.num_heads, self.num_buckets = num_heads, num_buckets
+        self.max_distance, self.bidirectional = max_distance, bidirectional
+        self.relative_attention_bias = nn.Embedding(num_buckets, num_heads)
+        nn.init.normal_(self.relative_attention_bias.weight, std=0.1)
+
+    def forward(self, query_len: int, key_len: int) -> Tensor:
+        """``log u`` of shape ``(1, H, query_len, key_len)``."""
+        device = self.relative_attention_bias.weight.device
+        rel = torch.arange(key_len, device=device)[None, :] - torch.arange(query_len, device=device)[:, None]
+        buckets = relative_position_bucket(
+            rel,
+            bidirectional=self.bidirectional,
+            num_buckets=self.num_buckets,
+            max_distance=self.max_distance,
+        )
+        return self.relative_attention_bias(buckets).permute(2, 0, 1).unsqueeze(0)
+
+    def log_preference(self, query: Tensor, key: Tensor) -> Tensor:
+        return self(query.shape[-2], key.shape[-2])
+
+
+def alibi_slopes(num_heads: int) -> Tensor:
+    """ALiBi's default per-head slopes: ``2^(−8h/H)``, h = 1..H (interleaved if H is not a power of 2)."""
+    if num_heads <= 0:
+        raise ValueError(f"num_heads must be > 0, got {num_heads}")
+
+    def power_of_two(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    if math.log2(num_heads).is_integer():
+        slopes = power_of_two(num_heads)
+    else:
+        closest = 2 ** math.floor(math.log2(num_heads))
+        slopes = power_of_two(closest) + power_of_two(2 * closest)[0::2][: num_heads - closest]
+    return torch.tensor(slopes, dtype=torch.float64)
+
+
+class ALiBiPreference(PreferenceModule):
+    r"""ALiBi as a preference: ``log u_ij = −m_h |i − j|`` (fixed slopes ``m_h``).
+
+    The same penalty is the locality regularizer of sdpa-one-sided-eot Prop. 4.4; it is
+    computed exactly as ``-(slopes.view(H,1,1) * (arange(Nq)[:,None] - arange(Nk)[None,:]).abs())``.
+
+    Args:
+        num_heads: H.
+        slopes: (H,) non-negative slopes; default :func:`alibi_slopes`.
+    """
+
+    slopes: Tensor
+
+    def __init__(self, num_heads: int, *, slopes: Tensor | None = None) -> None:
+        super().__init__()
+        if slopes is None:
+            slopes = alibi_slopes(num_heads)
+        slopes = torch.as_tensor(slopes, dtype=torch.get_default_dtype())
+        if slopes.shape != (num_heads,):
+            raise ValueError(f"slopes must have shape ({num_heads},), got {tuple(slopes.shape)}")
+        if not torch.isfinite(slopes).all() or (slopes < 0).any():
+            raise ValueError("slopes must be finite and non-negative")
+        self.num_heads = num_heads
+        self.register_buffer("slopes", slopes.to(torch.get_default_dtype()))
+
+    def forward(self, query_len: int, key_len: int) -> Tensor:
+        """``log u`` of shape ``(1, H, query_len, key_len)``."""
+        device = self.slopes.device
+        pos_q = torch.arange(query_len, device=device)
+        dist = pos_q[:, None] - torch.arange(key_len, device=device)[None, :]
+        return -(self.slopes.view(self.num_heads, 1, 1) * dist.abs().to(self.slopes.dtype)).unsqueeze(0)
+
+    def log_preference(self, query: Tensor, key: Tensor) -> Tensor:
+        return self(query.shape[-2], key.shape[-2]).to(query.dtype)
+
+
+class KeyPreference(PreferenceModule):
+    r"""Context-dependent, key-only preference (fenchel-dual-attention Sec. 7).
+
+    .. math:: \log u_{h,j} = \mathrm{MLP}(x_j)_h
+
+    A two-layer MLP of the key-side context maps each key to one log-preference per head;
+    the output ``(B, H, 1, Nk)`` broadcasts over queries, so SDPA keeps its fused kernel and
+    O(N) memory. Only ratios of ``u`` matter (rows are normalized), so ``log u`` is left
+    unconstrained.
+
+    Args:
+        embed_dim: feature size E of the key-side context.
+        num_heads: H.
+        hidden_dim: MLP width (default ``embed_dim``).
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, *, hidden_dim: int | None = None) -> None:
+        super().__init__()
+        if embed_dim <= 0 or num_heads <= 0:
+            raise ValueError(f"embed_dim and num_heads must be > 0, got {embed_dim}, {num_heads}")
+        hidden = hidden_dim or embed_dim
+        self.num_heads = num_heads
+        self.net = nn.Sequential(nn.Linear(embed_dim, hidden), nn.GELU(), nn.Linear(hidden, num_heads))
+
+    def forward(self, key: Tensor) -> Tensor:
+        """``key (B, Nk, E)`` -> ``log u (B, H, 1, Nk)``."""
+        if key.dim() != 3:
+            raise ValueError(f"key must be (B, Nk, E), got {tuple(key.shape)}")
+        return self.net(key).transpose(1, 2).unsqueeze(2)
+
+    def log_preference(self, query: Tensor, key: Tensor) -> Tensor:  # noqa: ARG002
+        return self(key)
