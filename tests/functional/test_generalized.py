@@ -163,7 +163,8 @@ def test_half_precision_no_nan_and_accurate(dtype):
     u = torch.rand(1, 2, 1, 16, generator=g, dtype=torch.float64)
     u[..., :3] = 0
     ref = generalized_attention_ref(q * 4, k * 4, v, preference=u)
-    out = attnopt.generalized_attention((q * 4).to(dtype), (k * 4).to(dtype), v.to(dtype), preference=u.to(dtype))
+    qh, kh, vh, uh = (q * 4).to(dtype), (k * 4).to(dtype), v.to(dtype), u.to(dtype)
+    out = attnopt.generalized_attention(qh, kh, vh, preference=uh)
     w = attnopt.generalized_weights((q * 4).to(dtype), (k * 4).to(dtype), preference=u.to(dtype))
     assert out.dtype == dtype and w.dtype == dtype
     assert torch.isfinite(out).all() and torch.isfinite(w).all()

@@ -56,7 +56,8 @@ def test_preference_enters_as_log_u(pref):
 
 
 def test_t5_preference_is_learned_through_attention():
-    mha = GeneralizedMultiheadAttention(8, 2, preference=T5RelativePreference(2, num_buckets=8, max_distance=16))
+    pref = T5RelativePreference(2, num_buckets=8, max_distance=16)
+    mha = GeneralizedMultiheadAttention(8, 2, preference=pref)
     x = torch.randn(2, 6, 8)
     mha(x, is_causal=True)[0].square().sum().backward()
     grad = mha.preference.relative_attention_bias.weight.grad
