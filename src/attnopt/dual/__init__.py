@@ -4,4 +4,10 @@ Each solver returns a frozen dataclass with the solution and its convergence dia
 (``iterations``, ``converged``, ``grad_norm``); non-convergence also warns.
 """
 
-__all__: list[str] = []
+from attnopt.dual.ot import OTMEMSolution, solve_ot_mem, true_preference
+
+__all__: list[str] = [
+    "OTMEMSolution",
+    "solve_ot_mem",
+    "true_preference",
+]

@@ -5,8 +5,11 @@ scores ``<q_i,k_j>*scale`` with ``scale = 1/sqrt(d)`` by default; boolean masks 
 convention (``True`` = take part), float masks are added to the scores.
 """
 from attnopt.functional.generalized import generalized_attention, generalized_weights
+from attnopt.functional.ot import ot_attention, ot_weights
 
 __all__ = [
     "generalized_attention",
     "generalized_weights",
+    "ot_attention",
+    "ot_weights",
 ]

@@ -1,0 +1,231 @@
+r"""Optimal-transport-based attention (fenchel-dual-attention Sec. 9, eq. 22, App. D).
+
+Replacing ``KL(p‖u)`` of the MEM problem by the entropic OT distance ``W_γ(p, u; M)`` (eq. 20)
+lets templates of a bank ``A`` that are *similar* to the input templates (small cost ``M``)
+receive attention mass. For small ``α`` and ``α/γ`` the minimizer is (eq. 22)
+
+.. math:: p^*(a) = \sum_{i=1}^n u_i\,
+          \frac{\exp\big((\alpha a^\top z - M(a, t_i))/\gamma\big)}{Z_i},\qquad
+          Z_i = \sum_{a' \in A} \exp\big((\alpha a'^\top z - M(a', t_i))/\gamma\big),
+
+and the attention output is ``ĥ = Σ_a p*(a) v_a`` (``v_a = a`` in the paper). With the kernel
+``K_{a,i} = exp(−M(a,t_i)/γ)`` and ``E_{k,a} = exp(α z_kᵀa/γ)`` this is ``Z = E·K`` and
+``p*_k = E_k ⊙ (K·(u/Z_k))``: two matrix products per head, evaluated here as stabilized
+log-domain matrix products (:func:`log_matmul_exp`), so memory is ``O((Nq + n)·m)`` — never an
+``Nq × n × m`` tensor. The exact solution of the dual (36) is :func:`attnopt.dual.solve_ot_mem`.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from attnopt._validation import check_broadcastable, check_tensor
+from attnopt.functional._ot_cost import (
+    CostSpec,
+    check_ot_inputs,
+    check_positive,
+    log_kernel,
+    normalized_preference,
+)
+from attnopt.functional._softmax import safe_logsumexp
+
+__all__ = ["ot_attention", "ot_weights", "log_matmul_exp"]
+
+_GATHER_BUDGET = 1 << 22  # elements per chunk of the exact fallback
+
+
+def _finite_or_zero(x: Tensor) -> Tensor:
+    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+
+
+def log_matmul_exp(x: Tensor, y: Tensor) -> Tensor:
+    r"""``log(exp(x) @ exp(y))`` without overflow: :math:`\log\sum_k \exp(x_{ik} + y_{kj})`.
+
+    Rows of ``x`` and columns of ``y`` are shifted by their (detached) maxima, multiplied
+    with one BLAS matmul and shifted back. Entries whose shifted sum falls below
+    ``sqrt(tiny)`` of the dtype (the two maxima sit at different ``k`` — e.g. a very small
+    ``γ``) lose relative precision there; exactly those entries are recomputed by a direct
+    log-sum-exp, so the result is accurate for every input. ``-inf`` entries are allowed; a
+    sum with no finite term is ``-inf`` (with zero, not NaN, gradients).
+
+    Args:
+        x: (..., p, q) log-values.
+        y: (..., q, r) log-values; batch dims broadcast with ``x``.
+    Returns:
+        (..., p, r).
+    """
+    xm_raw = x.detach().amax(-1, keepdim=True)
+    ym_raw = y.detach().amax(-2, keepdim=True)
+    xm, ym = _finite_or_zero(xm_raw), _finite_or_zero(ym_raw)
+    s = torch.matmul(torch.exp(x - xm), torch.exp(y - ym))
+    ok = s >= torch.finfo(s.dtype).tiny ** 0.5
+    out = torch.where(ok, torch.log(torch.where(ok, s, torch.ones_like(s))) + xm + ym, float("-inf"))
+    need = ~ok & torch.isfinite(xm_raw) & torch.isfinite(ym_raw)
+    if not bool(need.any()):
+        return out
+    batch = out.shape[:-2]
+    xe = x.expand(*batch, *x.shape[-2:])
+    yt = y.expand(*batch, *y.shape[-2:]).transpose(-2, -1)
+    idx = need.nonzero(as_tuple=True)
+    step = max(1, _GATHER_BUDGET // max(1, x.shape[-1]))
+    vals = []
+    for start in range(0, idx[0].numel(), step):
+        sl = tuple(t[start : start + step] for t in idx)
+        rows = xe[sl[:-1]]  # (chunk, q) via (*batch_idx, i)
+        cols = yt[sl[:-2] + sl[-1:]]  # (chunk, q) via (*batch_idx, j)
+        vals.append(safe_logsumexp(rows + cols, dim=-1))
+    return out.index_put(idx, torch.cat(vals))
+
+
+def _log_preference(u: Tensor) -> Tensor:
+    pos = u > 0
+    return torch.where(pos, torch.log(torch.where(pos, u, torch.ones_like(u))), float("-inf"))
+
+
+def _ot_log_weights(
+    z: Tensor, bank: Tensor, u: Tensor, log_k: Tensor, alpha: float, gamma: float, bank_mask: Tensor | None
+) -> Tensor:
+    """``log p*`` of eq. (22), (..., Nq, m), from the log kernel ``log_k = -M/γ`` (..., m, n)."""
+    scores = torch.matmul(z, bank.transpose(-2, -1)) * (alpha / gamma)  # log E, (..., Nq, m)
+    if bank_mask is not None:
+        scores = scores.masked_fill(~bank_mask.unsqueeze(-2), float("-inf"))
+    log_z = log_matmul_exp(scores, log_k)  # log Z_{k,i}, (..., Nq, n)
+    w = _log_preference(u).unsqueeze(-2) - torch.where(torch.isfinite(log_z), log_z, torch.zeros_like(log_z))
+    w = torch.where(torch.isfinite(log_z), w, float("-inf"))  # a template with no admissible bank member
+    return scores + log_matmul_exp(w, log_k.transpose(-2, -1))
+
+
+def _prepare(
+    z: Tensor,
+    templates: Tensor,
+    bank: Tensor | None,
+    preference: Tensor | None,
+    cost: CostSpec,
+    alpha: float,
+    gamma: float,
+    bank_mask: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, float, float, tuple[int, ...]]:
+    bank_t, batch = check_ot_inputs(z, templates, bank)
+    alpha = check_positive("alpha", alpha)
+    gamma = check_positive("gamma", gamma)
+    compute = torch.float32 if z.dtype in (torch.float16, torch.bfloat16) else z.dtype
+    m, n = bank_t.shape[-2], templates.shape[-2]
+    u = normalized_preference(preference, batch, n, compute, z.device)
+    log_k = log_kernel(cost, bank_t, templates, gamma, square=bank is None, dtype=compute, batch=batch)
+    if bank_mask is not None:
+        check_tensor("bank_mask", bank_mask, min_dim=1, floating=False)
+        if bank_mask.dtype != torch.bool:
+            raise TypeError(f"bank_mask must be boolean (True = may receive mass), got {bank_mask.dtype}")
+        check_broadcastable("bank_mask", bank_mask, (*batch, m))
+    return z.to(compute), bank_t.to(compute), u, log_k, bank_mask, alpha, gamma, batch
+
+
+def ot_weights(
+    z: Tensor,
+    templates: Tensor,
+    *,
+    bank: Tensor | None = None,
+    preference: Tensor | None = None,
+    cost: CostSpec = "neg_dot",
+    alpha: float = 1.0,
+    gamma: float = 1.0,
+    bank_mask: Tensor | None = None,
+) -> Tensor:
+    r"""The OT-attention weights ``p*`` over the bank, fenchel-dual-attention eq. (22).
+
+    .. math:: p^*_k(a) = \sum_i u_i \frac{\exp((\alpha a^\top z_k - M(a,t_i))/\gamma)}
+              {\sum_{a'} \exp((\alpha a'^\top z_k - M(a',t_i))/\gamma)}
+
+    Shapes: B batch, H heads, Nq queries, n templates, m bank members, d features.
+
+    Args:
+        z: (B, H, Nq, d) evidence, one per query.
+        templates: (B, H, n, d) the input templates ``t_i`` (those holding preference).
+        bank: (B, H, m, d) the set ``A`` that may receive mass (default: ``templates``).
+        preference: ``u >= 0`` broadcastable to (B, H, n); default uniform. It is normalized
+            to sum 1; zero entries drop a template; an all-zero row gives all-zero weights.
+        cost: ``"neg_dot"`` (``M(a,b) = −aᵀb + C``, the paper's experiment; ``C`` cancels),
+            ``"sqeuclidean"`` (``‖a−b‖²``), a callable ``cost(bank, templates) -> (..., m, n)``
+            or an explicit (..., m, n) tensor ``M[a, i] = M(a, t_i)``. Callables and tensors must
+            be non-negative (``+inf`` allowed: kernel 0), NaN-free, give every template a finite
+            cost to some bank member, and — when ``bank`` is ``None`` (square ``M`` over ``A×A``)
+            — be symmetric. With an explicit ``bank`` only the ``A×T`` block is seen, so symmetry
+            cannot be checked.
+        alpha: reliability ``α > 0`` of the evidence.
+        gamma: entropic strength ``γ > 0``.
+        bank_mask: optional boolean, broadcastable to (B, H, m); ``False`` = this bank member
+            may receive no mass (padding). A template whose every finite-cost bank member is
+            masked drops out (its mass is lost).
+
+    Returns:
+        (B, H, Nq, m) non-negative weights, each row summing to 1 (0 for an all-zero
+        preference). Half precision is computed in float32 and returned in the input dtype.
+
+    Raises:
+        TypeError: non-tensor / non-floating inputs, mixed dtypes, non-number ``alpha``/``gamma``,
+            a cost of an unsupported type, a non-boolean ``bank_mask``.
+        ValueError: mismatched shapes, ``alpha``/``gamma`` not finite and > 0, a negative,
+            NaN or infinite preference, a cost that fails its checks, an unknown cost name.
+    """
+    zc, bank_c, u, log_k, mask, alpha, gamma, _ = _prepare(
+        z, templates, bank, preference, cost, alpha, gamma, bank_mask
+    )
+    return torch.exp(_ot_log_weights(zc, bank_c, u, log_k, alpha, gamma, mask)).to(z.dtype)
+
+
+def ot_attention(
+    z: Tensor,
+    templates: Tensor,
+    *,
+    bank: Tensor | None = None,
+    bank_values: Tensor | None = None,
+    preference: Tensor | None = None,
+    cost: CostSpec = "neg_dot",
+    alpha: float = 1.0,
+    gamma: float = 1.0,
+    bank_mask: Tensor | None = None,
+) -> Tensor:
+    r"""OT-based attention ``ĥ = Σ_{a∈A} p*(a) v_a``, fenchel-dual-attention eq. (22) into (4).
+
+    .. math:: \hat h_k = \sum_{a \in A} p^*_k(a)\, v_a, \qquad
+              p^*_k = E_k \odot \big(K\,(u / Z_k)\big),\ Z = E K
+
+    For ``cost="neg_dot"`` this equals ``Σ_i u_i · softmax-attention(query=(αz + t_i)/γ,
+    keys=A, values=V)``. Computed with two stabilized log-domain matmuls per head:
+    time ``O(Nq·n·m + (Nq + n)·m·d)``, memory ``O((Nq + n)·m)``.
+
+    Args:
+        z, templates, bank, preference, cost, alpha, gamma, bank_mask: as :func:`ot_weights`.
+        bank_values: (B, H, m, dv) the values ``v_a`` (default: the bank itself, so
+            ``ĥ = Σ p*(a) a`` as in the paper).
+
+    Returns:
+        (B, H, Nq, dv) in the dtype of ``z`` (zeros for an all-zero preference row).
+
+    Raises:
+        TypeError, ValueError: as :func:`ot_weights`; ``bank_values`` whose rows, dtype,
+            device or batch dims do not match the bank.
+    """
+    zc, bank_c, u, log_k, mask, alpha, gamma, batch = _prepare(
+        z, templates, bank, preference, cost, alpha, gamma, bank_mask
+    )
+    if bank_values is None:
+        values = bank_c
+    else:
+        check_tensor("bank_values", bank_values, min_dim=2)
+        if bank_values.shape[-2] != bank_c.shape[-2]:
+            raise ValueError(
+                f"bank_values must have m = {bank_c.shape[-2]} rows (one per bank member), "
+                f"got {tuple(bank_values.shape)}"
+            )
+        if bank_values.dtype != z.dtype or bank_values.device != z.device:
+            raise TypeError(f"bank_values must have the dtype/device of z ({z.dtype}, {z.device})")
+        try:
+            torch.broadcast_shapes(batch, bank_values.shape[:-2])
+        except RuntimeError as exc:
+            raise ValueError(
+                f"bank_values batch dims {tuple(bank_values.shape[:-2])} do not broadcast with {batch}"
+            ) from exc
+        values = bank_values.to(zc.dtype)
+    weights = torch.exp(_ot_log_weights(zc, bank_c, u, log_k, alpha, gamma, mask))
+    return torch.matmul(weights, values).to(z.dtype)
