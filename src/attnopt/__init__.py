@@ -3,11 +3,24 @@
 The functional ops (``attnopt.functional``) are re-exported here; modules live in
 ``attnopt.nn``, exact solvers in ``attnopt.dual``, measurement tools in ``attnopt.analysis``.
 """
-from attnopt.functional import generalized_attention, generalized_weights, ot_attention, ot_weights
+from attnopt.functional import (
+    doubly_normalized_attention,
+    doubly_normalized_weights,
+    generalized_attention,
+    generalized_weights,
+    hybrid_normalized_attention,
+    hybrid_normalized_weights,
+    ot_attention,
+    ot_weights,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "doubly_normalized_attention",
+    "doubly_normalized_weights",
+    "hybrid_normalized_attention",
+    "hybrid_normalized_weights",
     "generalized_attention",
     "generalized_weights",
     "ot_attention",

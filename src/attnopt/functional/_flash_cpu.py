@@ -1,0 +1,227 @@
+r"""O(N)-memory Sinkhorn/DNAS passes on PyTorch's fused CPU flash kernel (internal).
+
+Every pass is one call of ``aten._scaled_dot_product_flash_attention_for_cpu`` (returns the
+output *and* the row log-sum-exp) and its backward; nothing of size ``Nq × Nk`` is formed
+unless the caller passes a full ``(G, 1, Nq, Nk)`` mask (which is that size already).
+
+Notation (doubly-normalized-attention eq. 6–10, design.md §3): scores ``s_ij = scale <q_i,k_j>
++ m_ij``; column potential ``c_j = LSE_i s_ij``; row pass ``π_ij = exp(s_ij − c_j − r_i)``.
+
+* :class:`_Dnas1` — DNAS (K = 1) with a hand-fused backward: one (d+1)-wide backward call
+  (the appended column of ones in ``q`` returns ``γ_j = −Σ_i ∂L/∂t_ij`` in the last column of
+  ``dk``), then ``dk_j += scale γ_j A_j`` (``A_j = Σ_i ξ_ij q_i`` is a free by-product of the
+  column pass) and ``dq_i += scale e^{r_i} Σ_j π_ij γ_j k_j`` (one forward call with values
+  ``γ ⊙ k``; ``e^{r_i} ≤ Nk`` so it never overflows).
+* :class:`_LsePass` / :class:`_AttnPass` — one log-sum-exp pass / one row-softmax attention
+  pass against a differentiable key potential; chained they give Sinkhorn-K with an unrolled
+  backward (each backward is one (d+1)-wide kernel call).
+
+Tensors are 4-D ``(B, H, N, ·)``, potentials and validity masks ``(B, H, N)``; ``valid``
+masks mark the keys that may take part (a key no row can see gets ``-inf``, never
+``+inf − inf``). The kernel returns ``lse = 0`` (not ``-inf``)
+for a row without admissible key; callers use their own validity masks for such rows.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["flash_available", "dnas1", "lse_pass", "attn_pass", "key_bias"]
+
+_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def flash_available(x: Tensor) -> bool:
+    """Whether the fused CPU kernel handles ``x`` (CPU, floating dtype it implements)."""
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _pot_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def key_bias(pot: Tensor, valid: Tensor, full_mask: Tensor | None) -> Tensor:
+    """Kernel mask ``-pot_j`` (``-inf`` where not ``valid``), plus ``full_mask`` if given.
+
+    ``pot``/``valid``: (B, H, Nk); ``full_mask``: (B, H, Nq, Nk) additive. Returns a contiguous
+    (B, H, 1, Nk) or (B, H, Nq, Nk) tensor.
+    """
+    neg = torch.where(valid, -pot, torch.full_like(pot, float("-inf")))[..., None, :]
+    if full_mask is not None:
+        return (full_mask + neg).contiguous()
+    return neg.contiguous()
+
+
+def _flash(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float
+) -> tuple[Tensor, Tensor]:
+    out, lse = _fwd(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+    return out, lse.contiguous()
+
+
+def _pad_last(x: Tensor, width: int, fill_last: float | None = None) -> Tensor:
+    """Zero-pad the last dim of ``x`` to ``width``; optionally set the new last column."""
+    out = x.new_zeros((*x.shape[:-1], width))
+    out[..., : x.shape[-1]] = x
+    if fill_last is not None:
+        out[..., -1] = fill_last
+    return out
+
+
+def _augmented_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, mask: Tensor | None,
+    causal: bool, scale: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Attention backward plus ``colsum_j = Σ_i ∂L/∂t_ij`` in one (max(d, dv)+1)-wide call.
+
+    ``q`` gets an extra column of ones and ``k`` a zero column, so the scores are unchanged
+    and the last column of ``dk`` is ``scale · colsum``. Returns ``(dq, dk, dv, colsum)``.
+    """
+    d, dv = q.shape[-1], v.shape[-1]
+    w = max(d, dv) + 1
+    qa, ka, va = _pad_last(q, w, 1.0), _pad_last(k, w), _pad_last(v, w)
+    da, oa = _pad_last(dout.to(q.dtype), w), _pad_last(out, w)
+    dq, dk, dvv = _bwd(da, qa, ka, va, oa, lse, 0.0, causal, attn_mask=mask, scale=scale)
+    return dq[..., :d], dk[..., :d], dvv[..., :dv], dk[..., -1].to(_pot_dtype(q)) / scale
+
+
+def _column_pass(
+    q: Tensor, k: Tensor, row_bias: Tensor | None, causal: bool, scale: float
+) -> tuple[Tensor, Tensor]:
+    """``A_j = Σ_i ξ_ij q_i`` and ``c_j = LSE_i(s_ij + row_bias)`` with the roles of q, k swapped.
+
+    ``row_bias`` is a kernel mask over the queries ((B,H,1,Nq) or transposed full (B,H,Nk,Nq)).
+    A causal (top-left, Nq = Nk) mask becomes anti-causal when swapped; reversing both
+    sequences turns it back into the kernel's causal mask.
+    """
+    if not causal:
+        return _flash(k, q, q, row_bias, False, scale)
+    rb = None if row_bias is None else row_bias.flip(-1).contiguous()
+    a, c = _flash(k.flip(-2), q.flip(-2), q.flip(-2), rb, True, scale)
+    return a.flip(-2), c.flip(-1)
+
+
+class _Dnas1(torch.autograd.Function):
+    """DNAS (one Sinkhorn step) with O(N) memory in forward and backward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        q: Tensor, k: Tensor, v: Tensor, row_valid: Tensor, col_valid: Tensor,
+        full_mask: Tensor | None, causal: bool, scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        zeros = torch.zeros(row_valid.shape, dtype=_pot_dtype(q), device=q.device)
+        qmask = key_bias(zeros, row_valid, None if full_mask is None else full_mask.transpose(-1, -2))
+        a, c = _column_pass(q, k, qmask, causal, scale)
+        bias = key_bias(c, col_valid, full_mask)
+        out, r = _flash(q, k, v, bias, causal, scale)
+        return out, r, c, a, bias
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+        q, k, v, _, col_valid, _, causal, scale = inputs
+        out, r, _, a, bias = output
+        ctx.causal, ctx.scale = causal, scale
+        ctx.save_for_backward(q, k, v, out, r, a, bias, col_valid)
+        ctx.mark_non_differentiable(r, output[2], a, bias)
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor, *_: Any) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        q, k, v, out, r, a, bias, col_valid = ctx.saved_tensors
+        scale, causal = ctx.scale, ctx.causal
+        dq0, dk0, dv, colsum = _augmented_backward(dout, q, k, v, out, r, bias, causal, scale)
+        gamma = torch.where(col_valid, -colsum, torch.zeros_like(colsum))  # ∂L/∂c_j
+        dk = dk0 + (scale * gamma[..., None] * a.to(gamma.dtype)).to(dk0.dtype)
+        gk = (gamma[..., None] * k.to(gamma.dtype)).to(q.dtype)
+        corr = _flash(q, k, gk, bias, causal, scale)[0]
+        dq = dq0 + (scale * r.exp()[..., None] * corr.to(r.dtype)).to(dq0.dtype)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def dnas1(
+    q: Tensor, k: Tensor, v: Tensor, row_valid: Tensor, col_valid: Tensor,
+    full_mask: Tensor | None, causal: bool, scale: float,
+) -> Tensor:
+    """DNAS output (B, H, Nq, dv); rows without admissible key are zeros."""
+    out: Tensor = _Dnas1.apply(q, k, v, row_valid, col_valid, full_mask, causal, scale)[0]
+    return out
+
+
+class _LsePass(torch.autograd.Function):
+    """``l_i = LSE_j(scale <a_i, b_j> + m_ij − pot_j)`` (``pot`` differentiable)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        a: Tensor, b: Tensor, pot: Tensor, valid: Tensor, full_mask: Tensor | None, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor]:
+        bias = key_bias(pot, valid, full_mask)
+        _, lse = _flash(a, b, b, bias, causal, scale)
+        return lse, bias
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+        a, b, _, valid, _, causal, scale = inputs
+        lse, bias = output
+        ctx.causal, ctx.scale = causal, scale
+        ctx.save_for_backward(a, b, lse, bias, valid)
+        ctx.mark_non_differentiable(bias)
+
+    @staticmethod
+    def backward(ctx: Any, dl: Tensor, *_: Any) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        a, b, lse, bias, valid = ctx.saved_tensors
+        # ∂L/∂t_ij = P_ij dl_i: the attention backward with values e (a ones column), upstream
+        # dl_i e and a zero "output" (so that D_i = 0).
+        ones_v = b.new_zeros((*b.shape[:-1], 1))
+        ones_v[..., 0] = 1.0
+        dout = dl.to(a.dtype)[..., None]
+        out0 = a.new_zeros((*a.shape[:-1], 1))
+        da, db, _dv, colsum = _augmented_backward(dout, a, b, ones_v, out0, lse, bias, ctx.causal, ctx.scale)
+        dpot = torch.where(valid, -colsum, torch.zeros_like(colsum))
+        return da, db, dpot, None, None, None, None
+
+
+def lse_pass(
+    a: Tensor, b: Tensor, pot: Tensor, valid: Tensor, full_mask: Tensor | None, causal: bool, scale: float
+) -> Tensor:
+    """(B, H, Na) log-sum-exp of ``scale <a_i, b_j> + m_ij − pot_j`` over valid ``j``."""
+    lse: Tensor = _LsePass.apply(a, b, pot, valid, full_mask, causal, scale)[0]
+    return lse
+
+
+class _AttnPass(torch.autograd.Function):
+    """``out_i = Σ_j softmax_j(scale <q_i, k_j> + m_ij − pot_j) v_j`` (``pot`` differentiable)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        q: Tensor, k: Tensor, v: Tensor, pot: Tensor, valid: Tensor, full_mask: Tensor | None,
+        causal: bool, scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        bias = key_bias(pot, valid, full_mask)
+        out, lse = _flash(q, k, v, bias, causal, scale)
+        return out, lse, bias
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+        q, k, v, _, valid, _, causal, scale = inputs
+        out, lse, bias = output
+        ctx.causal, ctx.scale = causal, scale
+        ctx.save_for_backward(q, k, v, out, lse, bias, valid)
+        ctx.mark_non_differentiable(lse, bias)
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor, *_: Any) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        q, k, v, out, lse, bias, valid = ctx.saved_tensors
+        dq, dk, dv, colsum = _augmented_backward(dout, q, k, v, out, lse, bias, ctx.causal, ctx.scale)
+        dpot = torch.where(valid, -colsum, torch.zeros_like(colsum))
+        return dq, dk, dv, dpot, None, None, None, None
+
+
+def attn_pass(
+    q: Tensor, k: Tensor, v: Tensor, pot: Tensor, valid: Tensor, full_mask: Tensor | None,
+    causal: bool, scale: float,
+) -> Tensor:
+    """(B, H, Nq, dv) row-softmax attention against the key potential ``pot``."""
+    out: Tensor = _AttnPass.apply(q, k, v, pot, valid, full_mask, causal, scale)[0]
+    return out

@@ -1,0 +1,367 @@
+r"""Doubly-normalized (DNAS), Sinkhorn-K and hybrid (HNAS) attention in O(N) memory.
+
+doubly-normalized-attention eq. (6)–(8), (10) and Sec. 6 (design.md §3). With scores
+``s_ij = scale <q_i, k_j> + m_ij``:
+
+* LNAS (``iterations=0``): ``π_ij = softmax_j(s_ij)`` — ordinary attention.
+* DNAS (``iterations=1``): normalize over queries, then over keys,
+  ``π_ij = softmax_j(s_ij − c_j)``, ``c_j = logsumexp_i s_ij``.
+* Sinkhorn-K: K (column, row) normalizations in the log domain; the last step is a row
+  normalization, so the output is always a row-stochastic average of the values. As K grows
+  ``π`` tends to the solution of the entropic OT problem (10) with row sums 1 and column
+  sums ``Nq/Nk``.
+* HNAS: ``π = w π^DNAS + (1 − w) π^LNAS``.
+
+Memory. The attention functions never form the ``Nq × Nk`` matrix, in forward or backward,
+for no mask, ``is_causal`` (Nq = Nk on the CPU kernel) and key-only masks ``(B, H, 1, Nk)``
+(key padding). A mask of shape ``(…, Nq, Nk)`` is itself ``Nq × Nk``; it is used as given
+(the passes then carry one mask-sized temporary) — O(N) memory needs a key-only mask.
+
+Dispatch (``_run_passes``): on CPU, PyTorch's fused flash kernel
+``aten._scaled_dot_product_flash_attention_for_cpu`` (all floating dtypes), with the
+hand-fused backward of :mod:`._flash_cpu`; elsewhere, the blocked pure-PyTorch passes of
+:mod:`._sinkhorn_chunked` (half precision computed in float32). A GPU (Triton /
+FlexAttention) backend slots in there.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnopt._validation import additive_mask, causal_additive_mask, check_attention_inputs, resolve_scale
+from attnopt.functional import _flash_cpu as fc
+from attnopt.functional._sinkhorn_chunked import chunked_attn_pass, chunked_lse_pass
+from attnopt.functional._softmax import safe_logsumexp, safe_softmax
+from attnopt.functional.generalized import generalized_attention
+
+__all__ = [
+    "doubly_normalized_attention",
+    "doubly_normalized_weights",
+    "hybrid_normalized_attention",
+    "hybrid_normalized_weights",
+]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _check_iterations(iterations: int) -> int:
+    if isinstance(iterations, bool) or not isinstance(iterations, int):
+        raise TypeError(f"iterations must be an int, got {type(iterations).__name__}")
+    if iterations < 0:
+        raise ValueError(f"iterations must be >= 0, got {iterations}")
+    return iterations
+
+
+def _to_bh(x: Tensor, batch: tuple[int, ...]) -> Tensor:
+    """Expand ``x (…, N, ·)`` to ``batch`` and view it as 4-D ``(B, H, N, ·)``."""
+    x = x.expand(*batch, *x.shape[-2:])
+    if len(batch) == 2:
+        return x
+    g = 1
+    for n in batch:
+        g *= n
+    return x.reshape(g, 1, *x.shape[-2:])
+
+
+def _prepare_masks(
+    attn_mask: Tensor | None, is_causal: bool, batch: tuple[int, ...], bh: tuple[int, int], nq: int, nk: int,
+    pot_dtype: torch.dtype, device: torch.device,
+) -> tuple[Tensor | None, Tensor, Tensor, bool]:
+    """Return ``(full (B,H,Nq,Nk) or None, row_valid (B,H,Nq), col_valid (B,H,Nk), causal)``.
+
+    ``is_causal`` is folded into a full mask when there is one (``causal`` is then False).
+
+    A key-only mask keeps only which keys are excluded: finite key biases cancel exactly in
+    every column normalization (``s_ij + m_j − (c_j + m_j)``).
+    """
+    target = (*batch, nq, nk)
+    m = additive_mask(attn_mask, target, pot_dtype)
+    full: Tensor | None = None
+    if m is None:
+        keys = torch.ones(*bh, nk, dtype=torch.bool, device=device)
+    elif m.dim() < 2 or m.shape[-2] == 1:
+        keys = torch.isfinite(m).expand(*batch, 1, nk).reshape(*bh, nk)
+    else:
+        full = m.expand(target).reshape(*bh, nq, nk)
+        keys = torch.ones(*bh, nk, dtype=torch.bool, device=device)
+    if full is not None:
+        if is_causal:
+            full = full + causal_additive_mask(nq, nk, pot_dtype, device)
+        fin = torch.isfinite(full)
+        return full.contiguous(), fin.any(-1), fin.any(-2), False
+    idx_q = torch.arange(nq, device=device)
+    if is_causal:
+        seen = torch.cumsum(keys.int(), dim=-1) > 0  # any admissible key j' <= j
+        row_valid = seen[..., idx_q.clamp(max=nk - 1)]
+        col_valid = keys & (torch.arange(nk, device=device) < nq)
+    else:
+        row_valid = keys.any(-1, keepdim=True).expand(*bh, nq)
+        col_valid = keys
+    return None, row_valid, col_valid, is_causal
+
+
+def _run_passes(
+    q: Tensor, k: Tensor, v: Tensor, iterations: int, full: Tensor | None, is_causal: bool,
+    row_valid: Tensor, col_valid: Tensor, scale: float,
+) -> Tensor:
+    """Sinkhorn-K (K >= 1) on 4-D tensors; picks the fused CPU kernel or the blocked path."""
+    nq, nk = q.shape[-2], k.shape[-2]
+    if fc.flash_available(q):
+        if is_causal and nq != nk:  # swapped, the top-left causal mask is no longer the kernel's
+            pot = torch.float64 if q.dtype == torch.float64 else torch.float32
+            full = causal_additive_mask(nq, nk, pot, q.device).expand(*q.shape[:2], nq, nk).contiguous()
+            is_causal = False
+        d, dv = q.shape[-1], v.shape[-1]
+        if d != dv:  # the kernel wants one head size: zero columns change neither scores nor outputs
+            w = max(d, dv)
+            q, k, v = F.pad(q, (0, w - d)), F.pad(k, (0, w - d)), F.pad(v, (0, w - dv))
+        if iterations == 1:
+            return fc.dnas1(q, k, v, row_valid, col_valid, full, is_causal, scale)[..., :dv]
+        full_t = None if full is None else full.transpose(-1, -2)
+
+        def col(f: Tensor) -> Tensor:
+            if is_causal:
+                return fc.lse_pass(k.flip(-2), q.flip(-2), f.flip(-1), row_valid.flip(-1), None, True,
+                                   scale).flip(-1)
+            return fc.lse_pass(k, q, f, row_valid, full_t, False, scale)
+
+        def row(g: Tensor) -> Tensor:
+            return fc.lse_pass(q, k, g, col_valid, full, is_causal, scale)
+
+        def attend(g: Tensor) -> Tensor:
+            return fc.attn_pass(q, k, v, g, col_valid, full, is_causal, scale)[..., :dv]
+    else:
+        orig = q.dtype
+        if orig in _HALF:
+            q, k, v = q.float(), k.float(), v.float()
+        full_t = None if full is None else full.transpose(-1, -2)
+        lower, upper = ("lower", "upper") if is_causal else (None, None)
+
+        def col(f: Tensor) -> Tensor:
+            return chunked_lse_pass(k, q, f, row_valid, full_t, upper, scale)
+
+        def row(g: Tensor) -> Tensor:
+            return chunked_lse_pass(q, k, g, col_valid, full, lower, scale)
+
+        def attend(g: Tensor) -> Tensor:
+            return chunked_attn_pass(q, k, v, g, col_valid, full, lower, scale).to(orig)
+
+    f = torch.zeros(row_valid.shape, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32,
+                    device=q.device)
+    g = col(f)
+    for _ in range(iterations - 1):
+        f = row(g)
+        g = col(f)
+    return attend(g)
+
+
+def _lnas(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, scale: float, is_causal: bool) -> Tensor:
+    return generalized_attention(q, k, v, attn_mask=attn_mask, scale=scale, is_causal=is_causal)
+
+
+def _dnas(
+    q: Tensor, k: Tensor, v: Tensor, iterations: int, attn_mask: Tensor | None, scale: float, is_causal: bool
+) -> Tensor:
+    nq, nk, _ = check_attention_inputs(q, k, v)
+    batch = tuple(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+    q4, k4, v4 = _to_bh(q, batch), _to_bh(k, batch), _to_bh(v, batch)
+    bh = (q4.shape[0], q4.shape[1])
+    pot = torch.float64 if q.dtype == torch.float64 else torch.float32
+    full, row_valid, col_valid, causal = _prepare_masks(
+        attn_mask, is_causal, batch, bh, nq, nk, pot, q.device
+    )
+    out = _run_passes(q4, k4, v4, iterations, full, causal, row_valid, col_valid, scale)
+    return out.reshape(*batch, nq, v.shape[-1])
+
+
+def doubly_normalized_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    iterations: int = 1,
+    attn_mask: Tensor | None = None,
+    scale: float | None = None,
+    is_causal: bool = False,
+) -> Tensor:
+    r"""Doubly-normalized attention (DNAS) and Sinkhorn-K, doubly-normalized-attention eq. (6)–(8), (10).
+
+    .. math:: \pi_{ij} = \mathrm{softmax}_j(s_{ij} - c_j), \quad
+              c_j = \log\sum_i e^{s_{ij}}, \quad \mathrm{out}_i = \sum_j \pi_{ij} v_j
+
+    for ``iterations=1``; ``iterations=K`` alternates K log-domain column and row
+    normalizations (ending on a row one); ``iterations=0`` is ordinary softmax attention
+    (LNAS, via SDPA). Lemma 1: every column mass ``Σ_i π_ij >= 1/Nk`` for K = 1 (without masks).
+
+    O(N) memory in forward and backward (flash-style recomputation) for no mask, key-only
+    masks ``(…, 1, Nk)`` and ``is_causal``; a full ``(…, Nq, Nk)`` mask costs its own size.
+    Finite key-only biases cancel in the column normalization (only ``-inf``/``False``
+    matters); a key no query may see is left out of every normalization (weight 0). Masks
+    are not differentiated.
+
+    Args:
+        q: (B, H, Nq, d) queries (any leading batch dims that broadcast).
+        k: (B, H, Nk, d) keys.
+        v: (B, H, Nk, dv) values.
+        iterations: K >= 0 Sinkhorn (column, row) steps.
+        attn_mask: boolean (``True`` = take part) or additive float, broadcastable to
+            (B, H, Nq, Nk).
+        scale: score scale (default ``1/sqrt(d)``).
+        is_causal: SDPA's top-left causal mask, in both normalizations.
+
+    Returns:
+        (B, H, Nq, dv); a query with no admissible key gets zeros (finite gradients).
+        Half precision keeps the potentials in float32 and never produces NaN.
+
+    Raises:
+        ValueError: negative ``iterations``, shape mismatch, ``scale <= 0``, a mask that does
+            not broadcast or holds NaN/``+inf``.
+        TypeError: non-tensor / non-floating inputs, non-int ``iterations``.
+    """
+    check_attention_inputs(q, k, v)
+    iterations = _check_iterations(iterations)
+    alpha = resolve_scale(scale, q.shape[-1])
+    if iterations == 0:
+        return _lnas(q, k, v, attn_mask, alpha, is_causal)
+    return _dnas(q, k, v, iterations, attn_mask, alpha, is_causal)
+
+
+def _weights(q: Tensor, k: Tensor, iterations: int, attn_mask: Tensor | None, scale: float,
+             is_causal: bool) -> Tensor:
+    nq, nk, _ = check_attention_inputs(q, k)
+    batch = tuple(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2]))
+    compute = torch.float32 if q.dtype in _HALF else q.dtype
+    s = torch.matmul(q.to(compute), k.to(compute).transpose(-2, -1)) * scale
+    m = additive_mask(attn_mask, (*batch, nq, nk), compute)
+    if m is not None:
+        s = s + m
+    if is_causal:
+        s = s + causal_additive_mask(nq, nk, compute, q.device)
+    if iterations == 0:
+        return safe_softmax(s, dim=-1)
+    for _ in range(iterations):
+        for dim in (-2, -1):
+            lse = safe_logsumexp(s, dim=dim, keepdim=True)
+            s = s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    return torch.exp(s)
+
+
+def doubly_normalized_weights(
+    q: Tensor,
+    k: Tensor,
+    *,
+    iterations: int = 1,
+    attn_mask: Tensor | None = None,
+    scale: float | None = None,
+    is_causal: bool = False,
+) -> Tensor:
+    r"""The explicit ``(B, H, Nq, Nk)`` weights of :func:`doubly_normalized_attention` (analysis).
+
+    .. math:: \pi^{(K)} = \mathcal{R}\,\mathcal{C} \cdots \mathcal{R}\,\mathcal{C}\; e^{s}
+
+    (``C`` divides columns by their sums over queries, ``R`` rows by their sums over keys,
+    applied K times in the log domain; K = 0 is the row softmax). Materializes Nq × Nk.
+
+    Args: as :func:`doubly_normalized_attention` (without ``v``).
+
+    Returns:
+        (B, H, Nq, Nk) row-stochastic weights (rows without admissible key are zeros; a key
+        no query sees has weight 0). Half precision is normalized in float32 and cast back.
+
+    Raises:
+        ValueError, TypeError: as :func:`doubly_normalized_attention`.
+    """
+    check_attention_inputs(q, k)
+    iterations = _check_iterations(iterations)
+    alpha = resolve_scale(scale, q.shape[-1])
+    return _weights(q, k, iterations, attn_mask, alpha, is_causal).to(q.dtype)
+
+
+def _check_weight(weight: Tensor, q: Tensor) -> Tensor:
+    """Validate the HNAS mixing weight and shape it to broadcast against (…, H, Nq, ·)."""
+    if not isinstance(weight, Tensor) or not weight.is_floating_point():
+        raise TypeError("weight must be a floating-point torch.Tensor (scalar or per head)")
+    if weight.dim() == 0:
+        w = weight
+    elif weight.dim() == 1 and q.dim() >= 3 and weight.shape[0] == q.shape[-3]:
+        w = weight[:, None, None]
+    else:
+        raise ValueError(
+            f"weight must be a scalar or have one entry per head ({q.shape[-3] if q.dim() >= 3 else '?'}), "
+            f"got shape {tuple(weight.shape)}"
+        )
+    if not torch.isfinite(weight).all() or (weight < 0).any() or (weight > 1).any():
+        raise ValueError("weight must lie in [0, 1]")
+    return w
+
+
+def hybrid_normalized_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    weight: Tensor,
+    *,
+    iterations: int = 1,
+    attn_mask: Tensor | None = None,
+    scale: float | None = None,
+    is_causal: bool = False,
+) -> Tensor:
+    r"""Hybrid normalized attention (HNAS), doubly-normalized-attention Sec. 6.
+
+    .. math:: \mathrm{out} = w\, \pi^{\mathrm{DNAS}} v + (1 - w)\, \pi^{\mathrm{LNAS}} v
+
+    Both terms are computed in O(N) memory (see :func:`doubly_normalized_attention`); the
+    result is differentiable in ``weight``. ``weight = 1`` gives DNAS and ``0`` LNAS exactly.
+
+    Args:
+        q, k, v, attn_mask, scale, is_causal: as :func:`doubly_normalized_attention`.
+        weight: mixing weight ``w`` in [0, 1]: a 0-d tensor or one value per head ``(H,)``.
+        iterations: Sinkhorn steps of the doubly-normalized term (default 1 = DNAS).
+
+    Returns:
+        (B, H, Nq, dv).
+
+    Raises:
+        ValueError: ``weight`` outside [0, 1] or of the wrong shape; as
+            :func:`doubly_normalized_attention`.
+        TypeError: non-tensor ``weight``; as :func:`doubly_normalized_attention`.
+    """
+    check_attention_inputs(q, k, v)
+    w = _check_weight(weight, q)
+    dn = doubly_normalized_attention(q, k, v, iterations=iterations, attn_mask=attn_mask, scale=scale,
+                                     is_causal=is_causal)
+    ln = doubly_normalized_attention(q, k, v, iterations=0, attn_mask=attn_mask, scale=scale,
+                                     is_causal=is_causal)
+    w = w.to(dn.dtype)
+    return w * dn + (1 - w) * ln
+
+
+def hybrid_normalized_weights(
+    q: Tensor,
+    k: Tensor,
+    weight: Tensor,
+    *,
+    iterations: int = 1,
+    attn_mask: Tensor | None = None,
+    scale: float | None = None,
+    is_causal: bool = False,
+) -> Tensor:
+    r"""The explicit weights ``w π^DNAS + (1 − w) π^LNAS`` of :func:`hybrid_normalized_attention`.
+
+    Args: as :func:`hybrid_normalized_attention` (without ``v``).
+
+    Returns:
+        (B, H, Nq, Nk) row-stochastic weights (materialized).
+
+    Raises:
+        ValueError, TypeError: as :func:`hybrid_normalized_attention`.
+    """
+    check_attention_inputs(q, k)
+    w = _check_weight(weight, q)
+    iterations = _check_iterations(iterations)
+    alpha = resolve_scale(scale, q.shape[-1])
+    dn = _weights(q, k, iterations, attn_mask, alpha, is_causal)
+    ln = _weights(q, k, 0, attn_mask, alpha, is_causal)
+    w = w.to(dn.dtype)
+    return (w * dn + (1 - w) * ln).to(q.dtype)
