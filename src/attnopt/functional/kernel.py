@@ -1,0 +1,258 @@
+r"""Kernel attention: similarity kernel × L^p magnitude (implicit-kernel-attention eq. 9, 11).
+
+.. math:: \alpha_{ij} \propto \mathrm{sim}(q_i, k_j)\,
+          \exp\!\big(s(\|q_i\|_p^2 + \|k_j\|_p^2)/2\big),\qquad
+          \mathrm{sim} = \begin{cases} k(q_i,k_j) & \text{positive kernel (RBF, periodic)}\\
+                                       f(q_i,k_j)^2 + \varepsilon & \text{kernel that can be negative}
+                         \end{cases}
+
+computed in the log domain as ``softmax_j(log sim_ij + s‖k_j‖_p²/2 + mask_ij)`` (the query
+magnitude is constant along a row and cancels). ``ε = 1e-5`` follows the authors' energy
+``log(f² + 1e-5)``. With :class:`~attnopt.kernels.RBF` (``l² = √d``) and ``p = 2`` this is
+exactly SDPA (Prop. 1) and is computed by SDPA. ``magnitude_p=None`` drops the magnitude
+(the "RBF-only" attention of Tsai et al.).
+
+``mode="linear"`` (kernels with a feature map) computes the same output in O(N) time and
+memory (see :mod:`attnopt.functional.kernel_linear`).
+"""
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnopt._validation import (
+    additive_mask,
+    causal_additive_mask,
+    check_attention_inputs,
+    combine_additive,
+    resolve_scale,
+)
+from attnopt.functional._softmax import safe_softmax
+from attnopt.functional.kernel_linear import linear_kernel_attention
+from attnopt.kernels import RBF, Kernel
+
+__all__ = ["kernel_attention", "kernel_weights", "log_magnitude"]
+
+Mode = Literal["quadratic", "linear"]
+_CHUNK_ELEMS = 1 << 24  # logits held at once by the chunked quadratic path
+
+
+def log_magnitude(x: Tensor, p: float, scale: float) -> Tensor:
+    r"""``s·‖x‖_p²/2`` per row: (..., N, d) -> (..., N), in float64 for ``p < 1``.
+
+    For ``p < 1`` the norm grows like ``d^{2/p}`` and would overflow float32, so it is computed
+    in float64 (and clamped below float64's maximum: beyond that the largest keys tie). Exact
+    zeros get a zero gradient.
+    """
+    if p < 1:
+        dt = torch.float64
+    else:
+        dt = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    ax = x.to(dt).abs()
+    pos = ax > 0
+    powed = torch.where(pos, torch.where(pos, ax, torch.ones_like(ax)).pow(p), torch.zeros_like(ax))
+    total = powed.sum(-1)
+    tpos = total > 0
+    safe_total = torch.where(tpos, total, torch.ones_like(total))
+    log_total = torch.where(tpos, safe_total.log(), total.new_tensor(-1e4))
+    la = math.log(0.5 * scale) + (2.0 / p) * log_total
+    return la.clamp(max=math.log(torch.finfo(dt).max) - 2.0).exp()
+
+
+def _check_options(kernel: object, magnitude_p: float | None, eps: float, mode: str) -> None:
+    if not isinstance(kernel, Kernel):
+        raise TypeError(f"kernel must be an attnopt.kernels.Kernel, got {type(kernel).__name__}")
+    if magnitude_p is not None and not (math.isfinite(float(magnitude_p)) and float(magnitude_p) > 0):
+        raise ValueError(f"magnitude_p must be a finite number > 0 or None, got {magnitude_p}")
+    if not (math.isfinite(float(eps)) and float(eps) >= 0):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps}")
+    if mode not in ("quadratic", "linear"):
+        raise ValueError(f"mode must be 'quadratic' or 'linear', got {mode!r}")
+
+
+def _key_bias(k: Tensor, magnitude_p: float | None, scale: float, dtype: torch.dtype) -> Tensor | None:
+    """Key magnitude ``s‖k_j‖_p²/2`` shifted by its (detached) max over keys: (..., 1, Nk), ≤ 0."""
+    if magnitude_p is None:
+        return None
+    a = log_magnitude(k, float(magnitude_p), scale)
+    a = a - a.amax(dim=-1, keepdim=True).detach()
+    return a.to(dtype).unsqueeze(-2)
+
+
+def _log_similarity(kernel: Kernel, q: Tensor, k: Tensor, eps: float) -> Tensor:
+    if kernel.squared:
+        return torch.log(kernel(q, k).square() + eps)
+    return kernel.log_gram(q, k)
+
+
+def _prepare(
+    q: Tensor,
+    k: Tensor,
+    kernel: object,
+    magnitude_p: float | None,
+    scale: float | None,
+    eps: float,
+    mode: str,
+) -> tuple[float, torch.dtype, Tensor | None]:
+    _, _, d = check_attention_inputs(q, k)
+    _check_options(kernel, magnitude_p, eps, mode)
+    s = resolve_scale(scale, d)
+    compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    return s, compute, _key_bias(k, magnitude_p, s, compute)
+
+
+def _full_mask(
+    q: Tensor, k: Tensor, attn_mask: Tensor | None, is_causal: bool, dtype: torch.dtype
+) -> Tensor | None:
+    nq, nk = q.shape[-2], k.shape[-2]
+    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+    mask = additive_mask(attn_mask, (*batch, nq, nk), dtype)
+    causal = causal_additive_mask(nq, nk, dtype, q.device) if is_causal else None
+    return combine_additive(mask, causal)
+
+
+def _quadratic(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor | None,
+    kernel: Kernel,
+    bias: Tensor | None,
+    mask: Tensor | None,
+    eps: float,
+) -> Tensor:
+    """Chunked over queries: returns weights (v None) or the output."""
+    nq, nk = q.shape[-2], k.shape[-2]
+    batch = math.prod(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2]))
+    chunk = nq if v is None else max(1, min(nq, _CHUNK_ELEMS // max(1, batch * nk)))
+    outs = []
+    for start in range(0, nq, chunk):
+        qc = q[..., start : start + chunk, :]
+        logits = _log_similarity(kernel, qc, k, eps)
+        if bias is not None:
+            logits = logits + bias
+        if mask is not None:
+            mc = mask if mask.shape[-2] == 1 else mask[..., start : start + chunk, :]
+            logits = logits + mc
+        w = safe_softmax(logits, dim=-1)
+        outs.append(w if v is None else torch.matmul(w, v))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
+
+
+def kernel_weights(
+    q: Tensor,
+    k: Tensor,
+    *,
+    kernel: Kernel,
+    magnitude_p: float | None = 2.0,
+    attn_mask: Tensor | None = None,
+    scale: float | None = None,
+    is_causal: bool = False,
+    eps: float = 1e-5,
+) -> Tensor:
+    r"""The weights of :func:`kernel_attention` (implicit-kernel-attention eq. 9, 11).
+
+    .. math:: \alpha_{ij} = \frac{\mathrm{sim}_{ij}\, e^{s\|k_j\|_p^2/2 + m_{ij}}}
+              {\sum_{l} \mathrm{sim}_{il}\, e^{s\|k_l\|_p^2/2 + m_{il}}}
+
+    Args: as :func:`kernel_attention` (without ``v`` and ``mode``).
+
+    Returns:
+        (..., Nq, Nk) row-stochastic weights in the input dtype (half precision is computed
+        in float32); a row with no admissible key is all zeros.
+
+    Raises:
+        ValueError, TypeError: as :func:`kernel_attention`.
+    """
+    _, compute, bias = _prepare(q, k, kernel, magnitude_p, scale, eps, "quadratic")
+    mask = _full_mask(q, k, attn_mask, is_causal, compute)
+    w = _quadratic(q.to(compute), k.to(compute), None, kernel, bias, mask, eps)
+    return w.to(q.dtype)
+
+
+def kernel_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    kernel: Kernel,
+    magnitude_p: float | None = 2.0,
+    attn_mask: Tensor | None = None,
+    scale: float | None = None,
+    mode: Mode = "quadratic",
+    is_causal: bool = False,
+    eps: float = 1e-5,
+) -> Tensor:
+    r"""Implicit-kernel attention, similarity × magnitude (implicit-kernel-attention eq. 9, 11).
+
+    .. math:: \mathrm{out}_i = \sum_j \alpha_{ij} v_j,\qquad
+              \alpha_{ij} \propto \mathrm{sim}(q_i,k_j)\, e^{s(\|q_i\|_p^2+\|k_j\|_p^2)/2}
+
+    with ``sim = kernel(q, k)`` for positive kernels and ``kernel(q, k)² + eps`` for kernels
+    that can be negative (``kernel.squared``), as the paper squares ``f``.
+
+    Args:
+        q: (B, H, Nq, d) queries.
+        k: (B, H, Nk, d) keys.
+        v: (B, H, Nk, dv) values.
+        kernel: an :mod:`attnopt.kernels` kernel. ``RBF()`` with ``magnitude_p=2`` is SDPA.
+        magnitude_p: ``p > 0`` of the L^p magnitude; ``None`` = no magnitude term (RBF-only).
+            ``p → 0⁺`` makes rows one-hot (Prop. 5).
+        attn_mask: boolean (``True`` = take part) or additive float mask broadcastable to
+            (B, H, Nq, Nk). ``mode="linear"`` accepts only key masks, (..., 1, Nk).
+        scale: ``s`` of the magnitude (default ``1/sqrt(d)``), > 0. It does not change the
+            kernel: give the kernel its own length-scale.
+        mode: ``"quadratic"`` (explicit scores, chunked over queries) or ``"linear"`` (exact
+            O(N·R²·dv) form via ``features(x) ⊗ features(x)``, kernels with ``has_features``).
+        is_causal: SDPA's top-left causal mask (``mode="linear"`` needs ``Nq == Nk``).
+        eps: ``ε ≥ 0`` added to ``f²`` for squared kernels (the authors' ``1e-5``); ignored
+            by positive kernels. Both modes include it exactly.
+
+    Returns:
+        (B, H, Nq, dv) in the input dtype; a row with no admissible key is zeros.
+
+    Raises:
+        TypeError: ``kernel`` not a :class:`~attnopt.kernels.Kernel`; non-floating inputs.
+        ValueError: mismatched shapes, ``magnitude_p <= 0``, ``eps < 0``, unknown ``mode``,
+            ``mode="linear"`` with a kernel without features, a query-dependent mask, or a
+            causal mask with ``Nq != Nk``.
+    """
+    check_attention_inputs(q, k, v)
+    s, compute, bias = _prepare(q, k, kernel, magnitude_p, scale, eps, mode)
+    qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)
+    if mode == "linear":
+        nq, nk = q.shape[-2], k.shape[-2]
+        if attn_mask is not None:
+            batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+            if attn_mask.dim() >= 2 and attn_mask.shape[-2] != 1:
+                raise ValueError(
+                    "mode='linear' supports only key masks broadcastable to (..., 1, Nk); "
+                    f"got attn_mask {tuple(attn_mask.shape)}"
+                )
+            key_mask = additive_mask(attn_mask, (*batch, 1, nk), compute)
+        else:
+            key_mask = None
+        if is_causal and nq != nk:
+            raise ValueError(f"mode='linear' with is_causal needs Nq == Nk, got {nq} and {nk}")
+        out = linear_kernel_attention(
+            qc, kc, vc, kernel=kernel, key_bias=combine_additive(bias, key_mask), is_causal=is_causal, eps=eps
+        )
+        return out.to(q.dtype)
+    mask = _full_mask(q, k, attn_mask, is_causal, compute)
+    if isinstance(kernel, RBF):
+        # log sim + bias = qᵀk/l² − ‖k‖²/(2l²) + bias + (row constant): SDPA with a key bias,
+        # which cancels exactly when l² = 1/s and p = 2 (Prop. 1).
+        inv_l2 = kernel.inv_sq_lengthscale(q.shape[-1])
+        if magnitude_p is not None and float(magnitude_p) == 2.0 and math.isclose(inv_l2, s, rel_tol=1e-12):
+            total = mask
+        else:
+            kb = -0.5 * inv_l2 * kc.pow(2).sum(-1).unsqueeze(-2)
+            total = combine_additive(kb, bias, mask)
+        if total is not None:
+            total = total.contiguous()
+        out = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=total, scale=inv_l2)
+        return out.to(q.dtype)
+    return _quadratic(qc, kc, vc, kernel, bias, mask, eps).to(q.dtype)

@@ -1,0 +1,88 @@
+"""The kernel interface shared by every similarity kernel (internal).
+
+A kernel maps ``q (..., Nq, d)`` and ``k (..., Nk, d)`` to its Gram matrix ``(..., Nq, Nk)``.
+Attention (implicit-kernel-attention eq. 9) needs a non-negative similarity: kernels that
+are positive (RBF, periodic) are used as they are, in the log domain (:meth:`Kernel.log_gram`);
+kernels that can be negative (linear, random Fourier) have ``squared = True`` and attention
+uses ``f²``. Kernels with a finite feature map expose :meth:`Kernel.features` with
+``f(q, k) = features(q)ᵀ features(k)``; that is what the linear-time mode needs.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from attnopt._validation import check_attention_inputs, check_tensor
+
+__all__ = ["Kernel", "sqdist", "safe_norm"]
+
+
+def sqdist(a: Tensor, b: Tensor) -> Tensor:
+    """Pairwise ``‖a_i − b_j‖²`` by the matmul expansion, clamped at 0: (..., Na, Nb)."""
+    an = a.pow(2).sum(-1).unsqueeze(-1)
+    bn = b.pow(2).sum(-1).unsqueeze(-2)
+    return (an + bn - 2 * torch.matmul(a, b.transpose(-2, -1))).clamp_min(0)
+
+
+def safe_norm(sq: Tensor) -> Tensor:
+    """``sqrt(sq)`` with a zero (not NaN) gradient where ``sq == 0``."""
+    pos = sq > 0
+    return torch.where(pos, torch.where(pos, sq, torch.ones_like(sq)).sqrt(), torch.zeros_like(sq))
+
+
+class Kernel:
+    """Base class. Subclasses set :attr:`squared` and implement :meth:`__call__`.
+
+    Attributes:
+        squared: ``True`` when the kernel can be negative, so attention uses ``f²``.
+        has_features: ``True`` when :meth:`features` exists (linear-time mode possible).
+    """
+
+    squared: bool = False
+    has_features: bool = False
+
+    def __call__(self, q: Tensor, k: Tensor) -> Tensor:
+        """Gram matrix ``K_ij = f(q_i, k_j)``: (..., Nq, Nk)."""
+        raise NotImplementedError
+
+    def log_gram(self, q: Tensor, k: Tensor) -> Tensor:
+        """``log K`` for a positive kernel, computed in the log domain (never underflows)."""
+        if self.squared:
+            raise NotImplementedError(f"{type(self).__name__} can be negative; it has no log_gram")
+        return self(q, k).log()
+
+    def features(self, x: Tensor) -> Tensor:
+        """Feature map ``φ (..., N, D)`` with ``f(q, k) = φ(q)ᵀ φ(k)``."""
+        raise NotImplementedError(f"{type(self).__name__} has no finite feature map")
+
+    def paired(self, x: Tensor, y: Tensor) -> Tensor:
+        """``f(x_n, y_n)`` for matching rows (..., d) x (..., d) -> (...)."""
+        return self(x.unsqueeze(-2), y.unsqueeze(-2)).squeeze(-1).squeeze(-1)
+
+    def log_paired(self, x: Tensor, y: Tensor) -> Tensor:
+        """``log f(x_n, y_n)`` for a positive kernel (..., d) -> (...)."""
+        return self.log_gram(x.unsqueeze(-2), y.unsqueeze(-2)).squeeze(-1).squeeze(-1)
+
+    @staticmethod
+    def _check(q: Tensor, k: Tensor) -> None:
+        check_attention_inputs(q, k)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def check_spectral_points(name: str, w: object) -> Tensor:
+    """Validate spectral points ``(..., R, d)``: a finite floating tensor with R >= 1."""
+    w = check_tensor(name, w, min_dim=2)
+    if w.shape[-2] < 1 or w.shape[-1] < 1:
+        raise ValueError(f"{name} must be (..., R, d) with R, d >= 1, got {tuple(w.shape)}")
+    if not torch.isfinite(w).all():
+        raise ValueError(f"{name} must be finite")
+    return w
+
+
+def check_dim(name: str, w: Tensor, x: Tensor) -> None:
+    if w.shape[-1] != x.shape[-1]:
+        raise ValueError(
+            f"{name} have dimension {w.shape[-1]} but the inputs have d = {x.shape[-1]} ({tuple(x.shape)})"
+        )
