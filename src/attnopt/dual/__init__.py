@@ -4,9 +4,25 @@ Each solver returns a frozen dataclass with the solution and its convergence dia
 (``iterations``, ``converged``, ``grad_norm``); non-convergence also warns.
 """
 
+from attnopt.dual.mem import (
+    GaussianMEM,
+    MEMSolution,
+    approx_lambda,
+    gaussian_mem,
+    mem_dual_objective,
+    mem_primal_objective,
+    solve_mem,
+)
 from attnopt.dual.ot import OTMEMSolution, solve_ot_mem, true_preference
 
 __all__: list[str] = [
+    "GaussianMEM",
+    "MEMSolution",
+    "approx_lambda",
+    "gaussian_mem",
+    "mem_dual_objective",
+    "mem_primal_objective",
+    "solve_mem",
     "OTMEMSolution",
     "solve_ot_mem",
     "true_preference",
