@@ -3,6 +3,7 @@
 The functional ops (``attnopt.functional``) are re-exported here; modules live in
 ``attnopt.nn``, exact solvers in ``attnopt.dual``, measurement tools in ``attnopt.analysis``.
 """
+from attnopt.dual import mem_attention, mem_weights, solve_mem
 from attnopt.functional import (
     doubly_normalized_attention,
     doubly_normalized_weights,
@@ -17,6 +18,9 @@ from attnopt.functional import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "mem_attention",
+    "mem_weights",
+    "solve_mem",
     "doubly_normalized_attention",
     "doubly_normalized_weights",
     "hybrid_normalized_attention",

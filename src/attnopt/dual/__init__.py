@@ -13,6 +13,7 @@ from attnopt.dual.mem import (
     mem_primal_objective,
     solve_mem,
 )
+from attnopt.dual.mem_attention import mem_attention, mem_estimate, mem_weights
 from attnopt.dual.ot import OTMEMSolution, solve_ot_mem, true_preference
 
 __all__: list[str] = [
@@ -23,6 +24,9 @@ __all__: list[str] = [
     "mem_dual_objective",
     "mem_primal_objective",
     "solve_mem",
+    "mem_attention",
+    "mem_estimate",
+    "mem_weights",
     "OTMEMSolution",
     "solve_ot_mem",
     "true_preference",
