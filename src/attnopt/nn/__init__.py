@@ -6,6 +6,8 @@ need_weights=False, is_causal=False) -> (output, weights | None)``.
 """
 
 from attnopt.nn.generalized import GeneralizedMultiheadAttention
+from attnopt.nn.mem import MEMAttention, MEMEstimate
+from attnopt.nn.ot import OTAttention
 from attnopt.nn.preference import (
     ALiBiPreference,
     KeyPreference,
@@ -17,6 +19,9 @@ __all__: list[str] = [
     "ALiBiPreference",
     "GeneralizedMultiheadAttention",
     "KeyPreference",
+    "MEMAttention",
+    "MEMEstimate",
+    "OTAttention",
     "PreferenceModule",
     "T5RelativePreference",
 ]
