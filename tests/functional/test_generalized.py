@@ -181,6 +181,10 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="preference"):
         attnopt.generalized_attention(q, k, v, preference=torch.full((4,), math.inf, dtype=torch.float64))
     with pytest.raises(ValueError, match="preference"):
+        attnopt.generalized_attention(q, k, v, preference=torch.tensor([1.0, math.nan, 1.0, 1.0]).double())
+    with pytest.raises(ValueError, match="attn_mask"):
+        attnopt.generalized_attention(q, k, v, attn_mask=torch.tensor([0.0, math.inf, 0.0, 0.0]).double())
+    with pytest.raises(ValueError, match="preference"):
         attnopt.generalized_attention(q, k, v, preference=torch.ones(1, 2, 3, 5, dtype=torch.float64))
     with pytest.raises(ValueError, match="log_preference"):
         attnopt.generalized_attention(q, k, v, log_preference=torch.full((4,), math.nan, dtype=torch.float64))

@@ -135,7 +135,8 @@ def peak_memory_mb(
 
     Args:
         factory: ``"module:function"``; ``function(**kwargs)`` builds the inputs and returns
-            a zero-argument callable, which is run once after the baseline is taken.
+            a zero-argument callable; it is run once to warm up, then measured on a second
+            run (a closure that calls backward should reset its inputs' ``.grad`` first).
         kwargs: JSON-serializable arguments of the factory.
         device: ``"cpu"`` (peak RSS) or ``"cuda"`` (``max_memory_allocated``).
     Raises:

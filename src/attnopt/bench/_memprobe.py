@@ -1,7 +1,10 @@
 """Subprocess entry point of :func:`attnopt.bench._harness.peak_memory_mb` (internal).
 
 Usage: ``python -m attnopt.bench._memprobe module:function '<json kwargs>' cpu|cuda``.
-Prints the peak extra memory of one call of the built closure, in MB.
+Prints the peak extra memory of one call of the built closure, in MB. The closure is run
+once untimed first (so that code pages of newly used kernels, thread pools and lazy
+initializations, which count in RSS, are not charged to it), then measured on a second call;
+closures that run a backward should reset ``.grad = None`` of their inputs first.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ def main() -> None:
 
     module, func = factory.split(":")
     run = getattr(importlib.import_module(module), func)(**kwargs)
+    run()  # warm-up: lazy initialization and code pages are not the call's memory
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.synchronize()

@@ -51,16 +51,19 @@ def preference_to_log(
         if not isinstance(preference, Tensor) or not preference.is_floating_point():
             raise TypeError("preference must be a floating-point torch.Tensor")
         check_broadcastable("preference", preference, target)
-        if not torch.isfinite(preference).all():
-            raise ValueError("preference must be finite (use 0 to mask a key)")
-        if (preference < 0).any():
-            raise ValueError("preference must be non-negative (u >= 0; 0 masks a key)")
-        return _safe_log(preference).to(dtype)
+        if preference.numel():
+            low, high = torch.aminmax(preference.detach())  # one pass; NaN propagates
+            if not bool(torch.isfinite(high)) or not bool(torch.isfinite(low)):
+                raise ValueError("preference must be finite (use 0 to mask a key)")
+            if bool(low < 0):
+                raise ValueError("preference must be non-negative (u >= 0; 0 masks a key)")
+        log_u = _safe_log(preference) if preference.requires_grad else preference.log()
+        return log_u.to(dtype)
     if log_preference is not None:
         if not isinstance(log_preference, Tensor) or not log_preference.is_floating_point():
             raise TypeError("log_preference must be a floating-point torch.Tensor")
         check_broadcastable("log_preference", log_preference, target)
-        if torch.isnan(log_preference).any() or torch.isposinf(log_preference).any():
+        if log_preference.numel() and not bool(log_preference.detach().max() < float("inf")):
             raise ValueError("log_preference must not contain NaN or +inf (-inf masks a key)")
         return log_preference.to(dtype)
     return None
