@@ -1,0 +1,20 @@
+"""The ``attnopt`` command line: reproduce writes its report; bad selections exit with 2."""
+from attnopt.cli import main
+
+
+def test_reproduce_subset_writes_report(tmp_path, capsys):
+    rc = main(["reproduce", "--quick", "--only", "fenchel_dual:eq16", "--out", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "fenchel_dual:eq16" in out and "reproduced" in out
+    assert (tmp_path / "report.md").exists() and (tmp_path / "report.html").exists()
+
+
+def test_reproduce_unknown_paper_exits_2(tmp_path, capsys):
+    assert main(["reproduce", "--only", "nope", "--out", str(tmp_path)]) == 2
+    assert "matches no claim" in capsys.readouterr().err
+
+
+def test_bench_unknown_suite_exits_2(capsys):
+    assert main(["bench", "--only", "nope", "--quick", "--no-memory"]) == 2
+    assert "unknown bench suite" in capsys.readouterr().err
