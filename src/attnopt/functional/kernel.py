@@ -135,7 +135,7 @@ def _quadratic(
         if bias is not None:
             logits = logits + bias
         if mask is not None:
-            mc = mask if mask.shape[-2] == 1 else mask[..., start : start + chunk, :]
+            mc = mask if mask.dim() < 2 or mask.shape[-2] == 1 else mask[..., start : start + chunk, :]
             logits = logits + mc
         w = safe_softmax(logits, dim=-1)
         outs.append(w if v is None else torch.matmul(w, v))
