@@ -11,6 +11,8 @@ from attnopt.functional import (
     generalized_weights,
     hybrid_normalized_attention,
     hybrid_normalized_weights,
+    kernel_attention,
+    kernel_weights,
     ot_attention,
     ot_weights,
 )
@@ -27,6 +29,8 @@ __all__ = [
     "hybrid_normalized_weights",
     "generalized_attention",
     "generalized_weights",
+    "kernel_attention",
+    "kernel_weights",
     "ot_attention",
     "ot_weights",
 ]

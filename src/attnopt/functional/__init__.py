@@ -11,6 +11,7 @@ from attnopt.functional.doubly_normalized import (
     hybrid_normalized_weights,
 )
 from attnopt.functional.generalized import generalized_attention, generalized_weights
+from attnopt.functional.kernel import kernel_attention, kernel_weights
 from attnopt.functional.ot import ot_attention, ot_weights
 
 __all__ = [
@@ -20,6 +21,8 @@ __all__ = [
     "hybrid_normalized_weights",
     "generalized_attention",
     "generalized_weights",
+    "kernel_attention",
+    "kernel_weights",
     "ot_attention",
     "ot_weights",
 ]
