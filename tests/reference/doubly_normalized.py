@@ -29,8 +29,10 @@ def scores_ref(q: Tensor, k: Tensor, scale: float | None = None, mask: Tensor | 
 
 
 def _normalize(logp: Tensor, dim: int) -> Tensor:
-    lse = torch.logsumexp(logp, dim=dim, keepdim=True)
-    lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    """Subtract the log-sum-exp along ``dim``; an all ``-inf`` slice stays (no NaN gradient)."""
+    empty = ~torch.isfinite(logp).any(dim=dim, keepdim=True)
+    safe = torch.where(empty, torch.zeros_like(logp), logp)
+    lse = torch.where(empty, torch.zeros_like(empty, dtype=logp.dtype), torch.logsumexp(safe, dim, True))
     return logp - lse
 
 

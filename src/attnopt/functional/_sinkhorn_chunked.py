@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from attnopt.functional._softmax import safe_logsumexp, safe_softmax
+from attnopt.functional._softmax import safe_softmax
 
 __all__ = ["chunked_lse_pass", "chunked_attn_pass", "DEFAULT_BLOCK"]
 
@@ -38,6 +38,16 @@ def _block_scores(
         drop = cols > rows if causal == "lower" else cols < rows
         s = s.masked_fill(drop, float("-inf"))
     return s
+
+
+def _lse(s: Tensor) -> Tensor:
+    """Row log-sum-exp, ``-inf`` for an all ``-inf`` row with a zero (not NaN) gradient."""
+    m = s.amax(dim=-1, keepdim=True).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    tot = torch.exp(s - m).sum(dim=-1, keepdim=True)
+    pos = tot > 0
+    out = torch.log(torch.where(pos, tot, torch.ones_like(tot))) + m
+    return torch.where(pos, out, torch.full_like(out, float("-inf")))
 
 
 def _bias(pot: Tensor, valid: Tensor) -> Tensor:
@@ -69,7 +79,7 @@ def chunked_lse_pass(
     """(B, H, Na) ``LSE_j(scale <a_i,b_j> + m_ij − pot_j)`` over valid ``j``; ``-inf`` if none."""
 
     def fn(ablk: Tensor, bb: Tensor, bias: Tensor, m: Tensor | None, s: int) -> Tensor:
-        return safe_logsumexp(_block_scores(ablk, bb, bias, m, s, causal, scale), dim=-1, keepdim=True)
+        return _lse(_block_scores(ablk, bb, bias, m, s, causal, scale))
 
     return _blocked(fn, a, mask, block, b, _bias(pot, valid))[..., 0]
 
