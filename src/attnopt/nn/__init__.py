@@ -5,6 +5,10 @@ Multi-head modules follow ``torch.nn.MultiheadAttention(batch_first=True)``:
 need_weights=False, is_causal=False) -> (output, weights | None)``.
 """
 
+from attnopt.nn.doubly_normalized import (
+    DoublyNormalizedMultiheadAttention,
+    HybridNormalizedMultiheadAttention,
+)
 from attnopt.nn.generalized import GeneralizedMultiheadAttention
 from attnopt.nn.mem import MEMAttention, MEMEstimate
 from attnopt.nn.ot import OTAttention
@@ -17,7 +21,9 @@ from attnopt.nn.preference import (
 
 __all__: list[str] = [
     "ALiBiPreference",
+    "DoublyNormalizedMultiheadAttention",
     "GeneralizedMultiheadAttention",
+    "HybridNormalizedMultiheadAttention",
     "KeyPreference",
     "MEMAttention",
     "MEMEstimate",

@@ -1,0 +1,124 @@
+"""Multi-head doubly-normalized (DNAS) and hybrid (HNAS) attention modules.
+
+doubly-normalized-attention Sec. 3–6. Same call convention as
+``torch.nn.MultiheadAttention(batch_first=True)`` (see :class:`attnopt.nn._multihead.MultiheadBase`);
+the attention itself is :func:`attnopt.functional.doubly_normalized_attention` /
+:func:`attnopt.functional.hybrid_normalized_attention`, O(N) memory with ``key_padding_mask``
+and ``is_causal`` (a full ``attn_mask`` is Nq × Nk by itself).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from attnopt.functional.doubly_normalized import (
+    doubly_normalized_attention,
+    doubly_normalized_weights,
+    hybrid_normalized_attention,
+    hybrid_normalized_weights,
+)
+from attnopt.nn._multihead import MultiheadBase
+
+__all__ = ["DoublyNormalizedMultiheadAttention", "HybridNormalizedMultiheadAttention"]
+
+
+def _check_iterations(iterations: int, minimum: int) -> int:
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < minimum:
+        raise ValueError(f"iterations must be an int >= {minimum}, got {iterations!r}")
+    return iterations
+
+
+class DoublyNormalizedMultiheadAttention(MultiheadBase):
+    """Multi-head DNAS / Sinkhorn-K attention (``iterations=0`` is ordinary attention).
+
+    Args:
+        embed_dim, num_heads, bias, kdim, vdim: as ``nn.MultiheadAttention``.
+        iterations: K Sinkhorn (column, row) steps; 1 = DNAS.
+    Raises:
+        ValueError: bad sizes or ``iterations < 0``.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        iterations: int = 1,
+        bias: bool = True,
+        kdim: int | None = None,
+        vdim: int | None = None,
+    ) -> None:
+        super().__init__(embed_dim, num_heads, bias=bias, kdim=kdim, vdim=vdim)
+        self.iterations = _check_iterations(iterations, 0)
+
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, need_weights: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        out = doubly_normalized_attention(q, k, v, iterations=self.iterations, attn_mask=mask,
+                                          is_causal=is_causal)
+        weights = None
+        if need_weights:
+            weights = doubly_normalized_weights(q, k, iterations=self.iterations, attn_mask=mask,
+                                                is_causal=is_causal)
+        return out, weights
+
+    def extra_repr(self) -> str:
+        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, iterations={self.iterations}"
+
+
+class HybridNormalizedMultiheadAttention(MultiheadBase):
+    """Multi-head HNAS: ``w · DNAS + (1 − w) · LNAS`` with a learned ``w = sigmoid(θ)`` (Sec. 6).
+
+    One scalar per layer as in the paper (``per_head=True``: one per head).
+    :attr:`mixing_weight` gives the current ``w`` (detached) for plotting.
+
+    Args:
+        embed_dim, num_heads, bias, kdim, vdim: as ``nn.MultiheadAttention``.
+        iterations: Sinkhorn steps of the doubly-normalized term (>= 1).
+        init_weight: initial ``w`` in (0, 1).
+        per_head: learn one ``w`` per head instead of one per layer.
+    Raises:
+        ValueError: bad sizes, ``iterations < 1`` or ``init_weight`` not in (0, 1).
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        iterations: int = 1,
+        init_weight: float = 0.5,
+        per_head: bool = False,
+        bias: bool = True,
+        kdim: int | None = None,
+        vdim: int | None = None,
+    ) -> None:
+        super().__init__(embed_dim, num_heads, bias=bias, kdim=kdim, vdim=vdim)
+        self.iterations = _check_iterations(iterations, 1)
+        if not 0.0 < float(init_weight) < 1.0:
+            raise ValueError(f"init_weight must lie in (0, 1), got {init_weight}")
+        logit = math.log(init_weight / (1.0 - init_weight))
+        self.weight_logit = nn.Parameter(torch.full((num_heads,) if per_head else (), logit))
+
+    @property
+    def mixing_weight(self) -> Tensor:
+        """Current ``w = sigmoid(θ)`` (a 0-d tensor, or ``(H,)``), detached."""
+        return torch.sigmoid(self.weight_logit.detach())
+
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, need_weights: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        w = torch.sigmoid(self.weight_logit).to(q.dtype)
+        out = hybrid_normalized_attention(q, k, v, w, iterations=self.iterations, attn_mask=mask,
+                                          is_causal=is_causal)
+        weights = None
+        if need_weights:
+            weights = hybrid_normalized_weights(q, k, w, iterations=self.iterations, attn_mask=mask,
+                                                is_causal=is_causal)
+        return out, weights
+
+    def extra_repr(self) -> str:
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, iterations={self.iterations}, "
+                f"per_head={self.weight_logit.dim() == 1}")
