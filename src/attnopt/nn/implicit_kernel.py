@@ -1,0 +1,184 @@
+r"""Multi-head implicit kernel attention: IKA_S, IKA_NS, IKAN, IKAN-direct, MIKAN.
+
+implicit-kernel-attention eq. 9, 11 with the spectral densities of :mod:`attnopt.nn.spectral`:
+
+========== ======================== ============================ ===========
+variant    kernel                   spectral points              magnitude
+========== ======================== ============================ ===========
+ika-s      stationary (eq. 12–13)   implicit density (sampled)   L2
+ika-ns     non-stationary (14–16)   two implicit densities       L2
+ikan       non-stationary           two implicit densities       L^p
+ikan-direct non-stationary          learned parameters (no KL)   L^p
+mikan      non-stationary           two densities + copula       L^p
+========== ======================== ============================ ===========
+
+Training draws fresh base noise (reparameterized; from ``seed``'s generator when given);
+evaluation uses a fixed base sample drawn once at construction from ``seed`` (common random
+numbers), so ``eval()`` outputs are deterministic and represent the density by the same R
+quasi-samples every call.
+"""
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from attnopt.functional.kernel import kernel_attention, kernel_weights
+from attnopt.kernels import Kernel, NonStationaryFourier, RandomFourier
+from attnopt.nn._multihead import MultiheadBase
+from attnopt.nn.spectral import GaussianCopula, ImplicitSpectralDensity
+
+__all__ = ["ImplicitKernelAttention"]
+
+Variant = Literal["ika-s", "ika-ns", "ikan", "ikan-direct", "mikan"]
+_VARIANTS = ("ika-s", "ika-ns", "ikan", "ikan-direct", "mikan")
+
+
+class ImplicitKernelAttention(MultiheadBase):
+    """Multi-head attention with an implicit (learned) kernel and an L^p magnitude.
+
+    ``forward`` is :class:`~attnopt.nn._multihead.MultiheadBase`'s (as
+    ``nn.MultiheadAttention(batch_first=True)``). After each forward, :meth:`kl` gives the KL
+    term of the ELBO for the spectral samples just used.
+
+    Args:
+        embed_dim, num_heads: as ``nn.MultiheadAttention``.
+        variant: one of ``"ika-s"``, ``"ika-ns"``, ``"ikan"``, ``"ikan-direct"``, ``"mikan"``.
+        num_samples: ``R`` spectral points per head (even for sampled variants).
+        p: magnitude exponent ``p > 0`` (``ika-s``/``ika-ns`` use L2 and require ``p = 2``).
+        mode: ``"quadratic"`` or ``"linear"`` (exact O(N·R²) form; key masks only).
+        eps: added to ``f²`` (the authors' ``1e-5``).
+        hidden: width of the spectral-density networks.
+        seed: seeds the training noise generator and the fixed evaluation noise.
+        bias, kdim, vdim, dropout: as ``nn.MultiheadAttention``.
+    Raises:
+        ValueError: unknown variant, ``p <= 0`` or ``p != 2`` for ``ika-s``/``ika-ns``, bad
+            ``num_samples``, bad sizes.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        variant: Variant = "ikan",
+        num_samples: int = 8,
+        p: float = 2.0,
+        *,
+        mode: Literal["quadratic", "linear"] = "quadratic",
+        eps: float = 1e-5,
+        hidden: int = 32,
+        seed: int | None = None,
+        bias: bool = True,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__(embed_dim, num_heads, bias=bias, kdim=kdim, vdim=vdim, dropout=dropout)
+        if variant not in _VARIANTS:
+            raise ValueError(f"variant must be one of {_VARIANTS}, got {variant!r}")
+        if not (math.isfinite(p) and p > 0):
+            raise ValueError(f"p must be a finite number > 0, got {p}")
+        if variant in ("ika-s", "ika-ns") and p != 2.0:
+            raise ValueError(f"variant {variant!r} uses the L2 magnitude (p = 2); use 'ikan' for p = {p}")
+        if mode not in ("quadratic", "linear"):
+            raise ValueError(f"mode must be 'quadratic' or 'linear', got {mode!r}")
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        self.variant, self.num_samples, self.p, self.mode, self.eps = variant, num_samples, p, mode, eps
+        d = self.head_dim
+        n_sets = 1 if variant == "ika-s" else 2
+        self._generator: torch.Generator | None = None
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        if seed is not None:
+            self._generator = torch.Generator().manual_seed(seed + 1)
+        if variant == "ikan-direct":
+            std = 1.0 / math.sqrt(2 * math.sqrt(d))
+            init = torch.randn(n_sets, num_heads, num_samples, d, generator=gen) * std
+            self.spectral_points = nn.Parameter(init)
+            self.densities = nn.ModuleList()
+        else:
+            self.densities = nn.ModuleList(
+                ImplicitSpectralDensity(d, num_samples, hidden) for _ in range(n_sets)
+            )
+            self.register_buffer(
+                "eval_noise", torch.randn(n_sets, num_heads, num_samples // 2, d, generator=gen)
+            )
+        self.copula = GaussianCopula(num_heads) if variant == "mikan" else None
+        self._kl: Tensor | None = None
+
+    def _head_summary(self, k: Tensor, mask: Tensor | None) -> Tensor:
+        """``h`` per head: mean of the head's keys over non-padded positions, (B, H, d)."""
+        if mask is None:
+            return k.mean(dim=-2)
+        valid = (~torch.isneginf(mask).all(dim=-2)).to(k.dtype)  # (B|1, H|1, Nk)
+        valid = valid.expand(*k.shape[:-1])
+        return (k * valid.unsqueeze(-1)).sum(-2) / valid.sum(-1, keepdim=True).clamp_min(1.0)
+
+    def spectral_points_for(self, k: Tensor, mask: Tensor | None = None) -> tuple[list[Tensor], Tensor]:
+        """Spectral point sets (each (B, H, R, d) or (H, R, d)) and the per-example KL (B,)."""
+        b = k.shape[0]
+        if self.variant == "ikan-direct":
+            return [w.to(k.dtype) for w in self.spectral_points], k.new_zeros(b)
+        h = self._head_summary(k, mask)
+        sets, kl = [], k.new_zeros(b)
+        for i, dens in enumerate(self.densities):
+            assert isinstance(dens, ImplicitSpectralDensity)
+            mu, log_sigma = dens.posterior(h)  # (B, H, d)
+            if self.training:
+                noise = torch.randn(
+                    b, self.num_heads, self.num_samples // 2, self.head_dim, generator=self._generator
+                ).to(device=k.device, dtype=k.dtype)
+            else:
+                noise = self.eval_noise[i].to(k.dtype).expand(b, -1, -1, -1)
+            if self.copula is not None:
+                noise = self.copula.correlate(noise)
+            z_tilde = mu.unsqueeze(-2) + log_sigma.exp().unsqueeze(-2) * noise
+            sets.append(dens.transform(z_tilde))
+            set_kl = ImplicitSpectralDensity.kl(mu, log_sigma).sum(-1)
+            if self.copula is not None:
+                set_kl = set_kl - 0.5 * self.head_dim * self.copula.log_det().to(k.dtype)
+            kl = kl + (self.num_samples // 2) * set_kl
+        return sets, kl
+
+    def kernel_for(self, k: Tensor, mask: Tensor | None = None) -> Kernel:
+        """The kernel used for keys ``k`` (B, H, Nk, d); records the KL for :meth:`kl`."""
+        sets, kl = self.spectral_points_for(k, mask)
+        self._kl = kl.mean()
+        if self.variant == "ika-s":
+            return RandomFourier(sets[0])
+        return NonStationaryFourier(sets[0], sets[1])
+
+    def kl(self) -> Tensor:
+        """KL term of the ELBO for the last forward pass, per example (mean over the batch).
+
+        The latent variables are the ``R/2`` base points of every head (i.i.d. given ``h``), so
+        this is ``R/2`` times the sum over heads (and over both densities for non-stationary
+        variants) of ``KL(N(μ, σ²) ‖ N(0, I))``; for MIKAN the copula adds ``−(d/2) log det C``
+        per point. It is 0 for ``ikan-direct``. Add ``kl_weight * module.kl()`` to a per-example
+        (batch-mean) task loss: ``kl_weight = 1`` is the ELBO of eq. 5; smaller weights (or
+        annealing) are common.
+
+        Raises:
+            RuntimeError: called before any forward pass.
+        """
+        if self._kl is None:
+            raise RuntimeError("kl() is available after a forward pass")
+        return self._kl
+
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, need_weights: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        kernel = self.kernel_for(k, mask)
+        if need_weights or (self.training and self.dropout > 0):
+            w = kernel_weights(
+                q, k, kernel=kernel, magnitude_p=self.p, attn_mask=mask, is_causal=is_causal, eps=self.eps
+            )
+            wd = nn.functional.dropout(w, p=self.dropout, training=self.training)
+            return torch.matmul(wd, v), (w if need_weights else None)
+        out = kernel_attention(
+            q, k, v, kernel=kernel, magnitude_p=self.p, attn_mask=mask, is_causal=is_causal,
+            mode=self.mode, eps=self.eps,
+        )
+        return out, None
