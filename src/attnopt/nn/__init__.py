@@ -10,6 +10,7 @@ from attnopt.nn.doubly_normalized import (
     HybridNormalizedMultiheadAttention,
 )
 from attnopt.nn.generalized import GeneralizedMultiheadAttention
+from attnopt.nn.implicit_kernel import ImplicitKernelAttention
 from attnopt.nn.mem import MEMAttention, MEMEstimate
 from attnopt.nn.ot import OTAttention
 from attnopt.nn.preference import (
@@ -24,6 +25,7 @@ __all__: list[str] = [
     "DoublyNormalizedMultiheadAttention",
     "GeneralizedMultiheadAttention",
     "HybridNormalizedMultiheadAttention",
+    "ImplicitKernelAttention",
     "KeyPreference",
     "MEMAttention",
     "MEMEstimate",
