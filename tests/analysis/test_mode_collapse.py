@@ -7,7 +7,8 @@ from attnopt.analysis import count_clusters, iterate_attention, mode_collapse_di
 
 
 def _two_points_clusters(n0, n1, a):
-    return torch.cat([torch.full((n0, 1), a, dtype=torch.float64), torch.full((n1, 1), -a, dtype=torch.float64)])
+    f64 = torch.float64
+    return torch.cat([torch.full((n0, 1), a, dtype=f64), torch.full((n1, 1), -a, dtype=f64)])
 
 
 @given(n0=st.integers(1, 30), n1=st.integers(1, 30), a=st.floats(0.2, 2.5))
