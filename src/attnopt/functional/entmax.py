@@ -1,0 +1,398 @@
+r"""Sparse prediction maps: sparsemax and α-entmax (sdpa-one-sided-eot Prop. 4.2–4.3).
+
+Both are regularized argmax maps over the simplex,
+
+.. math:: p^\star = \arg\max_{p \in \Delta} \langle s, p\rangle - \Omega(p),
+
+with ``Ω = ½‖p‖²`` (sparsemax, ``p = [s − θ]₊``) and the Tsallis regularizer
+``Ω = Σ_j (p_j^α − p_j) / (α(α−1))`` (α-entmax, ``p = [(α−1)s − θ]₊^{1/(α−1)}``). The
+threshold ``θ`` is the root of the decreasing function ``Σ_j p_j(θ) − 1``.
+
+How it is computed (no fixed iteration count hiding error):
+
+* every α: safeguarded Newton iterations on ``g(θ) = ‖[z − θ]₊‖_e − 1`` with
+  ``z = (α−1)(s − max s)``, ``e = 1/(α−1)``, started at ``θ = −1`` (where ``g ≥ 0``) and kept
+  inside the bracket ``[−1, −n^{1−α}]``. For ``α ≤ 2`` the ℓ_e norm is convex in ``θ``, so the
+  iterates increase monotonically to the root; this form of ``g`` makes the step exact
+  whenever the support weights are equal. Iteration stops when ``|Σp − 1| ≤ tol`` for every
+  slice (a warning is raised otherwise), and ``p`` is renormalized.
+* α = 2 (sparsemax): the Newton step is Michelot's algorithm and ends, in finitely many steps,
+  when the support stops changing — the result is the exact projection.
+* α = 1.5: once Newton has converged, the threshold is recomputed in closed form on the
+  support (the quadratic of the sort-based algorithm), so the result is exact to rounding.
+
+Backward (closed form, only the output is saved): with ``g = p^{2−α}`` on the support,
+``∂L/∂s = g ⊙ (d − (Σ g d)/(Σ g))`` for the incoming gradient ``d``; for a tensor ``α`` the
+gradient with respect to ``α`` is the one of Peters et al. (2019).
+
+Conventions: ``−inf`` scores get exactly 0; a slice that is entirely ``−inf`` gives zeros
+(and zero gradient); float16/bfloat16 are computed in float32 and returned in the input dtype.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnopt._validation import check_tensor
+
+__all__ = ["sparsemax", "entmax"]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in _HALF else dtype
+
+
+def _default_tol(dtype: torch.dtype) -> float:
+    return 1e-12 if dtype == torch.float64 else 1e-6
+
+
+def _shift(x: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+    """``x − max x`` along ``dim`` and the mask of slices that are entirely ``−inf``."""
+    m = x.amax(dim=dim, keepdim=True)
+    if bool((torch.isnan(m) | torch.isposinf(m)).any()):
+        raise ValueError("scores must not contain NaN or +inf (use -inf to mask an entry)")
+    empty = torch.isneginf(m)
+    m = torch.where(empty, torch.zeros_like(m), m)
+    return x - m, empty
+
+
+def _warn(name: str, max_iter: int, err: float) -> None:
+    warnings.warn(
+        f"{name}: threshold search did not reach tol after max_iter={max_iter} iterations "
+        f"(max |sum p - 1| = {err:.3g})",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def _sparsemax_forward(x: Tensor, dim: int, max_iter: int) -> Tensor:
+    """Michelot's algorithm = Newton on ``Σ[z − θ]₊ − 1``; exact when the support is stable."""
+    z, empty = _shift(x, dim)
+    theta = torch.full_like(z.narrow(dim, 0, 1), -1.0)
+    t = torch.empty_like(z)  # reused buffers: fresh large tensors cost page faults on CPU
+    sign = torch.empty_like(z)
+    count_prev: Tensor | None = None
+    converged = False
+    for _ in range(max_iter):
+        torch.sub(z, theta, out=t).relu_()
+        count = torch.sign(t, out=sign).sum(dim=dim, keepdim=True)
+        total = t.sum(dim=dim, keepdim=True)
+        theta = theta + (total - 1) / count.clamp_min(1)
+        if count_prev is not None and torch.equal(count, count_prev):
+            converged = True
+            break
+        count_prev = count
+    del sign
+    if not converged:
+        _warn("sparsemax", max_iter, float("nan"))
+    torch.sub(z, theta, out=t).relu_()
+    return t.masked_fill_(empty, 0.0)
+
+
+def _entmax15_forward(x: Tensor, dim: int, tol: float, max_iter: int) -> Tensor:
+    """Newton on ``‖[z − θ]₊‖₂ − 1`` then the exact threshold on the support found."""
+    z, empty = _shift(x, dim)
+    z.mul_(0.5)
+    theta = torch.full_like(z.narrow(dim, 0, 1), -1.0)
+    tiny = torch.finfo(z.dtype).tiny
+    eps = torch.finfo(z.dtype).eps
+    t = torch.empty_like(z)
+    for _ in range(max_iter):
+        torch.sub(z, theta, out=t).relu_()
+        s1 = t.sum(dim=dim, keepdim=True)
+        norm = torch.linalg.vector_norm(t, 2, dim=dim, keepdim=True)
+        dev = torch.where(empty, torch.zeros_like(norm), norm * norm - 1)
+        step = (norm - 1) * norm / s1.clamp_min(tiny)
+        # done at the tolerance, or when the step is below rounding (float32, huge rows)
+        if bool(((dev.abs() <= tol) | (step.abs() <= 2 * eps)).all()):
+            break
+        theta = theta + step
+    else:
+        _warn("entmax(alpha=1.5)", max_iter, float(dev.abs().max()))
+    # closed-form threshold on the support S = {t > 0}: Σ_S (t − δ)² = 1, smaller root
+    torch.sub(z, theta, out=t).relu_()
+    k = torch.sign(t, out=z).sum(dim=dim, keepdim=True).clamp_min(1)
+    s1 = t.sum(dim=dim, keepdim=True)
+    s2 = torch.linalg.vector_norm(t, 2, dim=dim, keepdim=True).square()
+    disc = s1 * s1 - k * (s2 - 1)
+    delta = (s1 - disc.clamp_min(0).sqrt()) / k
+    delta = torch.where((disc >= 0) & (delta >= 0), delta, torch.zeros_like(delta))
+    t.sub_(delta).relu_().square_()
+    t.div_(t.sum(dim=dim, keepdim=True).clamp_min(tiny))
+    return t.masked_fill_(empty, 0.0)
+
+
+def _entmax_general_forward(x: Tensor, alpha: Tensor, dim: int, tol: float, max_iter: int) -> Tensor:
+    """Safeguarded Newton on ``‖[z − θ]₊‖_e − 1`` (``e = 1/(α−1)``) with a bracket."""
+    z, empty = _shift(x, dim)
+    am1 = alpha - 1
+    z.mul_(am1)
+    e = 1.0 / am1
+    n = x.shape[dim]
+    shape = z.narrow(dim, 0, 1).shape
+    lo = torch.full(shape, -1.0, dtype=z.dtype, device=z.device)
+    hi = torch.zeros_like(lo) - torch.pow(torch.full_like(lo, 1.0 / n), am1.expand(shape))
+    theta = lo.clone()
+    tiny = torch.finfo(z.dtype).tiny
+    eps = torch.finfo(z.dtype).eps
+    small_alpha = bool((alpha < 2).all())  # then t^{e-1} is finite at t = 0
+    t = torch.empty_like(z)
+    u = torch.empty_like(z)
+    for _ in range(max_iter):
+        torch.sub(z, theta, out=t).relu_()
+        if small_alpha:
+            torch.pow(t, e - 1, out=u)  # t^{e-1}
+            deriv = u.sum(dim=dim, keepdim=True)
+            total = torch.mul(u, t, out=u).sum(dim=dim, keepdim=True)
+        else:
+            torch.pow(t, e, out=u)
+            total = u.sum(dim=dim, keepdim=True)
+            deriv = u.div_(t.clamp_min(tiny)).sum(dim=dim, keepdim=True)
+        dev = torch.where(empty, torch.zeros_like(total), total - 1)
+        # a row is done at the tolerance, or when its bracket has collapsed to rounding
+        done = (dev.abs() <= tol) | (hi - lo <= 4 * eps)
+        if bool(done.all()):
+            break
+        lo = torch.where(dev > 0, theta, lo)
+        hi = torch.where(dev > 0, hi, theta)
+        # g(θ) = total^{1/e} − 1, g'(θ) = −total^{1/e − 1} Σ t^{e−1}
+        norm = total.clamp_min(tiny).pow(am1)
+        step = (norm - 1) * total / (norm * deriv).clamp_min(tiny)
+        new = theta + step
+        bad = ~((new > lo) & (new < hi)) | (deriv <= 0)
+        new = torch.where(bad, 0.5 * (lo + hi), new)
+        theta = torch.where(done, theta, new)
+    else:
+        _warn("entmax", max_iter, float(dev.abs().max()))
+    del u
+    torch.sub(z, theta, out=t).relu_().pow_(e)
+    t.div_(t.sum(dim=dim, keepdim=True).clamp_min(tiny))
+    return t.masked_fill_(empty, 0.0)
+
+
+def _entmax_backward(p: Tensor, grad: Tensor, alpha: Tensor | float, dim: int) -> Tensor:
+    """``g ⊙ (d − Σ g d / Σ g)`` with ``g = p^{2−α}`` on the support (few large temporaries)."""
+    if isinstance(alpha, float) and alpha == 2.0:
+        g = torch.sign(p)
+    elif isinstance(alpha, float) and alpha == 1.5:
+        g = torch.sqrt(p)
+    elif isinstance(alpha, float) and alpha < 2.0:
+        g = torch.pow(p, 2.0 - alpha)  # 0 off the support
+    else:
+        g = torch.where(p > 0, p.clamp_min(torch.finfo(p.dtype).tiny).pow(2 - alpha), 0.0)
+    gsum = g.sum(dim=dim, keepdim=True)
+    out = torch.mul(g, grad)
+    q = out.sum(dim=dim, keepdim=True) / torch.where(gsum > 0, gsum, torch.ones_like(gsum))
+    return out.sub_(g.mul_(q))
+
+
+def _alpha_backward(p: Tensor, grad: Tensor, alpha: Tensor, dim: int) -> Tensor:
+    """``Σ_j d_j ∂p_j/∂α`` per slice (Peters et al., 2019, App. for the bisection entmax)."""
+    support = p > 0
+    g = torch.where(support, p.clamp_min(torch.finfo(p.dtype).tiny).pow(2 - alpha), 0.0)
+    gsum = g.sum(dim=dim, keepdim=True)
+    skew = g / torch.where(gsum > 0, gsum, torch.ones_like(gsum))
+    plogp = torch.special.xlogy(p, p)
+    ent = plogp.sum(dim=dim, keepdim=True)
+    am1 = alpha - 1
+    d_alpha = grad * ((p - skew) / (am1 * am1) - (plogp - skew * ent) / am1)
+    return d_alpha.sum(dim=dim, keepdim=True)
+
+
+def _reduce_to(g: Tensor, shape: torch.Size) -> Tensor:
+    """Sum a broadcast gradient back to ``shape``."""
+    while g.dim() > len(shape):
+        g = g.sum(0)
+    for i, s in enumerate(shape):
+        if s == 1 and g.shape[i] != 1:
+            g = g.sum(i, keepdim=True)
+    return g
+
+
+class _Sparsemax(torch.autograd.Function):
+    @staticmethod
+    def forward(x: Tensor, dim: int, max_iter: int) -> Tensor:  # type: ignore[override]
+        compute = _compute_dtype(x.dtype)
+        return _sparsemax_forward(x.to(compute), dim, max_iter).to(x.dtype)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        ctx.dim = inputs[1]
+        ctx.save_for_backward(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:  # type: ignore[override]
+        (p,) = ctx.saved_tensors
+        compute = _compute_dtype(p.dtype)
+        gx = _entmax_backward(p.to(compute), grad.to(compute), 2.0, ctx.dim)
+        return gx.to(p.dtype), None, None
+
+
+class _Entmax(torch.autograd.Function):
+    """Entmax for a fixed Python-float α (no gradient with respect to α)."""
+
+    @staticmethod
+    def forward(x: Tensor, alpha: float, dim: int, tol: float, max_iter: int) -> Tensor:  # type: ignore[override]
+        compute = _compute_dtype(x.dtype)
+        xc = x.to(compute)
+        if alpha == 1.5:
+            p = _entmax15_forward(xc, dim, tol, max_iter)
+        else:
+            a = torch.tensor(alpha, dtype=compute, device=x.device)
+            p = _entmax_general_forward(xc, a, dim, tol, max_iter)
+        return p.to(x.dtype)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        ctx.alpha, ctx.dim = inputs[1], inputs[2]
+        ctx.save_for_backward(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None, None]:  # type: ignore[override]
+        (p,) = ctx.saved_tensors
+        compute = _compute_dtype(p.dtype)
+        gx = _entmax_backward(p.to(compute), grad.to(compute), ctx.alpha, ctx.dim)
+        return gx.to(p.dtype), None, None, None, None
+
+
+class _EntmaxAlpha(torch.autograd.Function):
+    """Entmax for a tensor α (broadcastable, size 1 along ``dim``), differentiable in α."""
+
+    @staticmethod
+    def forward(x: Tensor, alpha: Tensor, dim: int, tol: float, max_iter: int) -> Tensor:  # type: ignore[override]
+        compute = _compute_dtype(x.dtype)
+        p = _entmax_general_forward(x.to(compute), alpha.to(compute), dim, tol, max_iter)
+        return p.to(x.dtype)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        ctx.dim = inputs[2]
+        ctx.save_for_backward(output, inputs[1])
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None]:  # type: ignore[override]
+        p, alpha = ctx.saved_tensors
+        compute = _compute_dtype(p.dtype)
+        pc, gc, ac = p.to(compute), grad.to(compute), alpha.to(compute)
+        gx = _entmax_backward(pc, gc, ac, ctx.dim).to(p.dtype) if ctx.needs_input_grad[0] else None
+        ga = None
+        if ctx.needs_input_grad[1]:
+            ga = _reduce_to(_alpha_backward(pc, gc, ac, ctx.dim), alpha.shape).to(alpha.dtype)
+        return gx, ga, None, None, None
+
+
+def _check_dim(scores: Tensor, dim: int) -> int:
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
+    if not -scores.dim() <= dim < scores.dim():
+        raise ValueError(f"dim={dim} is out of range for scores with {scores.dim()} dimensions")
+    return dim % scores.dim()
+
+
+def _check_iter(tol: float | None, max_iter: int, dtype: torch.dtype) -> float:
+    if not isinstance(max_iter, int) or max_iter < 1:
+        raise ValueError(f"max_iter must be a positive int, got {max_iter!r}")
+    if tol is None:
+        return _default_tol(_compute_dtype(dtype))
+    if not tol > 0:
+        raise ValueError(f"tol must be > 0, got {tol}")
+    return float(tol)
+
+
+def sparsemax(scores: Tensor, *, dim: int = -1, max_iter: int = 1000) -> Tensor:
+    r"""Euclidean projection of scores onto the simplex (sdpa-one-sided-eot Prop. 4.2).
+
+    .. math:: p = \arg\max_{p \in \Delta} \langle s, p \rangle - \tfrac12 \|p\|^2 = [s - \theta]_+
+
+    Exact: Michelot's algorithm (Newton on the threshold) ends when the support is stable.
+
+    Args:
+        scores: (..., S) real scores; ``-inf`` entries get weight 0.
+        dim: dimension that sums to one.
+        max_iter: safety bound on the (finitely many) support updates.
+    Returns:
+        (..., S) weights, non-negative, summing to 1 along ``dim``; a slice that is entirely
+        ``-inf`` gives zeros. Same dtype as ``scores`` (half precision computed in float32).
+    Raises:
+        TypeError: ``scores`` is not a floating-point tensor.
+        ValueError: NaN or ``+inf`` in ``scores``; ``dim`` out of range.
+    """
+    check_tensor("scores", scores)
+    dim = _check_dim(scores, dim)
+    _check_iter(None, max_iter, scores.dtype)
+    if scores.shape[dim] == 0:
+        return scores.clone()
+    out: Tensor = _Sparsemax.apply(scores, dim, max_iter)
+    return out
+
+
+def entmax(
+    scores: Tensor,
+    alpha: float | Tensor = 1.5,
+    *,
+    dim: int = -1,
+    tol: float | None = None,
+    max_iter: int = 100,
+) -> Tensor:
+    r"""α-entmax, the Tsallis-regularized argmax (sdpa-one-sided-eot Prop. 4.3).
+
+    .. math:: p = \arg\max_{p \in \Delta} \langle s, p \rangle
+              - \sum_j \frac{p_j^\alpha - p_j}{\alpha(\alpha - 1)}
+              = [(\alpha - 1) s - \theta]_+^{1/(\alpha - 1)}
+
+    ``α → 1`` is softmax, ``α = 2`` is :func:`sparsemax`. α = 1.5 and 2 are exact (closed-form
+    threshold on the support); other α stop when ``|Σp − 1| ≤ tol``.
+
+    Args:
+        scores: (..., S) real scores; ``-inf`` entries get weight 0.
+        alpha: a float > 1, or a tensor broadcastable to ``scores`` with size 1 along ``dim``
+            (e.g. per head ``(H, 1, 1)``), values > 1; a tensor α receives a gradient.
+        dim: dimension that sums to one.
+        tol: stopping tolerance on ``|Σp − 1|`` (default 1e-6, 1e-12 for float64).
+        max_iter: maximum Newton iterations (a ``RuntimeWarning`` if ``tol`` is not reached).
+    Returns:
+        (..., S) non-negative weights summing to 1 along ``dim``; all ``-inf`` slices give
+        zeros. Same dtype as ``scores`` (half precision computed in float32).
+    Raises:
+        TypeError: non-floating ``scores`` or ``alpha`` of another type.
+        ValueError: ``alpha <= 1``, a tensor ``alpha`` that does not broadcast with size 1
+            along ``dim``, NaN/``+inf`` scores, ``dim`` out of range, bad ``tol``/``max_iter``.
+    """
+    check_tensor("scores", scores)
+    dim = _check_dim(scores, dim)
+    tol_ = _check_iter(tol, max_iter, scores.dtype)
+    if isinstance(alpha, Tensor):
+        if not alpha.is_floating_point():
+            raise TypeError(f"alpha must be a floating-point tensor, got {alpha.dtype}")
+        if not bool((alpha > 1).all()) or not bool(torch.isfinite(alpha).all()):
+            raise ValueError("alpha must be > 1 and finite everywhere (use softmax_weights for alpha = 1)")
+        try:
+            full = torch.broadcast_shapes(alpha.shape, scores.shape)
+        except RuntimeError as exc:
+            raise ValueError(f"alpha of shape {tuple(alpha.shape)} does not broadcast to scores") from exc
+        if tuple(full) != tuple(scores.shape):
+            raise ValueError(f"alpha of shape {tuple(alpha.shape)} does not broadcast to scores")
+        lead = scores.dim() - alpha.dim()
+        if dim - lead >= 0 and alpha.shape[dim - lead] != 1:
+            raise ValueError(f"alpha must have size 1 along dim={dim}, got shape {tuple(alpha.shape)}")
+        if scores.shape[dim] == 0:
+            return scores.clone()
+        out: Tensor = _EntmaxAlpha.apply(scores, alpha, dim, tol_, max_iter)
+        return out
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise TypeError(f"alpha must be a float or a tensor, got {type(alpha).__name__}")
+    alpha = float(alpha)
+    if not alpha > 1.0 or alpha == float("inf"):
+        raise ValueError(f"alpha must be a finite number > 1 (softmax_weights is alpha = 1), got {alpha}")
+    if scores.shape[dim] == 0:
+        return scores.clone()
+    if alpha == 2.0:
+        res: Tensor = _Sparsemax.apply(scores, dim, max(max_iter, 1000))
+        return res
+    res = _Entmax.apply(scores, alpha, dim, tol_, max_iter)
+    return res
