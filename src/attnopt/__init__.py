@@ -5,6 +5,15 @@ The functional ops (``attnopt.functional``) are re-exported here; modules live i
 """
 from attnopt.dual import mem_attention, mem_weights, solve_mem
 from attnopt.functional import (
+    Shannon,
+    SquaredL2,
+    Tsallis,
+    entmax,
+    regularized_attention,
+    regularized_attention_weights,
+    regularized_weights,
+    softmax_weights,
+    sparsemax,
     doubly_normalized_attention,
     doubly_normalized_weights,
     generalized_attention,
@@ -20,6 +29,15 @@ from attnopt.functional import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "Shannon",
+    "SquaredL2",
+    "Tsallis",
+    "entmax",
+    "regularized_attention",
+    "regularized_attention_weights",
+    "regularized_weights",
+    "softmax_weights",
+    "sparsemax",
     "mem_attention",
     "mem_weights",
     "solve_mem",

@@ -4,6 +4,15 @@ Conventions: ``q (B,H,Nq,d)``, ``k (B,H,Nk,d)``, ``v (B,H,Nk,dv)``, weights ``(B
 scores ``<q_i,k_j>*scale`` with ``scale = 1/sqrt(d)`` by default; boolean masks use SDPA's
 convention (``True`` = take part), float masks are added to the scores.
 """
+from attnopt.functional.entmax import entmax, sparsemax
+from attnopt.functional.regularized import (
+    locality_bias,
+    regularized_attention,
+    regularized_attention_weights,
+    regularized_weights,
+    softmax_weights,
+)
+from attnopt.functional.regularizers import Regularizer, Shannon, SquaredL2, Tsallis
 from attnopt.functional.doubly_normalized import (
     doubly_normalized_attention,
     doubly_normalized_weights,
@@ -15,6 +24,17 @@ from attnopt.functional.kernel import kernel_attention, kernel_weights
 from attnopt.functional.ot import ot_attention, ot_weights
 
 __all__ = [
+    "entmax",
+    "sparsemax",
+    "softmax_weights",
+    "regularized_weights",
+    "regularized_attention",
+    "regularized_attention_weights",
+    "locality_bias",
+    "Regularizer",
+    "Shannon",
+    "SquaredL2",
+    "Tsallis",
     "doubly_normalized_attention",
     "doubly_normalized_weights",
     "hybrid_normalized_attention",

@@ -70,7 +70,7 @@ def _warn(name: str, max_iter: int, err: float) -> None:
     )
 
 
-def _sparsemax_forward(x: Tensor, dim: int, max_iter: int) -> Tensor:
+def _sparsemax_forward(x: Tensor, dim: int, max_iter: int) -> tuple[Tensor, Tensor]:
     """Michelot's algorithm = Newton on ``Σ[z − θ]₊ − 1``; exact when the support is stable."""
     z, empty = _shift(x, dim)
     theta = torch.full_like(z.narrow(dim, 0, 1), -1.0)
@@ -91,10 +91,10 @@ def _sparsemax_forward(x: Tensor, dim: int, max_iter: int) -> Tensor:
     if not converged:
         _warn("sparsemax", max_iter, float("nan"))
     torch.sub(z, theta, out=t).relu_()
-    return t.masked_fill_(empty, 0.0)
+    return t.masked_fill_(empty, 0.0), theta
 
 
-def _entmax15_forward(x: Tensor, dim: int, tol: float, max_iter: int) -> Tensor:
+def _entmax15_forward(x: Tensor, dim: int, tol: float, max_iter: int) -> tuple[Tensor, Tensor]:
     """Newton on ``‖[z − θ]₊‖₂ − 1`` then the exact threshold on the support found."""
     z, empty = _shift(x, dim)
     z.mul_(0.5)
@@ -124,10 +124,12 @@ def _entmax15_forward(x: Tensor, dim: int, tol: float, max_iter: int) -> Tensor:
     delta = torch.where((disc >= 0) & (delta >= 0), delta, torch.zeros_like(delta))
     t.sub_(delta).relu_().square_()
     t.div_(t.sum(dim=dim, keepdim=True).clamp_min(tiny))
-    return t.masked_fill_(empty, 0.0)
+    return t.masked_fill_(empty, 0.0), theta + delta
 
 
-def _entmax_general_forward(x: Tensor, alpha: Tensor, dim: int, tol: float, max_iter: int) -> Tensor:
+def _entmax_general_forward(
+    x: Tensor, alpha: Tensor, dim: int, tol: float, max_iter: int
+) -> tuple[Tensor, Tensor]:
     """Safeguarded Newton on ``‖[z − θ]₊‖_e − 1`` (``e = 1/(α−1)``) with a bracket."""
     z, empty = _shift(x, dim)
     am1 = alpha - 1
@@ -172,7 +174,32 @@ def _entmax_general_forward(x: Tensor, alpha: Tensor, dim: int, tol: float, max_
     del u
     torch.sub(z, theta, out=t).relu_().pow_(e)
     t.div_(t.sum(dim=dim, keepdim=True).clamp_min(tiny))
-    return t.masked_fill_(empty, 0.0)
+    return t.masked_fill_(empty, 0.0), theta
+
+
+def _threshold_map(x: Tensor, alpha: float, dim: int, max_iter: int, tol: float) -> tuple[Tensor, Tensor]:
+    """Forward of the float-α map returning ``(p, θ)``; :func:`_map_from_threshold` recomputes ``p``."""
+    if alpha == 2.0:
+        return _sparsemax_forward(x, dim, max_iter)
+    if alpha == 1.5:
+        return _entmax15_forward(x, dim, tol, max_iter)
+    a = torch.tensor(alpha, dtype=x.dtype, device=x.device)
+    return _entmax_general_forward(x, a, dim, tol, max_iter)
+
+
+def _map_from_threshold(x: Tensor, theta: Tensor, alpha: float, dim: int) -> Tensor:
+    """``p = [(α−1)(x − max x) − θ]₊^{1/(α−1)}`` (renormalized for α ≠ 2), as in the forward."""
+    z, empty = _shift(x, dim)
+    if alpha != 2.0:
+        z.mul_(alpha - 1)
+    z.sub_(theta).relu_()
+    if alpha == 1.5:
+        z.square_()
+    elif alpha != 2.0:
+        z.pow_(1.0 / (alpha - 1))
+    if alpha != 2.0:
+        z.div_(z.sum(dim=dim, keepdim=True).clamp_min(torch.finfo(z.dtype).tiny))
+    return z.masked_fill_(empty, 0.0)
 
 
 def _entmax_backward(p: Tensor, grad: Tensor, alpha: Tensor | float, dim: int) -> Tensor:
@@ -218,7 +245,7 @@ class _Sparsemax(torch.autograd.Function):
     @staticmethod
     def forward(x: Tensor, dim: int, max_iter: int) -> Tensor:  # type: ignore[override]
         compute = _compute_dtype(x.dtype)
-        return _sparsemax_forward(x.to(compute), dim, max_iter).to(x.dtype)
+        return _sparsemax_forward(x.to(compute), dim, max_iter)[0].to(x.dtype)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
@@ -241,10 +268,10 @@ class _Entmax(torch.autograd.Function):
         compute = _compute_dtype(x.dtype)
         xc = x.to(compute)
         if alpha == 1.5:
-            p = _entmax15_forward(xc, dim, tol, max_iter)
+            p = _entmax15_forward(xc, dim, tol, max_iter)[0]
         else:
             a = torch.tensor(alpha, dtype=compute, device=x.device)
-            p = _entmax_general_forward(xc, a, dim, tol, max_iter)
+            p = _entmax_general_forward(xc, a, dim, tol, max_iter)[0]
         return p.to(x.dtype)
 
     @staticmethod
@@ -266,7 +293,7 @@ class _EntmaxAlpha(torch.autograd.Function):
     @staticmethod
     def forward(x: Tensor, alpha: Tensor, dim: int, tol: float, max_iter: int) -> Tensor:  # type: ignore[override]
         compute = _compute_dtype(x.dtype)
-        p = _entmax_general_forward(x.to(compute), alpha.to(compute), dim, tol, max_iter)
+        p = _entmax_general_forward(x.to(compute), alpha.to(compute), dim, tol, max_iter)[0]
         return p.to(x.dtype)
 
     @staticmethod

@@ -1,0 +1,290 @@
+r"""Regularized (one-sided entropic OT) attention (sdpa-one-sided-eot Thm 3.3, Prop. 4.1–4.4).
+
+Each query's weights solve ``p_i = argmax_{p∈Δ} <s_i, p> − Ω(p) − β Σ_j p_j |i − j|`` with
+scores ``s_ij = <q_i, k_j>·scale`` (+ an additive mask). The locality term is linear in ``p``,
+so it becomes the score offset ``−β|i−j|`` (ALiBi, Prop. 4.4) in front of the map ``∇Ω*``.
+
+Names: :func:`regularized_weights` ``(scores, regularizer)`` is the map on given scores (the
+issue's map API); :func:`regularized_attention_weights` ``(q, k, ...)`` are the explicit
+attention weights of :func:`regularized_attention`.
+
+Dispatch of :func:`regularized_attention`:
+
+* :class:`Shannon` → :func:`torch.nn.functional.scaled_dot_product_attention` with scale
+  ``scale/τ`` (and the mask/locality bias divided by ``τ``): fused kernels, O(N) memory
+  without a bias.
+* :class:`SquaredL2` and :class:`Tsallis` with a float α → a blocked implementation
+  (:mod:`attnopt.functional._blocked_sparse`): queries are processed in blocks, only the
+  per-query thresholds are kept, and the backward recomputes each block of weights from them,
+  so neither pass holds the ``Nq × Nk`` matrix.
+* anything else (a user regularizer, a tensor α, a mask that requires grad) → the
+  materialized ``regularized_attention_weights(...) @ v`` (autograd through the map).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnopt._validation import (
+    additive_mask,
+    causal_additive_mask,
+    check_attention_inputs,
+    check_tensor,
+    combine_additive,
+    resolve_scale,
+)
+from attnopt.functional._blocked_sparse import blocked_sparse_attention
+from attnopt.functional.regularizers import Regularizer, Shannon, SquaredL2, Tsallis
+
+__all__ = [
+    "softmax_weights",
+    "regularized_weights",
+    "regularized_attention",
+    "regularized_attention_weights",
+    "locality_bias",
+]
+
+
+def softmax_weights(scores: Tensor, *, temperature: float = 1.0, dim: int = -1) -> Tensor:
+    r"""Shannon-regularized map: ``softmax(s/τ)`` (sdpa-one-sided-eot Thm 3.3, Prop. 4.1).
+
+    .. math:: p = \arg\max_{p\in\Delta} \langle s,p\rangle - \tau \sum_j p_j\log p_j
+              = \mathrm{softmax}(s/\tau)
+
+    Args:
+        scores: (..., S) real scores; ``-inf`` entries get weight 0.
+        temperature: ``τ > 0``.
+        dim: dimension that sums to one.
+    Returns:
+        (..., S) weights; an all ``-inf`` slice gives zeros; half precision computed in float32.
+    Raises:
+        TypeError: non-floating ``scores``.
+        ValueError: ``temperature`` not finite and > 0; NaN/``+inf`` scores; ``dim`` out of range.
+    """
+    check_tensor("scores", scores)
+    _check_scores(scores, dim)
+    return Shannon(temperature).conjugate_grad(scores, dim=dim)
+
+
+def regularized_weights(scores: Tensor, regularizer: Regularizer, *, dim: int = -1) -> Tensor:
+    r"""The regularized prediction map ``∇Ω*(s) = argmax_{p∈Δ} <s,p> − Ω(p)`` (Prop. 4.1–4.3).
+
+    Args:
+        scores: (..., S) real scores; ``-inf`` entries get weight 0.
+        regularizer: :class:`Shannon`, :class:`SquaredL2`, :class:`Tsallis`, or any object with
+            ``conjugate_grad(scores, dim)`` (:class:`~attnopt.functional.regularizers.Regularizer`).
+        dim: dimension that sums to one.
+    Returns:
+        (..., S) weights summing to one along ``dim`` (all ``-inf`` slices: zeros for the
+        built-in regularizers), in the dtype of ``scores``.
+    Raises:
+        TypeError: non-floating ``scores``; a ``regularizer`` without ``conjugate_grad``.
+        ValueError: NaN/``+inf`` scores; ``dim`` out of range.
+    """
+    check_tensor("scores", scores)
+    _check_regularizer(regularizer)
+    _check_scores(scores, dim)
+    return regularizer.conjugate_grad(scores, dim)
+
+
+def locality_bias(
+    nq: int, nk: int, locality: float | Tensor, *, dtype: torch.dtype, device: torch.device | str
+) -> Tensor:
+    r"""``−β_h |i − j|``: the locality (ALiBi) score offset of Prop. 4.4.
+
+    Computed exactly as :class:`attnopt.nn.ALiBiPreference`:
+    ``-(β.view(H,1,1) * (arange(Nq)[:,None] − arange(Nk)[None,:]).abs().to(β.dtype))``.
+
+    Args:
+        nq, nk: query and key lengths.
+        locality: ``β`` — a finite number, a 0-d tensor, or an ``(H,)`` tensor (per head).
+        dtype, device: of the result (a tensor ``β`` is used in its own dtype, then cast).
+    Returns:
+        ``(Nq, Nk)`` for a scalar ``β``, ``(H, Nq, Nk)`` for a per-head ``β``.
+    Raises:
+        ValueError: non-finite ``β`` or a tensor of another shape.
+        TypeError: ``β`` neither a number nor a floating tensor.
+    """
+    pos_q = torch.arange(nq, device=device)
+    dist = pos_q[:, None] - torch.arange(nk, device=device)[None, :]
+    if isinstance(locality, Tensor):
+        if not locality.is_floating_point():
+            raise TypeError(f"locality must be a floating-point tensor, got {locality.dtype}")
+        if locality.dim() > 1:
+            raise ValueError(f"locality must be a scalar or an (H,) tensor, got {tuple(locality.shape)}")
+        if not bool(torch.isfinite(locality).all()):
+            raise ValueError("locality must be finite")
+        beta = locality.to(device)
+        if beta.dim() == 0:
+            return (-(beta * dist.abs().to(beta.dtype))).to(dtype)
+        return (-(beta.view(-1, 1, 1) * dist.abs().to(beta.dtype))).to(dtype)
+    if isinstance(locality, bool) or not isinstance(locality, (int, float)):
+        raise TypeError(f"locality must be a number or a tensor, got {type(locality).__name__}")
+    if not math.isfinite(locality):
+        raise ValueError(f"locality must be finite, got {locality}")
+    return -(float(locality) * dist.abs().to(dtype))
+
+
+def regularized_attention_weights(
+    q: Tensor,
+    k: Tensor,
+    *,
+    regularizer: Regularizer | None = None,
+    attn_mask: Tensor | None = None,
+    scale: float | None = None,
+    locality: float | Tensor | None = None,
+    is_causal: bool = False,
+) -> Tensor:
+    r"""Explicit weights of :func:`regularized_attention` (materialized, for analysis).
+
+    .. math:: P_{i\cdot} = \nabla\Omega^*\big(\langle q_i, k_\cdot\rangle\,\mathrm{scale}
+              + m_{i\cdot} - \beta_h |i - \cdot|\big)
+
+    Args: as :func:`regularized_attention` (without ``v``).
+    Returns:
+        (B, H, Nq, Nk) row-stochastic weights (rows with no admissible key are zeros for the
+        built-in regularizers), in the dtype of ``q`` (half precision computed in float32).
+    Raises:
+        ValueError, TypeError: as :func:`regularized_attention`.
+    """
+    reg = Shannon() if regularizer is None else regularizer
+    _check_regularizer(reg)
+    scores = _scores(q, k, attn_mask, scale, locality, is_causal)
+    return reg.conjugate_grad(scores, -1).to(q.dtype)
+
+
+def regularized_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    regularizer: Regularizer | None = None,
+    attn_mask: Tensor | None = None,
+    scale: float | None = None,
+    locality: float | Tensor | None = None,
+    is_causal: bool = False,
+    block_size: int | None = None,
+) -> Tensor:
+    r"""Attention whose weights solve a regularized argmax (sdpa-one-sided-eot §3–4).
+
+    .. math:: \mathrm{out}_i = \sum_j p_{ij} v_j,\quad
+              p_i = \arg\max_{p\in\Delta} \langle s_i, p\rangle - \Omega(p) - \beta_h\sum_j p_j|i-j|,
+              \quad s_{ij} = \langle q_i,k_j\rangle\,\mathrm{scale} + m_{ij}
+
+    ``Shannon(τ)`` gives ``softmax(s/τ)`` (τ = 1 with the default scale is SDPA, Thm 3.3),
+    ``SquaredL2()`` sparsemax, ``Tsallis(α)`` α-entmax; ``locality=β`` is ALiBi (Prop. 4.4).
+
+    Args:
+        q: (B, H, Nq, d) queries.
+        k: (B, H, Nk, d) keys.
+        v: (B, H, Nk, dv) values.
+        regularizer: default ``Shannon()``; see :func:`regularized_weights`.
+        attn_mask: boolean (``True`` = take part) or additive float mask broadcastable to
+            (B, H, Nq, Nk).
+        scale: score scale (default ``1/sqrt(d)``), > 0.
+        locality: ``β`` ≥ 0 typically; a number or an ``(H,)`` tensor (per head, H = q.shape[-3]).
+        is_causal: also apply SDPA's top-left causal mask.
+        block_size: queries per block in the blocked sparse path (default: about 2^22 scores
+            per block).
+    Returns:
+        (B, H, Nq, dv) in the dtype of ``q``; a row with no admissible key is zeros.
+    Raises:
+        TypeError: non-tensor or non-floating inputs; a regularizer without ``conjugate_grad``.
+        ValueError: shapes that do not fit; ``scale <= 0``; non-finite ``locality``; a per-head
+            ``locality`` whose length is not H; bad ``block_size``.
+    """
+    nq, nk, _ = check_attention_inputs(q, k, v)
+    reg = Shannon() if regularizer is None else regularizer
+    _check_regularizer(reg)
+    alpha_scale = resolve_scale(scale, q.shape[-1])
+    if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    target = (*batch, nq, nk)
+    mask = additive_mask(attn_mask, target, _compute(q.dtype))
+    loc = None if locality is None else _checked_locality(locality, q, nq, nk)
+    if isinstance(reg, Shannon):
+        tau = reg.temperature
+        if mask is None and loc is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=alpha_scale / tau)
+        causal = causal_additive_mask(nq, nk, q.dtype, q.device) if is_causal else None
+        bias = combine_additive(mask.to(q.dtype) if mask is not None else None, loc, causal)
+        assert bias is not None
+        if tau != 1.0:
+            bias = bias / tau
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), scale=alpha_scale / tau)
+    alpha: float | None = None
+    if isinstance(reg, SquaredL2):
+        alpha = 2.0
+    elif isinstance(reg, Tsallis) and not isinstance(reg.alpha, Tensor):
+        alpha = float(reg.alpha)
+    if alpha is not None and not (attn_mask is not None and attn_mask.requires_grad):
+        beta = None
+        if locality is not None:
+            beta = _beta_tensor(locality, q)
+        return blocked_sparse_attention(
+            q, k, v, alpha=alpha, scale=alpha_scale, mask=mask, beta=beta, is_causal=is_causal,
+            block_size=block_size,
+        )
+    weights = regularized_attention_weights(
+        q, k, regularizer=reg, attn_mask=attn_mask, scale=scale, locality=locality, is_causal=is_causal
+    )
+    return torch.matmul(weights, v)
+
+
+def _compute(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _check_regularizer(reg: object) -> None:
+    if not callable(getattr(reg, "conjugate_grad", None)):
+        raise TypeError(
+            "regularizer must provide conjugate_grad(scores, dim) (e.g. Shannon(), SquaredL2(), "
+            f"Tsallis(1.5)), got {type(reg).__name__}"
+        )
+
+
+def _check_scores(scores: Tensor, dim: int) -> None:
+    if not isinstance(dim, int) or not -scores.dim() <= dim < scores.dim():
+        raise ValueError(f"dim={dim!r} is out of range for scores with {scores.dim()} dimensions")
+    if scores.numel() and bool((torch.isnan(scores) | torch.isposinf(scores)).any()):
+        raise ValueError("scores must not contain NaN or +inf (use -inf to mask an entry)")
+
+
+def _beta_tensor(locality: float | Tensor, q: Tensor) -> Tensor:
+    if isinstance(locality, Tensor):
+        return locality.to(device=q.device)
+    return torch.tensor(float(locality), dtype=_compute(q.dtype), device=q.device)
+
+
+def _checked_locality(locality: float | Tensor, q: Tensor, nq: int, nk: int) -> Tensor:
+    bias = locality_bias(nq, nk, locality, dtype=_compute(q.dtype), device=q.device)
+    if bias.dim() == 3:
+        heads = q.shape[-3] if q.dim() >= 3 else 1
+        if bias.shape[0] != heads:
+            raise ValueError(f"per-head locality must have H = {heads} entries, got {bias.shape[0]}")
+    return bias
+
+
+def _scores(
+    q: Tensor,
+    k: Tensor,
+    attn_mask: Tensor | None,
+    scale: float | None,
+    locality: float | Tensor | None,
+    is_causal: bool,
+) -> Tensor:
+    nq, nk, d = check_attention_inputs(q, k)
+    alpha = resolve_scale(scale, d)
+    compute = _compute(q.dtype)
+    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+    mask = additive_mask(attn_mask, (*batch, nq, nk), compute)
+    loc = None if locality is None else _checked_locality(locality, q, nq, nk)
+    causal = causal_additive_mask(nq, nk, compute, q.device) if is_causal else None
+    scores = torch.matmul(q.to(compute), k.to(compute).transpose(-2, -1)) * alpha
+    bias = combine_additive(mask, loc, causal)
+    return scores if bias is None else scores + bias
+
