@@ -8,14 +8,9 @@ from attnopt.functional import (
     Shannon,
     SquaredL2,
     Tsallis,
-    entmax,
-    regularized_attention,
-    regularized_attention_weights,
-    regularized_weights,
-    softmax_weights,
-    sparsemax,
     doubly_normalized_attention,
     doubly_normalized_weights,
+    entmax,
     generalized_attention,
     generalized_weights,
     hybrid_normalized_attention,
@@ -24,6 +19,11 @@ from attnopt.functional import (
     kernel_weights,
     ot_attention,
     ot_weights,
+    regularized_attention,
+    regularized_attention_weights,
+    regularized_weights,
+    softmax_weights,
+    sparsemax,
 )
 
 __version__ = "0.1.0"

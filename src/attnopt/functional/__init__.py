@@ -4,7 +4,16 @@ Conventions: ``q (B,H,Nq,d)``, ``k (B,H,Nk,d)``, ``v (B,H,Nk,dv)``, weights ``(B
 scores ``<q_i,k_j>*scale`` with ``scale = 1/sqrt(d)`` by default; boolean masks use SDPA's
 convention (``True`` = take part), float masks are added to the scores.
 """
+from attnopt.functional.doubly_normalized import (
+    doubly_normalized_attention,
+    doubly_normalized_weights,
+    hybrid_normalized_attention,
+    hybrid_normalized_weights,
+)
 from attnopt.functional.entmax import entmax, sparsemax
+from attnopt.functional.generalized import generalized_attention, generalized_weights
+from attnopt.functional.kernel import kernel_attention, kernel_weights
+from attnopt.functional.ot import ot_attention, ot_weights
 from attnopt.functional.regularized import (
     locality_bias,
     regularized_attention,
@@ -13,15 +22,6 @@ from attnopt.functional.regularized import (
     softmax_weights,
 )
 from attnopt.functional.regularizers import Regularizer, Shannon, SquaredL2, Tsallis
-from attnopt.functional.doubly_normalized import (
-    doubly_normalized_attention,
-    doubly_normalized_weights,
-    hybrid_normalized_attention,
-    hybrid_normalized_weights,
-)
-from attnopt.functional.generalized import generalized_attention, generalized_weights
-from attnopt.functional.kernel import kernel_attention, kernel_weights
-from attnopt.functional.ot import ot_attention, ot_weights
 
 __all__ = [
     "entmax",
