@@ -15,6 +15,7 @@ from attnopt.dual.mem import (
 )
 from attnopt.dual.mem_attention import mem_attention, mem_estimate, mem_weights
 from attnopt.dual.ot import OTMEMSolution, solve_ot_mem, true_preference
+from attnopt.dual.regularized import RegularizedSolution, solve_regularized
 
 __all__: list[str] = [
     "GaussianMEM",
@@ -30,4 +31,6 @@ __all__: list[str] = [
     "OTMEMSolution",
     "solve_ot_mem",
     "true_preference",
+    "RegularizedSolution",
+    "solve_regularized",
 ]
