@@ -59,6 +59,8 @@ def log_matmul_exp(x: Tensor, y: Tensor) -> Tensor:
     xm, ym = _finite_or_zero(xm_raw), _finite_or_zero(ym_raw)
     s = torch.matmul(torch.exp(x - xm), torch.exp(y - ym))
     ok = s >= torch.finfo(s.dtype).tiny ** 0.5
+    if bool(ok.all()):  # the common case: no underflow anywhere
+        return torch.log(s) + (xm + ym)
     out = torch.where(ok, torch.log(torch.where(ok, s, torch.ones_like(s))) + xm + ym, float("-inf"))
     need = ~ok & torch.isfinite(xm_raw) & torch.isfinite(ym_raw)
     if not bool(need.any()):
@@ -90,8 +92,12 @@ def _ot_log_weights(
     if bank_mask is not None:
         scores = scores.masked_fill(~bank_mask.unsqueeze(-2), float("-inf"))
     log_z = log_matmul_exp(scores, log_k)  # log Z_{k,i}, (..., Nq, n)
-    w = _log_preference(u).unsqueeze(-2) - torch.where(torch.isfinite(log_z), log_z, torch.zeros_like(log_z))
-    w = torch.where(torch.isfinite(log_z), w, float("-inf"))  # a template with no admissible bank member
+    finite = torch.isfinite(log_z)
+    if bool(finite.all()):
+        w = _log_preference(u).unsqueeze(-2) - log_z
+    else:  # a template with no admissible bank member drops out
+        w = _log_preference(u).unsqueeze(-2) - torch.where(finite, log_z, torch.zeros_like(log_z))
+        w = torch.where(finite, w, float("-inf"))
     return scores + log_matmul_exp(w, log_k.transpose(-2, -1))
 
 

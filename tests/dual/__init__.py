@@ -1,0 +1,1 @@
+"""Tests of attnopt.dual (a package so that same-named test modules in sibling folders do not clash)."""
