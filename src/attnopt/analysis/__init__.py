@@ -2,6 +2,15 @@
 
 from attnopt.analysis.column_mass import column_mass
 from attnopt.analysis.decompose import Decomposition, decompose, decompose_gat
+from attnopt.analysis.dual_deviation import (
+    DualDeviation,
+    DualMapping,
+    dual_deviation,
+    eq19_mapping,
+    map_captured,
+)
+from attnopt.analysis.hooks import AttentionSite, CapturedAttention, capture_attention, find_attention_sites
+from attnopt.analysis.lenses import HeadLenses, attention_entropy, effective_support, head_lenses
 from attnopt.analysis.mode_collapse import count_clusters, iterate_attention, mode_collapse_distance
 
 __all__: list[str] = [
@@ -12,4 +21,17 @@ __all__: list[str] = [
     "Decomposition",
     "decompose",
     "decompose_gat",
+    "AttentionSite",
+    "CapturedAttention",
+    "capture_attention",
+    "find_attention_sites",
+    "DualDeviation",
+    "DualMapping",
+    "dual_deviation",
+    "eq19_mapping",
+    "map_captured",
+    "HeadLenses",
+    "attention_entropy",
+    "effective_support",
+    "head_lenses",
 ]

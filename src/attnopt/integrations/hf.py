@@ -1,0 +1,257 @@
+"""Run any Hugging Face transformers model with attnopt's attention mechanisms.
+
+:func:`register` adds each parameter-free mechanism of the package to
+``transformers.AttentionInterface`` **together with a mask function** in
+``transformers.masking_utils.AttentionMaskInterface`` under the same name — a function
+registered without one silently receives ``attention_mask=None`` (padded batches then attend
+to padding). The mask function always materializes a boolean mask (``True`` = take part),
+never relying on an ``is_causal`` shortcut; in self-attention the rows of padding queries
+are masked too, so that normalizations over queries (DNAS, Sinkhorn) see only real tokens
+(a padded batch gives the unpadded results; outputs at padding positions are zeros).
+After ``register()``::
+
+    model = AutoModel.from_pretrained(path, attn_implementation="attnopt_dnas")
+    model.set_attn_implementation("attnopt_sparsemax")
+
+=====================  ==================================================================
+name                   mechanism (options: :func:`register` defaults, or per call as
+                       ``model(..., attnopt_iterations=0)`` keywords)
+=====================  ==================================================================
+attnopt_generalized    :func:`attnopt.generalized_attention`; T5's position bias is ``log u``
+attnopt_dnas           :func:`attnopt.doubly_normalized_attention` (``attnopt_iterations``, 1)
+attnopt_sinkhorn       the same with ``attnopt_iterations`` Sinkhorn steps (default 3)
+attnopt_hnas           :func:`attnopt.hybrid_normalized_attention` with fixed ``attnopt_weight``
+attnopt_sparsemax      :func:`attnopt.regularized_attention` with ``SquaredL2()``
+attnopt_entmax         the same with ``Tsallis(attnopt_alpha)`` (default 1.5)
+=====================  ==================================================================
+
+The list is data (:data:`MECHANISMS`): a mechanism whose function is missing from the
+package is reported by :func:`register`, not a crash. Dropout is supported by
+``attnopt_generalized`` only; the others raise in training mode with dropout > 0.
+"""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["MECHANISMS", "Mechanism", "RegisterReport", "register", "registered_names", "embedding_shift"]
+
+
+@dataclass(frozen=True)
+class Mechanism:
+    """One registrable attention: ``name`` and the ``module:function`` it needs."""
+
+    name: str
+    target: str
+    defaults: tuple[tuple[str, Any], ...] = ()
+
+
+MECHANISMS: tuple[Mechanism, ...] = (
+    Mechanism("attnopt_generalized", "attnopt.functional:generalized_attention"),
+    Mechanism("attnopt_dnas", "attnopt.functional:doubly_normalized_attention", (("iterations", 1),)),
+    Mechanism("attnopt_hnas", "attnopt.functional:hybrid_normalized_attention",
+              (("iterations", 1), ("weight", 0.5))),
+    Mechanism("attnopt_sinkhorn", "attnopt.functional:doubly_normalized_attention", (("iterations", 3),)),
+    Mechanism("attnopt_sparsemax", "attnopt.functional:regularized_attention"),
+    Mechanism("attnopt_entmax", "attnopt.functional:regularized_attention", (("alpha", 1.5),)),
+)
+
+
+@dataclass
+class RegisterReport:
+    """What :func:`register` did: ``registered`` names, ``missing`` ``{name: reason}``."""
+
+    registered: list[str] = field(default_factory=list)
+    missing: dict[str, str] = field(default_factory=dict)
+
+
+def _resolve(target: str) -> Callable[..., Tensor]:
+    module, _, attr = target.partition(":")
+    fn = getattr(importlib.import_module(module), attr)
+    if not callable(fn):
+        raise TypeError(f"{target} is not callable")
+    return fn  # type: ignore[no-any-return]
+
+
+def _bool_mask_function(*args: Any, **kwargs: Any) -> Tensor | None:
+    """``AttentionMaskInterface`` entry: SDPA's boolean mask, always materialized."""
+    from transformers.masking_utils import sdpa_mask
+
+    kwargs["allow_is_causal_skip"] = False
+    kwargs["allow_is_bidirectional_skip"] = False
+    return sdpa_mask(*args, **kwargs)  # type: ignore[no-any-return]
+
+
+def _masks(module: Any, query: Tensor, key: Tensor, attention_mask: Tensor | None,
+           position_bias: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    """``(bool mask or None, additive float bias or None)`` of the HF call."""
+    keep: Tensor | None = None
+    bias: Tensor | None = None
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            keep = attention_mask
+        else:  # an eager-style float mask: finfo.min marks excluded pairs
+            keep = attention_mask > torch.finfo(attention_mask.dtype).min / 2
+            bias = torch.where(keep, attention_mask, torch.zeros_like(attention_mask)).to(query.dtype)
+    elif getattr(module, "is_causal", False) and query.shape[-2] > 1:
+        nq, nk = query.shape[-2], key.shape[-2]
+        keep = torch.ones(nq, nk, dtype=torch.bool, device=query.device).tril(nk - nq)
+    if position_bias is not None:
+        pb = position_bias.to(query.dtype)
+        bias = pb if bias is None else bias + pb
+    if keep is not None and keep.shape[-2:] != (query.shape[-2], key.shape[-2]):
+        keep = keep[..., : query.shape[-2], : key.shape[-2]]
+    if keep is not None and not _is_cross(module) and keep.shape[-1] == keep.shape[-2]:
+        # self-attention: a query whose own token is masked is padding; drop its row so that
+        # normalizations over queries (DNAS, Sinkhorn) see only real tokens
+        keep = keep & keep.diagonal(dim1=-2, dim2=-1).unsqueeze(-1)
+    return keep, bias
+
+
+def _is_cross(module: Any) -> bool:
+    """Cross-attention module? (BERT-style ``*CrossAttention`` classes; T5's non-causal decoder one)."""
+    if "cross" in type(module).__name__.lower():
+        return True
+    return bool(getattr(module, "is_decoder", False)) and not bool(getattr(module, "is_causal", True))
+
+
+def _additive(keep: Tensor | None, bias: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    if bias is None:
+        return keep
+    if keep is None:
+        return bias
+    return bias.to(dtype).masked_fill(~keep, float("-inf"))
+
+
+def _make(mech: Mechanism, fn: Callable[..., Tensor], defaults: dict[str, Any]) -> Callable[..., Any]:
+    from attnopt.functional import SquaredL2, Tsallis
+
+    def attention(module: Any, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                  scaling: float | None = None, dropout: float = 0.0, **kwargs: Any) -> tuple[Tensor, None]:
+        groups = int(getattr(module, "num_key_value_groups", 1) or 1)
+        if groups > 1:
+            key = key.repeat_interleave(groups, dim=1)
+            value = value.repeat_interleave(groups, dim=1)
+        opts = {o: kwargs.get(f"attnopt_{o}", v) for o, v in defaults.items()}
+        if dropout > 0.0 and mech.name != "attnopt_generalized":
+            raise ValueError(f"{mech.name} does not implement attention dropout; call model.eval() "
+                             "or set the attention dropout to 0")
+        keep, bias = _masks(module, query, key, attention_mask, kwargs.get("position_bias"))
+        if mech.name == "attnopt_generalized":
+            out = fn(query, key, value, log_preference=bias, attn_mask=keep, scale=scaling, dropout_p=dropout)
+        elif mech.name in ("attnopt_dnas", "attnopt_sinkhorn"):
+            out = fn(query, key, value, iterations=int(opts["iterations"]),
+                     attn_mask=_additive(keep, bias, query.dtype), scale=scaling)
+        elif mech.name == "attnopt_hnas":
+            w = torch.as_tensor(float(opts["weight"]), dtype=query.dtype, device=query.device)
+            out = fn(query, key, value, w, iterations=int(opts["iterations"]),
+                     attn_mask=_additive(keep, bias, query.dtype), scale=scaling)
+        else:
+            reg = SquaredL2() if mech.name == "attnopt_sparsemax" else Tsallis(float(opts["alpha"]))
+            out = fn(query, key, value, regularizer=reg, attn_mask=_additive(keep, bias, query.dtype),
+                     scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    attention.__name__ = mech.name
+    attention.__doc__ = f"Hugging Face attention function {mech.name} ({mech.target})."
+    return attention
+
+
+def register(
+    *,
+    dnas_iterations: int = 1,
+    sinkhorn_iterations: int = 3,
+    hnas_weight: float = 0.5,
+    entmax_alpha: float = 1.5,
+) -> RegisterReport:
+    """Register every available mechanism with ``AttentionInterface`` and ``AttentionMaskInterface``.
+
+    Args:
+        dnas_iterations: default Sinkhorn steps of ``attnopt_dnas`` / ``attnopt_hnas`` (0 = softmax).
+        sinkhorn_iterations: default steps of ``attnopt_sinkhorn``.
+        hnas_weight: fixed mixing weight ``w`` of ``attnopt_hnas`` (1 = DNAS, 0 = softmax).
+        entmax_alpha: ``α`` of ``attnopt_entmax``.
+
+    Returns:
+        a :class:`RegisterReport`; a mechanism whose function cannot be imported is listed in
+        ``missing`` with the reason.
+
+    Raises:
+        ImportError: ``transformers`` is not installed (``pip install 'attnopt[hf]'``).
+        ValueError: an option out of range.
+    """
+    if dnas_iterations < 0 or sinkhorn_iterations < 0:
+        raise ValueError("iterations must be >= 0")
+    if not 0.0 <= hnas_weight <= 1.0:
+        raise ValueError(f"hnas_weight must be in [0, 1], got {hnas_weight}")
+    if not entmax_alpha > 1.0:
+        raise ValueError(f"entmax_alpha must be > 1, got {entmax_alpha}")
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("attnopt.integrations.hf needs transformers: pip install 'attnopt[hf]'") from exc
+    overrides = {"attnopt_dnas": {"iterations": dnas_iterations},
+                 "attnopt_hnas": {"iterations": dnas_iterations, "weight": hnas_weight},
+                 "attnopt_sinkhorn": {"iterations": sinkhorn_iterations},
+                 "attnopt_entmax": {"alpha": entmax_alpha}}
+    report = RegisterReport()
+    for mech in MECHANISMS:
+        try:
+            fn = _resolve(mech.target)
+        except (ImportError, AttributeError, TypeError) as exc:
+            report.missing[mech.name] = f"{mech.target}: {exc}"
+            continue
+        defaults = {**dict(mech.defaults), **overrides.get(mech.name, {})}
+        AttentionInterface.register(mech.name, _make(mech, fn, defaults))
+        AttentionMaskInterface.register(mech.name, _bool_mask_function)
+        report.registered.append(mech.name)
+    return report
+
+
+def registered_names() -> list[str]:
+    """The attnopt names currently known to ``AttentionInterface``."""
+    from transformers import AttentionInterface
+
+    return [m.name for m in MECHANISMS if m.name in AttentionInterface._global_mapping]
+
+
+def _pooled(model: Any, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    encoder = model.get_encoder() if getattr(model.config, "is_encoder_decoder", False) else model
+    hidden = encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    m = attention_mask.unsqueeze(-1).to(hidden.dtype)
+    return (hidden * m).sum(1) / m.sum(1).clamp_min(1)
+
+
+def embedding_shift(model: Any, input_ids: Tensor, attention_mask: Tensor, attention: str) -> Tensor:
+    """Cosine similarity per sentence between mean-pooled embeddings before/after swapping attention.
+
+    The model runs with its current implementation, then with ``attention`` (registered
+    first when it is an attnopt name), then its implementation is restored.
+
+    Returns:
+        (B,) cosine similarities (1 = the embedding did not move).
+    Raises:
+        ValueError: ``attention`` is not a known implementation.
+    """
+    from transformers import AttentionInterface
+
+    if attention.startswith("attnopt_") and attention not in AttentionInterface._global_mapping:
+        register()
+    previous = model.config._attn_implementation
+    with torch.no_grad():
+        base = _pooled(model, input_ids, attention_mask)
+        try:
+            model.set_attn_implementation(attention)
+        except (ValueError, ImportError, KeyError) as exc:
+            raise ValueError(f"unknown attention implementation {attention!r}: {exc}") from exc
+        try:
+            swapped = _pooled(model, input_ids, attention_mask)
+        finally:
+            model.set_attn_implementation(previous)
+    return torch.nn.functional.cosine_similarity(base, swapped, dim=-1)
