@@ -75,29 +75,31 @@ def _cg_lowrank(G: Tensor, p: Tensor, alpha: float, y: Tensor, rtol: Tensor, max
     iteration costs one batched ``(K,Q,n) @ (K,n,n)`` product. Stops per problem when
     ``‖Tᵀ(y − Mx)‖ ≤ rtol ‖Tᵀy‖``.
     """
-    x = torch.zeros_like(y)
-    rho = y
-    Grho = y @ G
-    d, Gd = rho, Grho
-    gamma = (rho * Grho).sum(-1)
+    x = torch.zeros_like(y, memory_format=torch.contiguous_format)
+    rho = y.contiguous().clone()
+    Grho = rho @ G
+    d, Gd = rho.clone(), Grho.clone()
+    gamma = torch.linalg.vecdot(rho, Grho)
     stop = gamma.clamp(min=0) * rtol.square()
     tiny = torch.finfo(y.dtype).tiny
+    inv_alpha = 1.0 / alpha
     for _ in range(max_cg):
         active = gamma > stop
         if not bool(active.any()):
             break
-        WGd = _w_apply(p, Gd)
-        Md = d / alpha + WGd
-        GMd = Gd / alpha + WGd @ G
-        curv = (d * GMd).sum(-1)
+        # W (G d) = p ⊙ (Gd − <p, Gd>)
+        WGd = torch.sub(Gd, torch.linalg.vecdot(p, Gd).unsqueeze(-1)).mul_(p)
+        GMd = torch.baddbmm(Gd, WGd, G, beta=inv_alpha)  # G M d = Gd/α + G W G d
+        Md = WGd.add_(d, alpha=inv_alpha)  # M d = d/α + W G d (reuses WGd's storage)
+        curv = torch.linalg.vecdot(d, GMd)
         a = torch.where(active, gamma / curv.clamp(min=tiny), torch.zeros_like(gamma)).unsqueeze(-1)
-        x = x + a * d
-        rho = rho - a * Md
-        Grho = Grho - a * GMd
-        gamma_new = (rho * Grho).sum(-1)
+        x.addcmul_(a, d)
+        rho.addcmul_(a, Md, value=-1.0)
+        Grho.addcmul_(a, GMd, value=-1.0)
+        gamma_new = torch.linalg.vecdot(rho, Grho)
         beta = torch.where(active, gamma_new / gamma.clamp(min=tiny), torch.zeros_like(gamma)).unsqueeze(-1)
-        d = rho + beta * d
-        Gd = Grho + beta * Gd
+        d.mul_(beta).add_(rho)
+        Gd.mul_(beta).add_(Grho)
         gamma = torch.where(active, gamma_new, gamma)
     return x
 
@@ -187,7 +189,9 @@ def newton_mem(
             lse = torch.logsumexp(s, dim=-1, keepdim=True)
             p = torch.exp(s - lse)
             r = beta / alpha + p
-            gnorm = (r @ T).norm(dim=-1)
+            # ‖∇f‖ = ‖Tᵀr‖ = sqrt(rᵀGr): an n×n product instead of n×d (the returned
+            # grad_norm is re-measured from λ* at the end)
+            gnorm = torch.linalg.vecdot(r, r @ G).clamp(min=0).sqrt()
             active = (gnorm > tol_eff) & ~stalled
             iterations = it
             if it == max_iter or not bool(active.any()):
