@@ -75,7 +75,7 @@ class _BlockedSparseAttention(torch.autograd.Function):
         tol = _default_tol(compute)
         max_iter = 1000 if alpha == 2.0 else 100
         kc, vc = k.to(compute), v.to(compute)
-        b = beta.detach().to(compute) if beta is not None else None
+        b = beta.detach() if beta is not None else None  # bias in the dtype of beta, as ALiBi
         nq = q.shape[-2]
         out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
         thetas = torch.empty((*q.shape[:-1], 1), dtype=compute, device=q.device)
@@ -99,7 +99,7 @@ class _BlockedSparseAttention(torch.autograd.Function):
         q, k, v, mask, beta, thetas = ctx.saved_tensors
         compute = _compute(q.dtype)
         kc, vc = k.to(compute), v.to(compute)
-        b = beta.detach().to(compute) if beta is not None else None
+        b = beta.detach() if beta is not None else None  # bias in the dtype of beta, as ALiBi
         want_beta = beta is not None and ctx.needs_input_grad[4]
         dq = torch.zeros(q.shape, dtype=compute, device=q.device)
         dk = torch.zeros(k.shape, dtype=compute, device=q.device)
