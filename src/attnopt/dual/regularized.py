@@ -160,7 +160,7 @@ def solve_regularized(
             gb = g - s - mu * pinv * a
             hb = h + torch.diag_embed(mu * pinv * pinv) + torch.diag_embed(1.0 - a)
             rhs = torch.stack([gb, a], dim=-1)
-            sol = torch.linalg.solve(hb + 1e-14 * eye, rhs)
+            sol, _ = torch.linalg.solve_ex(hb + 1e-14 * eye, rhs)  # PD by construction
             xg, xa = sol[..., 0], sol[..., 1]
             nu = -(a * xg).sum(-1, keepdim=True) / (a * xa).sum(-1, keepdim=True).clamp_min(1e-300)
             step = -(xg + nu * xa) * a
