@@ -155,3 +155,19 @@ def test_bad_inputs():
         kernel_attention(q, k, v, kernel=RBF(), attn_mask=torch.ones(4, 4, dtype=torch.bool))
     with pytest.raises(ValueError):
         kernel_attention(q, k, v[..., :4, :], kernel=RBF())
+
+
+def test_exp_free_path_chunked_equals_log_domain(monkeypatch):
+    import attnopt.functional.kernel as fk
+
+    q, k, v = _qkv(11, nq=9, nk=7)
+    keep = torch.tensor([True, True, False, True, True, True, False]).view(1, 1, 1, 7)
+    kern = KERNELS["nsf"][0]()
+    full = kernel_attention(q, k, v, kernel=kern, magnitude_p=0.9, attn_mask=keep)
+    monkeypatch.setattr(fk, "_DIRECT_CHUNK_ELEMS", 7)  # one query row per chunk
+    with torch.no_grad():  # in-place branch
+        chunked = kernel_attention(q, k, v, kernel=kern, magnitude_p=0.9, attn_mask=keep)
+    # the log-domain path, forced by a query-dependent (but equivalent) mask
+    logdom = kernel_attention(q, k, v, kernel=kern, magnitude_p=0.9, attn_mask=keep.expand(1, 1, 9, 7))
+    torch.testing.assert_close(chunked, logdom)
+    torch.testing.assert_close(full, logdom)

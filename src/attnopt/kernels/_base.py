@@ -36,10 +36,12 @@ class Kernel:
     Attributes:
         squared: ``True`` when the kernel can be negative, so attention uses ``f²``.
         has_features: ``True`` when :meth:`features` exists (linear-time mode possible).
+        bounded: ``True`` when ``|f| ≤ 1`` everywhere (random Fourier kernels).
     """
 
     squared: bool = False
     has_features: bool = False
+    bounded: bool = False
 
     def __call__(self, q: Tensor, k: Tensor) -> Tensor:
         """Gram matrix ``K_ij = f(q_i, k_j)``: (..., Nq, Nk)."""

@@ -33,6 +33,7 @@ class RandomFourier(Kernel):
 
     squared = True
     has_features = True
+    bounded = True  # |f| ≤ 1: a mean of cosines
 
     def __init__(self, spectral_points: Tensor) -> None:
         self.spectral_points = check_spectral_points("spectral_points", spectral_points)

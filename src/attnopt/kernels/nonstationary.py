@@ -32,6 +32,7 @@ class NonStationaryFourier(Kernel):
 
     squared = True
     has_features = True
+    bounded = True  # |f| ≤ 1: a mean of cosines
 
     def __init__(self, w1: Tensor, w2: Tensor) -> None:
         self.w1 = check_spectral_points("w1", w1)
