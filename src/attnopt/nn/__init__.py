@@ -19,6 +19,7 @@ from attnopt.nn.preference import (
     PreferenceModule,
     T5RelativePreference,
 )
+from attnopt.nn.regularized import RegularizedMultiheadAttention
 
 __all__: list[str] = [
     "ALiBiPreference",
@@ -31,5 +32,6 @@ __all__: list[str] = [
     "MEMEstimate",
     "OTAttention",
     "PreferenceModule",
+    "RegularizedMultiheadAttention",
     "T5RelativePreference",
 ]
