@@ -172,8 +172,13 @@ def newton_mem(
     b = u_bar @ T + z  # μ + z, (K, Q, d)
     G = gram(T) if lowrank else None
     # Both paths start from the second-order approximation (13): λ0 = (I/α + Σ_u)^{-1} z.
-    tol_eff = torch.clamp(tol_floor(T, b), min=tol)
+    floor = tol_floor(T, b)
+    tol_eff = torch.clamp(floor, min=tol)  # what `converged` is judged against (at the end)
+    # Iterate to a bit below the floor (the in-loop gradient and the one re-measured from λ*
+    # differ by rounding), but stop a problem whose gradient no longer decreases near the floor.
+    target = torch.clamp(0.5 * floor, min=tol)
     stalled = torch.zeros(b.shape[:-1], dtype=torch.bool, device=b.device)
+    prev = torch.full(b.shape[:-1], float("inf"), dtype=b.dtype, device=b.device)
     iterations = 0
     if lowrank:
         assert G is not None
@@ -192,7 +197,9 @@ def newton_mem(
             # ‖∇f‖ = ‖Tᵀr‖ = sqrt(rᵀGr): an n×n product instead of n×d (the returned
             # grad_norm is re-measured from λ* at the end)
             gnorm = torch.linalg.vecdot(r, r @ G).clamp(min=0).sqrt()
-            active = (gnorm > tol_eff) & ~stalled
+            stalled = stalled | ((gnorm >= 0.9 * prev) & (gnorm <= 8 * floor))
+            prev = gnorm
+            active = (gnorm > target) & ~stalled
             iterations = it
             if it == max_iter or not bool(active.any()):
                 break
@@ -221,7 +228,9 @@ def newton_mem(
             p = torch.exp(s - lse)
             g = b - lam / alpha - p @ T
             gnorm = g.norm(dim=-1)
-            active = (gnorm > tol_eff) & ~stalled
+            stalled = stalled | ((gnorm >= 0.9 * prev) & (gnorm <= 8 * floor))
+            prev = gnorm
+            active = (gnorm > target) & ~stalled
             iterations = it
             if it == max_iter or not bool(active.any()):
                 break
