@@ -28,7 +28,7 @@ from attnopt.kernels import Kernel
 
 __all__ = ["linear_kernel_attention"]
 
-_KEY_CHUNK = 4096
+_KEY_CHUNK = 1024
 _CAUSAL_CHUNK = 128
 
 
