@@ -11,13 +11,15 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def tiny_bert(seed: int = 0, *, vocab_size: int = 99, layers: int = 2, attn: str = "eager"):
-    """A 2-layer, 4-head, width-32 BERT in eval mode."""
+def tiny_bert(seed: int = 0, *, vocab_size: int = 99, layers: int = 2, attn: str = "eager",
+              init_range: float = 0.02):
+    """A 2-layer, 4-head, width-32 BERT in eval mode (``init_range``: weight init std)."""
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(seed)
     cfg = BertConfig(hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=37,
-                     vocab_size=vocab_size, max_position_embeddings=64, attn_implementation=attn)
+                     vocab_size=vocab_size, max_position_embeddings=64, attn_implementation=attn,
+                     initializer_range=init_range)
     return BertModel(cfg).eval()
 
 

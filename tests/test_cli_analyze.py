@@ -1,0 +1,55 @@
+"""``attnopt analyze`` on a tiny random BERT (with the bundled MiniLM tokenizer) writes every file."""
+import csv
+import json
+import shutil
+
+import pytest
+
+from attnopt.cli import main
+from tests.reference.hf_tiny import tiny_bert
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from attnopt.analysis.pretrained import bundled_model_path
+
+    folder = tmp_path_factory.mktemp("tiny_bert")
+    tiny_bert(vocab_size=30522).save_pretrained(folder)
+    for name in TOKENIZER_FILES:
+        shutil.copy(bundled_model_path() / name, folder / name)
+    return folder
+
+
+def test_analyze_writes_every_promised_file(model_dir, tmp_path, capsys):
+    text = tmp_path / "text.txt"
+    text.write_text("The cat sat on the mat.\n\nA much longer sentence with many more words in it.\nShort one.\n")
+    out = tmp_path / "out"
+    rc = main(["analyze", str(model_dir), "--text", str(text), "--max-tokens", "12", "--out", str(out),
+               "--no-progress", "--attention", "attnopt_dnas", "--solver", "shared"])
+    assert rc == 0
+    for name in ("analysis.md", "analysis.html", "analysis.json", "analysis.csv", "figures/deviation_by_layer.png",
+                 "figures/deviation_by_head_self.png", "figures/lenses.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    doc = json.loads((out / "analysis.json").read_text())
+    assert doc["n_sentences"] == 3 and len(doc["sites"]) == 2 and doc["reconstruction_failures"] == []
+    assert doc["embedding_shift"]["attention"] == "attnopt_dnas" and len(doc["embedding_shift"]["cosine"]) == 3
+    assert set(doc["timings_s"]) >= {"load", "forward", "solves", "lenses", "report", "attention_swap"}
+    site = doc["sites"][0]
+    assert site["reconstruction_ok"] is True and site["reconstruction_error"] < 1e-5
+    n_queries = len(site["deviations"][0])
+    with (out / "analysis.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == 2 * 4 * n_queries  # one row per layer, head and (non-padding) query
+    assert {r["token"] for r in rows} >= {"[CLS]", "[SEP]", "cat"}
+    printed = capsys.readouterr().out
+    assert "mean deviation per layer" in printed and "time:" in printed
+    md = (out / "analysis.md").read_text()
+    assert "Reconstruction check" in md and "deviation_by_layer.png" in md
+
+
+def test_analyze_bad_arguments(tmp_path, capsys):
+    assert main(["analyze", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    assert "config.json" in capsys.readouterr().err
+    assert main(["analyze", "--sentences", "0", "--out", str(tmp_path / "o")]) == 2
