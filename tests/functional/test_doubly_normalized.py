@@ -264,3 +264,13 @@ def test_bad_inputs():
         hybrid_normalized_weights(q, k, 0.5)
     with pytest.raises(TypeError):
         doubly_normalized_weights(q.long(), k)
+
+
+def test_differentiable_float_mask_gets_its_gradient():
+    q, k, v = _inputs(1, 2, 4, 5, 3, 3)
+    mask = torch.randn(1, 2, 4, 5, dtype=torch.float64, requires_grad=True)
+    out = doubly_normalized_attention(q, k, v, attn_mask=mask, iterations=2)
+    ref = attention_ref(q, k, v, 2, mask=mask)
+    torch.testing.assert_close(out, ref)
+    go = torch.randn_like(out)
+    torch.testing.assert_close(torch.autograd.grad(out, mask, go)[0], torch.autograd.grad(ref, mask, go)[0])

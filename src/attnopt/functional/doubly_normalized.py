@@ -198,7 +198,8 @@ def doubly_normalized_attention(
     masks ``(…, 1, Nk)`` and ``is_causal``; a full ``(…, Nq, Nk)`` mask costs its own size.
     Finite key-only biases cancel in the column normalization (only ``-inf``/``False``
     matters); a key no query may see is left out of every normalization (weight 0). Masks
-    are not differentiated.
+    are differentiated only when they require grad, and then through the materialized
+    ``Nq × Nk`` weights (as SDPA's math kernel does).
 
     Args:
         q: (B, H, Nq, d) queries (any leading batch dims that broadcast).
@@ -224,6 +225,10 @@ def doubly_normalized_attention(
     alpha = resolve_scale(scale, q.shape[-1])
     if iterations == 0:
         return _lnas(q, k, v, attn_mask, alpha, is_causal)
+    if isinstance(attn_mask, Tensor) and attn_mask.requires_grad and torch.is_grad_enabled():
+        # a differentiable mask: materialize (as SDPA's math kernel does) so that it gets its gradient
+        w = _weights(q, k, iterations, attn_mask, alpha, is_causal)
+        return torch.matmul(w, v.to(w.dtype)).to(q.dtype)
     return _dnas(q, k, v, iterations, attn_mask, alpha, is_causal)
 
 
