@@ -112,8 +112,10 @@ class _Dnas1(torch.autograd.Function):
         q: Tensor, k: Tensor, v: Tensor, row_valid: Tensor, col_valid: Tensor,
         full_mask: Tensor | None, causal: bool, scale: float,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        zeros = torch.zeros(row_valid.shape, dtype=_pot_dtype(q), device=q.device)
-        qmask = key_bias(zeros, row_valid, None if full_mask is None else full_mask.transpose(-1, -2))
+        qmask: Tensor | None = None
+        if full_mask is not None or not bool(row_valid.all()):  # no mask at all is the kernel's fast path
+            zeros = torch.zeros(row_valid.shape, dtype=_pot_dtype(q), device=q.device)
+            qmask = key_bias(zeros, row_valid, None if full_mask is None else full_mask.transpose(-1, -2))
         a, c = _column_pass(q, k, qmask, causal, scale)
         bias = key_bias(c, col_valid, full_mask)
         out, r = _flash(q, k, v, bias, causal, scale)
