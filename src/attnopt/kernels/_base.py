@@ -14,20 +14,25 @@ from torch import Tensor
 
 from attnopt._validation import check_attention_inputs, check_tensor
 
-__all__ = ["Kernel", "sqdist", "safe_norm"]
+__all__ = ["Kernel", "dist", "sqdist", "safe_norm"]
+
+
+def dist(a: Tensor, b: Tensor) -> Tensor:
+    """Pairwise ``‖a_i − b_j‖`` (..., Na, Nb) by ``torch.cdist`` (matmul form; zero gradient at 0)."""
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a = a.expand(*batch, *a.shape[-2:])
+    b = b.expand(*batch, *b.shape[-2:])
+    return torch.cdist(a, b, compute_mode="use_mm_for_euclid_dist")
 
 
 def sqdist(a: Tensor, b: Tensor) -> Tensor:
-    """Pairwise ``‖a_i − b_j‖²`` by the matmul expansion, clamped at 0: (..., Na, Nb)."""
-    an = a.pow(2).sum(-1).unsqueeze(-1)
-    bn = b.pow(2).sum(-1).unsqueeze(-2)
-    return (an + bn - 2 * torch.matmul(a, b.transpose(-2, -1))).clamp_min(0)
+    """Pairwise ``‖a_i − b_j‖²`` (..., Na, Nb), ≥ 0."""
+    return dist(a, b).square()
 
 
 def safe_norm(sq: Tensor) -> Tensor:
-    """``sqrt(sq)`` with a zero (not NaN) gradient where ``sq == 0``."""
-    pos = sq > 0
-    return torch.where(pos, torch.where(pos, sq, torch.ones_like(sq)).sqrt(), torch.zeros_like(sq))
+    """``sqrt(sq)`` with a zero (not NaN) gradient where ``sq`` is 0 (below 1e-30, clamped)."""
+    return sq.clamp_min(1e-30).sqrt()
 
 
 class Kernel:

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import Tensor
 
-from attnopt.kernels._base import Kernel, safe_norm, sqdist
+from attnopt.kernels._base import Kernel, dist, safe_norm
 
 __all__ = ["Periodic"]
 
@@ -39,20 +40,20 @@ class Periodic(Kernel):
     def _inv_l2(self, d: int) -> float:
         return 1.0 / math.sqrt(d) if self.lengthscale is None else 1.0 / self.lengthscale**2
 
-    def _log_from_sq(self, sq: Tensor, d: int) -> Tensor:
-        r = safe_norm(sq)
-        return -2.0 * self._inv_l2(d) * (math.pi * r / self.period).sin().pow(2)
+    def _log_from_dist(self, r: Tensor, d: int) -> Tensor:
+        # −2 sin²(πr/P)/l² = (cos(2πr/P) − 1)/l²: one transcendental per entry.
+        return (torch.cos(r * (2.0 * math.pi / self.period)) - 1.0) * self._inv_l2(d)
 
     def log_gram(self, q: Tensor, k: Tensor) -> Tensor:
         """``−2 sin²(π‖q_i − k_j‖/P) / l²``: (..., Nq, Nk)."""
         self._check(q, k)
-        return self._log_from_sq(sqdist(q, k), q.shape[-1])
+        return self._log_from_dist(dist(q, k), q.shape[-1])
 
     def __call__(self, q: Tensor, k: Tensor) -> Tensor:
         return self.log_gram(q, k).exp()
 
     def log_paired(self, x: Tensor, y: Tensor) -> Tensor:
-        return self._log_from_sq((x - y).pow(2).sum(-1), x.shape[-1])
+        return self._log_from_dist(safe_norm((x - y).pow(2).sum(-1)), x.shape[-1])
 
     def __repr__(self) -> str:
         return f"Periodic(period={self.period}, lengthscale={self.lengthscale})"

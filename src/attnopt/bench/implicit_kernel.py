@@ -1,0 +1,155 @@
+"""Bench rows for implicit kernel attention (implicit-kernel-attention eq. 9–16, Table 1).
+
+Functional rows (B=1, H=4, d=64, float32, forward):
+
+* ``variants N=…``: every kernel variant of ``kernel_attention`` (quadratic mode) against SDPA
+  (baseline): RBF-only, Expsin, Linear, IKA_S (R=8), IKA_NS / IKAN (R=8, 16), and the exact
+  linear mode of IKAN (R=8).
+* ``linear vs quadratic N=…``: IKAN (R=8) quadratic (baseline) vs the exact linear mode.
+* ``linear scaling``: the linear mode at growing N against the smallest N (ideal ratio N/N₀),
+  up to N = 65,536 in full mode.
+* ``module N=…``: each ``ImplicitKernelAttention`` variant vs ``nn.MultiheadAttention``
+  (baseline), projections included.
+
+On CPU every row is the best of ``repeat`` runs in *thread CPU time* with torch limited to one
+thread (restored afterwards): on a shared, overloaded machine wall-clock medians were dominated
+by waiting for a core (ratios swung by 10×), while CPU time measures the work itself. On CUDA
+the harness's synchronized wall-clock :func:`time_call` is used.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnopt.bench._harness import BenchContext, Measurement, bench_suite, peak_memory_mb, time_call
+from attnopt.functional.kernel import kernel_attention
+from attnopt.kernels import RBF, Linear, NonStationaryFourier, Periodic, RandomFourier
+from attnopt.nn.implicit_kernel import ImplicitKernelAttention
+
+SUITE = "implicit_kernel"
+H, D = 4, 64
+Fn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _impls(device: str) -> dict[str, Fn]:
+    g = torch.Generator().manual_seed(0)
+    rff8 = RandomFourier(RandomFourier.rbf(8, D, generator=g).spectral_points.to(device))
+    nsf8 = NonStationaryFourier(*(w.to(device) for w in _nsf_points(8, g)))
+    nsf16 = NonStationaryFourier(*(w.to(device) for w in _nsf_points(16, g)))
+    return {
+        "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
+        "rbf-only (p=None)": lambda q, k, v: kernel_attention(q, k, v, kernel=RBF(), magnitude_p=None),
+        "expsin (periodic)": lambda q, k, v: kernel_attention(q, k, v, kernel=Periodic(4.0)),
+        "linear kernel": lambda q, k, v: kernel_attention(q, k, v, kernel=Linear()),
+        "ika-s R=8": lambda q, k, v: kernel_attention(q, k, v, kernel=rff8),
+        "ika-ns R=8": lambda q, k, v: kernel_attention(q, k, v, kernel=nsf8),
+        "ikan R=8 p=1.5": lambda q, k, v: kernel_attention(q, k, v, kernel=nsf8, magnitude_p=1.5),
+        "ikan R=16 p=1.5": lambda q, k, v: kernel_attention(q, k, v, kernel=nsf16, magnitude_p=1.5),
+        "ikan R=8 linear mode": lambda q, k, v: kernel_attention(
+            q, k, v, kernel=nsf8, magnitude_p=1.5, mode="linear"
+        ),
+    }
+
+
+def _nsf_points(r: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    kern = NonStationaryFourier.gaussian(r, D, D**-0.25 / 2**0.5, 0.5 * D**-0.25, generator=g)
+    return kern.w1, kern.w2
+
+
+def _inputs(n: int, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(n)
+    return tuple(torch.randn(1, H, n, D, generator=g).to(device) for _ in range(3))  # type: ignore[return-value]
+
+
+def memory_factory(impl: str, n: int, device: str = "cpu") -> Callable[[], None]:
+    """Inputs for one functional row, built in the memory subprocess (forward, no grad)."""
+    fn, (q, k, v) = _impls(device)[impl], _inputs(n, device)
+
+    def run() -> None:
+        with torch.no_grad():
+            fn(q, k, v)
+
+    return run
+
+
+def _best_cpu_time(fn: Callable[[], object], repeat: int, device: str) -> float:
+    """Best-of-``repeat`` thread CPU seconds after one warm-up (CUDA: harness wall time)."""
+    if device.startswith("cuda"):
+        return time_call(fn, repeat=repeat, device=device)
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.thread_time()
+        fn()
+        best = min(best, time.thread_time() - t0)
+    return best
+
+
+def _timed(ctx: BenchContext, fn: Fn, n: int, repeat: int) -> float:
+    q, k, v = _inputs(n, ctx.device)
+    with torch.no_grad():
+        return _best_cpu_time(lambda: fn(q, k, v), repeat, ctx.device)
+
+
+def _module_rows(ctx: BenchContext, n: int, repeat: int) -> Iterator[Measurement]:
+    e = H * D
+    torch.manual_seed(0)
+    x = torch.randn(1, n, e, device=ctx.device)
+    mods: dict[str, nn.Module] = {"nn.MultiheadAttention": nn.MultiheadAttention(e, H, batch_first=True)}
+    for v in ("ika-s", "ika-ns", "ikan", "ikan-direct", "mikan"):
+        p = 2.0 if v.startswith("ika-") else 1.5
+        mods[v] = ImplicitKernelAttention(e, H, variant=v, num_samples=8, p=p, seed=0)  # type: ignore[arg-type]
+    mods["mikan linear mode"] = ImplicitKernelAttention(e, H, variant="mikan", num_samples=8, p=1.5,
+                                                        mode="linear", seed=0)
+    for name, mod in mods.items():
+        mod = mod.to(ctx.device).eval()
+        with torch.no_grad():
+            if isinstance(mod, nn.MultiheadAttention):
+                t = _best_cpu_time(lambda m=mod: m(x, x, x, need_weights=False), repeat, ctx.device)
+            else:
+                t = _best_cpu_time(lambda m=mod: m(x), repeat, ctx.device)
+        yield Measurement(SUITE, f"module N={n}", name, t, baseline=name == "nn.MultiheadAttention",
+                          note="eval forward, projections included")
+
+
+@bench_suite(SUITE)
+def suite(ctx: BenchContext) -> Iterator[Measurement]:
+    """Kernel-attention variants vs SDPA, linear vs quadratic mode, linear scaling, modules."""
+    threads = torch.get_num_threads()
+    if not ctx.device.startswith("cuda"):
+        torch.set_num_threads(1)
+    try:
+        yield from _rows(ctx)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _rows(ctx: BenchContext) -> Iterator[Measurement]:
+    impls = _impls(ctx.device)
+    sizes = [256, 512] if ctx.quick else [512, 2048, 8192]
+    for n in sizes:
+        repeat = 2 if ctx.quick else (ctx.repeat if n <= 2048 else 3)
+        for name, fn in impls.items():
+            t = _timed(ctx, fn, n, repeat)
+            yield Measurement(SUITE, f"variants N={n}", name, t, baseline=name == "sdpa", note="fwd, no grad")
+    quad, lin = impls["ikan R=8 p=1.5"], impls["ikan R=8 linear mode"]
+    for n in ([512, 2048] if ctx.quick else [1024, 2048, 4096, 8192]):
+        repeat = 2 if ctx.quick else 3
+        for name, fn in (("quadratic", quad), ("linear mode", lin)):
+            peak = None
+            if ctx.memory and not ctx.quick and n == 8192:
+                impl = "ikan R=8 p=1.5" if name == "quadratic" else "ikan R=8 linear mode"
+                kwargs = {"impl": impl, "n": n, "device": ctx.device}
+                peak = peak_memory_mb(f"{__name__}:memory_factory", kwargs, device=ctx.device)
+            yield Measurement(SUITE, f"linear vs quadratic N={n}", name, _timed(ctx, fn, n, repeat),
+                              peak_mb=peak, baseline=name == "quadratic", note="ikan R=8, fwd")
+    scale_sizes = [512, 1024, 2048] if ctx.quick else [4096, 8192, 16384, 32768, 65536]
+    for n in scale_sizes:
+        t = _timed(ctx, lin, n, 2 if ctx.quick else 3)
+        yield Measurement(SUITE, "linear mode scaling", f"N={n}", t, baseline=n == scale_sizes[0],
+                          note=f"ideal ratio {n // scale_sizes[0]}")
+    yield from _module_rows(ctx, 512 if ctx.quick else 2048, 2 if ctx.quick else ctx.repeat)
