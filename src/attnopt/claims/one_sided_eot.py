@@ -95,7 +95,7 @@ def _closed_form_cases(
 def closed_forms(ctx: ClaimContext) -> ClaimResult:
     """Each closed form vs the generic solver given only ``Ω`` (float64, masks included)."""
     g = ctx.generator(2)
-    trials = 2 if ctx.quick else 6
+    trials = 1 if ctx.quick else 6
     n_q, n_k = (6, 9) if ctx.quick else (12, 20)
     worst: dict[str, float] = {}
     props: dict[str, str] = {}

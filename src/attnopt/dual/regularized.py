@@ -87,6 +87,28 @@ def _grad_hess(omega: Callable[[Tensor], Tensor], p: Tensor) -> tuple[Tensor, Te
     return val.detach(), g.detach(), 0.5 * (hess + hess.transpose(-2, -1)).detach()
 
 
+def _spd_solve(a: Tensor, b: Tensor) -> Tensor:
+    """Solve ``a x = b`` for symmetric positive definite ``a`` (..., n, n).
+
+    Small systems use a vectorized Gauss-Jordan sweep (no pivoting is needed for SPD
+    matrices): batched LAPACK calls on tiny matrices are dominated by thread wake-ups.
+    """
+    n = a.shape[-1]
+    if n > 64:
+        return torch.linalg.solve_ex(a, b)[0]
+    a, b = a.clone(), b.clone()
+    for i in range(n):
+        piv = a[..., i, i].unsqueeze(-1)
+        row, rb = a[..., i, :] / piv, b[..., i, :] / piv
+        factor = a[..., :, i].clone()
+        factor[..., i] = 0
+        a.sub_(factor[..., :, None] * row[..., None, :])
+        b.sub_(factor[..., :, None] * rb[..., None, :])
+        a[..., i, :] = row
+        b[..., i, :] = rb
+    return b
+
+
 def _objective(omega: Callable[[Tensor], Tensor], p: Tensor, s: Tensor, active: Tensor, mu: float) -> Tensor:
     with torch.no_grad():
         logp = torch.where(active, p.clamp_min(1e-300).log(), torch.zeros_like(p))
@@ -160,7 +182,7 @@ def solve_regularized(
             gb = g - s - mu * pinv * a
             hb = h + torch.diag_embed(mu * pinv * pinv) + torch.diag_embed(1.0 - a)
             rhs = torch.stack([gb, a], dim=-1)
-            sol, _ = torch.linalg.solve_ex(hb + 1e-14 * eye, rhs)  # PD by construction
+            sol = _spd_solve(hb + 1e-14 * eye, rhs)  # positive definite by construction
             xg, xa = sol[..., 0], sol[..., 1]
             nu = -(a * xg).sum(-1, keepdim=True) / (a * xa).sum(-1, keepdim=True).clamp_min(1e-300)
             step = -(xg + nu * xa) * a
