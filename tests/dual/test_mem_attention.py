@@ -128,3 +128,9 @@ def test_uniform_preference_equals_no_preference():
     torch.testing.assert_close(mem_weights(q, k, preference=uniform), mem_weights(q, k))
     # exact weights differ from the first-order (eq. 16) weights at α = 1
     assert float((mem_weights(q, k, scale=1.0) - generalized_weights(q, k, scale=1.0)).abs().max()) > 1e-3
+
+
+def test_non_convergence_warns_in_attention():
+    q, k, v = _qkv()
+    with pytest.warns(RuntimeWarning, match="did not converge"):
+        mem_attention(q * 30, k, v, scale=5.0, tol=1e-14, max_iter=1)

@@ -54,10 +54,20 @@ def _lowrank_matrix(G: Tensor, p: Tensor, alpha: float) -> Tensor:
 
 
 def _dense_matrix(T: Tensor, p: Tensor, alpha: float) -> Tensor:
-    """``A = I/α + Tᵀ diag(p) T − hhᵀ`` (``h = Tᵀp``); ``T (K,n,d)``, ``p (K,Q,n)`` -> ``(K,Q,d,d)``."""
-    Tp = T.unsqueeze(1) * p.unsqueeze(-1)  # (K, Q, n, d)
+    """``A = I/α + Tᵀ diag(p) T − hhᵀ`` (``h = Tᵀp``); ``T (K,n,d)``, ``p (K,Q,n)`` -> ``(K,Q,d,d)``.
+
+    The second moment ``Σᵢ pᵢ tᵢtᵢᵀ`` is one GEMM against the outer products ``tᵢtᵢᵀ``
+    (``K·n·d²`` memory) when ``d < Q``, else formed from ``p ⊙ T`` (``K·Q·n·d``).
+    """
+    K, Q, n = p.shape
+    d = T.shape[-1]
     h = p @ T  # (K, Q, d)
-    A = Tp.transpose(-1, -2) @ T.unsqueeze(1) - h.unsqueeze(-1) * h.unsqueeze(-2)
+    if d < Q:
+        outer = (T.unsqueeze(-1) * T.unsqueeze(-2)).reshape(K, n, d * d)
+        second = (p @ outer).reshape(K, Q, d, d)
+    else:
+        second = (T.unsqueeze(1) * p.unsqueeze(-1)).transpose(-1, -2) @ T.unsqueeze(1)
+    A = second - h.unsqueeze(-1) * h.unsqueeze(-2)
     A.diagonal(dim1=-2, dim2=-1).add_(1.0 / alpha)
     return A
 
