@@ -95,6 +95,12 @@ def _timed(ctx: BenchContext, fn: Fn, n: int, repeat: int) -> float:
         return _best_cpu_time(lambda: fn(q, k, v), repeat, ctx.device)
 
 
+def _module_call(mod: nn.Module, x: torch.Tensor) -> Callable[[], object]:
+    if isinstance(mod, nn.MultiheadAttention):
+        return lambda: mod(x, x, x, need_weights=False)
+    return lambda: mod(x)
+
+
 def _module_rows(ctx: BenchContext, n: int, repeat: int) -> Iterator[Measurement]:
     e = H * D
     torch.manual_seed(0)
@@ -108,10 +114,7 @@ def _module_rows(ctx: BenchContext, n: int, repeat: int) -> Iterator[Measurement
     for name, mod in mods.items():
         mod = mod.to(ctx.device).eval()
         with torch.no_grad():
-            if isinstance(mod, nn.MultiheadAttention):
-                t = _best_cpu_time(lambda m=mod: m(x, x, x, need_weights=False), repeat, ctx.device)
-            else:
-                t = _best_cpu_time(lambda m=mod: m(x), repeat, ctx.device)
+            t = _best_cpu_time(_module_call(mod, x), repeat, ctx.device)
         yield Measurement(SUITE, f"module N={n}", name, t, baseline=name == "nn.MultiheadAttention",
                           note="eval forward, projections included")
 

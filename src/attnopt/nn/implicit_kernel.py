@@ -131,7 +131,7 @@ class ImplicitKernelAttention(MultiheadBase):
                     b, self.num_heads, self.num_samples // 2, self.head_dim, generator=self._generator
                 ).to(device=k.device, dtype=k.dtype)
             else:
-                noise = self.eval_noise[i].to(k.dtype).expand(b, -1, -1, -1)
+                noise = self.get_buffer("eval_noise")[i].to(k.dtype).expand(b, -1, -1, -1)
             if self.copula is not None:
                 noise = self.copula.correlate(noise)
             z_tilde = mu.unsqueeze(-2) + log_sigma.exp().unsqueeze(-2) * noise

@@ -85,8 +85,10 @@ class ImplicitSpectralDensity(nn.Module):
         self.nn1 = nn.Sequential(nn.Linear(dim, hidden), nn.Tanh(), nn.Linear(hidden, 2 * dim))
         self.nn2 = nn.Sequential(nn.Linear(dim, hidden), nn.Tanh(), nn.Linear(hidden, dim))
         for net in (self.nn1, self.nn2):
-            nn.init.zeros_(net[2].weight)
-            nn.init.zeros_(net[2].bias)
+            last = net[2]
+            assert isinstance(last, nn.Linear)
+            nn.init.zeros_(last.weight)
+            nn.init.zeros_(last.bias)
         self.base_scale = 1.0 / math.sqrt(2 * math.sqrt(dim))
 
     def posterior(self, h: Tensor) -> tuple[Tensor, Tensor]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -13,7 +14,7 @@ from attnopt.report import markdown_table
 PAPER = "implicit_kernel"
 
 
-def _loglog_slope(x: list[float], y: list[float]) -> float:
+def _loglog_slope(x: Sequence[float], y: Sequence[float]) -> float:
     return float(np.polyfit(np.log(x), np.log(y), 1)[0])
 
 
