@@ -181,7 +181,6 @@ def newton_mem(
     u_bar = torch.softmax(logu, dim=-1)  # normalized preference
     b = u_bar @ T + z  # μ + z, (K, Q, d)
     G = gram(T) if lowrank else None
-    # Both paths start from the second-order approximation (13): λ0 = (I/α + Σ_u)^{-1} z.
     floor = tol_floor(T, b)
     tol_eff = torch.clamp(floor, min=tol)  # what `converged` is judged against (at the end)
     # Iterate to a bit below the floor (the in-loop gradient and the one re-measured from λ*
@@ -190,6 +189,7 @@ def newton_mem(
     stalled = torch.zeros(b.shape[:-1], dtype=torch.bool, device=b.device)
     prev = torch.full(b.shape[:-1], float("inf"), dtype=b.dtype, device=b.device)
     iterations = 0
+    # Both paths start from the second-order approximation (13): λ0 = (I/α + Σ_u)^{-1} z.
     if lowrank:
         assert G is not None
         c = alpha * (b @ T.transpose(-1, -2)) + logu  # log u + α T b, (K, Q, n)

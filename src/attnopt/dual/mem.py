@@ -189,7 +189,7 @@ def approx_lambda(
         raise ValueError(f"order must be 1 or 2, got {order!r}")
     batch = validate(templates, z, preference)
     if order == 1:
-        return (alpha * z).expand(*batch, z.shape[-1])
+        return (alpha * z).expand(*batch, z.shape[-1]).clone()
     dtype = templates.dtype
     cdt = _compute_dtype(dtype)
     n, d = templates.shape[-2:]
