@@ -1,0 +1,17 @@
+"""The regularized bench suite runs on tiny sizes (timings are never asserted)."""
+from attnopt.bench import BenchContext, all_suites
+from attnopt.bench import regularized as bench
+
+
+def test_suite_runs_tiny(monkeypatch):
+    monkeypatch.setattr(bench, "QUICK_MAP", (2, 16))
+    monkeypatch.setattr(bench, "QUICK_ATTN", [16])
+    suite = all_suites("regularized")["regularized"]
+    rows = list(suite(BenchContext(quick=True, memory=False, repeat=1)))
+    groups = {r.case for r in rows}
+    assert len(groups) == 5
+    for case in groups:
+        assert sum(r.baseline for r in rows if r.case == case) == 1
+    errs = {r.impl: r.extra["max_err"] for r in rows if "max_err" in r.extra}
+    assert errs["attnopt.entmax(1.5)"] < 1e-6 and errs["attnopt.sparsemax"] < 1e-6
+    assert all(r.seconds > 0 for r in rows)
