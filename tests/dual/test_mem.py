@@ -18,6 +18,7 @@ from attnopt.dual import (
     mem_primal_objective,
     solve_mem,
 )
+from attnopt.dual._mem_batch import canonicalize
 from tests.reference.mem import dual_oracle, primal_objective, primal_oracle
 
 F64 = torch.float64
@@ -85,6 +86,9 @@ def test_batched_equals_looped_and_templates_not_copied():
     T = torch.randn(B, H, 1, n, d, generator=g, dtype=F64)  # shared by the Nq queries
     z = torch.randn(B, H, Nq, d, generator=g, dtype=F64)
     prefs = (torch.rand(B, H, Nq, n, generator=g, dtype=F64), torch.rand(B, H, 1, n, generator=g, dtype=F64))
+    cb = canonicalize(T, z, None, (B, H, Nq))  # one template set per head, shared by the queries
+    assert cb.T.shape == (B * H, n, d) and cb.z.shape == (B * H, Nq, d)
+    torch.testing.assert_close(cb.restore(cb.z), z)
     for pref in prefs:
         sol = solve_mem(T, z, preference=pref, alpha=0.8, tol=1e-11)
         assert sol.lam.shape == (B, H, Nq, d) and sol.weights.shape == (B, H, Nq, n)
