@@ -27,8 +27,8 @@ def prop3(ctx: ClaimContext) -> ClaimResult:
     g = ctx.generator(3)
     d = 8
     lengthscale = d**0.25  # l² = √d, the length-scale inside dot-product attention
-    n_pairs, seeds = (128, 6) if ctx.quick else (256, 32)
-    grid = [2**i for i in range(2, 12 if ctx.quick else 15)]
+    n_pairs, seeds = (128, 6) if ctx.quick else (256, 16)
+    grid = [2**i for i in range(2, 12 if ctx.quick else 14)]
     x = torch.randn(n_pairs, d, generator=g, dtype=torch.float64)
     y = x + torch.randn(n_pairs, d, generator=g, dtype=torch.float64) * math.sqrt(2 * lengthscale**2 / d)
     exact = torch.exp(-(x - y).pow(2).sum(-1) / (2 * lengthscale**2))
@@ -97,8 +97,8 @@ def prop4(ctx: ClaimContext) -> ClaimResult:
     g = ctx.generator(4)
     d, s1, s2, diam, delta = 4, 0.7, 0.3, 2.0, 0.1
     sigma = math.sqrt(d * (s1**2 + s2**2))  # σ1² + σ2² with σ_i² = E[w_iᵀw_i]
-    n_pts, trials = (100, 8) if ctx.quick else (150, 40)
-    grid = [16, 64, 256, 1024] + ([] if ctx.quick else [4096, 16384])
+    n_pts, trials = (100, 8) if ctx.quick else (150, 30)
+    grid = [16, 64, 256, 1024] + ([] if ctx.quick else [4096])
     pts = (torch.rand(n_pts, d, generator=g, dtype=torch.float64) - 0.5) * (diam / math.sqrt(d))
     exact = _ns_kernel(pts, pts, s1, s2)
     emp, bound = [], []
