@@ -13,15 +13,15 @@ doubly-normalized-attention eq. (6)–(8), (10) and Sec. 6 (design.md §3). With
 * HNAS: ``π = w π^DNAS + (1 − w) π^LNAS``.
 
 Memory. The attention functions never form the ``Nq × Nk`` matrix, in forward or backward,
-for no mask, ``is_causal`` (Nq = Nk on the CPU kernel) and key-only masks ``(B, H, 1, Nk)``
-(key padding). A mask of shape ``(…, Nq, Nk)`` is itself ``Nq × Nk``; it is used as given
-(the passes then carry one mask-sized temporary) — O(N) memory needs a key-only mask.
+for no mask, ``is_causal`` and key-only masks ``(B, H, 1, Nk)`` (key padding). A mask of
+shape ``(…, Nq, Nk)`` is itself ``Nq × Nk``; it is used as given (the passes then carry one
+mask-sized temporary) — O(N) memory needs a key-only mask.
 
 Dispatch (``_run_passes``): on CPU, PyTorch's fused flash kernel
 ``aten._scaled_dot_product_flash_attention_for_cpu`` (all floating dtypes), with the
 hand-fused backward of :mod:`._flash_cpu`; elsewhere, the blocked pure-PyTorch passes of
-:mod:`._sinkhorn_chunked` (half precision computed in float32). A GPU (Triton /
-FlexAttention) backend slots in there.
+:mod:`._sinkhorn_chunked` (half precision computed in float32), which also serves
+``is_causal`` with ``Nq != Nk`` on CPU. A GPU (Triton / FlexAttention) backend slots in there.
 """
 from __future__ import annotations
 
@@ -107,11 +107,9 @@ def _run_passes(
 ) -> Tensor:
     """Sinkhorn-K (K >= 1) on 4-D tensors; picks the fused CPU kernel or the blocked path."""
     nq, nk = q.shape[-2], k.shape[-2]
-    if fc.flash_available(q):
-        if is_causal and nq != nk:  # swapped, the top-left causal mask is no longer the kernel's
-            pot = torch.float64 if q.dtype == torch.float64 else torch.float32
-            full = causal_additive_mask(nq, nk, pot, q.device).expand(*q.shape[:2], nq, nk).contiguous()
-            is_causal = False
+    # with Nq != Nk the swapped (column) pass needs a causal mask the kernel does not offer: the
+    # blocked path keeps that case O(N) instead of materializing the mask
+    if fc.flash_available(q) and not (is_causal and nq != nk):
         d, dv = q.shape[-1], v.shape[-1]
         if d != dv:  # the kernel wants one head size: zero columns change neither scores nor outputs
             w = max(d, dv)
