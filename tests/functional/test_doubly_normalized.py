@@ -131,12 +131,12 @@ def test_gradcheck_full_mask_and_hybrid_weight():
 
 
 def test_backward_saves_nothing_of_size_nq_nk():
-    nq = nk = 64
-    q, k, v = _inputs(1, 1, nq, nk, 8, 8, grad=True)
-    mask = torch.ones(1, 1, 1, nk, dtype=torch.bool)
+    mask = torch.ones(1, 1, 1, 64, dtype=torch.bool)
     mask[..., :3] = False
     for name in BACKENDS:
-        for iterations in (1, 3):
+        for iterations, nk, kw in ((1, 64, {"attn_mask": mask}), (3, 64, {"attn_mask": mask}),
+                                   (1, 48, {"is_causal": True}), (2, 64, {"is_causal": True})):
+            q, k, v = _inputs(1, 1, 64, nk, 8, 8, grad=True)
             sizes: list[int] = []
 
             def pack(t):
@@ -144,9 +144,9 @@ def test_backward_saves_nothing_of_size_nq_nk():
                 return t
 
             with backend(name), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = doubly_normalized_attention(q, k, v, iterations=iterations, attn_mask=mask)
+                out = doubly_normalized_attention(q, k, v, iterations=iterations, **kw)
             out.sum().backward()
-            assert sizes and max(sizes) < nq * nk, (name, iterations, max(sizes))
+            assert sizes and max(sizes) < 64 * nk, (name, iterations, kw, max(sizes))
 
 
 @given(
