@@ -58,9 +58,10 @@ def log_matmul_exp(x: Tensor, y: Tensor) -> Tensor:
     ym_raw = y.detach().amax(-2, keepdim=True)
     xm, ym = _finite_or_zero(xm_raw), _finite_or_zero(ym_raw)
     s = torch.matmul(torch.exp(x - xm), torch.exp(y - ym))
-    ok = s >= torch.finfo(s.dtype).tiny ** 0.5
-    if bool(ok.all()):  # the common case: no underflow anywhere
+    thr = torch.finfo(s.dtype).tiny ** 0.5
+    if s.numel() == 0 or bool(s.amin() >= thr):  # the common case: no underflow anywhere
         return torch.log(s) + (xm + ym)
+    ok = s >= thr
     out = torch.where(ok, torch.log(torch.where(ok, s, torch.ones_like(s))) + xm + ym, float("-inf"))
     need = ~ok & torch.isfinite(xm_raw) & torch.isfinite(ym_raw)
     if not bool(need.any()):
@@ -92,10 +93,10 @@ def _ot_log_weights(
     if bank_mask is not None:
         scores = scores.masked_fill(~bank_mask.unsqueeze(-2), float("-inf"))
     log_z = log_matmul_exp(scores, log_k)  # log Z_{k,i}, (..., Nq, n)
-    finite = torch.isfinite(log_z)
-    if bool(finite.all()):
+    if log_z.numel() == 0 or bool(log_z.amin() > float("-inf")):  # log Z is never +inf or NaN
         w = _log_preference(u).unsqueeze(-2) - log_z
     else:  # a template with no admissible bank member drops out
+        finite = torch.isfinite(log_z)
         w = _log_preference(u).unsqueeze(-2) - torch.where(finite, log_z, torch.zeros_like(log_z))
         w = torch.where(finite, w, float("-inf"))
     return scores + log_matmul_exp(w, log_k.transpose(-2, -1))
