@@ -32,8 +32,9 @@ def add_analyze_parser(
     p.add_argument("--attention", default=None,
                    help="also report how sentence embeddings move when attention is swapped to NAME "
                         "(e.g. attnopt_dnas)")
-    p.add_argument("--solver", default="solve_mem", choices=("solve_mem", "shared"),
-                   help="dual solver: attnopt.dual.solve_mem, or the template-sharing chord Newton")
+    p.add_argument("--solver", default="full", choices=("full", "solve_mem", "shared"),
+                   help="dual solver: attnopt.dual.solve_mem in the model width (default), solve_mem on "
+                        "the exact reduction to the templates' span, or the template-sharing chord Newton")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=_cmd_analyze)

@@ -102,7 +102,7 @@ def analyze_model(
     attention_mask: Tensor,
     *,
     model_name: str = "model",
-    solver: str = "solve_mem",
+    solver: str = "full",
     atol: float = 1e-5,
     tol: float = 1e-8,
     max_iter: int = 50,

@@ -53,7 +53,7 @@ def factory(impl: str, b: int, n: int, heads: int, d: int) -> Any:
     mp = make_mapping(b, n, heads, d)
     if impl == "full":
         return lambda: _full(mp)
-    return lambda: dual_deviation(mp, tol=TOL, solver=impl)
+    return lambda: dual_deviation(mp, tol=TOL, solver=impl)  # "solve_mem" or "shared"
 
 
 @bench_suite("dual_deviation")

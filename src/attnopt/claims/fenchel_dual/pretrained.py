@@ -65,8 +65,7 @@ def _measure(ctx: ClaimContext) -> _Measured | str:
     valid = mask.bool()
     out = _Measured([], [], [], 0.0, True, True, [], [], n_sent, int(ids.shape[1]), 0.0)
     for rec in cap.records:
-        dev = dual_deviation(map_captured(rec, query_mask=valid), model_weights=rec.weights,
-                             solver="shared" if ctx.quick else "solve_mem")
+        dev = dual_deviation(map_captured(rec, query_mask=valid), model_weights=rec.weights)
         out.means.append(float(dev.values().mean()))
         out.head_means.append([float(x) for x in dev.head_means()])
         out.values.append(dev.values().flatten().numpy())
@@ -137,7 +136,7 @@ def pretrained_deviation(ctx: ClaimContext) -> ClaimResult:
         "Reduced configuration: MiniLM (6 layers, 12 heads, d' = 32) instead of BERT-base (12 × 12, "
         "d' = 64), which cannot be downloaded here. Each head is mapped by eq. (19) (t = x/√d', "
         "z = K_hᵀ(Q_h x + b_q), α = 1, u from the padding mask), verified against the model's own "
-        "weights, and the dual is solved exactly by Newton in the span of the templates.\n\n"
+        "weights, and the dual is solved exactly by attnopt.dual.solve_mem (batched Newton).\n\n"
         "| layer | mean (measured) | min head | max head | paper BERT-base |\n|---|---|---|---|---|\n"
         + "\n".join(f"| {i + 1} | {x:.4f} | {min(h):.4f} | {max(h):.4f} | {p:.3f} |"
                     for i, (x, h, p) in enumerate(zip(m.means, m.head_means, PAPER_BERT)))
