@@ -162,3 +162,22 @@ def test_true_preference_bad_inputs():
         true_preference(x, u, gamma=0.0)
     with pytest.raises(TypeError, match="templates"):
         true_preference(x.numpy(), u)
+
+
+def test_analytic_gradient_and_hessian_match_autograd():
+    from attnopt.dual.ot import _derivatives
+
+    z, t, a, u = _problem(b=1, nq=1)
+    alpha, gamma = 0.8, 0.6
+    m_cost = cost_matrix(a, t, "sqeuclidean")
+    _, mu_t = true_preference(t, u, bank=a, cost="sqeuclidean", gamma=gamma)
+    lam = torch.randn(1, 1, 1, 3, dtype=F64, generator=torch.Generator().manual_seed(5))
+    b = mu_t.unsqueeze(-2) + z
+    obj, grad, neg_hess, _ = _derivatives(lam, b, a, -m_cost / gamma, u, alpha, gamma)
+    args = (z[0, 0, 0], mu_t[0, 0], a[0, 0], u[0, 0], m_cost[0, 0], alpha, gamma)
+    x = lam[0, 0, 0].clone()
+    torch.testing.assert_close(obj[0, 0, 0], dual_objective_reference(x, *args))
+    auto_grad = torch.autograd.functional.jacobian(lambda v: dual_objective_reference(v, *args), x)
+    auto_hess = torch.autograd.functional.hessian(lambda v: dual_objective_reference(v, *args), x)
+    torch.testing.assert_close(grad[0, 0, 0], auto_grad)
+    torch.testing.assert_close(-neg_hess[0, 0, 0], auto_hess)

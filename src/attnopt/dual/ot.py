@@ -121,6 +121,20 @@ def _objective(
     return _evaluate(lam, b, bank, log_k, u, alpha, gamma)[0]
 
 
+def _derivatives(
+    lam: Tensor, b: Tensor, bank: Tensor, log_k: Tensor, u: Tensor, alpha: float, gamma: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Objective (36), its analytic gradient, the negated Hessian (..., Nq, d, d) and p(λ) (35)."""
+    obj, q, _, p = _evaluate(lam, b, bank, log_k, u, alpha, gamma)
+    mus = torch.matmul(q, bank.unsqueeze(-3))  # E_{q_i}[a], (..., Nq, n, d)
+    grad = b - lam / alpha - torch.matmul(p, bank)  # Σ_i u_i E_{q_i}[a] = E_p[a]
+    # Σ_a p(a) a aᵀ − Σ_i u_i μ_i μ_iᵀ = Σ_i u_i Cov_{q_i}[a]
+    second = torch.matmul(bank.transpose(-2, -1).unsqueeze(-3), p.unsqueeze(-1) * bank.unsqueeze(-3))
+    mixed = torch.matmul(mus.transpose(-2, -1), u.unsqueeze(-2).unsqueeze(-1) * mus)
+    eye = torch.eye(lam.shape[-1], dtype=lam.dtype, device=lam.device)
+    return obj, grad, eye / alpha + (second - mixed) / gamma, p
+
+
 def solve_ot_mem(
     z: Tensor,
     templates: Tensor,
@@ -173,21 +187,13 @@ def solve_ot_mem(
     b = mu_tilde.unsqueeze(-2) + zd
     u = u.expand(*batch, u.shape[-1])
     lam = (alpha * zd).expand(*batch, *zd.shape[-2:]).clone()
-    eye = torch.eye(zd.shape[-1], dtype=f64, device=z.device)
     iterations, grad_norm = 0, float("inf")
     for it in range(max_iter + 1):
-        obj, q, _, p = _evaluate(lam, b, bd, log_k, u, alpha, gamma)
-        mus = torch.matmul(q, bd.unsqueeze(-3))  # E_{q_i}[a], (..., Nq, n, d)
-        mean = torch.matmul(p, bd)  # Σ_i u_i E_{q_i}[a] = E_p[a]
-        grad = b - lam / alpha - mean
+        obj, grad, neg_hess, p = _derivatives(lam, b, bd, log_k, u, alpha, gamma)
         gnorm = grad.norm(dim=-1)
         grad_norm = float(gnorm.max()) if gnorm.numel() else 0.0
         if grad_norm <= tol or it == max_iter:
             break
-        # Σ_a p(a) a aᵀ and Σ_i u_i μ_i μ_iᵀ: their difference is Σ_i u_i Cov_{q_i}[a]
-        second = torch.matmul(bd.transpose(-2, -1).unsqueeze(-3), p.unsqueeze(-1) * bd.unsqueeze(-3))
-        mixed = torch.matmul(mus.transpose(-2, -1), u.unsqueeze(-2).unsqueeze(-1) * mus)
-        neg_hess = eye / alpha + (second - mixed) / gamma
         step = torch.linalg.solve(neg_hess, grad.unsqueeze(-1)).squeeze(-1)
         step = torch.where((gnorm > tol).unsqueeze(-1), step, torch.zeros_like(step))
         slope = (grad * step).sum(-1)
