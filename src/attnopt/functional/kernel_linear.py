@@ -28,7 +28,7 @@ from attnopt.kernels import Kernel
 
 __all__ = ["linear_kernel_attention"]
 
-_KEY_CHUNK = 1024
+_KEY_CHUNK = 128
 _CAUSAL_CHUNK = 128
 
 
@@ -72,34 +72,45 @@ def linear_kernel_attention(
     if not kernel.has_features:
         raise ValueError(f"mode='linear' needs a kernel with a feature map; {kernel!r} has none")
     batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-    nk = k.shape[-2]
+    nk, dv = k.shape[-2], v.shape[-1]
     a = torch.zeros(*batch, nk, dtype=q.dtype, device=q.device) if key_bias is None else key_bias.squeeze(-2)
     a = a.expand(*batch, nk)
-    v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1).expand(*batch, nk, v.shape[-1] + 1)
-    phi_q = kernel.features(q).expand(*batch, q.shape[-2], -1)
     if is_causal:
+        v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1).expand(*batch, nk, dv + 1)
+        phi_q = kernel.features(q).expand(*batch, q.shape[-2], -1)
         return _causal(phi_q, kernel.features(k).expand(*batch, nk, -1), v1, a, eps)
     c = a.amax(dim=-1, keepdim=True).detach()
     c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
     m = torch.exp(a - c)
-    e = v1.shape[-1]
+    e = dv + 1
     state: Tensor | None = None
     esum: Tensor | None = None
-    for start in range(0, nk, _KEY_CHUNK):
+    for start in range(0, nk, _KEY_CHUNK):  # key side: S = Σ_j m_j φ_jφ_jᵀ ⊗ [v_j, 1], chunk by chunk
         sl = slice(start, start + _KEY_CHUNK)
-        phi_k = kernel.features(k[..., sl, :]).expand(*batch, -1, phi_q.shape[-1])
-        vm = v1[..., sl, :] * m[..., sl].unsqueeze(-1)
+        phi_k = kernel.features(k[..., sl, :])
+        phi_k = phi_k.expand(*batch, *phi_k.shape[-2:])
+        mc = m[..., sl].unsqueeze(-1)
+        vm = torch.cat([v[..., sl, :] * mc, mc], dim=-1)
         part = _outer_state(phi_k, vm)
         state = part if state is None else state + part
         es = vm.sum(-2)
         esum = es if esum is None else esum + es
     assert state is not None and esum is not None
+    nq = q.shape[-2]
+    track = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, state))
+    out = None if track else q.new_empty(*batch, nq, dv)
     outs = []
-    for start in range(0, q.shape[-2], _KEY_CHUNK):
-        num = _read_state(phi_q[..., start : start + _KEY_CHUNK, :], state, e)
+    for start in range(0, nq, _KEY_CHUNK):  # query side, chunk by chunk
+        phi = kernel.features(q[..., start : start + _KEY_CHUNK, :])
+        num = _read_state(phi.expand(*batch, *phi.shape[-2:]), state, e)
         if eps:
             num = num + eps * esum.unsqueeze(-2)
-        outs.append(_finish(num))
+        if out is None:
+            outs.append(_finish(num))
+        else:
+            out[..., start : start + _KEY_CHUNK, :] = _finish(num)
+    if out is not None:
+        return out
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
 
 
