@@ -135,7 +135,7 @@ def _rows(ctx: BenchContext) -> Iterator[Measurement]:
     impls = _impls(ctx.device)
     sizes = [256, 512] if ctx.quick else [512, 2048, 8192]
     for n in sizes:
-        repeat = 2 if ctx.quick else (ctx.repeat if n <= 2048 else 3)
+        repeat = 2 if ctx.quick else (ctx.repeat if n <= 2048 else 2)
         for name, fn in impls.items():
             t = _timed(ctx, fn, n, repeat)
             yield Measurement(SUITE, f"variants N={n}", name, t, baseline=name == "sdpa", note="fwd, no grad")
