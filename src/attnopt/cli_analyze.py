@@ -35,7 +35,9 @@ def add_analyze_parser(
     p.add_argument("--solver", default="full", choices=("full", "solve_mem", "shared"),
                    help="dual solver: attnopt.dual.solve_mem in the model width (default), solve_mem on "
                         "the exact reduction to the templates' span, or the template-sharing chord Newton")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: the solves are many small batched ops; on a loaded "
+                        "machine more threads oversubscribe and ran 5x slower; 0 = torch's default)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=_cmd_analyze)
     return p
@@ -60,6 +62,9 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     from attnopt.analysis.analyze_report import write_analysis
     from attnopt.analysis.pretrained import load_model, tokenize
 
+    if args.threads < 0:
+        print("error: --threads must be >= 0", file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.sentences < 1 or args.max_tokens < 2:

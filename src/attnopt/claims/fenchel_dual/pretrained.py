@@ -46,18 +46,31 @@ def _measure(ctx: ClaimContext) -> _Measured | str:
     import time
 
     try:
-        from attnopt.analysis.pretrained import bundled_model_path, default_corpus, load_model, tokenize
+        from attnopt.analysis.pretrained import bundled_model_path, load_model
+
         bundled_model_path()
         model, tok = load_model(None)
     except (ImportError, OSError) as exc:
         _CACHE[key] = f"the hf extra is not available ({exc})"
         return _CACHE[key]
+    t0 = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # many small batched ops: one thread avoids oversubscription
+    try:
+        return _measure_with(ctx, key, model, tok, t0)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure_with(ctx: ClaimContext, key: tuple[bool, int], model: Any, tok: Any, t0: float) -> _Measured:
+    import time
+
     from attnopt.analysis.dual_deviation import dual_deviation, map_captured
     from attnopt.analysis.hooks import capture_attention
     from attnopt.analysis.lenses import head_lenses
+    from attnopt.analysis.pretrained import default_corpus, tokenize
     from attnopt.functional import doubly_normalized_weights
 
-    t0 = time.perf_counter()
     n_sent, n_tok = (8, 24) if ctx.quick else (64, 32)
     ids, mask = tokenize(tok, default_corpus(n_sent), n_tok)
     with capture_attention(model) as cap, torch.no_grad():
