@@ -80,3 +80,28 @@ def test_unsupported_model_and_masks():
     assert f[0, 0] == 0 and torch.isneginf(f[0, 1]) and f[0, 2] == -1.0
     with pytest.raises(TypeError):
         to_additive_mask(torch.tensor([[1, 0]]))
+
+
+@pytest.mark.parametrize("family", ["distilbert", "roberta"])
+def test_other_bert_family_adapters(family):
+    from transformers import DistilBertConfig, DistilBertModel, RobertaConfig, RobertaModel
+
+    from attnopt.analysis.dual_deviation import dual_deviation, map_captured
+
+    torch.manual_seed(0)
+    if family == "distilbert":
+        cfg = DistilBertConfig(dim=32, n_layers=2, n_heads=4, hidden_dim=37, vocab_size=99,
+                               attn_implementation="eager")
+        model = DistilBertModel(cfg).eval()
+    else:
+        cfg = RobertaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+                            vocab_size=99, attn_implementation="eager")
+        model = RobertaModel(cfg).eval()
+    ids, mask = padded_batch(4)
+    cap, _ = _run(model, ids, mask)
+    expected = "distilbert" if family == "distilbert" else "bert"
+    assert len(cap.records) == 2 and cap.records[0].site.adapter.name == expected
+    for rec in cap.records:
+        torch.testing.assert_close(rec.rebuild_output(), rec.output, atol=1e-6, rtol=1e-5)
+        dev = dual_deviation(map_captured(rec, query_mask=mask.bool()), model_weights=rec.weights)
+        assert dev.reconstruction_ok and dev.converged
