@@ -65,14 +65,10 @@ def suite(ctx: BenchContext) -> Iterator[Measurement]:
     impls = (("solve_mem, full d", "full", True), ("dual_deviation (solve_mem)", "solve_mem", False),
              ("dual_deviation (shared)", "shared", False))
     for name, impl, base in impls:
-        if impl == "full":
-            def fn() -> Any:
-                return _full(mp)
-            diff = 0.0
-        else:
-            def fn(impl: str = impl) -> Any:
-                return dual_deviation(mp, tol=TOL, solver=impl)
-            diff = float((dual_deviation(mp, tol=TOL, solver=impl).deviation - ref).abs().max())
+        def fn(impl: str = impl) -> Any:
+            return _full(mp) if impl == "full" else dual_deviation(mp, tol=TOL, solver=impl)
+
+        diff = 0.0 if impl == "full" else float((fn().deviation - ref).abs().max())
         seconds = time_call(fn, repeat=max(1, ctx.repeat // 2 if not ctx.quick else 1), device="cpu")
         peak = None
         if ctx.memory:

@@ -196,7 +196,7 @@ def register(
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError("attnopt.integrations.hf needs transformers: pip install 'attnopt[hf]'") from exc
-    overrides = {"attnopt_dnas": {"iterations": dnas_iterations},
+    overrides: dict[str, dict[str, Any]] = {"attnopt_dnas": {"iterations": dnas_iterations},
                  "attnopt_hnas": {"iterations": dnas_iterations, "weight": hnas_weight},
                  "attnopt_sinkhorn": {"iterations": sinkhorn_iterations},
                  "attnopt_entmax": {"alpha": entmax_alpha}}

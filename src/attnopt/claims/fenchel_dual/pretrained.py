@@ -87,6 +87,7 @@ def _measure_with(ctx: ClaimContext, key: tuple[bool, int], model: Any, tok: Any
         out.converged = out.converged and dev.converged
         keep = (valid[:, None, :, None] & valid[:, None, None, :])
         dn = doubly_normalized_weights(rec.q, rec.k, iterations=1, attn_mask=keep, scale=rec.site.scaling)
+        assert rec.weights is not None  # eager attention (capture_attention switches to it)
         for weights, sink in ((rec.weights, out.lnas), (dn, out.dnas)):
             lens = head_lenses(weights, rec.q, rec.k, scale=rec.site.scaling, query_mask=valid,
                                key_mask=valid)
