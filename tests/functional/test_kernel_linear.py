@@ -32,6 +32,7 @@ KERNELS = {
 def small_chunks(monkeypatch):
     monkeypatch.setattr(kl, "_CAUSAL_CHUNK", 4)
     monkeypatch.setattr(kl, "_KEY_CHUNK", 5)
+    monkeypatch.setattr(kl, "_CHUNK_ELEMS", 1)  # chunks of _KEY_CHUNK rows
 
 
 @pytest.mark.parametrize("name", list(KERNELS))
@@ -74,8 +75,10 @@ def test_large_magnitudes_are_stable(small_chunks):
     for causal in (False, True):
         lin = kernel_attention(q, k, v, kernel=KERNELS["rff"](), is_causal=causal, mode="linear")
         quad = kernel_attention(q, k, v, kernel=KERNELS["rff"](), is_causal=causal)
+        gold = kernel_attention(q.double(), k.double(), v.double(), kernel=KERNELS["rff"](), is_causal=causal)
         assert torch.isfinite(lin).all()
-        torch.testing.assert_close(lin, quad, rtol=1e-4, atol=1e-4)
+        err_lin, err_quad = (lin.double() - gold).abs().max(), (quad.double() - gold).abs().max()
+        assert err_lin < max(1e-3, 20 * err_quad)
 
 
 @pytest.mark.parametrize("causal", [False, True])

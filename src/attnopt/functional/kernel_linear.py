@@ -21,6 +21,8 @@ with extreme norms.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -28,7 +30,8 @@ from attnopt.kernels import Kernel
 
 __all__ = ["linear_kernel_attention"]
 
-_KEY_CHUNK = 128
+_KEY_CHUNK = 128  # minimum rows per chunk; chunks hold about _CHUNK_ELEMS state-sized entries
+_CHUNK_ELEMS = 1 << 19
 _CAUSAL_CHUNK = 128
 
 
@@ -85,8 +88,10 @@ def linear_kernel_attention(
     e = dv + 1
     state: Tensor | None = None
     esum: Tensor | None = None
-    for start in range(0, nk, _KEY_CHUNK):  # key side: S = Σ_j m_j φ_jφ_jᵀ ⊗ [v_j, 1], chunk by chunk
-        sl = slice(start, start + _KEY_CHUNK)
+    width = math.prod(batch) * kernel.features(k[..., :1, :]).shape[-1] * e
+    rows = max(_KEY_CHUNK, min(4096, _CHUNK_ELEMS // max(1, width)))
+    for start in range(0, nk, rows):  # key side: S = Σ_j m_j φ_jφ_jᵀ ⊗ [v_j, 1], chunk by chunk
+        sl = slice(start, start + rows)
         phi_k = kernel.features(k[..., sl, :])
         phi_k = phi_k.expand(*batch, *phi_k.shape[-2:])
         mc = m[..., sl].unsqueeze(-1)
@@ -100,15 +105,15 @@ def linear_kernel_attention(
     track = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, state))
     out = None if track else q.new_empty(*batch, nq, dv)
     outs = []
-    for start in range(0, nq, _KEY_CHUNK):  # query side, chunk by chunk
-        phi = kernel.features(q[..., start : start + _KEY_CHUNK, :])
+    for start in range(0, nq, rows):  # query side, chunk by chunk
+        phi = kernel.features(q[..., start : start + rows, :])
         num = _read_state(phi.expand(*batch, *phi.shape[-2:]), state, e)
         if eps:
             num = num + eps * esum.unsqueeze(-2)
         if out is None:
             outs.append(_finish(num))
         else:
-            out[..., start : start + _KEY_CHUNK, :] = _finish(num)
+            out[..., start : start + rows, :] = _finish(num)
     if out is not None:
         return out
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)

@@ -60,6 +60,7 @@ def table1(ctx: ClaimContext) -> ClaimResult:
 
 def _table1(ctx: ClaimContext) -> ClaimResult:
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     g = ctx.generator(6)
     e, h, repeat = 32, 2, (3 if ctx.quick else 5)
@@ -113,6 +114,9 @@ def _table1(ctx: ClaimContext) -> ClaimResult:
     axes[1].set_xlabel("T")
     axes[1].set_title(f"linear vs quadratic (R=8): crossover T={crossover}")
     axes[1].legend(fontsize=8)
+    for ax, grid in zip(axes, (t_grid, cross_grid)):
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xticks(grid, [str(t) for t in grid], fontsize=7)
     ctx.save_figure(fig, "timing")
     rows = [(name, *(f"{s * 1e3:.2f}" for s in ts), f"{t_exp[name]:.2f}") for name, ts in times.items()]
     rrows = [(v, *(f"{s * 1e3:.2f}" for s in ts), f"{r_exp[v]:.2f}") for v, ts in r_times.items()]
