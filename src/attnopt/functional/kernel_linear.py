@@ -12,6 +12,10 @@ where ``m_j = exp(a_j − c)`` is the key magnitude shifted by the shared (detac
 inside the chunk and the running state ``S`` for earlier keys; each row ``i`` is shifted by
 its own running max ``c_i = max_{j≤i} a_j`` so no row underflows.
 
+Without autograd the extra memory is the state plus one chunk (rows sized so a chunk holds
+about 2^19 state-width entries) and the output is written in place; under autograd each
+chunk's intermediates are kept for the backward, O(N·D·dv) in total.
+
 Rows whose denominator is 0 (every key masked, or ``ε = 0`` and ``f ≡ 0``) give zeros.
 The output equals the quadratic mode up to float rounding (``ε`` is included exactly).
 Caveat (non-causal, ``ε = 0``): keys whose magnitude is below the largest one by more than
