@@ -92,8 +92,8 @@ def _figures(result: AnalysisResult, fig_dir: Path) -> list[Path]:
     xmax = max(0.05, max(float(s.deviation.values().max()) if s.deviation.values().numel() else 0.0
                          for s in result.sites))
     n_layers = max(len(result.by_kind(k)) for k in kinds)
-    fig, axes = plt.subplots(len(kinds), n_layers, figsize=(2.0 * n_layers, 1.8 * len(kinds)), squeeze=False,
-                             sharex=True)
+    size = (max(6.0, 2.0 * n_layers), 1.8 * len(kinds) + 0.4)
+    fig, axes = plt.subplots(len(kinds), n_layers, figsize=size, squeeze=False, sharex=True)
     for r, kind in enumerate(kinds):
         for c, s in enumerate(result.by_kind(kind)):
             _hist(axes[r][c], s.deviation.values().flatten().numpy(), s.mean, xmax)
