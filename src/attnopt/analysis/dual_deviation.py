@@ -266,8 +266,7 @@ def dual_deviation(
     root = torch.where(keep, ev.clamp_min(0).sqrt(), torch.zeros_like(ev))          # (B, n)
     s = vecs * root.unsqueeze(-2)                                                  # (B, n, r)
     inv_root = torch.where(keep, 1.0 / root.clamp_min(1e-300), torch.zeros_like(root))
-    dots = (scores - mapping.log_preference) / alpha                               # <t_i, z>
-    dots = torch.where(torch.isfinite(dots), dots, torch.zeros_like(dots))
+    dots = torch.matmul(z, t.unsqueeze(1).transpose(-2, -1))                       # <t_i, z>
     vz = torch.matmul(dots, vecs.unsqueeze(1)) * inv_root[:, None, None, :]        # V^T z
     u = torch.where(covered.unsqueeze(-1), torch.exp(mapping.log_preference), torch.zeros_like(pi))
     b = torch.matmul(u, s.unsqueeze(1))                                            # V^T mu
