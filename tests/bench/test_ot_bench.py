@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from attnopt.bench import BenchContext, all_suites, peak_memory_mb
+from attnopt.bench import BenchContext, all_suites
 from attnopt.bench import ot as ot_bench
 
 
@@ -22,9 +22,9 @@ def test_suite_runs_tiny(monkeypatch):
     assert all("materialized" in m.note for m in ours)
 
 
-def test_impls_agree_and_memory_factory():
+def test_impls_agree_and_memory_factory_runs():
     z, t, u = ot_bench._inputs(12, False, "cpu")
     outs = {name: fn(z, t, u) for name, fn in ot_bench._impls().items()}
     torch.testing.assert_close(outs["ot_attention"], outs["materialized (22)"], rtol=1e-4, atol=1e-5)
-    mb = peak_memory_mb("attnopt.bench.ot:memory_factory", dict(impl="ot_attention", n=8, backward=True))
-    assert mb >= 0
+    run = ot_bench.memory_factory(impl="ot_attention", n=8, backward=True)  # what the probe process runs
+    run()
