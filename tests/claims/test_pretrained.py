@@ -31,7 +31,8 @@ def _fake(means, recon_ok=True, dnas_explained=0.0):
         means=list(means), head_means=[[m, m] for m in means], values=[np.full(4, m) for m in means],
         recon=1e-7 if recon_ok else 0.3, recon_ok=recon_ok, converged=True,
         lnas=[{"explained": 0.02, "min_mass": 1e-4}] * n,
-        dnas=[{"explained": dnas_explained, "min_mass": 0.2}] * n, sentences=4, tokens=10, seconds=0.1)
+        dnas=[{"explained": dnas_explained, "min_mass": 0.2}] * n, lam_norm=[5.0] * n, sentences=4,
+        tokens=10, seconds=0.1)
 
 
 @pytest.mark.parametrize("means,recon_ok,expected", [
