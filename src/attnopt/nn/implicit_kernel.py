@@ -12,6 +12,8 @@ ikan-direct non-stationary          learned parameters (no KL)   L^p
 mikan      non-stationary           two densities + copula       L^p
 ========== ======================== ============================ ===========
 
+The inference network's input ``h^{(m)}`` for head ``m`` is the mean of that head's projected
+keys over the non-padded key positions (so spectral points are per example and per head).
 Training draws fresh base noise (reparameterized; from ``seed``'s generator when given);
 evaluation uses a fixed base sample drawn once at construction from ``seed`` (common random
 numbers), so ``eval()`` outputs are deterministic and represent the density by the same R
