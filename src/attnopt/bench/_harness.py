@@ -145,6 +145,10 @@ def peak_memory_mb(
     cmd = [sys.executable, "-m", "attnopt.bench._memprobe", factory, json.dumps(kwargs), device]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    # A fixed mmap threshold turns off glibc's adaptive one, so blocks >= 128 KiB are always
+    # mmapped and returned on free: the warm-up call cannot leave a retained heap that the
+    # measured call then reuses unseen.
+    env["MALLOC_MMAP_THRESHOLD_"] = "131072"
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"memory probe {factory} failed:\n{proc.stderr[-2000:]}")
