@@ -4,6 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from attnopt.functional import (
     Regularizer,
@@ -197,3 +199,17 @@ def test_bad_inputs():
         regularized_weights(torch.tensor([0.0, float("nan")]), Shannon())
     with pytest.raises(ValueError, match="attn_mask"):
         regularized_attention(q, k, v, attn_mask=torch.ones(3, 3, dtype=torch.bool))
+
+
+@settings(max_examples=15)
+@given(seed=st.integers(0, 10_000), reg_index=st.integers(0, len(REGS) - 1))
+def test_key_permutation_equivariance(seed, reg_index):
+    q, k, v = _qkv(b=1, h=2, nq=3, nk=6, seed=seed)
+    perm = torch.randperm(6, generator=torch.Generator().manual_seed(seed))
+    reg = REGS[reg_index]
+    out = regularized_attention(q, k, v, regularizer=reg)
+    out_perm = regularized_attention(q, k[..., perm, :], v[..., perm, :], regularizer=reg)
+    torch.testing.assert_close(out_perm, out, atol=1e-10, rtol=0)
+    w = regularized_attention_weights(q, k, regularizer=reg)
+    w_perm = regularized_attention_weights(q, k[..., perm, :], regularizer=reg)
+    torch.testing.assert_close(w_perm, w[..., perm])
