@@ -189,7 +189,7 @@ def solve_regularized(
             decrement = -(gb * step).sum(-1)
             worst = float(decrement.max())
             # quadratic convergence ends at the rounding floor of the decrement
-            if worst <= 1e-15 or (worst <= 1e-9 and worst >= 0.1 * previous):
+            if worst <= 1e-15 or (worst <= 1e-12 and worst >= 0.1 * previous):
                 break
             previous = worst
             neg = step < 0
