@@ -88,20 +88,27 @@ def _augmented_backward(
     return dq[..., :d], dk[..., :d], dvv[..., :dv], dk[..., -1].to(_pot_dtype(q)) / scale
 
 
-def _column_pass(
-    q: Tensor, k: Tensor, row_bias: Tensor | None, causal: bool, scale: float
+def _swapped(
+    rows: Tensor, cols: Tensor, values: Tensor, bias: Tensor | None, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor]:
-    """``A_j = Σ_i ξ_ij q_i`` and ``c_j = LSE_i(s_ij + row_bias)`` with the roles of q, k swapped.
+    """Flash call with the roles of queries and keys swapped (``rows`` attend to ``cols``).
 
-    ``row_bias`` is a kernel mask over the queries ((B,H,1,Nq) or transposed full (B,H,Nk,Nq)).
-    A causal (top-left, Nq = Nk) mask becomes anti-causal when swapped; reversing both
+    ``bias`` is a kernel mask over ``cols`` ((B,H,1,Nc) or a transposed full (B,H,Nr,Nc)).
+    A causal (top-left, Nr = Nc) mask becomes anti-causal when swapped; reversing both
     sequences turns it back into the kernel's causal mask.
     """
     if not causal:
-        return _flash(k, q, q, row_bias, False, scale)
-    rb = None if row_bias is None else row_bias.flip(-1).contiguous()
-    a, c = _flash(k.flip(-2), q.flip(-2), q.flip(-2), rb, True, scale)
-    return a.flip(-2), c.flip(-1)
+        return _flash(rows, cols, values, bias, False, scale)
+    rb = None if bias is None else bias.flip(-1).contiguous()
+    out, lse = _flash(rows.flip(-2), cols.flip(-2), values.flip(-2), rb, True, scale)
+    return out.flip(-2), lse.flip(-1)
+
+
+def _column_pass(
+    q: Tensor, k: Tensor, row_bias: Tensor | None, causal: bool, scale: float
+) -> tuple[Tensor, Tensor]:
+    """``A_j = Σ_i ξ_ij q_i`` and ``c_j = LSE_i(s_ij + row_bias)`` (q and k swapped)."""
+    return _swapped(k, q, q, row_bias, causal, scale)
 
 
 class _Dnas1(torch.autograd.Function):
@@ -152,35 +159,48 @@ def dnas1(
 
 
 class _LsePass(torch.autograd.Function):
-    """``l_i = LSE_j(scale <a_i, b_j> + m_ij − pot_j)`` (``pot`` differentiable)."""
+    """``l_i = LSE_j(scale <a_i, b_j> + m_ij − pot_j)`` (``pot`` differentiable).
+
+    Backward with ``P_ij = exp(t_ij − l_i)``: ``da_i = scale ḡ_i (P b)_i`` (the forward's own
+    output) and the transposed products ``Σ_i ḡ_i P_ij [a_i, 1]`` from one swapped *forward*
+    call (cheaper than a backward call): with the mask ``−l_i`` over the rows of ``a`` it
+    returns ``softmax_i(s_ij − l_i)``-averages and ``c'_j``, and ``P_ij = e^{c'_j − pot_j}``
+    times that softmax (``c'_j − pot_j = log Σ_i P_ij <= log Na``, no overflow).
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
         a: Tensor, b: Tensor, pot: Tensor, valid: Tensor, full_mask: Tensor | None, causal: bool, scale: float
     ) -> tuple[Tensor, Tensor]:
         bias = key_bias(pot, valid, full_mask)
-        _, lse = _flash(a, b, b, bias, causal, scale)
-        return lse, bias
+        out, lse = _flash(a, b, b, bias, causal, scale)
+        return lse, out
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-        a, b, _, valid, _, causal, scale = inputs
-        lse, bias = output
+        a, b, pot, valid, full_mask, causal, scale = inputs
+        lse, out = output
         ctx.causal, ctx.scale = causal, scale
-        ctx.save_for_backward(a, b, lse, bias, valid)
-        ctx.mark_non_differentiable(bias)
+        ctx.save_for_backward(a, b, out, lse, pot, valid, full_mask)
+        ctx.mark_non_differentiable(out)
 
     @staticmethod
     def backward(ctx: Any, dl: Tensor, *_: Any) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        a, b, lse, bias, valid = ctx.saved_tensors
-        # ∂L/∂t_ij = P_ij dl_i: the attention backward with values e (a ones column), upstream
-        # dl_i e and a zero "output" (so that D_i = 0).
-        ones_v = b.new_zeros((*b.shape[:-1], 1))
-        ones_v[..., 0] = 1.0
-        dout = dl.to(a.dtype)[..., None]
-        out0 = a.new_zeros((*a.shape[:-1], 1))
-        da, db, _dv, colsum = _augmented_backward(dout, a, b, ones_v, out0, lse, bias, ctx.causal, ctx.scale)
-        dpot = torch.where(valid, -colsum, torch.zeros_like(colsum))
+        a, b, out, lse, pot, valid, full_mask = ctx.saved_tensors
+        scale, pdt, d = ctx.scale, lse.dtype, a.shape[-1]
+        g = dl.to(pdt)
+        da = (scale * g[..., None] * out.to(pdt)).to(a.dtype)
+        w = -(-(d + 1) // 8) * 8
+        x = _pad_last((g[..., None] * a.to(pdt)).to(a.dtype), w)
+        x[..., -1] = g.to(a.dtype)
+        everyone = torch.ones(lse.shape, dtype=torch.bool, device=lse.device)
+        rb = key_bias(lse, everyone, None if full_mask is None else full_mask.transpose(-1, -2))
+        t, c2 = _swapped(_pad_last(b, w), _pad_last(a, w), x, rb, ctx.causal, scale)
+        zero = torch.zeros_like(pot)
+        factor = torch.where(valid, torch.exp(torch.where(valid, c2.to(pdt) - pot, zero)), zero)
+        t = t.to(pdt) * factor[..., None]  # an excluded column j has P_ij = 0 for every i
+        db = (scale * t[..., :d]).to(b.dtype)
+        dpot = torch.where(valid, -t[..., -1], zero)
         return da, db, dpot, None, None, None, None
 
 
