@@ -2,7 +2,7 @@ r"""O(N)-memory Sinkhorn/DNAS passes on PyTorch's fused CPU flash kernel (intern
 
 Every pass is one call of ``aten._scaled_dot_product_flash_attention_for_cpu`` (returns the
 output *and* the row log-sum-exp) and its backward; nothing of size ``Nq × Nk`` is formed
-unless the caller passes a full ``(G, 1, Nq, Nk)`` mask (which is that size already).
+unless the caller passes a full ``(B, H, Nq, Nk)`` mask (which is that size already).
 
 Notation (doubly-normalized-attention eq. 6–10, design.md §3): scores ``s_ij = scale <q_i,k_j>
 + m_ij``; column potential ``c_j = LSE_i s_ij``; row pass ``π_ij = exp(s_ij − c_j − r_i)``.
@@ -14,7 +14,8 @@ Notation (doubly-normalized-attention eq. 6–10, design.md §3): scores ``s_ij 
   ``γ ⊙ k``; ``e^{r_i} ≤ Nk`` so it never overflows).
 * :class:`_LsePass` / :class:`_AttnPass` — one log-sum-exp pass / one row-softmax attention
   pass against a differentiable key potential; chained they give Sinkhorn-K with an unrolled
-  backward (each backward is one (d+1)-wide kernel call).
+  backward: an LSE pass costs one swapped (d+1)-wide *forward* call, the final attention pass
+  one (d+1)-wide backward call.
 
 Tensors are 4-D ``(B, H, N, ·)``, potentials and validity masks ``(B, H, N)``; ``valid``
 masks mark the keys that may take part (a key no row can see gets ``-inf``, never
