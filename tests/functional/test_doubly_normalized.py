@@ -278,3 +278,15 @@ def test_differentiable_float_mask_gets_its_gradient():
     torch.testing.assert_close(out, ref)
     go = torch.randn_like(out)
     torch.testing.assert_close(torch.autograd.grad(out, mask, go)[0], torch.autograd.grad(ref, mask, go)[0])
+
+
+def test_weights_gradient_finite_with_empty_columns_and_rows():
+    q, k, _ = _inputs(1, 1, 3, 5, 2, 2)
+    mask = torch.ones(1, 1, 3, 5, dtype=torch.bool)
+    mask[..., 1, :] = False
+    for kw in ({"is_causal": True}, {"attn_mask": mask}):
+        w = doubly_normalized_weights(q, k, iterations=2, **kw)
+        gq, gk = torch.autograd.grad((w * torch.arange(5.0, dtype=torch.float64)).sum(), (q, k))
+        assert torch.isfinite(gq).all() and torch.isfinite(gk).all()
+        ref = sinkhorn_weights_ref(scores_ref(q, k, mask=kw.get("attn_mask"), is_causal="is_causal" in kw), 2)
+        torch.testing.assert_close(w, ref)
