@@ -12,7 +12,8 @@ def safe_logsumexp(x: Tensor, dim: int, keepdim: bool = False) -> Tensor:
     m = x.amax(dim=dim, keepdim=True).detach()
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     s = torch.exp(x - m).sum(dim=dim, keepdim=True)
-    out = torch.log(s) + m
+    nonempty = s > 0
+    out = torch.where(nonempty, torch.log(torch.where(nonempty, s, torch.ones_like(s))) + m, float("-inf"))
     return out if keepdim else out.squeeze(dim)
 
 
