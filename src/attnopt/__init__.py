@@ -3,6 +3,7 @@
 The functional ops (``attnopt.functional``) are re-exported here; modules live in
 ``attnopt.nn``, exact solvers in ``attnopt.dual``, measurement tools in ``attnopt.analysis``.
 """
+from attnopt import analysis, dual, functional, kernels, nn
 from attnopt.dual import mem_attention, mem_weights, solve_mem
 from attnopt.functional import (
     Shannon,
@@ -29,6 +30,11 @@ from attnopt.functional import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "analysis",
+    "dual",
+    "functional",
+    "kernels",
+    "nn",
     "Shannon",
     "SquaredL2",
     "Tsallis",
