@@ -20,15 +20,12 @@ import torch
 from torch import Tensor
 
 from attnopt._validation import (
-    additive_mask,
-    causal_additive_mask,
     check_attention_inputs,
-    combine_additive,
     resolve_scale,
 )
 from attnopt.dual._mem_batch import canonicalize, check_alpha, check_solver_knobs, safe_log, validate
 from attnopt.dual._mem_core import _w_apply, apply_inverse_hessian, gram, newton_mem
-from attnopt.functional.generalized import preference_to_log
+from attnopt.functional.generalized import score_bias
 
 __all__ = ["mem_estimate", "mem_weights", "mem_attention"]
 
@@ -149,13 +146,8 @@ def mem_weights(
     alpha = resolve_scale(scale, d)
     check_solver_knobs(tol, max_iter)
     batch = tuple(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2]))
-    target = (*batch, nq, nk)
     cdt = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    bias = combine_additive(
-        preference_to_log(preference, log_preference, target, cdt),
-        additive_mask(attn_mask, target, cdt),
-        causal_additive_mask(nq, nk, cdt, q.device) if is_causal else None,
-    )
+    bias = score_bias(q, k, preference, log_preference, attn_mask, is_causal, cdt)
     full = (*batch, nq)
     if bias is None:
         return _solve_weights(k.unsqueeze(-3), q, None, full, alpha, tol, max_iter)

@@ -26,7 +26,7 @@ from attnopt._validation import (
 )
 from attnopt.functional._softmax import safe_softmax
 
-__all__ = ["generalized_attention", "generalized_weights", "preference_to_log"]
+__all__ = ["generalized_attention", "generalized_weights", "preference_to_log", "score_bias"]
 
 
 def _safe_log(u: Tensor) -> Tensor:
@@ -69,20 +69,27 @@ def preference_to_log(
     return None
 
 
-def _combined_bias(
+def score_bias(
     q: Tensor,
     k: Tensor,
     preference: Tensor | None,
     log_preference: Tensor | None,
     attn_mask: Tensor | None,
     is_causal: bool,
+    dtype: torch.dtype | None = None,
 ) -> Tensor | None:
+    """Validated ``log u + mask (+ causal)`` broadcastable to ``(..., Nq, Nk)``, or ``None``.
+
+    Shared by every mechanism that takes a preference next to SDPA-style masks. ``dtype``
+    defaults to ``q.dtype``.
+    """
     nq, nk, _ = check_attention_inputs(q, k)
+    dtype = q.dtype if dtype is None else dtype
     batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
     target = (*batch, nq, nk)
-    log_u = preference_to_log(preference, log_preference, target, q.dtype)
-    mask = additive_mask(attn_mask, target, q.dtype)
-    causal = causal_additive_mask(nq, nk, q.dtype, q.device) if is_causal else None
+    log_u = preference_to_log(preference, log_preference, target, dtype)
+    mask = additive_mask(attn_mask, target, dtype)
+    causal = causal_additive_mask(nq, nk, dtype, q.device) if is_causal else None
     return combine_additive(log_u, mask, causal)
 
 
@@ -139,7 +146,7 @@ def generalized_attention(
         return F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=alpha
         )
-    bias = _combined_bias(q, k, preference, log_preference, attn_mask, is_causal)
+    bias = score_bias(q, k, preference, log_preference, attn_mask, is_causal)
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=alpha)
@@ -174,7 +181,7 @@ def generalized_weights(
     alpha = resolve_scale(scale, q.shape[-1])
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    bias = _combined_bias(q, k, preference, log_preference, attn_mask, is_causal)
+    bias = score_bias(q, k, preference, log_preference, attn_mask, is_causal)
     compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     scores = torch.matmul(q.to(compute), k.to(compute).transpose(-2, -1)) * alpha
     if bias is not None:
