@@ -32,7 +32,7 @@ from torch import Tensor
 from attnopt._validation import additive_mask, causal_additive_mask, check_attention_inputs, resolve_scale
 from attnopt.functional import _flash_cpu as fc
 from attnopt.functional._sinkhorn_chunked import chunked_attn_pass, chunked_lse_pass
-from attnopt.functional._softmax import safe_softmax
+from attnopt.functional._softmax import safe_logsumexp, safe_softmax
 from attnopt.functional.generalized import generalized_attention
 
 __all__ = [
@@ -230,14 +230,6 @@ def doubly_normalized_attention(
     return _dnas(q, k, v, iterations, attn_mask, alpha, is_causal)
 
 
-def _lse_or_zero(s: Tensor, dim: int) -> Tensor:
-    """Log-sum-exp along ``dim`` (kept), ``0`` for an all ``-inf`` slice, never a NaN gradient."""
-    empty = ~torch.isfinite(s).any(dim=dim, keepdim=True)
-    safe = torch.where(empty, torch.zeros_like(s), s)
-    lse = torch.logsumexp(safe, dim, keepdim=True)
-    return torch.where(empty, torch.zeros_like(lse), lse)
-
-
 def _weights(q: Tensor, k: Tensor, iterations: int, attn_mask: Tensor | None, scale: float,
              is_causal: bool) -> Tensor:
     nq, nk, _ = check_attention_inputs(q, k)
@@ -253,7 +245,8 @@ def _weights(q: Tensor, k: Tensor, iterations: int, attn_mask: Tensor | None, sc
         return safe_softmax(s, dim=-1)
     for _ in range(iterations):
         for dim in (-2, -1):
-            s = s - _lse_or_zero(s, dim)
+            lse = safe_logsumexp(s, dim=dim, keepdim=True)  # -inf for an empty slice
+            s = s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     return torch.exp(s)
 
 
