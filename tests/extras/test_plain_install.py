@@ -117,3 +117,23 @@ print("analyze rc", main(["analyze"]))
     assert res.returncode == 0, res.stdout + res.stderr
     assert "1/2 reproduced, 1 skipped, 0 errors" in res.stdout
     assert "analyze rc 2" in res.stdout and "pip install 'attnopt[hf]'" in res.stderr
+
+
+@pytest.mark.slow
+def test_wheel_in_a_fresh_venv_with_only_torch_and_numpy(wheel, tmp_path):
+    """The real thing: a new virtual environment, ``pip install torch numpy attnopt.whl``."""
+    venv = tmp_path / "venv"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # no checkout on the path
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300, env=env)
+    py = venv / "bin" / "python"
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "torch==2.13.0", "numpy", str(wheel)],
+                   check=True, timeout=1200, env=env)
+    res = subprocess.run([str(venv / "bin" / "attnopt"), "reproduce", "--quick", "--only",
+                          "fenchel_dual:eq16,fenchel_dual:fig3", "--out", str(tmp_path / "rep")],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "1/2 reproduced, 1 skipped, 0 errors" in res.stdout
+    res = subprocess.run([str(venv / "bin" / "attnopt"), "analyze"], capture_output=True, text=True,
+                         timeout=600, cwd=tmp_path, env=env)
+    assert res.returncode == 2 and "pip install 'attnopt[hf]'" in res.stderr
+    assert "Traceback" not in res.stderr
