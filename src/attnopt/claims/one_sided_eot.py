@@ -74,7 +74,9 @@ def _closed_form_cases(
     s: torch.Tensor, tau: float, beta: float
 ) -> list[tuple[str, str, object, torch.Tensor]]:
     n_q, n_k = s.shape[-2:]
-    dist = -locality_bias(n_q, n_k, 1.0, dtype=F64, device="cpu")
+    # the regularizer of Prop. 4.4 written out here, |i − j| from the positions themselves: the
+    # library's ALiBi offset (locality_bias) appears only on the closed-form side
+    dist = (torch.arange(n_q, dtype=F64)[:, None] - torch.arange(n_k, dtype=F64)[None, :]).abs()
 
     def shannon_locality(p: torch.Tensor) -> torch.Tensor:
         return tau * torch.special.xlogy(p, p).sum(-1) + beta * (p * dist).sum(-1)
