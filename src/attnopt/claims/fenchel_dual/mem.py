@@ -199,8 +199,8 @@ def figure3(ctx: ClaimContext) -> ClaimResult:
     err, shift, rows = [], [], []
     for ax, a in zip(axes, alphas):
         exact = solve_mem(T, z, preference=u, alpha=a, tol=1e-12).h
-        approx = generalized_attention(z[None, None], T[None, None], T[None, None], preference=u.view(1, 1, 1, -1),
-                                       scale=a)[0, 0]  # eq. (16): λ ≈ αz
+        tt, pref = T[None, None], u.view(1, 1, 1, -1)
+        approx = generalized_attention(z[None, None], tt, tt, preference=pref, scale=a)[0, 0]  # eq. (16)
         e = (exact - approx).norm(dim=-1)
         s = (exact - mu).norm(dim=-1)
         err.append(float(e.mean()))
