@@ -11,6 +11,7 @@ from attnopt.nn.doubly_normalized import (
 )
 from attnopt.nn.generalized import GeneralizedMultiheadAttention
 from attnopt.nn.implicit_kernel import ImplicitKernelAttention
+from attnopt.nn.losses import EntmaxLoss, SparsemaxLoss
 from attnopt.nn.mem import MEMAttention, MEMEstimate
 from attnopt.nn.ot import OTAttention
 from attnopt.nn.preference import (
@@ -24,6 +25,7 @@ from attnopt.nn.regularized import RegularizedMultiheadAttention
 __all__: list[str] = [
     "ALiBiPreference",
     "DoublyNormalizedMultiheadAttention",
+    "EntmaxLoss",
     "GeneralizedMultiheadAttention",
     "HybridNormalizedMultiheadAttention",
     "ImplicitKernelAttention",
@@ -33,5 +35,6 @@ __all__: list[str] = [
     "OTAttention",
     "PreferenceModule",
     "RegularizedMultiheadAttention",
+    "SparsemaxLoss",
     "T5RelativePreference",
 ]
