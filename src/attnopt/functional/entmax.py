@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from attnopt._validation import check_tensor
+from attnopt.functional import _sparse_groups as _groups
 
 __all__ = ["sparsemax", "entmax"]
 
@@ -74,10 +75,16 @@ def _warn(name: str, max_iter: int, err: float) -> None:
     )
 
 
-def _sparsemax_forward(x: Tensor, dim: int, max_iter: int) -> tuple[Tensor, Tensor]:
-    """Michelot's algorithm = Newton on ``Σ[z − θ]₊ − 1``; exact when the support is stable."""
+def _sparsemax_forward(
+    x: Tensor, dim: int, max_iter: int, theta0: Tensor | None = None, warn: bool = True
+) -> tuple[Tensor, Tensor]:
+    """Michelot's algorithm = Newton on ``Σ[z − θ]₊ − 1``; exact when the support is stable.
+
+    ``theta0``: a lower bound on the threshold to start from (default ``−1``); every iterate
+    stays a lower bound, so a capped run (``warn=False``) still returns one.
+    """
     z, empty = _shift(x, dim)
-    theta = torch.full_like(z.narrow(dim, 0, 1), -1.0)
+    theta = torch.full_like(z.narrow(dim, 0, 1), -1.0) if theta0 is None else theta0.clamp_min(-1.0)
     t = torch.empty_like(z)  # reused buffers: fresh large tensors cost page faults on CPU
     sign = torch.empty_like(z)
     count_prev: Tensor | None = None
@@ -92,17 +99,23 @@ def _sparsemax_forward(x: Tensor, dim: int, max_iter: int) -> tuple[Tensor, Tens
             break
         count_prev = count
     del sign
-    if not converged:
+    if not converged and warn:
         _warn("sparsemax", max_iter, float("nan"))
     torch.sub(z, theta, out=t).relu_()
     return t.masked_fill_(empty, 0.0), theta
 
 
-def _entmax15_forward(x: Tensor, dim: int, tol: float, max_iter: int) -> tuple[Tensor, Tensor]:
-    """Newton on ``‖[z − θ]₊‖₂ − 1`` then the exact threshold on the support found."""
+def _entmax15_forward(
+    x: Tensor, dim: int, tol: float, max_iter: int, theta0: Tensor | None = None, warn: bool = True
+) -> tuple[Tensor, Tensor]:
+    """Newton on ``‖[z − θ]₊‖₂ − 1`` then the exact threshold on the support found.
+
+    ``theta0``: a lower bound to start from (Newton from below is monotone, so every iterate
+    is a lower bound too).
+    """
     z, empty = _shift(x, dim)
     z.mul_(0.5)
-    theta = torch.full_like(z.narrow(dim, 0, 1), -1.0)
+    theta = torch.full_like(z.narrow(dim, 0, 1), -1.0) if theta0 is None else theta0.clamp_min(-1.0)
     tiny = torch.finfo(z.dtype).tiny
     eps = torch.finfo(z.dtype).eps
     t = torch.empty_like(z)
@@ -117,6 +130,8 @@ def _entmax15_forward(x: Tensor, dim: int, tol: float, max_iter: int) -> tuple[T
             break
         theta = theta + step
     else:
+        if not warn:  # a capped run for a lower bound: the Newton iterate is one (the closed form is not)
+            return t, theta
         _warn("entmax(alpha=1.5)", max_iter, float(dev.abs().max()))
     # closed-form threshold on the support S = {t > 0}: Σ_S (t − δ)² = 1, smaller root
     torch.sub(z, theta, out=t).relu_()
@@ -137,7 +152,8 @@ def _qlog_base(u: Tensor, eps: Tensor) -> Tensor:
 
 
 def _entmax_general_forward(
-    x: Tensor, alpha: Tensor, dim: int, tol: float, max_iter: int
+    x: Tensor, alpha: Tensor, dim: int, tol: float, max_iter: int,
+    theta0: Tensor | None = None, warn: bool = True,
 ) -> tuple[Tensor, Tensor]:
     r"""Every ``α > 0`` (tensor ``α`` broadcast, size 1 along ``dim``): safeguarded Newton.
 
@@ -162,7 +178,7 @@ def _entmax_general_forward(
     e = e.expand(shape)
     lo = torch.zeros(shape, dtype=xs.dtype, device=xs.device)
     hi = -torch.expm1(-e * math.log(n)) / e
-    tau = lo.clone()
+    tau = lo.clone() if theta0 is None else ((theta0 + 1) / e).clamp(min=lo, max=hi)
     big = bool((am1 >= 1).any())  # then p^{1-ε} is infinite (or 0·inf) at p = 0: mask it
     for _ in range(max_iter):
         q = _qlog_base(xs - tau, e)
@@ -185,6 +201,8 @@ def _entmax_general_forward(
         new = torch.where(bad, 0.5 * (lo + hi), new)
         tau = torch.where(done, tau, new)
     else:
+        if not warn:  # a capped run for a lower bound: lo (where Σp ≥ 1) is one
+            return xs, e * lo - 1
         _warn("entmax", max_iter, float(dev.abs().max()))
     p = torch.exp(_qlog_base(xs - tau, e))
     p = p.div_(p.sum(dim=dim, keepdim=True).clamp_min(tiny))
@@ -215,13 +233,34 @@ def _chunked(
 
 
 def _threshold_map(x: Tensor, alpha: float, dim: int, max_iter: int, tol: float) -> tuple[Tensor, Tensor]:
-    """Forward of the float-α map returning ``(p, θ)``; :func:`_map_from_threshold` recomputes ``p``."""
+    """Forward of the float-α map returning ``(p, θ)``; :func:`_map_from_threshold` recomputes ``p``.
+
+    Large CPU inputs (last dim) go through the exact candidate-group path of
+    :mod:`attnopt.functional._sparse_groups` when their rows are sparse, else the dense search.
+    """
+    core: Callable[[Tensor, int], tuple[Tensor, Tensor]]
+    solve: _groups.Solver
     if alpha == 2.0:
-        return _chunked(lambda c, d: _sparsemax_forward(c, d, max_iter), x, dim, _CHUNK_SPARSEMAX)
-    if alpha == 1.5:
-        return _chunked(lambda c, d: _entmax15_forward(c, d, tol, max_iter), x, dim, _CHUNK)
-    a = torch.tensor(alpha, dtype=x.dtype, device=x.device)
-    return _chunked(lambda c, d: _entmax_general_forward(c, a, d, tol, max_iter), x, dim, _CHUNK)
+        core, elements = (lambda c, d: _sparsemax_forward(c, d, max_iter)), _CHUNK_SPARSEMAX
+
+        def solve(t: Tensor, th0: Tensor | None, cap: int | None) -> tuple[Tensor, Tensor]:
+            return _sparsemax_forward(t, -1, cap or max_iter, th0, warn=cap is None)
+    elif alpha == 1.5:
+        core, elements = (lambda c, d: _entmax15_forward(c, d, tol, max_iter)), _CHUNK
+
+        def solve(t: Tensor, th0: Tensor | None, cap: int | None) -> tuple[Tensor, Tensor]:
+            return _entmax15_forward(t, -1, tol, cap or max_iter, th0, warn=cap is None)
+    else:
+        a = torch.tensor(alpha, dtype=x.dtype, device=x.device)
+        core, elements = (lambda c, d: _entmax_general_forward(c, a, d, tol, max_iter)), _CHUNK
+
+        def solve(t: Tensor, th0: Tensor | None, cap: int | None) -> tuple[Tensor, Tensor]:
+            return _entmax_general_forward(t, a, -1, tol, cap or max_iter, th0, warn=cap is None)
+    if alpha > 1.0 and _groups.usable(x, dim):
+        res = _groups.group_forward(x, alpha, solve)
+        if res is not None:
+            return res
+    return _chunked(core, x, dim, elements)
 
 
 def _map_from_threshold(x: Tensor, theta: Tensor, alpha: float, dim: int) -> Tensor:
@@ -239,8 +278,49 @@ def _map_from_threshold(x: Tensor, theta: Tensor, alpha: float, dim: int) -> Ten
     return z.masked_fill_(empty, 0.0)
 
 
+def _support_weight(p: Tensor, alpha: float, out: Tensor, aux: Tensor) -> Tensor:
+    """``p^{2−α}`` on the support, 0 elsewhere, written into ``out`` (float ``1 < α ≤ 2``).
+
+    ``sqrt``/``pow`` of exact zeros take a slow path on x86 CPUs (~20x): the root is taken of
+    ``max(p, 1e-30)`` and the off-support entries are zeroed by ``sign(p)`` (in ``aux``).
+    """
+    if alpha == 2.0:
+        return torch.sign(p, out=out)
+    torch.clamp_min(p, 1e-30, out=out)
+    if alpha == 1.5:
+        out.sqrt_()
+    else:
+        out.pow_(2.0 - alpha)
+    return out.mul_(torch.sign(p, out=aux))
+
+
+def _backward_rows(p: Tensor, grad: Tensor, alpha: float) -> Tensor:
+    """The backward below on cache-sized row blocks of a contiguous last-dim ``p`` (CPU).
+
+    Five streaming ops per block, all in cache, one reused ``g`` buffer and no full-size
+    temporary besides the result: about what ``torch.softmax``'s backward costs.
+    """
+    n = p.shape[-1]
+    pf = p.view(-1, n)
+    gf = grad.reshape(-1, n)
+    out = torch.empty_like(pf)
+    step = max(1, _CHUNK_SPARSEMAX // n)
+    buf = torch.empty((2, min(step, pf.shape[0]), n), dtype=p.dtype, device=p.device)
+    for i in range(0, pf.shape[0], step):
+        j = min(pf.shape[0], i + step)
+        w = _support_weight(pf[i:j], alpha, buf[0, : j - i], buf[1, : j - i])
+        wsum = w.sum(dim=-1, keepdim=True)
+        o = torch.mul(w, gf[i:j], out=out[i:j])
+        q = o.sum(dim=-1, keepdim=True) / torch.where(wsum > 0, wsum, torch.ones_like(wsum))
+        o.addcmul_(w, q, value=-1.0)
+    return out.view(p.shape)
+
+
 def _entmax_backward(p: Tensor, grad: Tensor, alpha: Tensor | float, dim: int) -> Tensor:
     """``g ⊙ (d − Σ g d / Σ g)`` with ``g = p^{2−α}`` on the support (few large temporaries)."""
+    if (isinstance(alpha, float) and 1.0 < alpha <= 2.0 and _groups.usable(p, dim)
+            and grad.shape == p.shape and grad.dtype == p.dtype):
+        return _backward_rows(p, grad, alpha)
     if isinstance(alpha, float) and alpha == 2.0:
         g = torch.sign(p)
     elif isinstance(alpha, float) and alpha == 1.5:
