@@ -62,3 +62,22 @@ def test_fast_path_half_precision_large_scale(dtype):
         (p.float() * torch.arange(512.0)).sum().backward()
         assert torch.isfinite(x.grad).all()
         x.grad = None
+
+
+@pytest.mark.parametrize("alpha", [1.5, 2.0])
+def test_blocks_over_threads_give_the_same_result(alpha):
+    x = torch.randn(2, 640, 1024, generator=torch.Generator().manual_seed(2))  # > 1 row block
+    w = torch.randn(x.shape, generator=torch.Generator().manual_seed(3))
+    threads = torch.get_num_threads()
+    res = []
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            xr = x.clone().requires_grad_(True)
+            p = _map(alpha)(xr)
+            (p * w).sum().backward()
+            res.append((p.detach(), xr.grad))
+            assert torch.get_num_threads() == t  # restored after the pooled blocks
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])

@@ -19,12 +19,14 @@ made the sparse maps ~2-4x slower than ``torch.softmax`` on (8, 1024, 1024).
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import Tensor
 
-__all__ = ["group_forward", "group_size", "usable"]
+__all__ = ["group_forward", "group_size", "run_blocks", "usable"]
 
 _GROUP = 8  # entries per group for sparsemax (α ≥ 2); α < 2 has wider supports: groups of 4
 _MIN_N = 256  # rows shorter than this: the dense search is already cheap
@@ -50,9 +52,38 @@ def usable(x: Tensor, dim: int) -> bool:
             and n >= _MIN_N and n % _GROUP == 0 and x.numel() >= 4 * n)
 
 
-def _blocks(rows: int, n: int) -> list[tuple[int, int]]:
-    step = max(1, _BLOCK // n)
+def _blocks(rows: int, n: int, elements: int = _BLOCK) -> list[tuple[int, int]]:
+    step = max(1, elements // n)
     return [(i, min(rows, i + step)) for i in range(0, rows, step)]
+
+
+_THREADS_LOCK = threading.Lock()
+
+
+def run_blocks(fn: Callable[[int, int], bool], blocks: list[tuple[int, int]]) -> bool:
+    """Run ``fn(r0, r1)`` on every row block; ``False`` as soon as one returns ``False``.
+
+    With several intra-op threads, the blocks are spread over that many Python threads while
+    each op runs single-threaded (``torch.set_num_threads(1)``, restored after): the per-block
+    ops are small, and one OpenMP barrier per small op made two threads *slower* than one on a
+    busy machine. The blocks write disjoint rows, so the workers never share an output.
+    """
+    threads = torch.get_num_threads()
+    if threads <= 1 or len(blocks) <= 1 or not _THREADS_LOCK.acquire(blocking=False):
+        return all(fn(r0, r1) for r0, r1 in blocks)
+    grad_mode = torch.is_grad_enabled()  # thread-local: carry the caller's into the workers
+
+    def work(b: tuple[int, int]) -> bool:
+        with torch.set_grad_enabled(grad_mode):
+            return fn(*b)
+
+    try:
+        torch.set_num_threads(1)
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            return all(pool.map(work, blocks))
+    finally:
+        torch.set_num_threads(threads)
+        _THREADS_LOCK.release()
 
 
 def group_forward(x: Tensor, alpha: float, solve: Solver) -> tuple[Tensor, Tensor] | None:
@@ -71,7 +102,8 @@ def group_forward(x: Tensor, alpha: float, solve: Solver) -> tuple[Tensor, Tenso
     rows = flat.shape[0]
     out = torch.empty_like(flat)  # zeroed block by block, while the block is in cache
     theta = torch.empty((rows, 1), dtype=x.dtype, device=x.device)
-    for r0, r1 in _blocks(rows, n):
+
+    def block(r0: int, r1: int) -> bool:
         r = r1 - r0
         xv = flat[r0:r1].view(r, g, groups)
         gmax = xv.amax(dim=1)  # (R, G): a subset of each row's entries
@@ -82,7 +114,7 @@ def group_forward(x: Tensor, alpha: float, solve: Solver) -> tuple[Tensor, Tenso
         cand = zg > th_lb - _MARGIN * (1 + th_lb.abs())
         picked = _pick(cand, groups)
         if picked is None:
-            return None
+            return False
         idx, slot_used = picked
         k = idx.shape[-1]
         idx = idx.unsqueeze(1).expand(r, g, k)
@@ -91,6 +123,10 @@ def group_forward(x: Tensor, alpha: float, solve: Solver) -> tuple[Tensor, Tenso
         # unused slots point at a real group but carry p = 0: scatter_add leaves it intact
         out[r0:r1].zero_().view(r, g, groups).scatter_add_(2, idx, p_sub.view(r, g, k))
         theta[r0:r1] = th
+        return True
+
+    if not run_blocks(block, _blocks(rows, n)):
+        return None
     return out.view(x.shape), theta.view(*x.shape[:-1], 1)
 
 

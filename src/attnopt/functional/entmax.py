@@ -31,6 +31,7 @@ Conventions: ``−inf`` scores get exactly 0; a slice that is entirely ``−inf`
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -305,14 +306,20 @@ def _backward_rows(p: Tensor, grad: Tensor, alpha: float) -> Tensor:
     gf = grad.reshape(-1, n)
     out = torch.empty_like(pf)
     step = max(1, _CHUNK_SPARSEMAX // n)
-    buf = torch.empty((2, min(step, pf.shape[0]), n), dtype=p.dtype, device=p.device)
-    for i in range(0, pf.shape[0], step):
-        j = min(pf.shape[0], i + step)
+    local = threading.local()  # one pair of cache-sized buffers per worker thread
+
+    def block(i: int, j: int) -> bool:
+        buf = getattr(local, "buf", None)
+        if buf is None:
+            buf = local.buf = torch.empty((2, step, n), dtype=p.dtype, device=p.device)
         w = _support_weight(pf[i:j], alpha, buf[0, : j - i], buf[1, : j - i])
         wsum = w.sum(dim=-1, keepdim=True)
         o = torch.mul(w, gf[i:j], out=out[i:j])
         q = o.sum(dim=-1, keepdim=True) / torch.where(wsum > 0, wsum, torch.ones_like(wsum))
         o.addcmul_(w, q, value=-1.0)
+        return True
+
+    _groups.run_blocks(block, [(i, min(pf.shape[0], i + step)) for i in range(0, pf.shape[0], step)])
     return out.view(p.shape)
 
 
