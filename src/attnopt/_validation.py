@@ -20,6 +20,8 @@ __all__ = [
     "additive_mask",
     "causal_additive_mask",
     "combine_additive",
+    "empty_attention",
+    "empty_weights",
 ]
 
 
@@ -142,3 +144,38 @@ def combine_additive(*masks: Tensor | None) -> Tensor | None:
             continue
         out = m if out is None else out + m
     return out
+
+
+def _anchor(*xs: Tensor) -> Tensor:
+    """An exact ``0.0`` that depends on every ``x`` (zero gradients, never NaN: empty slices)."""
+    total = xs[0].new_zeros(())
+    for x in xs:
+        total = total + x.narrow(-1, 0, 0).sum().to(total.dtype)
+    return total
+
+
+def empty_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
+    """The result every attention op gives for empty sizes, or ``None`` if nothing is empty.
+
+    Policy (one for every op): ``Nq = 0`` or an empty batch/head dimension gives an empty
+    output ``(…, Nq, dv)``; ``Nk = 0`` (no key to attend to) gives zeros, like a fully
+    masked row. The result is differentiable with zero (finite) gradients for ``q``, ``k``,
+    ``v``, and no kernel ever sees an empty tensor.
+    """
+    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    shape = (*batch, q.shape[-2], v.shape[-1])
+    if q.shape[-2] and k.shape[-2] and 0 not in batch:
+        return None
+    return q.new_zeros(shape) + _anchor(q, k, v).to(q.dtype)
+
+
+def empty_weights(q: Tensor, k: Tensor) -> Tensor | None:
+    """The ``(…, Nq, Nk)`` weights for empty sizes (an empty tensor), or ``None``.
+
+    See :func:`empty_attention`.
+    """
+    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+    shape = (*batch, q.shape[-2], k.shape[-2])
+    if 0 not in shape:
+        return None
+    return q.new_zeros(shape) + _anchor(q, k).to(q.dtype)

@@ -29,7 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnopt._validation import additive_mask, causal_additive_mask, check_attention_inputs, resolve_scale
+from attnopt._validation import (
+    additive_mask,
+    causal_additive_mask,
+    check_attention_inputs,
+    empty_attention,
+    resolve_scale,
+)
 from attnopt.functional import _flash_cpu as fc
 from attnopt.functional._sinkhorn_chunked import chunked_attn_pass, chunked_lse_pass
 from attnopt.functional._softmax import safe_logsumexp, safe_softmax
@@ -162,6 +168,9 @@ def _dnas(
     q: Tensor, k: Tensor, v: Tensor, iterations: int, attn_mask: Tensor | None, scale: float, is_causal: bool
 ) -> Tensor:
     nq, nk, _ = check_attention_inputs(q, k, v)
+    empty = empty_attention(q, k, v)
+    if empty is not None:  # the fused kernel crashes the process on empty sizes
+        return empty
     batch = tuple(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
     q4, k4, v4 = _to_bh(q, batch), _to_bh(k, batch), _to_bh(v, batch)
     bh = (q4.shape[0], q4.shape[1])
