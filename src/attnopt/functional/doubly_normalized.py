@@ -35,6 +35,7 @@ from attnopt._validation import (
     check_attention_inputs,
     empty_attention,
     resolve_scale,
+    validate_attention,
 )
 from attnopt.functional import _flash_cpu as fc
 from attnopt.functional._sinkhorn_chunked import chunked_attn_pass, chunked_lse_pass
@@ -227,9 +228,12 @@ def doubly_normalized_attention(
             not broadcast or holds NaN/``+inf``.
         TypeError: non-tensor / non-floating inputs, non-int ``iterations``.
     """
-    check_attention_inputs(q, k, v)
+    validate_attention(q, k, v, attn_mask)
     iterations = _check_iterations(iterations)
     alpha = resolve_scale(scale, q.shape[-1])
+    empty = empty_attention(q, k, v)
+    if empty is not None:
+        return empty
     if iterations == 0:
         return _lnas(q, k, v, attn_mask, alpha, is_causal)
     if isinstance(attn_mask, Tensor) and attn_mask.requires_grad and torch.is_grad_enabled():
@@ -284,7 +288,7 @@ def doubly_normalized_weights(
     Raises:
         ValueError, TypeError: as :func:`doubly_normalized_attention`.
     """
-    check_attention_inputs(q, k)
+    validate_attention(q, k, None, attn_mask)
     iterations = _check_iterations(iterations)
     alpha = resolve_scale(scale, q.shape[-1])
     return _weights(q, k, iterations, attn_mask, alpha, is_causal).to(q.dtype)
@@ -339,8 +343,12 @@ def hybrid_normalized_attention(
             :func:`doubly_normalized_attention`.
         TypeError: non-tensor ``weight``; as :func:`doubly_normalized_attention`.
     """
-    check_attention_inputs(q, k, v)
+    validate_attention(q, k, v, attn_mask)
     w = _check_weight(weight, q)
+    empty = empty_attention(q, k, v, weight)
+    if empty is not None:
+        _check_iterations(iterations)
+        return empty
     dn = doubly_normalized_attention(q, k, v, iterations=iterations, attn_mask=attn_mask, scale=scale,
                                      is_causal=is_causal)
     ln = doubly_normalized_attention(q, k, v, iterations=0, attn_mask=attn_mask, scale=scale,
@@ -369,7 +377,7 @@ def hybrid_normalized_weights(
     Raises:
         ValueError, TypeError: as :func:`hybrid_normalized_attention`.
     """
-    check_attention_inputs(q, k)
+    validate_attention(q, k, None, attn_mask)
     w = _check_weight(weight, q)
     iterations = _check_iterations(iterations)
     alpha = resolve_scale(scale, q.shape[-1])

@@ -29,7 +29,10 @@ from attnopt._validation import (
     causal_additive_mask,
     check_attention_inputs,
     combine_additive,
+    empty_attention,
+    empty_weights,
     resolve_scale,
+    validate_attention,
 )
 from attnopt.functional._softmax import safe_softmax
 from attnopt.functional.kernel_linear import linear_kernel_attention
@@ -218,8 +221,12 @@ def kernel_weights(
     Raises:
         ValueError, TypeError: as :func:`kernel_attention`.
     """
+    validate_attention(q, k, None, attn_mask)
     _, compute, bias = _prepare(q, k, kernel, magnitude_p, scale, eps, "quadratic")
     mask = _full_mask(q, k, attn_mask, is_causal, compute)
+    empty = empty_weights(q, k)
+    if empty is not None:
+        return empty
     w = _quadratic(q.to(compute), k.to(compute), None, kernel, bias, mask, eps)
     return w.to(q.dtype)
 
@@ -271,8 +278,12 @@ def kernel_attention(
             ``mode="linear"`` with a kernel without features, a query-dependent mask, or a
             causal mask with ``Nq != Nk``.
     """
-    check_attention_inputs(q, k, v)
+    validate_attention(q, k, v, attn_mask)
     s, compute, bias = _prepare(q, k, kernel, magnitude_p, scale, eps, mode)
+    empty = empty_attention(q, k, v)
+    if empty is not None:
+        _full_mask(q, k, attn_mask, is_causal, compute)  # the same mask checks as otherwise
+        return empty
     qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)
     if mode == "linear":
         nq, nk = q.shape[-2], k.shape[-2]
