@@ -222,11 +222,14 @@ def kernel_weights(
         ValueError, TypeError: as :func:`kernel_attention`.
     """
     validate_attention(q, k, None, attn_mask)
+    empty = empty_weights(q, k)
+    if empty is not None:  # the same checks as otherwise, then the empty-size policy
+        _check_options(kernel, magnitude_p, eps, "quadratic")
+        resolve_scale(scale, q.shape[-1])
+        _full_mask(q, k, attn_mask, is_causal, q.dtype)
+        return empty
     _, compute, bias = _prepare(q, k, kernel, magnitude_p, scale, eps, "quadratic")
     mask = _full_mask(q, k, attn_mask, is_causal, compute)
-    empty = empty_weights(q, k)
-    if empty is not None:
-        return empty
     w = _quadratic(q.to(compute), k.to(compute), None, kernel, bias, mask, eps)
     return w.to(q.dtype)
 
@@ -279,11 +282,13 @@ def kernel_attention(
             causal mask with ``Nq != Nk``.
     """
     validate_attention(q, k, v, attn_mask)
-    s, compute, bias = _prepare(q, k, kernel, magnitude_p, scale, eps, mode)
     empty = empty_attention(q, k, v)
-    if empty is not None:
-        _full_mask(q, k, attn_mask, is_causal, compute)  # the same mask checks as otherwise
+    if empty is not None:  # the same checks as otherwise, then the empty-size policy
+        _check_options(kernel, magnitude_p, eps, mode)
+        resolve_scale(scale, q.shape[-1])
+        _full_mask(q, k, attn_mask, is_causal, q.dtype)
         return empty
+    s, compute, bias = _prepare(q, k, kernel, magnitude_p, scale, eps, mode)
     qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)
     if mode == "linear":
         nq, nk = q.shape[-2], k.shape[-2]
