@@ -220,12 +220,16 @@ def doubly_normalized_attention(
         is_causal: SDPA's top-left causal mask, in both normalizations.
 
     Returns:
-        (B, H, Nq, dv); a query with no admissible key gets zeros (finite gradients).
-        Half precision keeps the potentials in float32 and never produces NaN.
+        (B, H, Nq, dv); a query with no admissible key gets zeros (finite gradients), and so
+        does every query when ``Nk = 0``; ``Nq = 0`` or an empty batch gives an empty output.
+        Half precision keeps the potentials in float32 and never produces NaN. Any strided
+        layout is accepted: the fused CPU kernel gets a copy of an input whose last dim is
+        not unit-stride.
 
     Raises:
         ValueError: negative ``iterations``, shape mismatch, ``scale <= 0``, a mask that does
-            not broadcast or holds NaN/``+inf``.
+            not broadcast to (B, H, Nq, Nk) or holds NaN/``+inf``, NaN or ±inf in ``q``,
+            ``k``, ``v``.
         TypeError: non-tensor / non-floating inputs, non-int ``iterations``.
     """
     validate_attention(q, k, v, attn_mask)

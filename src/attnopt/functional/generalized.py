@@ -135,11 +135,13 @@ def generalized_attention(
 
     Returns:
         (B, H, Nq, dv). A row whose preference/mask excludes every key is all zeros, with
-        finite gradients.
+        finite gradients; ``Nk = 0`` gives zeros, ``Nq = 0`` (or an empty batch) an empty
+        output. Any strided layout is accepted (README, "Layout and conventions").
 
     Raises:
         ValueError: both ``preference`` and ``log_preference``; a negative or non-finite
-            preference; shapes that do not broadcast; ``scale <= 0``; ``dropout_p`` not in [0, 1).
+            preference; NaN or ±inf in ``q``, ``k`` or ``v``; shapes or a mask that do not
+            broadcast to (B, H, Nq, Nk); ``scale <= 0``; ``dropout_p`` not in [0, 1).
         TypeError: non-tensor or non-floating inputs.
     """
     validate_attention(q, k, v, attn_mask)

@@ -273,11 +273,13 @@ def kernel_attention(
             by positive kernels. Both modes include it exactly.
 
     Returns:
-        (B, H, Nq, dv) in the input dtype; a row with no admissible key is zeros.
+        (B, H, Nq, dv) in the input dtype; a row with no admissible key is zeros (every row
+        when ``Nk = 0``; ``Nq = 0`` gives an empty output).
 
     Raises:
         TypeError: ``kernel`` not a :class:`~attnopt.kernels.Kernel`; non-floating inputs.
-        ValueError: mismatched shapes, ``magnitude_p <= 0``, ``eps < 0``, unknown ``mode``,
+        ValueError: NaN or ±inf in ``q``, ``k``, ``v``; a mask that does not broadcast to
+            (B, H, Nq, Nk); mismatched shapes, ``magnitude_p <= 0``, ``eps < 0``, unknown ``mode``,
             ``mode="linear"`` with a kernel without features, a query-dependent mask, or a
             causal mask with ``Nq != Nk``.
     """

@@ -184,12 +184,14 @@ def ot_weights(
 
     Returns:
         (B, H, Nq, m) non-negative weights, each row summing to 1 (0 for an all-zero
-        preference). Half precision is computed in float32 and returned in the input dtype.
+        preference, and for no template, ``n = 0``; ``Nq = 0`` or ``m = 0`` gives an empty
+        result). Half precision is computed in float32 and returned in the input dtype.
 
     Raises:
         TypeError: non-tensor / non-floating inputs, mixed dtypes, non-number ``alpha``/``gamma``,
             a cost of an unsupported type, a non-boolean ``bank_mask``.
-        ValueError: mismatched shapes, ``alpha``/``gamma`` not finite and > 0, a negative,
+        ValueError: NaN or ±inf in ``z``, ``templates``, ``bank`` (or ``bank_values``);
+            mismatched shapes, ``alpha``/``gamma`` not finite and > 0, a negative,
             NaN or infinite preference, a cost that fails its checks, an unknown cost name.
     """
     check_positive("alpha", alpha), check_positive("gamma", gamma)

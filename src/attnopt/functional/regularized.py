@@ -197,10 +197,12 @@ def regularized_attention(
         block_size: queries per block in the blocked sparse path (default: about 2^22 scores
             per block).
     Returns:
-        (B, H, Nq, dv) in the dtype of ``q``; a row with no admissible key is zeros.
+        (B, H, Nq, dv) in the dtype of ``q``; a row with no admissible key is zeros (every
+        row when ``Nk = 0``; ``Nq = 0`` gives an empty output).
     Raises:
         TypeError: non-tensor or non-floating inputs; a regularizer without ``conjugate_grad``.
-        ValueError: shapes that do not fit; ``scale <= 0``; non-finite ``locality``; a per-head
+        ValueError: NaN or ±inf in ``q``, ``k``, ``v``; a mask that does not broadcast to
+            (B, H, Nq, Nk); shapes that do not fit; ``scale <= 0``; non-finite ``locality``; a per-head
             ``locality`` whose length is not H; bad ``block_size``.
     """
     nq, nk, _ = validate_attention(q, k, v, attn_mask)
