@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from attnopt._validation import check_finite
+
 __all__ = ["MultiheadBase", "merge_masks"]
 
 
@@ -171,6 +173,7 @@ class MultiheadBase(nn.Module):
                 f"query/key/value batch or length mismatch: {tuple(query.shape)}, "
                 f"{tuple(key.shape)}, {tuple(value.shape)}"
             )
+        check_finite(query=query, key=key, value=value)  # the shared non-finite policy, by module argument
         q = self.split_heads(self.q_proj(query))
         k = self.split_heads(self.k_proj(key))
         v = self.split_heads(self.v_proj(value))
