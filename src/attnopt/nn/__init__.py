@@ -11,6 +11,7 @@ from attnopt.nn.doubly_normalized import (
 )
 from attnopt.nn.generalized import GeneralizedMultiheadAttention
 from attnopt.nn.implicit_kernel import ImplicitKernelAttention
+from attnopt.nn.kernel import KernelMultiheadAttention
 from attnopt.nn.losses import EntmaxLoss, SparsemaxLoss
 from attnopt.nn.mem import MEMAttention, MEMEstimate
 from attnopt.nn.ot import OTAttention
@@ -20,15 +21,18 @@ from attnopt.nn.preference import (
     PreferenceModule,
     T5RelativePreference,
 )
+from attnopt.nn.registry import AttentionSpec, attention_names, attention_spec, make_attention
 from attnopt.nn.regularized import RegularizedMultiheadAttention
 
 __all__: list[str] = [
     "ALiBiPreference",
+    "AttentionSpec",
     "DoublyNormalizedMultiheadAttention",
     "EntmaxLoss",
     "GeneralizedMultiheadAttention",
     "HybridNormalizedMultiheadAttention",
     "ImplicitKernelAttention",
+    "KernelMultiheadAttention",
     "KeyPreference",
     "MEMAttention",
     "MEMEstimate",
@@ -37,4 +41,7 @@ __all__: list[str] = [
     "RegularizedMultiheadAttention",
     "SparsemaxLoss",
     "T5RelativePreference",
+    "attention_names",
+    "attention_spec",
+    "make_attention",
 ]
