@@ -31,6 +31,8 @@ from torch import Tensor
 
 from attnopt._validation import additive_mask, causal_additive_mask, check_attention_inputs, resolve_scale
 from attnopt.functional import _flash_cpu as fc
+from attnopt.functional import dispatch
+from attnopt.functional._dnas_materialized import materialized_sinkhorn_attention
 from attnopt.functional._sinkhorn_chunked import chunked_attn_pass, chunked_lse_pass
 from attnopt.functional._softmax import safe_logsumexp, safe_softmax
 from attnopt.functional.generalized import generalized_attention
@@ -182,6 +184,7 @@ def doubly_normalized_attention(
     attn_mask: Tensor | None = None,
     scale: float | None = None,
     is_causal: bool = False,
+    impl: dispatch.Impl = "auto",
 ) -> Tensor:
     r"""Doubly-normalized attention (DNAS) and Sinkhorn-K, doubly-normalized-attention eq. (6)–(8), (10).
 
@@ -208,26 +211,53 @@ def doubly_normalized_attention(
             (B, H, Nq, Nk).
         scale: score scale (default ``1/sqrt(d)``).
         is_causal: SDPA's top-left causal mask, in both normalizations.
+        impl: ``"streaming"`` (the O(N)-memory passes above), ``"materialized"`` (one fused
+            pass over the ``Nq × Nk`` scores, :mod:`._dnas_materialized`; fastest at short
+            sequences) or ``"auto"`` (by size, :func:`attnopt.functional.dispatch.choose_impl`;
+            the choice is recorded in ``dispatch.last_dispatch``). Same result up to rounding.
 
     Returns:
         (B, H, Nq, dv); a query with no admissible key gets zeros (finite gradients).
         Half precision keeps the potentials in float32 and never produces NaN.
 
     Raises:
-        ValueError: negative ``iterations``, shape mismatch, ``scale <= 0``, a mask that does
+        ValueError: unknown ``impl``, negative ``iterations``, shape mismatch, ``scale <= 0``, a mask that does
             not broadcast or holds NaN/``+inf``.
         TypeError: non-tensor / non-floating inputs, non-int ``iterations``.
     """
     check_attention_inputs(q, k, v)
     iterations = _check_iterations(iterations)
     alpha = resolve_scale(scale, q.shape[-1])
+    dispatch.check_impl(impl)
     if iterations == 0:
         return _lnas(q, k, v, attn_mask, alpha, is_causal)
     if isinstance(attn_mask, Tensor) and attn_mask.requires_grad and torch.is_grad_enabled():
         # a differentiable mask: materialize (as SDPA's math kernel does) so that it gets its gradient
         w = _weights(q, k, iterations, attn_mask, alpha, is_causal)
         return torch.matmul(w, v.to(w.dtype)).to(q.dtype)
+    mech = "doubly_normalized" if iterations == 1 else "sinkhorn"
+    if _pick(mech, q, k, v, impl) == "materialized":
+        return _materialized(q, k, v, iterations, None, attn_mask, alpha, is_causal)
     return _dnas(q, k, v, iterations, attn_mask, alpha, is_causal)
+
+
+def _pick(mech: str, q: Tensor, k: Tensor, v: Tensor, impl: str) -> str:
+    """Resolve ``impl`` by size (:func:`dispatch.choose_impl`) and record the choice."""
+    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    g = 1
+    for n in batch:
+        g *= n
+    path = dispatch.choose_impl(mech, nq=q.shape[-2], nk=k.shape[-2], batch=g, dtype=q.dtype, impl=impl)
+    return dispatch.record(mech, path)
+
+
+def _materialized(q: Tensor, k: Tensor, v: Tensor, iterations: int, weight: Tensor | None,
+                  attn_mask: Tensor | None, scale: float, is_causal: bool) -> Tensor:
+    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    compute = torch.float32 if q.dtype in _HALF else q.dtype
+    mask = additive_mask(attn_mask, (*batch, q.shape[-2], k.shape[-2]), compute)
+    return materialized_sinkhorn_attention(q, k, v, iterations=iterations, weight=weight, mask=mask,
+                                           is_causal=is_causal, scale=scale)
 
 
 def _weights(q: Tensor, k: Tensor, iterations: int, attn_mask: Tensor | None, scale: float,
@@ -309,6 +339,7 @@ def hybrid_normalized_attention(
     attn_mask: Tensor | None = None,
     scale: float | None = None,
     is_causal: bool = False,
+    impl: dispatch.Impl = "auto",
 ) -> Tensor:
     r"""Hybrid normalized attention (HNAS), doubly-normalized-attention Sec. 6.
 
@@ -321,6 +352,9 @@ def hybrid_normalized_attention(
         q, k, v, attn_mask, scale, is_causal: as :func:`doubly_normalized_attention`.
         weight: mixing weight ``w`` in [0, 1]: a 0-d tensor or one value per head ``(H,)``.
         iterations: Sinkhorn steps of the doubly-normalized term (default 1 = DNAS).
+        impl: ``"materialized"`` shares one score matrix between both terms and mixes the
+            weights before one matmul; ``"streaming"`` runs both terms in O(N) memory;
+            ``"auto"`` picks by size (see :func:`doubly_normalized_attention`).
 
     Returns:
         (B, H, Nq, dv).
@@ -332,8 +366,13 @@ def hybrid_normalized_attention(
     """
     check_attention_inputs(q, k, v)
     w = _check_weight(weight, q)
+    dispatch.check_impl(impl)
+    iterations = _check_iterations(iterations)
+    differentiable_mask = isinstance(attn_mask, Tensor) and attn_mask.requires_grad and torch.is_grad_enabled()
+    if iterations >= 1 and not differentiable_mask and _pick("hybrid_normalized", q, k, v, impl) == "materialized":
+        return _materialized(q, k, v, iterations, w, attn_mask, resolve_scale(scale, q.shape[-1]), is_causal)
     dn = doubly_normalized_attention(q, k, v, iterations=iterations, attn_mask=attn_mask, scale=scale,
-                                     is_causal=is_causal)
+                                     is_causal=is_causal, impl="streaming")
     ln = doubly_normalized_attention(q, k, v, iterations=0, attn_mask=attn_mask, scale=scale,
                                      is_causal=is_causal)
     w = w.to(dn.dtype)

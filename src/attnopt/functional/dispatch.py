@@ -1,0 +1,91 @@
+r"""Size-based dispatch between a fused *materialized* path and the O(N)-memory *streaming* path.
+
+Every mechanism with two implementations takes ``impl="auto" | "materialized" | "streaming"``:
+
+* ``"materialized"`` forms the ``Nq × Nk`` scores once and runs the fewest passes the math
+  allows (one autograd node with a closed-form backward); fastest at short sequences.
+* ``"streaming"`` never holds ``Nq × Nk`` (flash-style or query-blocked passes); needed at
+  long sequences, and faster there.
+* ``"auto"`` picks ``"materialized"`` when :func:`choose_impl` says so:
+  ``max(Nq, Nk) <= CROSSOVERS[mechanism][dtype]`` **and** the materialized matrices fit in
+  :data:`MATERIALIZED_ELEMENTS` (``B·H·Nq·Nk`` entries, 2^25 = 128 MiB of float32 per matrix).
+
+The crossovers were measured with ``attnopt bench --only small_n`` (forward+backward, B·H ∈
+{8, 64}, d = 64, on a 2-core CPU): the largest N at which the materialized path was not slower.
+They are the same for every device (no GPU was measured). Both paths compute the same
+function up to float rounding; both are tested against the float64 reference.
+
+The choice of the last call is observable: :data:`last_dispatch` maps a mechanism name to
+``"materialized"`` or ``"streaming"``.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+__all__ = ["Impl", "CROSSOVERS", "MATERIALIZED_ELEMENTS", "choose_impl", "last_dispatch", "check_impl"]
+
+Impl = Literal["auto", "materialized", "streaming"]
+
+#: Largest ``max(Nq, Nk)`` at which ``auto`` materializes, per mechanism and compute dtype
+#: (``"half"`` = float16/bfloat16, computed in float32 by the materialized path).
+CROSSOVERS: dict[str, dict[str, int]] = {
+    "doubly_normalized": {"float32": 1024, "float64": 1024, "half": 512},
+    "sinkhorn": {"float32": 2048, "float64": 2048, "half": 1024},
+    "hybrid_normalized": {"float32": 2048, "float64": 2048, "half": 1024},
+    "sparse": {"float32": 2048, "float64": 2048, "half": 1024},
+}
+
+#: Upper bound on ``B·H·Nq·Nk`` for the materialized path under ``auto`` (memory guard).
+MATERIALIZED_ELEMENTS = 1 << 25
+
+#: The path taken by the last call of each mechanism (``"materialized"`` or ``"streaming"``).
+last_dispatch: dict[str, str] = {}
+
+
+def check_impl(impl: object) -> str:
+    """Validate an ``impl`` argument; returns it."""
+    if impl not in ("auto", "materialized", "streaming"):
+        raise ValueError(f"impl must be 'auto', 'materialized' or 'streaming', got {impl!r}")
+    return str(impl)
+
+
+def _dtype_key(dtype: torch.dtype) -> str:
+    if dtype in (torch.float16, torch.bfloat16):
+        return "half"
+    return "float64" if dtype == torch.float64 else "float32"
+
+
+def choose_impl(
+    mechanism: str, *, nq: int, nk: int, batch: int = 1, dtype: torch.dtype = torch.float32, impl: str = "auto"
+) -> str:
+    """The path ``impl="auto"`` takes for these sizes (``impl`` other than auto is returned as is).
+
+    Args:
+        mechanism: a key of :data:`CROSSOVERS` (``"doubly_normalized"`` for DNAS K = 1,
+            ``"sinkhorn"`` for K >= 2, ``"hybrid_normalized"``, ``"sparse"`` for sparsemax /
+            entmax attention).
+        nq, nk: query and key lengths.
+        batch: product of the batch dimensions (B·H).
+        dtype: input dtype.
+        impl: ``"auto"``, ``"materialized"`` or ``"streaming"``.
+    Returns:
+        ``"materialized"`` or ``"streaming"``.
+    Raises:
+        ValueError: unknown ``mechanism`` or ``impl``.
+    """
+    check_impl(impl)
+    if mechanism not in CROSSOVERS:
+        raise ValueError(f"unknown mechanism {mechanism!r}; known: {sorted(CROSSOVERS)}")
+    if impl != "auto":
+        return impl
+    limit = CROSSOVERS[mechanism][_dtype_key(dtype)]
+    small = max(nq, nk) <= limit and batch * nq * nk <= MATERIALIZED_ELEMENTS
+    return "materialized" if small else "streaming"
+
+
+def record(mechanism: str, path: str) -> str:
+    """Store ``path`` in :data:`last_dispatch` and return it."""
+    last_dispatch[mechanism] = path
+    return path
