@@ -32,11 +32,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["materialized_sinkhorn_attention"]
+from attnopt._validation import additive_mask
+from attnopt.functional import dispatch
+
+__all__ = ["materialized_sinkhorn_attention", "dispatched_sinkhorn"]
 
 
-def _scores(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float) -> Tensor:
-    s = torch.matmul(q, k.transpose(-2, -1)).mul_(scale)
+def _scores(qs: Tensor, k: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+    """``S = (scale·Q) Kᵀ + M`` with the causal ``-inf`` (``qs`` is the pre-scaled ``Q``)."""
+    s = torch.matmul(qs, k.transpose(-2, -1))
     if mask is not None:
         s.add_(mask)
     if causal:
@@ -82,11 +86,11 @@ def _sinkhorn_forward(s: Tensor, masked: bool, iterations: int) -> tuple[Tensor,
     sigma = e.sum(-1, keepdim=True)
     thr = torch.finfo(e.dtype).tiny * 2.0**40
     if bool((sigma < thr).any()):
-        valid = torch.isfinite(s).any(-1, keepdim=True) if masked else torch.ones_like(sigma, dtype=torch.bool)
+        valid = torch.isfinite(s).any(-1, keepdim=True) if masked else sigma == sigma
         if bool(((sigma < thr) & valid).any()):
             steps = _log_domain(s, iterations)
             return steps[-1], torch.ones_like(sigma), steps[:-1]
-    sigma = torch.where(sigma > 0, sigma, torch.ones_like(sigma))
+        sigma = torch.where(sigma > 0, sigma, torch.ones_like(sigma))  # rows without admissible key
     if iterations == 1:
         return e.div_(sigma), sigma, []
     mids = [e]
@@ -118,34 +122,37 @@ def _reduce_to(g: Tensor, shape: torch.Size) -> Tensor:
 
 
 class _MaterializedSinkhorn(torch.autograd.Function):
-    """DNAS / Sinkhorn-K (``w is None``) or HNAS (``w`` given) on materialized scores."""
+    """DNAS / Sinkhorn-K (``w is None``) or HNAS (``w`` given) on materialized scores.
+
+    ``forward(ctx, …)`` style on purpose: returning the saved intermediates as outputs for a
+    ``setup_context`` cost ~40 µs per call, a tenth of the whole call at N = 64.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
-        q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, causal: bool, scale: float,
-        iterations: int,
-    ) -> tuple[Tensor, ...]:
-        s = _scores(q, k, mask, causal, scale)
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, causal: bool,
+        scale: float, iterations: int,
+    ) -> Tensor:
+        qs = q * scale  # N·d work instead of scaling the N × N scores; reused by dK
+        s = _scores(qs, k, mask, causal)
         masked = mask is not None or causal
         p_lnas = _softmax_zero_empty(s, -1, masked) if w is not None else None
         p, sigma, mids = _sinkhorn_forward(s, masked, iterations)
         del s
-        if w is None or p_lnas is None:
-            return (torch.matmul(p, v), p, sigma, *mids)
-        mix = torch.lerp(p_lnas, p, w)
-        return (torch.matmul(mix, v), p, sigma, *mids, mix, p_lnas)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-        q, k, v, w, _, _, scale, iterations = inputs
         ctx.scale, ctx.iterations, ctx.hybrid = scale, iterations, w is not None
-        ctx.save_for_backward(q, k, v, w, *output)
-        ctx.mark_non_differentiable(*output[1:])
+        if w is None or p_lnas is None:
+            out = torch.matmul(p, v)
+            ctx.save_for_backward(k, v, w, out, qs, p, sigma, *mids)
+            return out
+        mix = torch.lerp(p_lnas, p, w)
+        out = torch.matmul(mix, v)
+        ctx.save_for_backward(k, v, w, out, qs, p, sigma, *mids, mix, p_lnas)
+        return out
 
     @staticmethod
-    def backward(ctx: Any, dout: Tensor, *_: Any) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        q, k, v, w, out, p, sigma, *rest = ctx.saved_tensors
-        dout = dout.to(v.dtype)
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        k, v, w, out, qs, p, sigma, *rest = ctx.saved_tensors
+        dout = dout.to(v.dtype).contiguous()  # a stride-0 gradient (from .sum()) sends bmm to a slow path
         dp = torch.matmul(dout, v.transpose(-2, -1))
         dw = None
         if not ctx.hybrid:
@@ -158,35 +165,70 @@ class _MaterializedSinkhorn(torch.autograd.Function):
             *mids, mix, p_lnas = rest
             dv = torch.matmul(mix.transpose(-2, -1), dout)
             a = p * dp
-            b = p_lnas * dp
+            b = dp.mul_(p_lnas)
+            ra, rb = a.sum(-1, keepdim=True), b.sum(-1, keepdim=True)
             if ctx.needs_input_grad[3]:
-                dw = _reduce_to(a - b, w.shape)
-            a.addcmul_(p, a.sum(-1, keepdim=True), value=-1.0)
+                dw = _reduce_to(ra - rb, w.shape)  # Σ (P^D − P^L) ⊙ dP from the row sums
+            a.addcmul_(p, ra, value=-1.0)
             gd = _sinkhorn_backward(a, p, sigma, mids, ctx.iterations)
-            b.addcmul_(p_lnas, b.sum(-1, keepdim=True), value=-1.0)
+            b.addcmul_(p_lnas, rb, value=-1.0)
             ds = torch.lerp(b, gd, w)
         dq = torch.matmul(ds, k).mul_(ctx.scale)
-        dk = torch.matmul(ds.transpose(-2, -1), q).mul_(ctx.scale)
+        dk = torch.matmul(ds.transpose(-2, -1), qs)
         return dq, dk, dv, dw, None, None, None, None
 
 
 def materialized_sinkhorn_attention(
     q: Tensor, k: Tensor, v: Tensor, *, iterations: int, weight: Tensor | None, mask: Tensor | None,
-    is_causal: bool, scale: float,
+    is_causal: bool, scale: float, batch: tuple[int, ...],
 ) -> Tensor:
-    """DNAS / Sinkhorn-K (``weight=None``) or HNAS output ``(…, Nq, dv)`` (inputs validated).
+    """DNAS / Sinkhorn-K (``weight=None``) or HNAS output ``(*batch, Nq, dv)`` (inputs validated).
 
-    ``mask`` is additive, broadcastable to ``(…, Nq, Nk)`` (not differentiated); ``weight`` is
-    the HNAS mixing weight, shaped to broadcast against ``(…, H, Nq, Nk)``.
+    ``mask`` is additive, broadcastable to ``(*batch, Nq, Nk)`` (not differentiated); ``weight``
+    is the HNAS mixing weight, shaped to broadcast against ``(…, H, Nq, Nk)``; ``batch`` is the
+    broadcast batch shape of ``q, k, v``.
     """
     orig = q.dtype
     compute = torch.float32 if orig in (torch.float16, torch.bfloat16) else orig
-    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     nq, nk, dv = q.shape[-2], k.shape[-2], v.shape[-1]
     if nq == 0 or nk == 0:
-        return (q.sum() * 0 + k.sum() * 0 + v.sum() * 0).expand(*batch, nq, dv).to(orig).clone()
-    qc, kc, vc = (x.to(compute).expand(*batch, *x.shape[-2:]) for x in (q, k, v))
+        zero = q.sum() * 0 + k.sum() * 0 + v.sum() * 0  # keeps the graph: zero gradients
+        return zero.expand(*batch, nq, dv).to(orig).clone()
+    qkv = []
+    for x in (q, k, v):
+        x = x.to(compute)
+        qkv.append(x if tuple(x.shape[:-2]) == batch else x.expand(*batch, *x.shape[-2:]))
     m = None if mask is None else mask.detach().to(compute)
     wc = None if weight is None else weight.to(compute)
-    out: Tensor = _MaterializedSinkhorn.apply(qc, kc, vc, wc, m, is_causal, scale, iterations)[0]
+    out: Tensor = _MaterializedSinkhorn.apply(*qkv, wc, m, is_causal, scale, iterations)
     return out.to(orig)
+
+
+def batch_shape(*xs: Tensor) -> tuple[int, ...]:
+    """Broadcast batch shape (all dims but the last two) of ``xs``; cheap when they agree."""
+    first = tuple(xs[0].shape[:-2])
+    if all(tuple(x.shape[:-2]) == first for x in xs[1:]):
+        return first
+    return tuple(torch.broadcast_shapes(*(x.shape[:-2] for x in xs)))
+
+
+def dispatched_sinkhorn(
+    mechanism: str, q: Tensor, k: Tensor, v: Tensor, iterations: int, weight: Tensor | None,
+    attn_mask: Tensor | None, scale: float, is_causal: bool, impl: str,
+) -> Tensor | None:
+    """The materialized result when ``impl`` resolves to it for these sizes, else ``None``.
+
+    Records the choice in :data:`attnopt.functional.dispatch.last_dispatch`.
+    """
+    batch = batch_shape(q, k, v)
+    g = 1
+    for n in batch:
+        g *= n
+    path = dispatch.choose_impl(mechanism, nq=q.shape[-2], nk=k.shape[-2], batch=g, dtype=q.dtype, impl=impl)
+    dispatch.record(mechanism, path)
+    if path != "materialized":
+        return None
+    compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    mask = additive_mask(attn_mask, (*batch, q.shape[-2], k.shape[-2]), compute)
+    return materialized_sinkhorn_attention(q, k, v, iterations=iterations, weight=weight, mask=mask,
+                                           is_causal=is_causal, scale=scale, batch=batch)

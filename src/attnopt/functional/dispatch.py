@@ -58,7 +58,8 @@ def _dtype_key(dtype: torch.dtype) -> str:
 
 
 def choose_impl(
-    mechanism: str, *, nq: int, nk: int, batch: int = 1, dtype: torch.dtype = torch.float32, impl: str = "auto"
+    mechanism: str, *, nq: int, nk: int, batch: int = 1, dtype: torch.dtype = torch.float32,
+    impl: str = "auto",
 ) -> str:
     """The path ``impl="auto"`` takes for these sizes (``impl`` other than auto is returned as is).
 

@@ -32,7 +32,7 @@ from torch import Tensor
 from attnopt._validation import additive_mask, causal_additive_mask, check_attention_inputs, resolve_scale
 from attnopt.functional import _flash_cpu as fc
 from attnopt.functional import dispatch
-from attnopt.functional._dnas_materialized import materialized_sinkhorn_attention
+from attnopt.functional._dnas_materialized import dispatched_sinkhorn
 from attnopt.functional._sinkhorn_chunked import chunked_attn_pass, chunked_lse_pass
 from attnopt.functional._softmax import safe_logsumexp, safe_softmax
 from attnopt.functional.generalized import generalized_attention
@@ -221,8 +221,8 @@ def doubly_normalized_attention(
         Half precision keeps the potentials in float32 and never produces NaN.
 
     Raises:
-        ValueError: unknown ``impl``, negative ``iterations``, shape mismatch, ``scale <= 0``, a mask that does
-            not broadcast or holds NaN/``+inf``.
+        ValueError: unknown ``impl``, negative ``iterations``, shape mismatch, ``scale <= 0``, a mask
+            that does not broadcast or holds NaN/``+inf``.
         TypeError: non-tensor / non-floating inputs, non-int ``iterations``.
     """
     check_attention_inputs(q, k, v)
@@ -236,28 +236,10 @@ def doubly_normalized_attention(
         w = _weights(q, k, iterations, attn_mask, alpha, is_causal)
         return torch.matmul(w, v.to(w.dtype)).to(q.dtype)
     mech = "doubly_normalized" if iterations == 1 else "sinkhorn"
-    if _pick(mech, q, k, v, impl) == "materialized":
-        return _materialized(q, k, v, iterations, None, attn_mask, alpha, is_causal)
+    fused = dispatched_sinkhorn(mech, q, k, v, iterations, None, attn_mask, alpha, is_causal, impl)
+    if fused is not None:
+        return fused
     return _dnas(q, k, v, iterations, attn_mask, alpha, is_causal)
-
-
-def _pick(mech: str, q: Tensor, k: Tensor, v: Tensor, impl: str) -> str:
-    """Resolve ``impl`` by size (:func:`dispatch.choose_impl`) and record the choice."""
-    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-    g = 1
-    for n in batch:
-        g *= n
-    path = dispatch.choose_impl(mech, nq=q.shape[-2], nk=k.shape[-2], batch=g, dtype=q.dtype, impl=impl)
-    return dispatch.record(mech, path)
-
-
-def _materialized(q: Tensor, k: Tensor, v: Tensor, iterations: int, weight: Tensor | None,
-                  attn_mask: Tensor | None, scale: float, is_causal: bool) -> Tensor:
-    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-    compute = torch.float32 if q.dtype in _HALF else q.dtype
-    mask = additive_mask(attn_mask, (*batch, q.shape[-2], k.shape[-2]), compute)
-    return materialized_sinkhorn_attention(q, k, v, iterations=iterations, weight=weight, mask=mask,
-                                           is_causal=is_causal, scale=scale)
 
 
 def _weights(q: Tensor, k: Tensor, iterations: int, attn_mask: Tensor | None, scale: float,
@@ -368,9 +350,12 @@ def hybrid_normalized_attention(
     w = _check_weight(weight, q)
     dispatch.check_impl(impl)
     iterations = _check_iterations(iterations)
-    differentiable_mask = isinstance(attn_mask, Tensor) and attn_mask.requires_grad and torch.is_grad_enabled()
-    if iterations >= 1 and not differentiable_mask and _pick("hybrid_normalized", q, k, v, impl) == "materialized":
-        return _materialized(q, k, v, iterations, w, attn_mask, resolve_scale(scale, q.shape[-1]), is_causal)
+    grad_mask = isinstance(attn_mask, Tensor) and attn_mask.requires_grad and torch.is_grad_enabled()
+    if iterations >= 1 and not grad_mask:
+        fused = dispatched_sinkhorn("hybrid_normalized", q, k, v, iterations, w, attn_mask,
+                                    resolve_scale(scale, q.shape[-1]), is_causal, impl)
+        if fused is not None:
+            return fused
     dn = doubly_normalized_attention(q, k, v, iterations=iterations, attn_mask=attn_mask, scale=scale,
                                      is_causal=is_causal, impl="streaming")
     ln = doubly_normalized_attention(q, k, v, iterations=0, attn_mask=attn_mask, scale=scale,
