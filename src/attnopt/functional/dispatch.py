@@ -7,13 +7,15 @@ Every mechanism with two implementations takes ``impl="auto" | "materialized" | 
 * ``"streaming"`` never holds ``Nq × Nk`` (flash-style or query-blocked passes); needed at
   long sequences, and faster there.
 * ``"auto"`` picks ``"materialized"`` when :func:`choose_impl` says so:
-  ``max(Nq, Nk) <= CROSSOVERS[mechanism][dtype]`` **and** the materialized matrices fit in
-  :data:`MATERIALIZED_ELEMENTS` (``B·H·Nq·Nk`` entries, 2^25 = 128 MiB of float32 per matrix).
+  ``B·H·Nq·Nk <= CROSSOVERS[mechanism][dtype]`` (the size of one score matrix).
 
-The crossovers were measured with ``attnopt bench --only small_n`` (forward+backward, B·H ∈
-{8, 64}, d = 64, on a 2-core CPU): the largest N at which the materialized path was not slower.
-They are the same for every device (no GPU was measured). Both paths compute the same
-function up to float rounding; both are tested against the float64 reference.
+The crossover is a number of score entries, not a length: measured forward+backward (d = 64,
+float32, one CPU thread, ``attnopt bench --only small_n``), the materialized path stopped
+winning at the same ``B·H·N²`` for B·H = 8 and 64 (DNAS K = 1: faster at 8·512² and 64·256²,
+even at 8·768², slower at 8·1024² and 64·512²). For B·H = 8 the defaults mean N <= 724
+(DNAS, HNAS, sparse) and N <= 1448 (Sinkhorn K >= 2). Same values on every device (no GPU
+was measured). Both paths compute the same function up to float rounding; both are tested
+against the float64 reference.
 
 The choice of the last call is observable: :data:`last_dispatch` maps a mechanism name to
 ``"materialized"`` or ``"streaming"``.
@@ -24,21 +26,18 @@ from typing import Literal
 
 import torch
 
-__all__ = ["Impl", "CROSSOVERS", "MATERIALIZED_ELEMENTS", "choose_impl", "last_dispatch", "check_impl"]
+__all__ = ["Impl", "CROSSOVERS", "choose_impl", "last_dispatch", "check_impl"]
 
 Impl = Literal["auto", "materialized", "streaming"]
 
-#: Largest ``max(Nq, Nk)`` at which ``auto`` materializes, per mechanism and compute dtype
+#: Largest ``B·H·Nq·Nk`` at which ``auto`` materializes, per mechanism and dtype
 #: (``"half"`` = float16/bfloat16, computed in float32 by the materialized path).
 CROSSOVERS: dict[str, dict[str, int]] = {
-    "doubly_normalized": {"float32": 1024, "float64": 1024, "half": 512},
-    "sinkhorn": {"float32": 2048, "float64": 2048, "half": 1024},
-    "hybrid_normalized": {"float32": 2048, "float64": 2048, "half": 1024},
-    "sparse": {"float32": 2048, "float64": 2048, "half": 1024},
+    "doubly_normalized": {"float32": 1 << 22, "float64": 1 << 22, "half": 1 << 21},
+    "sinkhorn": {"float32": 1 << 24, "float64": 1 << 24, "half": 1 << 23},
+    "hybrid_normalized": {"float32": 1 << 22, "float64": 1 << 22, "half": 1 << 21},
+    "sparse": {"float32": 1 << 24, "float64": 1 << 24, "half": 1 << 23},
 }
-
-#: Upper bound on ``B·H·Nq·Nk`` for the materialized path under ``auto`` (memory guard).
-MATERIALIZED_ELEMENTS = 1 << 25
 
 #: The path taken by the last call of each mechanism (``"materialized"`` or ``"streaming"``).
 last_dispatch: dict[str, str] = {}
@@ -81,8 +80,7 @@ def choose_impl(
         raise ValueError(f"unknown mechanism {mechanism!r}; known: {sorted(CROSSOVERS)}")
     if impl != "auto":
         return impl
-    limit = CROSSOVERS[mechanism][_dtype_key(dtype)]
-    small = max(nq, nk) <= limit and batch * nq * nk <= MATERIALIZED_ELEMENTS
+    small = batch * nq * nk <= CROSSOVERS[mechanism][_dtype_key(dtype)]
     return "materialized" if small else "streaming"
 
 

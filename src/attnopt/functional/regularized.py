@@ -36,7 +36,9 @@ from attnopt._validation import (
     combine_additive,
     resolve_scale,
 )
+from attnopt.functional import dispatch
 from attnopt.functional._blocked_sparse import blocked_sparse_attention
+from attnopt.functional._sparse_attention_fused import fused_sparse_attention
 from attnopt.functional.regularizers import Regularizer, Shannon, SquaredL2, Tsallis
 
 __all__ = [
@@ -167,6 +169,7 @@ def regularized_attention(
     locality: float | Tensor | None = None,
     is_causal: bool = False,
     block_size: int | None = None,
+    impl: dispatch.Impl = "auto",
 ) -> Tensor:
     r"""Attention whose weights solve a regularized argmax (sdpa-one-sided-eot §3–4).
 
@@ -189,17 +192,23 @@ def regularized_attention(
         is_causal: also apply SDPA's top-left causal mask.
         block_size: queries per block in the blocked sparse path (default: about 2^22 scores
             per block).
+        impl: for ``SquaredL2`` / float-α ``Tsallis``: ``"streaming"`` (the blocked path),
+            ``"materialized"`` (scores once, compact exact thresholds, ``P`` saved for the
+            backward; :mod:`._sparse_attention_fused`) or ``"auto"`` (by size,
+            :func:`attnopt.functional.dispatch.choose_impl`, recorded in
+            ``dispatch.last_dispatch["sparse"]``). Ignored by the other regularizers.
     Returns:
         (B, H, Nq, dv) in the dtype of ``q``; a row with no admissible key is zeros.
     Raises:
         TypeError: non-tensor or non-floating inputs; a regularizer without ``conjugate_grad``.
         ValueError: shapes that do not fit; ``scale <= 0``; non-finite ``locality``; a per-head
-            ``locality`` whose length is not H; bad ``block_size``.
+            ``locality`` whose length is not H; bad ``block_size``; unknown ``impl``.
     """
     nq, nk, _ = check_attention_inputs(q, k, v)
     reg = Shannon() if regularizer is None else regularizer
     _check_regularizer(reg)
     alpha_scale = resolve_scale(scale, q.shape[-1])
+    dispatch.check_impl(impl)
     if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
@@ -225,6 +234,13 @@ def regularized_attention(
         beta = None
         if locality is not None:
             beta = _beta_tensor(locality, q)
+        rows = 1
+        for n in batch:
+            rows *= n
+        path = dispatch.choose_impl("sparse", nq=nq, nk=nk, batch=rows, dtype=q.dtype, impl=impl)
+        if dispatch.record("sparse", path) == "materialized":
+            return fused_sparse_attention(q, k, v, alpha=alpha, scale=alpha_scale, mask=mask, beta=beta,
+                                          is_causal=is_causal)
         return blocked_sparse_attention(
             q, k, v, alpha=alpha, scale=alpha_scale, mask=mask, beta=beta, is_causal=is_causal,
             block_size=block_size,
