@@ -1,19 +1,13 @@
 r"""Fused materialized sparsemax / α-entmax attention for short sequences (internal).
 
-sdpa-one-sided-eot Prop. 4.2–4.3. Scores ``S = (scale·Q)Kᵀ + M − β|i−j|`` are formed once and
-shifted in place to ``z = (α−1)(S − max_j S)`` (``α = 2``: ``z = S − max``). The threshold
-``θ_i`` of each row solves ``Σ_j [z_ij − θ_i]₊^{1/(α−1)} = 1`` and lies in ``[−1, 0)``, so
-only the *candidates* ``z_ij > −1`` can be in the support — a handful per row for attention
-scores. They are compacted into a small padded ``(rows, K)`` matrix (pad ``−2``, never in the
-support), sorted, and the exact sort-based threshold is computed there:
+sdpa-one-sided-eot Prop. 4.2–4.3. Scores ``S = (scale·Q)Kᵀ + M − β|i−j|`` are formed once,
+the row thresholds are found on them by the threshold search of
+:mod:`attnopt.functional.entmax` (Michelot/Newton, exact for α = 2 and 1.5), and
+``P = [(α−1)(S − max S) − θ]₊^{1/(α−1)}``, ``O = P V``. Against the blocked path this saves the
+per-block bookkeeping and, in the backward, the recomputation of ``S`` and ``P``.
 
-* sparsemax: ``k* = #{k : 1 + k z_(k) > Σ_{l≤k} z_(l)}``, ``θ = (Σ_{l≤k*} z_(l) − 1)/k*``;
-* 1.5-entmax: ``τ_k = m_k − sqrt(max(0, (1 − k(m2_k − m_k²))/k))`` with the prefix means
-  ``m_k, m2_k`` of ``z, z²``; ``θ = τ_{k*}``, ``k* = #{k : τ_k ≤ z_(k)}`` (Peters et al. 2019).
-
-When some row has more than :data:`MAX_CANDIDATES` candidates (near-uniform scores), and for
-any other α, the dense safeguarded Newton search of :mod:`attnopt.functional.entmax` is
-used instead (same map). Then ``P = [z − θ]₊^{1/(α−1)}`` (renormalized for α ≠ 2), ``O = P V``.
+(A sort-based exact threshold on the compacted candidates ``z > −1`` was tried: ``torch.sort``
+and the compaction ops are slower on CPU than the dense Newton passes at these sizes.)
 
 Backward saves ``P`` (no recomputation): ``dP = dO Vᵀ``, ``dS = g ⊙ (dP − Σ g dP / Σ g)``
 with ``g = p^{2−α}`` (the support indicator for sparsemax), ``dQ = scale·dS K``,
@@ -28,10 +22,7 @@ from torch import Tensor
 
 from attnopt.functional.entmax import _default_tol, _entmax_backward, _threshold_map
 
-__all__ = ["fused_sparse_attention", "MAX_CANDIDATES"]
-
-#: Most candidates ``z > −1`` in a row for the compact sort-based threshold.
-MAX_CANDIDATES = 64
+__all__ = ["fused_sparse_attention"]
 
 
 def _distance(nq: int, nk: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -53,57 +44,10 @@ def _scores(qs: Tensor, k: Tensor, mask: Tensor | None, beta: Tensor | None, cau
     return s
 
 
-def _compact_threshold(z: Tensor, alpha: float) -> Tensor | None:
-    """Exact ``θ`` (rows, 1) from the candidates ``z > −1`` of ``z (rows, N)``; ``None`` if too many."""
-    cand = z > -1.0
-    cnt = cand.sum(-1)
-    kmax = int(cnt.max()) if cnt.numel() else 0
-    if kmax > MAX_CANDIDATES:
-        return None
-    rows = z.shape[0]
-    kmax = max(kmax, 1)
-    idx = cand.nonzero()
-    r = idx[:, 0]
-    starts = torch.cumsum(cnt, 0) - cnt
-    pos = torch.arange(r.shape[0], device=z.device) - starts[r]
-    pad = torch.full((rows, kmax), -2.0, dtype=z.dtype, device=z.device)
-    pad[r, pos] = z[cand]
-    zs = pad.sort(-1, descending=True).values
-    rho = torch.arange(1, kmax + 1, dtype=z.dtype, device=z.device)
-    cs = zs.cumsum(-1)
-    if alpha == 2.0:
-        ksup = ((1 + rho * zs) > cs).sum(-1, keepdim=True).clamp_min(1)
-        theta = (cs.gather(-1, ksup - 1) - 1) / ksup
-    else:
-        mean = cs / rho
-        mean_sq = (zs * zs).cumsum(-1) / rho
-        delta = ((1 - rho * (mean_sq - mean * mean)) / rho).clamp_min(0)
-        tau = mean - delta.sqrt()
-        ksup = (tau <= zs).sum(-1, keepdim=True).clamp_min(1)
-        theta = tau.gather(-1, ksup - 1)
-    return torch.where((cnt > 0)[:, None], theta, torch.zeros_like(theta))
-
-
 def _sparse_map(s: Tensor, alpha: float) -> Tensor:
-    """``P`` from the scores ``s (…, Nq, Nk)`` (``s`` is overwritten)."""
-    nk = s.shape[-1]
-    m = s.amax(-1, keepdim=True)
-    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)  # a row with no admissible key: P = 0
-    z = s.sub_(m)
-    if alpha in (1.5, 2.0):
-        if alpha == 1.5:
-            z.mul_(0.5)
-        theta = _compact_threshold(z.reshape(-1, nk), alpha)
-        if theta is not None:
-            p = z.sub_(theta.view(*z.shape[:-1], 1)).relu_()
-            if alpha == 1.5:
-                p.square_()
-                p.div_(p.sum(-1, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny))
-            return p
-        if alpha == 1.5:
-            z.mul_(2.0)
+    """``P`` from the scores ``s (…, Nq, Nk)`` (the threshold search of :mod:`.entmax`)."""
     max_iter = 1000 if alpha == 2.0 else 100
-    return _threshold_map(z, alpha, -1, max_iter, _default_tol(z.dtype))[0]
+    return _threshold_map(s, alpha, -1, max_iter, _default_tol(s.dtype))[0]
 
 
 class _FusedSparseAttention(torch.autograd.Function):
