@@ -328,7 +328,8 @@ def hybrid_normalized_attention(
     .. math:: \mathrm{out} = w\, \pi^{\mathrm{DNAS}} v + (1 - w)\, \pi^{\mathrm{LNAS}} v
 
     Both terms are computed in O(N) memory (see :func:`doubly_normalized_attention`); the
-    result is differentiable in ``weight``. ``weight = 1`` gives DNAS and ``0`` LNAS exactly.
+    result is differentiable in ``weight``. ``weight = 1`` gives DNAS and ``0`` LNAS (exactly with
+    ``impl="streaming"``, up to rounding on the materialized path).
 
     Args:
         q, k, v, attn_mask, scale, is_causal: as :func:`doubly_normalized_attention`.

@@ -196,7 +196,8 @@ def regularized_attention(
             ``"materialized"`` (scores once, compact exact thresholds, ``P`` saved for the
             backward; :mod:`._sparse_attention_fused`) or ``"auto"`` (by size,
             :func:`attnopt.functional.dispatch.choose_impl`, recorded in
-            ``dispatch.last_dispatch["sparse"]``). Ignored by the other regularizers.
+            ``dispatch.last_dispatch["sparse"]``; an explicit ``block_size`` means blocked).
+            Ignored by the other regularizers.
     Returns:
         (B, H, Nq, dv) in the dtype of ``q``; a row with no admissible key is zeros.
     Raises:
@@ -237,7 +238,9 @@ def regularized_attention(
         rows = 1
         for n in batch:
             rows *= n
-        path = dispatch.choose_impl("sparse", nq=nq, nk=nk, batch=rows, dtype=q.dtype, impl=impl)
+        # an explicit block_size asks for the blocked path
+        wanted = "streaming" if impl == "auto" and block_size is not None else impl
+        path = dispatch.choose_impl("sparse", nq=nq, nk=nk, batch=rows, dtype=q.dtype, impl=wanted)
         if dispatch.record("sparse", path) == "materialized":
             return fused_sparse_attention(q, k, v, alpha=alpha, scale=alpha_scale, mask=mask, beta=beta,
                                           is_causal=is_causal)

@@ -1,0 +1,154 @@
+"""Size-based dispatch (materialized vs streaming): both sides against the float64 reference."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from attnopt.functional import dispatch
+from attnopt.functional.doubly_normalized import doubly_normalized_attention, hybrid_normalized_attention
+from attnopt.functional.regularized import regularized_attention, regularized_attention_weights
+from attnopt.functional.regularizers import SquaredL2, Tsallis
+from tests.reference.doubly_normalized import attention_ref, hybrid_ref
+
+
+@contextlib.contextmanager
+def crossover(mechanism: str, elements: int):
+    saved = dict(dispatch.CROSSOVERS[mechanism])
+    dispatch.CROSSOVERS[mechanism].update({key: elements for key in saved})
+    try:
+        yield
+    finally:
+        dispatch.CROSSOVERS[mechanism].update(saved)
+
+
+def _qkv(nq, nk, b=2, h=3, d=4, dv=5, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, h, n, e, generator=g, dtype=dtype).requires_grad_()
+            for n, e in ((nq, d), (nk, d), (nk, dv))]
+
+
+def _full_mask(b, h, nq, nk):
+    m = torch.rand(b, h, nq, nk, generator=torch.Generator().manual_seed(7)) > 0.3
+    m[0, 0, 1, :] = False  # a fully masked row
+    m[-1, -1, :, 0] = False  # a key nobody sees
+    return m
+
+
+def test_choose_impl_both_sides_of_default_crossovers():
+    for mech, table in dispatch.CROSSOVERS.items():
+        for dtype, key in ((torch.float32, "float32"), (torch.float64, "float64"), (torch.bfloat16, "half")):
+            limit = table[key]
+            n = int(limit**0.5)
+            assert dispatch.choose_impl(mech, nq=n, nk=n, batch=1, dtype=dtype) == "materialized"
+            assert dispatch.choose_impl(mech, nq=n + 1, nk=n + 1, batch=1, dtype=dtype) == "streaming"
+            assert dispatch.choose_impl(mech, nq=n, nk=n, batch=2, dtype=dtype) == "streaming"
+            assert dispatch.choose_impl(mech, nq=n + 1, nk=n + 1, impl="materialized") == "materialized"
+    assert dispatch.choose_impl("doubly_normalized", nq=512, nk=512, batch=8) == "materialized"
+    assert dispatch.choose_impl("doubly_normalized", nq=1024, nk=1024, batch=8) == "streaming"
+    with pytest.raises(ValueError, match="impl"):
+        dispatch.choose_impl("sparse", nq=4, nk=4, impl="fast")
+    with pytest.raises(ValueError, match="mechanism"):
+        dispatch.choose_impl("nope", nq=4, nk=4)
+    q, k, v = _qkv(3, 3)
+    with pytest.raises(ValueError, match="impl"):
+        doubly_normalized_attention(q, k, v, impl="fast")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="impl"):
+        regularized_attention(q, k, v, regularizer=SquaredL2(), impl="dense")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("iterations", [1, 3])
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_auto_dispatch_observable_and_both_sides_match_reference(iterations, hybrid):
+    """Crossover set to 2·3·6·6 entries: Nq = Nk = 6 materializes, 7 streams; both match float64."""
+    mech = "hybrid_normalized" if hybrid else ("doubly_normalized" if iterations == 1 else "sinkhorn")
+    w = torch.tensor([0.2, 0.5, 0.9], dtype=torch.float64, requires_grad=True)
+    with crossover(mech, 2 * 3 * 6 * 6):
+        for n, expected in ((6, "materialized"), (7, "streaming")):
+            for causal, use_mask in ((False, False), (True, False), (False, True), (True, True)):
+                q, k, v = _qkv(n, n)
+                mask = _full_mask(2, 3, n, n) if use_mask else None
+                if hybrid:
+                    out = hybrid_normalized_attention(q, k, v, w, iterations=iterations, attn_mask=mask,
+                                                      is_causal=causal)
+                    ref = hybrid_ref(q, k, v, w, iterations, mask=mask, is_causal=causal)
+                    leaves = (q, k, v, w)
+                else:
+                    out = doubly_normalized_attention(q, k, v, iterations=iterations, attn_mask=mask,
+                                                      is_causal=causal)
+                    ref = attention_ref(q, k, v, iterations, mask=mask, is_causal=causal)
+                    leaves = (q, k, v)
+                assert dispatch.last_dispatch[mech] == expected
+                torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+                go = torch.randn_like(out)
+                for a, b in zip(torch.autograd.grad(out, leaves, go), torch.autograd.grad(ref, leaves, go)):
+                    torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("iterations", [1, 2])
+def test_materialized_gradcheck_rectangular_causal_and_hybrid(iterations):
+    q, k, v = _qkv(4, 6, b=1, h=2, d=3, dv=2, seed=2)
+    mask = _full_mask(1, 2, 4, 6)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: doubly_normalized_attention(q, k, v, iterations=iterations, attn_mask=mask,
+                                                    impl="materialized"), (q, k, v))
+    w = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v, w: hybrid_normalized_attention(q, k, v, w, iterations=iterations, is_causal=True,
+                                                       impl="materialized"), (q, k, v, w))
+
+
+def test_materialized_row_underflow_falls_back_to_log_domain():
+    """A row dominated in every column (its ξ underflows in float32) still gets exact weights."""
+    q, k, v = (x.detach() for x in _qkv(6, 6, b=1, h=1, dtype=torch.float32, seed=3))
+    bias = torch.zeros(1, 1, 6, 6)
+    bias[..., 2, :] = -200.0  # finite: the row is admissible, but exp(-200) underflows in float32
+    out = doubly_normalized_attention(q, k, v, attn_mask=bias, impl="materialized")
+    out3 = doubly_normalized_attention(q, k, v, attn_mask=bias, iterations=3, impl="materialized")
+    ref = attention_ref(q.double(), k.double(), v.double(), 1, mask=bias.double())
+    ref3 = attention_ref(q.double(), k.double(), v.double(), 3, mask=bias.double())
+    assert torch.isfinite(out).all() and torch.isfinite(out3).all()
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out3.double(), ref3, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_materialized_half_precision_finite(dtype):
+    q, k, v = (x.detach().to(dtype).requires_grad_() for x in _qkv(8, 8, seed=4))
+    out = doubly_normalized_attention(q * 6, k, v, iterations=2, is_causal=True, impl="materialized")
+    sp = regularized_attention(q * 6, k, v, regularizer=Tsallis(1.5), impl="materialized")
+    assert out.dtype == dtype and torch.isfinite(out).all() and torch.isfinite(sp).all()
+    (out.float().sum() + sp.float().sum()).backward()
+    assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
+
+
+@pytest.mark.parametrize("reg", [SquaredL2(), Tsallis(1.5), Tsallis(1.3)], ids=["sparsemax", "1.5", "1.3"])
+def test_sparse_auto_dispatch_both_sides_match_reference(reg):
+    beta = torch.tensor([0.1, 0.2, 0.3], dtype=torch.float64, requires_grad=True)
+    with crossover("sparse", 2 * 3 * 6 * 6):
+        for n, expected in ((6, "materialized"), (7, "streaming")):
+            for causal, use_mask, loc in ((False, False, None), (True, True, None), (False, True, beta)):
+                q, k, v = _qkv(n, n, seed=n)
+                mask = _full_mask(2, 3, n, n) if use_mask else None
+                out = regularized_attention(q, k, v, regularizer=reg, attn_mask=mask, is_causal=causal,
+                                            locality=loc)
+                assert dispatch.last_dispatch["sparse"] == expected
+                ref = regularized_attention_weights(q, k, regularizer=reg, attn_mask=mask, is_causal=causal,
+                                                    locality=loc) @ v
+                leaves = (q, k, v) if loc is None else (q, k, v, beta)
+                torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-10)
+                go = torch.randn_like(out)
+                for a, b in zip(torch.autograd.grad(out, leaves, go), torch.autograd.grad(ref, leaves, go)):
+                    torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-9)
+    assert torch.equal(out[0, 0, 1], torch.zeros(5, dtype=torch.float64))  # the fully masked row
+
+
+def test_sparse_explicit_block_size_keeps_blocked_path_and_gradcheck():
+    q, k, v = _qkv(5, 6, b=1, h=2, d=3, dv=2, seed=5)
+    regularized_attention(q, k, v, regularizer=SquaredL2(), block_size=2)
+    assert dispatch.last_dispatch["sparse"] == "streaming"
+    for reg in (SquaredL2(), Tsallis(1.5)):
+        assert torch.autograd.gradcheck(
+            lambda q, k, v, reg=reg: regularized_attention(q, k, v, regularizer=reg, is_causal=True,
+                                                           impl="materialized"), (q, k, v), fast_mode=True)
