@@ -152,3 +152,49 @@ def test_sparse_explicit_block_size_keeps_blocked_path_and_gradcheck():
         assert torch.autograd.gradcheck(
             lambda q, k, v, reg=reg: regularized_attention(q, k, v, regularizer=reg, is_causal=True,
                                                            impl="materialized"), (q, k, v), fast_mode=True)
+
+
+def test_generalized_biased_paths_match_reference_and_dispatch():
+    from attnopt.functional.generalized import generalized_attention, generalized_weights
+
+    q, k, v = _qkv(5, 7, seed=6)
+    bias = torch.randn(1, 3, 5, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    bias[..., 0, :] = float("-inf")  # a row that excludes every key
+    for learned, elements, expected in ((True, -1, "materialized"), (False, 2 * 3 * 5 * 7, "materialized"),
+                                        (False, 2 * 3 * 5 * 7 - 1, "streaming")):
+        b = bias.clone().requires_grad_(learned)
+        with crossover("generalized", elements):
+            out = generalized_attention(q, k, v, log_preference=b, is_causal=True)
+        assert dispatch.last_dispatch["generalized"] == expected
+        ref = generalized_weights(q, k, log_preference=b, is_causal=True) @ v
+        leaves = (q, k, v, b) if learned else (q, k, v)
+        torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+        assert torch.equal(out[:, :, 0], torch.zeros_like(out[:, :, 0]))
+        go = torch.randn_like(out)
+        for a, r in zip(torch.autograd.grad(out, leaves, go), torch.autograd.grad(ref, leaves, go)):
+            torch.testing.assert_close(a, r, rtol=1e-9, atol=1e-11)
+    with torch.no_grad():
+        generalized_attention(q, k, v, log_preference=bias)
+    assert dispatch.last_dispatch["generalized"] == "streaming"
+    b = bias[..., 1:, :].clone().requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda q, k, v, b: generalized_attention(q[..., 1:, :], k, v, log_preference=b, impl="materialized"),
+        (q, k, v, b), fast_mode=True)
+
+
+def test_toeplitz_preferences_equal_the_elementwise_formulas():
+    from attnopt.nn.preference import ALiBiPreference, T5RelativePreference, relative_position_bucket
+
+    t5, alibi = T5RelativePreference(3), ALiBiPreference(3)
+    for nq, nk in ((1, 1), (4, 9), (9, 4), (40, 40)):
+        rel = torch.arange(nk)[None, :] - torch.arange(nq)[:, None]
+        ref = t5.relative_attention_bias(relative_position_bucket(rel)).permute(2, 0, 1).unsqueeze(0)
+        assert torch.equal(t5(nq, nk), ref)
+        ref_a = -(alibi.slopes.view(3, 1, 1) * rel.abs().to(alibi.slopes.dtype)).unsqueeze(0)
+        assert torch.equal(alibi(nq, nk), ref_a)
+    w = torch.randn(1, 3, 6, 8)
+    (t5(6, 8) * w).sum().backward()
+    rel = torch.arange(8)[None, :] - torch.arange(6)[:, None]
+    expected = torch.zeros_like(t5.relative_attention_bias.weight)
+    expected.index_add_(0, relative_position_bucket(rel).flatten(), w[0].permute(1, 2, 0).reshape(-1, 3))
+    torch.testing.assert_close(t5.relative_attention_bias.weight.grad, expected)

@@ -37,6 +37,7 @@ CROSSOVERS: dict[str, dict[str, int]] = {
     "sinkhorn": {"float32": 1 << 24, "float64": 1 << 24, "half": 1 << 23},
     "hybrid_normalized": {"float32": 1 << 22, "float64": 1 << 22, "half": 1 << 21},
     "sparse": {"float32": 1 << 24, "float64": 1 << 24, "half": 1 << 23},
+    "generalized": {"float32": 1 << 24, "float64": 1 << 24, "half": 1 << 23},
 }
 
 #: The path taken by the last call of each mechanism (``"materialized"`` or ``"streaming"``).
@@ -65,7 +66,7 @@ def choose_impl(
     Args:
         mechanism: a key of :data:`CROSSOVERS` (``"doubly_normalized"`` for DNAS K = 1,
             ``"sinkhorn"`` for K >= 2, ``"hybrid_normalized"``, ``"sparse"`` for sparsemax /
-            entmax attention).
+            entmax attention, ``"generalized"`` for a full bias under autograd).
         nq, nk: query and key lengths.
         batch: product of the batch dimensions (B·H).
         dtype: input dtype.
