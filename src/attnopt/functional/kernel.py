@@ -49,6 +49,13 @@ def log_magnitude(x: Tensor, p: float, scale: float) -> Tensor:
     in float64 (and clamped below float64's maximum: beyond that the largest keys tie). Exact
     zeros get a zero gradient.
     """
+    if 1 <= p <= 2 and x.dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        # (Σ|x|^p)^{2/p}: both powers have exponent >= 1, so the plain chain is finite (zero
+        # gradient at 0) and ~20 small ops cheaper than the guarded log-domain form below
+        dt = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+        ax = x.to(dt)
+        total = ax.square().sum(-1) if p == 2 else ax.abs().pow(p).sum(-1).pow(2.0 / p)
+        return (0.5 * scale * total).clamp(max=torch.finfo(dt).max / 8)
     if p < 1:
         dt = torch.float64
     else:
