@@ -198,3 +198,33 @@ def test_toeplitz_preferences_equal_the_elementwise_formulas():
     expected = torch.zeros_like(t5.relative_attention_bias.weight)
     expected.index_add_(0, relative_position_bucket(rel).flatten(), w[0].permute(1, 2, 0).reshape(-1, 3))
     torch.testing.assert_close(t5.relative_attention_bias.weight.grad, expected)
+
+
+@pytest.mark.parametrize("nonstationary", [False, True])
+def test_kernel_fused_both_sides_match_log_domain_weights(nonstationary):
+    from attnopt.functional.kernel import kernel_attention, kernel_weights
+    from attnopt.kernels import NonStationaryFourier, RandomFourier
+
+    g = torch.Generator().manual_seed(8)
+    if nonstationary:
+        w1, w2 = (torch.randn(4, 4, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2))
+        kern, points = NonStationaryFourier(w1, w2), (w1, w2)
+    else:
+        w = torch.randn(4, 4, generator=g, dtype=torch.float64).requires_grad_()
+        kern, points = RandomFourier(w), (w,)
+    keys = torch.ones(2, 1, 1, 7, dtype=torch.bool)
+    keys[1, ..., :3] = False
+    with crossover("kernel", 2 * 3 * 6 * 7):
+        for nq, expected in ((6, "materialized"), (7, "streaming")):
+            q, k, v = _qkv(nq, 7, seed=nq)
+            out = kernel_attention(q, k, v, kernel=kern, magnitude_p=1.5, attn_mask=keys)
+            assert dispatch.last_dispatch["kernel"] == expected
+            ref = kernel_weights(q, k, kernel=kern, magnitude_p=1.5, attn_mask=keys) @ v
+            torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-11)
+            leaves = (q, k, v, *points)
+            go = torch.randn_like(out)
+            for a, b in zip(torch.autograd.grad(out, leaves, go), torch.autograd.grad(ref, leaves, go)):
+                torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+    q, k, v = _qkv(3, 4, b=1, h=2, seed=9)
+    assert torch.autograd.gradcheck(lambda q, k, v: kernel_attention(q, k, v, kernel=kern), (q, k, v),
+                                    fast_mode=True)

@@ -38,6 +38,7 @@ CROSSOVERS: dict[str, dict[str, int]] = {
     "hybrid_normalized": {"float32": 1 << 22, "float64": 1 << 22, "half": 1 << 21},
     "sparse": {"float32": 1 << 24, "float64": 1 << 24, "half": 1 << 23},
     "generalized": {"float32": 1 << 24, "float64": 1 << 24, "half": 1 << 23},
+    "kernel": {"float32": 1 << 20, "float64": 1 << 20, "half": 1 << 20},
 }
 
 #: The path taken by the last call of each mechanism (``"materialized"`` or ``"streaming"``).
@@ -66,7 +67,8 @@ def choose_impl(
     Args:
         mechanism: a key of :data:`CROSSOVERS` (``"doubly_normalized"`` for DNAS K = 1,
             ``"sinkhorn"`` for K >= 2, ``"hybrid_normalized"``, ``"sparse"`` for sparsemax /
-            entmax attention, ``"generalized"`` for a full bias under autograd).
+            entmax attention, ``"generalized"`` for a full bias under autograd, ``"kernel"``
+            for bounded feature-map kernels, e.g. IKA / IKAN).
         nq, nk: query and key lengths.
         batch: product of the batch dimensions (B·H).
         dtype: input dtype.

@@ -31,6 +31,8 @@ from attnopt._validation import (
     combine_additive,
     resolve_scale,
 )
+from attnopt.functional import dispatch
+from attnopt.functional._kernel_fused import fused_feature_kernel_attention
 from attnopt.functional._softmax import safe_softmax
 from attnopt.functional.kernel_linear import linear_kernel_attention
 from attnopt.kernels import RBF, Kernel
@@ -156,6 +158,14 @@ def _quadratic(
         if a is not None:
             c = a.amax(dim=-1, keepdim=True).detach()
             m = torch.exp(a - torch.where(torch.isfinite(c), c, torch.zeros_like(c)))
+    if direct and v is not None and kernel.has_features:
+        rows = math.prod(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+        path = dispatch.choose_impl("kernel", nq=nq, nk=nk, batch=rows, dtype=q.dtype)
+        if dispatch.record("kernel", path) == "materialized":
+            kernel._check(q, k)
+            return fused_feature_kernel_attention(kernel.features(q), kernel.features(k), m, v, eps)
+    else:
+        dispatch.record("kernel", "streaming")
     vm: Tensor | None = None
     if direct and v is not None:
         mt = torch.ones_like(v[..., :1]) if m is None else m.transpose(-2, -1).to(v.dtype)
