@@ -12,8 +12,12 @@ doubly-normalized-attention eq. (6)–(8), (10) and Sec. 6 (design.md §3). With
   sums ``Nq/Nk``.
 * HNAS: ``π = w π^DNAS + (1 − w) π^LNAS``.
 
-Memory. The attention functions never form the ``Nq × Nk`` matrix, in forward or backward,
-for no mask, ``is_causal`` and key-only masks ``(B, H, 1, Nk)`` (key padding). A mask of
+Size dispatch (``impl``). Below a measured crossover (:mod:`attnopt.functional.dispatch`)
+``impl="auto"`` runs the fused materialized path of :mod:`._dnas_materialized` (faster at
+short sequences); ``impl="streaming"`` (and ``auto`` above the crossover) is the O(N) path below.
+
+Memory (streaming). The attention functions never form the ``Nq × Nk`` matrix, in forward or
+backward, for no mask, ``is_causal`` and key-only masks ``(B, H, 1, Nk)`` (key padding). A mask of
 shape ``(…, Nq, Nk)`` is itself ``Nq × Nk``; it is used as given (the passes then carry one
 mask-sized temporary) — O(N) memory needs a key-only mask.
 

@@ -13,7 +13,10 @@ Dispatch of :func:`regularized_attention`:
 * :class:`Shannon` → :func:`torch.nn.functional.scaled_dot_product_attention` with scale
   ``scale/τ`` (and the mask/locality bias divided by ``τ``): fused kernels, O(N) memory
   without a bias.
-* :class:`SquaredL2` and :class:`Tsallis` with a float α → a blocked implementation
+* :class:`SquaredL2` and :class:`Tsallis` with a float α, below the size crossover of
+  :mod:`attnopt.functional.dispatch` (``impl="auto"``, or ``impl="materialized"``) → the
+  fused materialized path (:mod:`attnopt.functional._sparse_attention_fused`: scores once,
+  ``P`` saved for the backward); above it (or ``impl="streaming"``) → a blocked implementation
   (:mod:`attnopt.functional._blocked_sparse`): queries are processed in blocks, only the
   per-query thresholds are kept, and the backward recomputes each block of weights from them,
   so neither pass holds the ``Nq × Nk`` matrix.
