@@ -12,6 +12,13 @@ Mechanisms with two implementations run with ``impl="auto"``; the row's note say
 ``auto`` chose (:data:`attnopt.functional.dispatch.last_dispatch`) and the other path is timed
 too (full mode), so each crossover can be checked.
 
+Registry rows (``registry N=…``): every :func:`attnopt.nn.make_attention` name (except the
+pooling-only ``ot``; ``mem`` up to N = 256) as a module on ``x (B, N, 512)``, H = 8,
+forward+backward, against the ``softmax`` module. Encoder rows (``encoder step N=…``): one
+training step (forward, cross-entropy, backward, Adam step) of a 2-layer
+:class:`attnopt.models.TransformerEncoder` (E = 512, H = 8, B = 8) with each attention,
+against the ``softmax`` arm.
+
 Timing (CPU): torch limited to one thread, best of ``repeat`` in *thread CPU time* after a
 warm-up — on a shared, loaded 2-core machine wall-clock medians swing by several × while CPU
 time measures the work; the wall time of the same best run is in the note. CUDA: harness
@@ -113,6 +120,51 @@ def _cases(ctx: BenchContext) -> list[tuple[int, int]]:
     return [(b, n) for b in (1, 8) for n in (64, 128, 256, 512, 1024)]
 
 
+def _registry_rows(ctx: BenchContext, n: int, repeat: int) -> Iterator[Measurement]:
+    from attnopt.nn.registry import attention_names, make_attention
+
+    torch.manual_seed(0)
+    x = torch.randn(1, n, H * D, device=ctx.device, requires_grad=True)
+    for name in attention_names():
+        if name == "ot" or (name == "mem" and n > 256):
+            continue
+        mod = make_attention(name, H * D, H).to(ctx.device)
+
+        def run(mod: torch.nn.Module = mod) -> None:
+            x.grad = None
+            mod(x)[0].sum().backward()
+
+        cpu, wall = _best(run, repeat, ctx.device)
+        path = ",".join(f"{k}={v}" for k, v in sorted(dispatch.last_dispatch.items()))
+        yield Measurement(SUITE, f"registry N={n} B*H={H} fwd+bwd", name, cpu, baseline=name == "softmax",
+                          note=f"wall {wall * 1e3:.2f} ms; last_dispatch {path}")
+
+
+def _encoder_rows(ctx: BenchContext, n: int, repeat: int) -> Iterator[Measurement]:
+    from attnopt.models import TransformerEncoder
+    from attnopt.nn.registry import attention_names
+
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(8, n, 32, generator=g).to(ctx.device)
+    y = torch.randint(0, 10, (8,), generator=g).to(ctx.device)
+    for name in attention_names():
+        if name in ("ot", "mem"):
+            continue
+        torch.manual_seed(0)
+        model = TransformerEncoder(d_model=H * D, num_heads=H, num_layers=2, attention=name, input_dim=32,
+                                   num_outputs=10, max_len=n + 1, dropout=0.0).to(ctx.device)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+
+        def step(model: torch.nn.Module = model, opt: torch.optim.Optimizer = opt) -> None:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+
+        cpu, wall = _best(step, repeat, ctx.device)
+        yield Measurement(SUITE, f"encoder step N={n} B=8 E={H * D} L=2", name, cpu,
+                          baseline=name == "softmax", note=f"wall {wall * 1e3:.2f} ms")
+
+
 @bench_suite(SUITE)
 def suite(ctx: BenchContext) -> Iterator[Measurement]:
     """Every mechanism vs SDPA at N = 64–1024, fwd and fwd+bwd, with the crossover chosen."""
@@ -126,6 +178,15 @@ def suite(ctx: BenchContext) -> Iterator[Measurement]:
 
 
 def _rows(ctx: BenchContext) -> Iterator[Measurement]:
+    yield from _function_rows(ctx)
+    sizes = sorted({n for _, n in _cases(ctx)})
+    for n in sizes:
+        yield from _registry_rows(ctx, n, 2 if ctx.quick else ctx.repeat)
+    for n in [m for m in sizes if m <= 256]:
+        yield from _encoder_rows(ctx, n, 2 if ctx.quick else ctx.repeat)
+
+
+def _function_rows(ctx: BenchContext) -> Iterator[Measurement]:
     auto = _impls(ctx.device, "auto")
     for b, n in _cases(ctx):
         size = b * H * n * n
