@@ -33,7 +33,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnopt._validation import additive_mask, causal_additive_mask, check_attention_inputs, resolve_scale
+from attnopt._validation import (
+    additive_mask,
+    causal_additive_mask,
+    check_attention_inputs,
+    empty_attention,
+    resolve_scale,
+    validate_attention,
+)
 from attnopt.functional import _flash_cpu as fc
 from attnopt.functional import dispatch
 from attnopt.functional._dnas_materialized import dispatched_sinkhorn
@@ -168,6 +175,9 @@ def _dnas(
     q: Tensor, k: Tensor, v: Tensor, iterations: int, attn_mask: Tensor | None, scale: float, is_causal: bool
 ) -> Tensor:
     nq, nk, _ = check_attention_inputs(q, k, v)
+    empty = empty_attention(q, k, v)
+    if empty is not None:  # the fused kernel crashes the process on empty sizes
+        return empty
     batch = tuple(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
     q4, k4, v4 = _to_bh(q, batch), _to_bh(k, batch), _to_bh(v, batch)
     bh = (q4.shape[0], q4.shape[1])
@@ -221,18 +231,25 @@ def doubly_normalized_attention(
             the choice is recorded in ``dispatch.last_dispatch``). Same result up to rounding.
 
     Returns:
-        (B, H, Nq, dv); a query with no admissible key gets zeros (finite gradients).
-        Half precision keeps the potentials in float32 and never produces NaN.
+        (B, H, Nq, dv); a query with no admissible key gets zeros (finite gradients), and so
+        does every query when ``Nk = 0``; ``Nq = 0`` or an empty batch gives an empty output.
+        Half precision keeps the potentials in float32 and never produces NaN. Any strided
+        layout is accepted: the fused CPU kernel gets a copy of an input whose last dim is
+        not unit-stride.
 
     Raises:
-        ValueError: unknown ``impl``, negative ``iterations``, shape mismatch, ``scale <= 0``, a mask
-            that does not broadcast or holds NaN/``+inf``.
+        ValueError: unknown ``impl``, negative ``iterations``, shape mismatch, ``scale <= 0``, a
+            mask that does not broadcast to (B, H, Nq, Nk) or holds NaN/``+inf``, NaN or ±inf
+            in ``q``, ``k``, ``v``.
         TypeError: non-tensor / non-floating inputs, non-int ``iterations``.
     """
-    check_attention_inputs(q, k, v)
+    validate_attention(q, k, v, attn_mask)
     iterations = _check_iterations(iterations)
     alpha = resolve_scale(scale, q.shape[-1])
     dispatch.check_impl(impl)
+    empty = empty_attention(q, k, v)
+    if empty is not None:
+        return empty
     if iterations == 0:
         return _lnas(q, k, v, attn_mask, alpha, is_causal)
     if isinstance(attn_mask, Tensor) and attn_mask.requires_grad and torch.is_grad_enabled():
@@ -291,7 +308,7 @@ def doubly_normalized_weights(
     Raises:
         ValueError, TypeError: as :func:`doubly_normalized_attention`.
     """
-    check_attention_inputs(q, k)
+    validate_attention(q, k, None, attn_mask)
     iterations = _check_iterations(iterations)
     alpha = resolve_scale(scale, q.shape[-1])
     return _weights(q, k, iterations, attn_mask, alpha, is_causal).to(q.dtype)
@@ -351,9 +368,13 @@ def hybrid_normalized_attention(
             :func:`doubly_normalized_attention`.
         TypeError: non-tensor ``weight``; as :func:`doubly_normalized_attention`.
     """
-    check_attention_inputs(q, k, v)
+    validate_attention(q, k, v, attn_mask)
     w = _check_weight(weight, q)
     dispatch.check_impl(impl)
+    empty = empty_attention(q, k, v, weight)
+    if empty is not None:
+        _check_iterations(iterations)
+        return empty
     iterations = _check_iterations(iterations)
     grad_mask = isinstance(attn_mask, Tensor) and attn_mask.requires_grad and torch.is_grad_enabled()
     if iterations >= 1 and not grad_mask:
@@ -389,7 +410,7 @@ def hybrid_normalized_weights(
     Raises:
         ValueError, TypeError: as :func:`hybrid_normalized_attention`.
     """
-    check_attention_inputs(q, k)
+    validate_attention(q, k, None, attn_mask)
     w = _check_weight(weight, q)
     iterations = _check_iterations(iterations)
     alpha = resolve_scale(scale, q.shape[-1])
