@@ -14,6 +14,7 @@ import attnopt
 from attnopt.analysis import column_mass
 from attnopt.functional import _flash_cpu as fc
 from attnopt.functional import (
+    dispatch,
     doubly_normalized_attention,
     doubly_normalized_weights,
     hybrid_normalized_attention,
@@ -21,19 +22,28 @@ from attnopt.functional import (
 )
 from tests.reference.doubly_normalized import attention_ref, hybrid_ref, scores_ref, sinkhorn_weights_ref
 
-BACKENDS = ["flash_cpu", "chunked"]
+BACKENDS = ["flash_cpu", "chunked", "materialized"]
+STREAMING = ["flash_cpu", "chunked"]
 
 
 @contextlib.contextmanager
 def backend(name: str):
-    """Force the blocked pure-PyTorch path (what non-CPU devices run) by hiding the kernel."""
+    """Force a path: the fused materialized one, or streaming on the flash kernel or on the
+    blocked pure-PyTorch passes (what non-CPU devices run, by hiding the kernel)."""
     orig = fc.flash_available
+    saved = {m: dict(v) for m, v in dispatch.CROSSOVERS.items()}
+    limit = 1 << 62 if name == "materialized" else -1
+    for table in dispatch.CROSSOVERS.values():
+        for key in table:
+            table[key] = limit
     if name == "chunked":
         fc.flash_available = lambda x: False
     try:
         yield
     finally:
         fc.flash_available = orig
+        for m, v in saved.items():
+            dispatch.CROSSOVERS[m].update(v)
 
 
 def _inputs(b, h, nq, nk, d, dv, seed=0, dtype=torch.float64, grad=True):
@@ -133,7 +143,7 @@ def test_gradcheck_full_mask_and_hybrid_weight():
 def test_backward_saves_nothing_of_size_nq_nk():
     mask = torch.ones(1, 1, 1, 64, dtype=torch.bool)
     mask[..., :3] = False
-    for name in BACKENDS:
+    for name in STREAMING:
         for iterations, nk, kw in ((1, 64, {"attn_mask": mask}), (3, 64, {"attn_mask": mask}),
                                    (1, 48, {"is_causal": True}), (2, 64, {"is_causal": True})):
             q, k, v = _inputs(1, 1, 64, nk, 8, 8, grad=True)
@@ -193,10 +203,13 @@ def test_hybrid_weight_zero_and_one_are_exact():
     q, k, v = _inputs(2, 3, 5, 6, 4, 4, grad=False)
     mask = _mask("key_bool", 2, 3, 5, 6)
     one, zero = torch.tensor(1.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64)
-    dn = doubly_normalized_attention(q, k, v, attn_mask=mask)
+    dn = doubly_normalized_attention(q, k, v, attn_mask=mask, impl="streaming")
     ln = doubly_normalized_attention(q, k, v, iterations=0, attn_mask=mask)
-    assert torch.equal(hybrid_normalized_attention(q, k, v, one, attn_mask=mask), dn)
-    assert torch.equal(hybrid_normalized_attention(q, k, v, zero, attn_mask=mask), ln)
+    assert torch.equal(hybrid_normalized_attention(q, k, v, one, attn_mask=mask, impl="streaming"), dn)
+    assert torch.equal(hybrid_normalized_attention(q, k, v, zero, attn_mask=mask, impl="streaming"), ln)
+    for w, ref in ((one, dn), (zero, ln)):  # the fused path: the same up to rounding
+        fused = hybrid_normalized_attention(q, k, v, w, attn_mask=mask, impl="materialized")
+        torch.testing.assert_close(fused, ref, rtol=1e-12, atol=1e-12)
     w = torch.tensor([0.0, 0.5, 1.0], dtype=torch.float64)
     torch.testing.assert_close(hybrid_normalized_attention(q, k, v, w, attn_mask=mask),
                                hybrid_ref(q, k, v, w, mask=mask))

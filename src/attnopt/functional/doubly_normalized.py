@@ -12,8 +12,12 @@ doubly-normalized-attention eq. (6)–(8), (10) and Sec. 6 (design.md §3). With
   sums ``Nq/Nk``.
 * HNAS: ``π = w π^DNAS + (1 − w) π^LNAS``.
 
-Memory. The attention functions never form the ``Nq × Nk`` matrix, in forward or backward,
-for no mask, ``is_causal`` and key-only masks ``(B, H, 1, Nk)`` (key padding). A mask of
+Size dispatch (``impl``). Below a measured crossover (:mod:`attnopt.functional.dispatch`)
+``impl="auto"`` runs the fused materialized path of :mod:`._dnas_materialized` (faster at
+short sequences); ``impl="streaming"`` (and ``auto`` above the crossover) is the O(N) path below.
+
+Memory (streaming). The attention functions never form the ``Nq × Nk`` matrix, in forward or
+backward, for no mask, ``is_causal`` and key-only masks ``(B, H, 1, Nk)`` (key padding). A mask of
 shape ``(…, Nq, Nk)`` is itself ``Nq × Nk``; it is used as given (the passes then carry one
 mask-sized temporary) — O(N) memory needs a key-only mask.
 
@@ -38,6 +42,8 @@ from attnopt._validation import (
     validate_attention,
 )
 from attnopt.functional import _flash_cpu as fc
+from attnopt.functional import dispatch
+from attnopt.functional._dnas_materialized import dispatched_sinkhorn
 from attnopt.functional._sinkhorn_chunked import chunked_attn_pass, chunked_lse_pass
 from attnopt.functional._softmax import safe_logsumexp, safe_softmax
 from attnopt.functional.generalized import generalized_attention
@@ -192,6 +198,7 @@ def doubly_normalized_attention(
     attn_mask: Tensor | None = None,
     scale: float | None = None,
     is_causal: bool = False,
+    impl: dispatch.Impl = "auto",
 ) -> Tensor:
     r"""Doubly-normalized attention (DNAS) and Sinkhorn-K, doubly-normalized-attention eq. (6)–(8), (10).
 
@@ -218,6 +225,10 @@ def doubly_normalized_attention(
             (B, H, Nq, Nk).
         scale: score scale (default ``1/sqrt(d)``).
         is_causal: SDPA's top-left causal mask, in both normalizations.
+        impl: ``"streaming"`` (the O(N)-memory passes above), ``"materialized"`` (one fused
+            pass over the ``Nq × Nk`` scores, :mod:`._dnas_materialized`; fastest at short
+            sequences) or ``"auto"`` (by size, :func:`attnopt.functional.dispatch.choose_impl`;
+            the choice is recorded in ``dispatch.last_dispatch``). Same result up to rounding.
 
     Returns:
         (B, H, Nq, dv); a query with no admissible key gets zeros (finite gradients), and so
@@ -227,14 +238,15 @@ def doubly_normalized_attention(
         not unit-stride.
 
     Raises:
-        ValueError: negative ``iterations``, shape mismatch, ``scale <= 0``, a mask that does
-            not broadcast to (B, H, Nq, Nk) or holds NaN/``+inf``, NaN or ±inf in ``q``,
-            ``k``, ``v``.
+        ValueError: unknown ``impl``, negative ``iterations``, shape mismatch, ``scale <= 0``, a
+            mask that does not broadcast to (B, H, Nq, Nk) or holds NaN/``+inf``, NaN or ±inf
+            in ``q``, ``k``, ``v``.
         TypeError: non-tensor / non-floating inputs, non-int ``iterations``.
     """
     validate_attention(q, k, v, attn_mask)
     iterations = _check_iterations(iterations)
     alpha = resolve_scale(scale, q.shape[-1])
+    dispatch.check_impl(impl)
     empty = empty_attention(q, k, v)
     if empty is not None:
         return empty
@@ -244,6 +256,10 @@ def doubly_normalized_attention(
         # a differentiable mask: materialize (as SDPA's math kernel does) so that it gets its gradient
         w = _weights(q, k, iterations, attn_mask, alpha, is_causal)
         return torch.matmul(w, v.to(w.dtype)).to(q.dtype)
+    mech = "doubly_normalized" if iterations == 1 else "sinkhorn"
+    fused = dispatched_sinkhorn(mech, q, k, v, iterations, None, attn_mask, alpha, is_causal, impl)
+    if fused is not None:
+        return fused
     return _dnas(q, k, v, iterations, attn_mask, alpha, is_causal)
 
 
@@ -326,18 +342,23 @@ def hybrid_normalized_attention(
     attn_mask: Tensor | None = None,
     scale: float | None = None,
     is_causal: bool = False,
+    impl: dispatch.Impl = "auto",
 ) -> Tensor:
     r"""Hybrid normalized attention (HNAS), doubly-normalized-attention Sec. 6.
 
     .. math:: \mathrm{out} = w\, \pi^{\mathrm{DNAS}} v + (1 - w)\, \pi^{\mathrm{LNAS}} v
 
     Both terms are computed in O(N) memory (see :func:`doubly_normalized_attention`); the
-    result is differentiable in ``weight``. ``weight = 1`` gives DNAS and ``0`` LNAS exactly.
+    result is differentiable in ``weight``. ``weight = 1`` gives DNAS and ``0`` LNAS (exactly with
+    ``impl="streaming"``, up to rounding on the materialized path).
 
     Args:
         q, k, v, attn_mask, scale, is_causal: as :func:`doubly_normalized_attention`.
         weight: mixing weight ``w`` in [0, 1]: a 0-d tensor or one value per head ``(H,)``.
         iterations: Sinkhorn steps of the doubly-normalized term (default 1 = DNAS).
+        impl: ``"materialized"`` shares one score matrix between both terms and mixes the
+            weights before one matmul; ``"streaming"`` runs both terms in O(N) memory;
+            ``"auto"`` picks by size (see :func:`doubly_normalized_attention`).
 
     Returns:
         (B, H, Nq, dv).
@@ -349,12 +370,20 @@ def hybrid_normalized_attention(
     """
     validate_attention(q, k, v, attn_mask)
     w = _check_weight(weight, q)
+    dispatch.check_impl(impl)
     empty = empty_attention(q, k, v, weight)
     if empty is not None:
         _check_iterations(iterations)
         return empty
+    iterations = _check_iterations(iterations)
+    grad_mask = isinstance(attn_mask, Tensor) and attn_mask.requires_grad and torch.is_grad_enabled()
+    if iterations >= 1 and not grad_mask:
+        fused = dispatched_sinkhorn("hybrid_normalized", q, k, v, iterations, w, attn_mask,
+                                    resolve_scale(scale, q.shape[-1]), is_causal, impl)
+        if fused is not None:
+            return fused
     dn = doubly_normalized_attention(q, k, v, iterations=iterations, attn_mask=attn_mask, scale=scale,
-                                     is_causal=is_causal)
+                                     is_causal=is_causal, impl="streaming")
     ln = doubly_normalized_attention(q, k, v, iterations=0, attn_mask=attn_mask, scale=scale,
                                      is_causal=is_causal)
     w = w.to(dn.dtype)

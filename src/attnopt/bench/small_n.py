@@ -1,0 +1,219 @@
+"""Bench rows at the sequence lengths people train at (N = 64–1024), every mechanism beside SDPA.
+
+Cases: B·H ∈ {8, 64} (B = 1 or 8, H = 8), N ∈ {64, 128, 256, 512, 1024}, d = 64, float32,
+forward (no grad) and forward+backward; quick mode: B·H = 8, N ∈ {64, 256, 512}.
+
+Rows per case: SDPA (baseline); the materialized log-domain Sinkhorn peer (K = 1 and 3,
+autograd through everything); DNAS K = 1, Sinkhorn K = 3, HNAS (w = 0.5, per layer);
+sparsemax and 1.5-entmax attention; IKA-S (R = 8) and IKAN (R = 16, p = 1.5) kernel attention;
+generalized attention with a learned T5 relative bias and with ALiBi (bias built by the
+preference module inside the timed call) and, for scale, SDPA with the same fixed ALiBi bias.
+Mechanisms with two implementations run with ``impl="auto"``; the row's note says which path
+``auto`` chose (:data:`attnopt.functional.dispatch.last_dispatch`) and the other path is timed
+too (full mode), so each crossover can be checked.
+
+Registry rows (``registry N=…``): every :func:`attnopt.nn.make_attention` name (except the
+pooling-only ``ot``; ``mem`` up to N = 256) as a module on ``x (B, N, 512)``, H = 8,
+forward+backward, against the ``softmax`` module. Encoder rows (``encoder step N=…``): one
+training step (forward, cross-entropy, backward, Adam step) of a 2-layer
+:class:`attnopt.models.TransformerEncoder` (E = 512, H = 8, B = 8) with each attention,
+against the ``softmax`` arm.
+
+Timing (CPU): torch limited to one thread, best of ``repeat`` in *thread CPU time* after a
+warm-up — on a shared, loaded 2-core machine wall-clock medians swing by several × while CPU
+time measures the work; the wall time of the same best run is in the note. CUDA: harness
+wall time.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from attnopt.bench._harness import BenchContext, Measurement, bench_suite, time_call
+from attnopt.bench.doubly_normalized import materialized_sinkhorn_peer
+from attnopt.functional import dispatch
+from attnopt.functional.doubly_normalized import doubly_normalized_attention, hybrid_normalized_attention
+from attnopt.functional.generalized import generalized_attention
+from attnopt.functional.kernel import kernel_attention
+from attnopt.functional.regularized import regularized_attention
+from attnopt.functional.regularizers import SquaredL2, Tsallis
+from attnopt.kernels import NonStationaryFourier, RandomFourier
+from attnopt.nn.preference import ALiBiPreference, T5RelativePreference
+
+SUITE = "small_n"
+H, D = 8, 64
+Fn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# row name -> its key in dispatch.CROSSOVERS
+DISPATCHED = {"dnas K=1": "doubly_normalized", "sinkhorn K=3": "sinkhorn", "hnas K=1": "hybrid_normalized",
+              "sparsemax": "sparse", "entmax-1.5": "sparse"}
+
+
+def _impls(device: str, impl: dispatch.Impl) -> dict[str, Fn]:
+    g = torch.Generator().manual_seed(0)
+    rff8 = RandomFourier(RandomFourier.rbf(8, D, generator=g).spectral_points.to(device))
+    nsf = NonStationaryFourier.gaussian(16, D, D**-0.25 / 2**0.5, 0.5 * D**-0.25, generator=g)
+    nsf16 = NonStationaryFourier(nsf.w1.to(device), nsf.w2.to(device))
+    t5 = T5RelativePreference(H).to(device)
+    alibi = ALiBiPreference(H).to(device)
+    w = torch.tensor(0.5, device=device, requires_grad=True)
+    sm, e15 = SquaredL2(), Tsallis(1.5)
+    return {
+        "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
+        "materialized sinkhorn K=1 (peer)": lambda q, k, v: materialized_sinkhorn_peer(q, k, v, 1),
+        "materialized sinkhorn K=3 (peer)": lambda q, k, v: materialized_sinkhorn_peer(q, k, v, 3),
+        "dnas K=1": lambda q, k, v: doubly_normalized_attention(q, k, v, impl=impl),
+        "sinkhorn K=3": lambda q, k, v: doubly_normalized_attention(q, k, v, iterations=3, impl=impl),
+        "hnas K=1": lambda q, k, v: hybrid_normalized_attention(q, k, v, w, impl=impl),
+        "sparsemax": lambda q, k, v: regularized_attention(q, k, v, regularizer=sm, impl=impl),
+        "entmax-1.5": lambda q, k, v: regularized_attention(q, k, v, regularizer=e15, impl=impl),
+        "ika-s R=8": lambda q, k, v: kernel_attention(q, k, v, kernel=rff8),
+        "ikan R=16 p=1.5": lambda q, k, v: kernel_attention(q, k, v, kernel=nsf16, magnitude_p=1.5),
+        "generalized T5 (learned bias)": lambda q, k, v: generalized_attention(
+            q, k, v, log_preference=t5(q.shape[-2], k.shape[-2])),
+        "generalized ALiBi": lambda q, k, v: generalized_attention(
+            q, k, v, log_preference=alibi(q.shape[-2], k.shape[-2])),
+    }
+
+
+def _with_bias(bias: torch.Tensor) -> Fn:
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+    return run
+
+
+def _closure(fn: Fn, qkv: tuple[torch.Tensor, ...], backward: bool) -> Callable[[], None]:
+    def run() -> None:
+        if backward:
+            for t in qkv:
+                t.grad = None
+            fn(*qkv).sum().backward()
+        else:
+            with torch.no_grad():
+                fn(*qkv)
+
+    return run
+
+
+def _best(fn: Callable[[], None], repeat: int, device: str) -> tuple[float, float]:
+    """(best thread CPU seconds, wall seconds of that run); CUDA: (median wall, same)."""
+    if device.startswith("cuda"):
+        t = time_call(fn, repeat=repeat, device=device)
+        return t, t
+    fn()
+    best, wall = float("inf"), float("nan")
+    for _ in range(repeat):
+        w0, c0 = time.perf_counter(), time.thread_time()
+        fn()
+        c, w = time.thread_time() - c0, time.perf_counter() - w0
+        if c < best:
+            best, wall = c, w
+    return best, wall
+
+
+def _cases(ctx: BenchContext) -> list[tuple[int, int]]:
+    if ctx.quick:
+        return [(1, n) for n in (64, 256, 512)]
+    return [(b, n) for b in (1, 8) for n in (64, 128, 256, 512, 1024)]
+
+
+def _registry_rows(ctx: BenchContext, n: int, repeat: int) -> Iterator[Measurement]:
+    from attnopt.nn.registry import attention_names, make_attention
+
+    torch.manual_seed(0)
+    x = torch.randn(1, n, H * D, device=ctx.device, requires_grad=True)
+    for name in attention_names():
+        if name == "ot" or (name == "mem" and n > 256):
+            continue
+        mod = make_attention(name, H * D, H).to(ctx.device)
+
+        def run(mod: torch.nn.Module = mod) -> None:
+            x.grad = None
+            mod(x)[0].sum().backward()
+
+        cpu, wall = _best(run, repeat, ctx.device)
+        path = ",".join(f"{k}={v}" for k, v in sorted(dispatch.last_dispatch.items()))
+        yield Measurement(SUITE, f"registry N={n} B*H={H} fwd+bwd", name, cpu, baseline=name == "softmax",
+                          note=f"wall {wall * 1e3:.2f} ms; last_dispatch {path}")
+
+
+def _encoder_rows(ctx: BenchContext, n: int, repeat: int) -> Iterator[Measurement]:
+    from attnopt.models import TransformerEncoder
+    from attnopt.nn.registry import attention_names
+
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(8, n, 32, generator=g).to(ctx.device)
+    y = torch.randint(0, 10, (8,), generator=g).to(ctx.device)
+    for name in attention_names():
+        if name in ("ot", "mem"):
+            continue
+        torch.manual_seed(0)
+        model = TransformerEncoder(d_model=H * D, num_heads=H, num_layers=2, attention=name, input_dim=32,
+                                   num_outputs=10, max_len=n + 1, dropout=0.0).to(ctx.device)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+
+        def step(model: torch.nn.Module = model, opt: torch.optim.Optimizer = opt) -> None:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+
+        cpu, wall = _best(step, repeat, ctx.device)
+        yield Measurement(SUITE, f"encoder step N={n} B=8 E={H * D} L=2", name, cpu,
+                          baseline=name == "softmax", note=f"wall {wall * 1e3:.2f} ms")
+
+
+@bench_suite(SUITE)
+def suite(ctx: BenchContext) -> Iterator[Measurement]:
+    """Every mechanism vs SDPA at N = 64–1024, fwd and fwd+bwd, with the crossover chosen."""
+    threads = torch.get_num_threads()
+    if not ctx.device.startswith("cuda"):
+        torch.set_num_threads(1)
+    try:
+        yield from _rows(ctx)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _rows(ctx: BenchContext) -> Iterator[Measurement]:
+    yield from _function_rows(ctx)
+    sizes = sorted({n for _, n in _cases(ctx)})
+    for n in sizes:
+        yield from _registry_rows(ctx, n, 2 if ctx.quick else ctx.repeat)
+    for n in [m for m in sizes if m <= 256]:
+        yield from _encoder_rows(ctx, n, 2 if ctx.quick else ctx.repeat)
+
+
+def _function_rows(ctx: BenchContext) -> Iterator[Measurement]:
+    auto = _impls(ctx.device, "auto")
+    for b, n in _cases(ctx):
+        size = b * H * n * n
+        repeat = 2 if ctx.quick else (ctx.repeat if size <= 1 << 22 else 2)
+        for backward in (False, True):
+            case = f"B*H={b * H} N={n} d={D} {'fwd+bwd' if backward else 'fwd'}"
+            g = torch.Generator().manual_seed(n)
+            qkv = tuple(torch.randn(b, H, n, D, generator=g).to(ctx.device).requires_grad_(backward)
+                        for _ in range(3))
+            bias = ALiBiPreference(H).to(ctx.device)(n, n).detach().contiguous()
+            rows: dict[str, Fn] = dict(auto)
+            rows["sdpa + same ALiBi bias (scale)"] = _with_bias(bias)
+            for name, fn in rows.items():
+                if "K=3 (peer)" in name and size > 1 << 23:
+                    continue
+                cpu, wall = _best(_closure(fn, qkv, backward), repeat, ctx.device)
+                note = f"wall {wall * 1e3:.2f} ms"
+                key = DISPATCHED.get(name)
+                if key is not None:
+                    path = dispatch.last_dispatch.get(key, "?")
+                    limit = dispatch.CROSSOVERS[key]["float32"]
+                    note = f"auto -> {path} (crossover B*H*N^2 <= {limit}); {note}"
+                    if not ctx.quick:
+                        other: dispatch.Impl = "streaming" if path == "materialized" else "materialized"
+                        if other == "streaming" or size <= 1 << 24:
+                            alt = _impls(ctx.device, other)[name]
+                            c2, w2 = _best(_closure(alt, qkv, backward), repeat, ctx.device)
+                            yield Measurement(SUITE, case, f"{name} [{other}]", c2,
+                                              note=f"forced; wall {w2 * 1e3:.2f} ms")
+                yield Measurement(SUITE, case, name, cpu, baseline=name == "sdpa", note=note)

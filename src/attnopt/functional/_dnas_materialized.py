@@ -1,0 +1,234 @@
+r"""Fused materialized DNAS / Sinkhorn-K / HNAS for short sequences (internal).
+
+doubly-normalized-attention eq. (6)–(8), (10), Sec. 6. Scores ``S = scale·QKᵀ + M`` are formed
+once; the normalizations run in place in the probability domain:
+
+* column step: ``E ← softmax_i(S)`` (one fused kernel), later ``E ← E / Σ_i E``;
+* row step: ``E ← E / Σ_j E``.
+
+DNAS (K = 1) is therefore one column softmax, one row division and one matmul. After the
+first column step every column has an entry ``>= 1/Nq``, so later sums stay ``>= 1/(Nq·Nk)``;
+only the *first* row sum ``σ_i = Σ_j ξ_ij`` can underflow (a row dominated by other rows in
+every column). When a row that has an admissible key gets ``σ_i < tiny·2^40``, the whole
+call is recomputed in the log domain (same result, no underflow) — rare, never silent.
+
+Backward (log-domain derivation; ``E_k = exp(T_k)`` is the matrix after step ``k``): with
+``G = P ⊙ dP`` and ``dP = dO Vᵀ``, for ``k = 2K … 1``: ``G ← G − E_k ⊙ Σ_{dim_k} G``; then
+``dS = G``, ``dQ = scale·dS K``, ``dK = scale·dSᵀ Q``, ``dV = Pᵀ dO``. For K = 1 the two steps
+are ``G ← P ⊙ (dP − δ)`` with ``δ_i = <dO_i, O_i>`` and ``G ← G − (P σ) ⊙ Σ_i G`` (``ξ = P σ``),
+so only ``P`` and ``σ`` are saved.
+
+HNAS mixes the row softmax of the same scores: ``Π = w P^D + (1 − w) P^L``, one matmul;
+``∂L/∂w = Σ (P^D − P^L) ⊙ dP`` (reduced to the shape of ``w``).
+
+Masks are additive (``-inf`` = dropped) and not differentiated; a row or column with no
+admissible entry gets weight 0 (zero output, zero gradient). Half precision is computed in
+float32.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnopt._validation import additive_mask
+from attnopt.functional import dispatch
+
+__all__ = ["materialized_sinkhorn_attention", "dispatched_sinkhorn"]
+
+
+def _scores(qs: Tensor, k: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+    """``S = (scale·Q) Kᵀ + M`` with the causal ``-inf`` (``qs`` is the pre-scaled ``Q``)."""
+    s = torch.matmul(qs, k.transpose(-2, -1))
+    if mask is not None:
+        s.add_(mask)
+    if causal:
+        nq, nk = s.shape[-2], s.shape[-1]
+        drop = torch.ones(nq, nk, dtype=torch.bool, device=s.device).triu_(1)
+        s.masked_fill_(drop, float("-inf"))
+    return s
+
+
+def _safe_sum(e: Tensor, dim: int) -> Tensor:
+    t = e.sum(dim, keepdim=True)
+    return torch.where(t > 0, t, torch.ones_like(t))
+
+
+def _softmax_zero_empty(s: Tensor, dim: int, masked: bool) -> Tensor:
+    """Softmax along ``dim``; a slice that is entirely ``-inf`` gives zeros (not NaN)."""
+    if not masked:
+        return torch.softmax(s, dim)
+    dead = torch.isneginf(s.amax(dim, keepdim=True))
+    if not bool(dead.any()):
+        return torch.softmax(s, dim)
+    return torch.softmax(s.masked_fill(dead, 0.0), dim).masked_fill_(dead, 0.0)
+
+
+def _log_domain(s: Tensor, iterations: int) -> list[Tensor]:
+    """``E_1 … E_2K`` computed in the log domain (the fallback; no underflow of whole rows)."""
+    out = []
+    t = s
+    for _ in range(iterations):
+        for dim in (-2, -1):
+            m = t.amax(dim, keepdim=True)
+            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+            tot = torch.exp(t - m).sum(dim, keepdim=True)
+            lse = torch.where(tot > 0, tot.log() + m, torch.zeros_like(m))
+            t = t - lse
+            out.append(torch.exp(t))
+    return out
+
+
+def _sinkhorn_forward(s: Tensor, masked: bool, iterations: int) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """``(P, σ, mids)``: ``mids = [E_1 … E_2K-1]``, or ``[]`` when K = 1 and ``E_1 = P σ``."""
+    e = _softmax_zero_empty(s, -2, masked)
+    sigma = e.sum(-1, keepdim=True)
+    thr = torch.finfo(e.dtype).tiny * 2.0**40
+    if bool((sigma < thr).any()):
+        valid = torch.isfinite(s).any(-1, keepdim=True) if masked else sigma == sigma
+        if bool(((sigma < thr) & valid).any()):
+            steps = _log_domain(s, iterations)
+            return steps[-1], torch.ones_like(sigma), steps[:-1]
+        sigma = torch.where(sigma > 0, sigma, torch.ones_like(sigma))  # rows without admissible key
+    if iterations == 1:
+        return e.div_(sigma), sigma, []
+    mids = [e]
+    e = e / sigma
+    for _ in range(iterations - 1):
+        mids.append(e)
+        e = e / _safe_sum(e, -2)
+        mids.append(e)
+        e = e / _safe_sum(e, -1)
+    return e, sigma, mids
+
+
+def _sinkhorn_backward(g: Tensor, p: Tensor, sigma: Tensor, mids: list[Tensor], iterations: int) -> Tensor:
+    """Apply ``G ← G − E_k ⊙ Σ_{dim_k} G`` for ``k = 2K−1 … 1`` (in place on ``g``)."""
+    for idx in range(2 * iterations - 2, -1, -1):
+        dim = -2 if idx % 2 == 0 else -1
+        e = mids[idx] if mids else p * sigma
+        g.addcmul_(e, g.sum(dim, keepdim=True), value=-1.0)
+    return g
+
+
+def _reduce_to(g: Tensor, shape: torch.Size) -> Tensor:
+    while g.dim() > len(shape):
+        g = g.sum(0)
+    for i, n in enumerate(shape):
+        if n == 1 and g.shape[i] != 1:
+            g = g.sum(i, keepdim=True)
+    return g
+
+
+class _MaterializedSinkhorn(torch.autograd.Function):
+    """DNAS / Sinkhorn-K (``w is None``) or HNAS (``w`` given) on materialized scores.
+
+    ``forward(ctx, …)`` style on purpose: returning the saved intermediates as outputs for a
+    ``setup_context`` cost ~40 µs per call, a tenth of the whole call at N = 64.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, causal: bool,
+        scale: float, iterations: int,
+    ) -> Tensor:
+        qs = q * scale  # N·d work instead of scaling the N × N scores; reused by dK
+        s = _scores(qs, k, mask, causal)
+        masked = mask is not None or causal
+        p_lnas = _softmax_zero_empty(s, -1, masked) if w is not None else None
+        p, sigma, mids = _sinkhorn_forward(s, masked, iterations)
+        del s
+        ctx.scale, ctx.iterations, ctx.hybrid = scale, iterations, w is not None
+        if w is None or p_lnas is None:
+            out = torch.matmul(p, v)
+            ctx.save_for_backward(k, v, w, out, qs, p, sigma, *mids)
+            return out
+        mix = torch.lerp(p_lnas, p, w)
+        out = torch.matmul(mix, v)
+        ctx.save_for_backward(k, v, w, out, qs, p, sigma, *mids, mix, p_lnas)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        k, v, w, out, qs, p, sigma, *rest = ctx.saved_tensors
+        dout = dout.to(v.dtype).contiguous()  # a stride-0 gradient (from .sum()) sends bmm to a slow path
+        dp = torch.matmul(dout, v.transpose(-2, -1))
+        dw = None
+        if not ctx.hybrid:
+            mids = rest
+            dv = torch.matmul(p.transpose(-2, -1), dout)
+            delta = (dout * out).sum(-1, keepdim=True)
+            g = dp.sub_(delta).mul_(p)
+            ds = _sinkhorn_backward(g, p, sigma, mids, ctx.iterations)
+        else:
+            *mids, mix, p_lnas = rest
+            dv = torch.matmul(mix.transpose(-2, -1), dout)
+            a = p * dp
+            b = dp.mul_(p_lnas)
+            ra, rb = a.sum(-1, keepdim=True), b.sum(-1, keepdim=True)
+            if ctx.needs_input_grad[3]:
+                dw = _reduce_to(ra - rb, w.shape)  # Σ (P^D − P^L) ⊙ dP from the row sums
+            a.addcmul_(p, ra, value=-1.0)
+            gd = _sinkhorn_backward(a, p, sigma, mids, ctx.iterations)
+            b.addcmul_(p_lnas, rb, value=-1.0)
+            ds = torch.lerp(b, gd, w)
+        dq = torch.matmul(ds, k).mul_(ctx.scale)
+        dk = torch.matmul(ds.transpose(-2, -1), qs)
+        return dq, dk, dv, dw, None, None, None, None
+
+
+def materialized_sinkhorn_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, iterations: int, weight: Tensor | None, mask: Tensor | None,
+    is_causal: bool, scale: float, batch: tuple[int, ...],
+) -> Tensor:
+    """DNAS / Sinkhorn-K (``weight=None``) or HNAS output ``(*batch, Nq, dv)`` (inputs validated).
+
+    ``mask`` is additive, broadcastable to ``(*batch, Nq, Nk)`` (not differentiated); ``weight``
+    is the HNAS mixing weight, shaped to broadcast against ``(…, H, Nq, Nk)``; ``batch`` is the
+    broadcast batch shape of ``q, k, v``.
+    """
+    orig = q.dtype
+    compute = torch.float32 if orig in (torch.float16, torch.bfloat16) else orig
+    nq, nk, dv = q.shape[-2], k.shape[-2], v.shape[-1]
+    if nq == 0 or nk == 0:
+        zero = q.sum() * 0 + k.sum() * 0 + v.sum() * 0  # keeps the graph: zero gradients
+        return zero.expand(*batch, nq, dv).to(orig).clone()
+    qkv = []
+    for x in (q, k, v):
+        x = x.to(compute)
+        qkv.append(x if tuple(x.shape[:-2]) == batch else x.expand(*batch, *x.shape[-2:]))
+    m = None if mask is None else mask.detach().to(compute)
+    wc = None if weight is None else weight.to(compute)
+    out: Tensor = _MaterializedSinkhorn.apply(*qkv, wc, m, is_causal, scale, iterations)
+    return out.to(orig)
+
+
+def batch_shape(*xs: Tensor) -> tuple[int, ...]:
+    """Broadcast batch shape (all dims but the last two) of ``xs``; cheap when they agree."""
+    first = tuple(xs[0].shape[:-2])
+    if all(tuple(x.shape[:-2]) == first for x in xs[1:]):
+        return first
+    return tuple(torch.broadcast_shapes(*(x.shape[:-2] for x in xs)))
+
+
+def dispatched_sinkhorn(
+    mechanism: str, q: Tensor, k: Tensor, v: Tensor, iterations: int, weight: Tensor | None,
+    attn_mask: Tensor | None, scale: float, is_causal: bool, impl: str,
+) -> Tensor | None:
+    """The materialized result when ``impl`` resolves to it for these sizes, else ``None``.
+
+    Records the choice in :data:`attnopt.functional.dispatch.last_dispatch`.
+    """
+    batch = batch_shape(q, k, v)
+    g = 1
+    for n in batch:
+        g *= n
+    path = dispatch.choose_impl(mechanism, nq=q.shape[-2], nk=k.shape[-2], batch=g, dtype=q.dtype, impl=impl)
+    dispatch.record(mechanism, path)
+    if path != "materialized":
+        return None
+    compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    mask = additive_mask(attn_mask, (*batch, q.shape[-2], k.shape[-2]), compute)
+    return materialized_sinkhorn_attention(q, k, v, iterations=iterations, weight=weight, mask=mask,
+                                           is_causal=is_causal, scale=scale, batch=batch)

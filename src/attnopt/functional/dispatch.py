@@ -1,0 +1,93 @@
+r"""Size-based dispatch between a fused *materialized* path and the O(N)-memory *streaming* path.
+
+Every mechanism with two implementations takes ``impl="auto" | "materialized" | "streaming"``:
+
+* ``"materialized"`` forms the ``Nq × Nk`` scores once and runs the fewest passes the math
+  allows (one autograd node with a closed-form backward); fastest at short sequences.
+* ``"streaming"`` never holds ``Nq × Nk`` (flash-style or query-blocked passes); needed at
+  long sequences, and faster there.
+* ``"auto"`` picks ``"materialized"`` when :func:`choose_impl` says so:
+  ``B·H·Nq·Nk <= CROSSOVERS[mechanism][dtype]`` (the size of one score matrix).
+
+The crossover is a number of score entries, not a length: measured forward+backward (d = 64,
+float32, one CPU thread, ``attnopt bench --only small_n``), the materialized path stopped
+winning at the same ``B·H·N²`` for B·H = 8 and 64 (DNAS K = 1: faster at 8·512² and 64·256²,
+even at 8·768², slower at 8·1024² and 64·512²). For B·H = 8 the defaults mean N <= 724
+(DNAS, HNAS, sparse) and N <= 1448 (Sinkhorn K >= 2). Same values on every device (no GPU
+was measured). Both paths compute the same function up to float rounding; both are tested
+against the float64 reference.
+
+The choice of the last call is observable: :data:`last_dispatch` maps a mechanism name to
+``"materialized"`` or ``"streaming"``.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+__all__ = ["Impl", "CROSSOVERS", "choose_impl", "last_dispatch", "check_impl"]
+
+Impl = Literal["auto", "materialized", "streaming"]
+
+#: Largest ``B·H·Nq·Nk`` at which ``auto`` materializes, per mechanism and dtype
+#: (``"half"`` = float16/bfloat16, computed in float32 by the materialized path).
+CROSSOVERS: dict[str, dict[str, int]] = {
+    "doubly_normalized": {"float32": 1 << 22, "float64": 1 << 22, "half": 1 << 21},
+    "sinkhorn": {"float32": 1 << 24, "float64": 1 << 24, "half": 1 << 23},
+    "hybrid_normalized": {"float32": 1 << 22, "float64": 1 << 22, "half": 1 << 21},
+    "sparse": {"float32": 1 << 24, "float64": 1 << 24, "half": 1 << 23},
+    "generalized": {"float32": 1 << 24, "float64": 1 << 24, "half": 1 << 23},
+    "kernel": {"float32": 1 << 20, "float64": 1 << 20, "half": 1 << 20},
+}
+
+#: The path taken by the last call of each mechanism (``"materialized"`` or ``"streaming"``).
+last_dispatch: dict[str, str] = {}
+
+
+def check_impl(impl: object) -> str:
+    """Validate an ``impl`` argument; returns it."""
+    if impl not in ("auto", "materialized", "streaming"):
+        raise ValueError(f"impl must be 'auto', 'materialized' or 'streaming', got {impl!r}")
+    return str(impl)
+
+
+def _dtype_key(dtype: torch.dtype) -> str:
+    if dtype in (torch.float16, torch.bfloat16):
+        return "half"
+    return "float64" if dtype == torch.float64 else "float32"
+
+
+def choose_impl(
+    mechanism: str, *, nq: int, nk: int, batch: int = 1, dtype: torch.dtype = torch.float32,
+    impl: str = "auto",
+) -> str:
+    """The path ``impl="auto"`` takes for these sizes (``impl`` other than auto is returned as is).
+
+    Args:
+        mechanism: a key of :data:`CROSSOVERS` (``"doubly_normalized"`` for DNAS K = 1,
+            ``"sinkhorn"`` for K >= 2, ``"hybrid_normalized"``, ``"sparse"`` for sparsemax /
+            entmax attention, ``"generalized"`` for a full bias under autograd, ``"kernel"``
+            for bounded feature-map kernels, e.g. IKA / IKAN).
+        nq, nk: query and key lengths.
+        batch: product of the batch dimensions (B·H).
+        dtype: input dtype.
+        impl: ``"auto"``, ``"materialized"`` or ``"streaming"``.
+    Returns:
+        ``"materialized"`` or ``"streaming"``.
+    Raises:
+        ValueError: unknown ``mechanism`` or ``impl``.
+    """
+    check_impl(impl)
+    if mechanism not in CROSSOVERS:
+        raise ValueError(f"unknown mechanism {mechanism!r}; known: {sorted(CROSSOVERS)}")
+    if impl != "auto":
+        return impl
+    small = batch * nq * nk <= CROSSOVERS[mechanism][_dtype_key(dtype)]
+    return "materialized" if small else "streaming"
+
+
+def record(mechanism: str, path: str) -> str:
+    """Store ``path`` in :data:`last_dispatch` and return it."""
+    last_dispatch[mechanism] = path
+    return path

@@ -1,0 +1,40 @@
+"""The small_n bench suite runs on tiny sizes and reports the path ``auto`` chose (timings never asserted)."""
+import math
+
+import pytest
+
+from attnopt.bench import BenchContext, small_n
+from attnopt.functional import dispatch
+
+
+def test_suite_runs_and_notes_the_dispatch(monkeypatch):
+    monkeypatch.setattr(small_n, "_cases", lambda ctx: [(1, 16)])  # noqa: ARG005
+    monkeypatch.setattr(small_n, "_registry_rows", lambda ctx, n, repeat: iter(()))  # noqa: ARG005
+    monkeypatch.setattr(small_n, "_encoder_rows", lambda ctx, n, repeat: iter(()))  # noqa: ARG005
+    rows = list(small_n.suite(BenchContext(quick=False, memory=False, repeat=1)))
+    cases = {r.case for r in rows}
+    assert len(cases) == 2  # fwd, fwd+bwd
+    for case in cases:
+        group = [r for r in rows if r.case == case]
+        assert sum(r.baseline for r in group) == 1
+        assert all(math.isfinite(r.seconds) and r.seconds > 0 for r in group)
+        names = {r.impl for r in group}
+        for name, key in small_n.DISPATCHED.items():
+            auto = next(r for r in group if r.impl == name)
+            assert auto.note.startswith("auto -> materialized")  # 8·16² entries: below every crossover
+            assert f"{name} [streaming]" in names
+            assert str(dispatch.CROSSOVERS[key]["float32"]) in auto.note
+
+
+@pytest.mark.slow  # ~20 s: builds and trains every registry attention once
+def test_registry_and_encoder_rows_cover_every_name(monkeypatch):
+    from attnopt.nn.registry import attention_names
+
+    monkeypatch.setattr(small_n, "H", 2)
+    monkeypatch.setattr(small_n, "D", 4)
+    ctx = BenchContext(quick=True, memory=False, repeat=1)
+    reg = list(small_n._registry_rows(ctx, 8, 1))
+    assert {r.impl for r in reg} == set(attention_names()) - {"ot"}
+    assert sum(r.baseline for r in reg) == 1 and all(r.seconds > 0 for r in reg)
+    enc = list(small_n._encoder_rows(ctx, 8, 1))
+    assert {r.impl for r in enc} == set(attention_names()) - {"ot", "mem"}
