@@ -96,7 +96,9 @@ class ColumnMassLogger:
     Inside the ``with`` block every selected module is called with ``need_weights=True``
     (a forward pre-hook; ``nn.MultiheadAttention`` also gets ``average_attn_weights=False``)
     and its weights are reduced on the fly; the caller still receives ``None`` weights when
-    it did not ask for them. Outside the block the model is untouched. In
+    it did not ask for them. Outside the block the model is untouched. Calls with a causal or
+    an explicit ``attn_mask`` are skipped: there a key is hidden from most queries by
+    construction (the last key is seen by one query), which is not explaining away. In
     self-attention (key is the query) the key padding mask also removes padding queries.
 
     Args:
@@ -135,6 +137,8 @@ class ColumnMassLogger:
         weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
         if weights is None:
             return None
+        if kwargs.get("is_causal") or kwargs.get("attn_mask") is not None:
+            return output if asked else (output[0], None, *output[2:])  # not a set of keys (see class doc)
         query = args[0] if args else kwargs.get("query")
         key = args[1] if len(args) > 1 else kwargs.get("key")
         kpm = kwargs.get("key_padding_mask")
