@@ -124,7 +124,7 @@ class HeadlineTask(Task):
         "hnas-random": {"encoder": "hnas", "cross": "hnas", "decoder": "lnas"},
     }
     default_arms = ("lnas-random", "hnas-random")
-    lr_grid = (2e-3,)
+    lr_grid = (3e-3,)
     datasets = ("docstrings", "tsv")
     paper_results = {"docstrings": {a: v["rougeL"] for a, v in PAPER_TABLE2.items()},
                      "tsv": {a: v["rougeL"] for a, v in PAPER_TABLE2.items()}}
