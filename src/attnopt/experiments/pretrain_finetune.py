@@ -211,8 +211,11 @@ class PretrainFinetuneTask(Task):
         if stage not in ("cls", "pair"):
             raise ValueError(f"stage must be 'pretrain', 'cls' or 'pair', got {stage!r}")
         info["n_classes"] = len(d["modules"]) if stage == "cls" else 2
-        return DataBundle(train=_List(d[f"{stage}_train"]), test=_List(d[f"{stage}_test"]),
-                          collate_fn=_collate_cls, info=info)
+        cap = cfg.sizes.get("max_finetune")  # examples per downstream split (tests, negative controls)
+        train, test = d[f"{stage}_train"], d[f"{stage}_test"]
+        if cap is not None:
+            train, test = train[: int(cap)], test[: int(cap)]
+        return DataBundle(train=_List(train), test=_List(test), collate_fn=_collate_cls, info=info)
 
     # ---- models -------------------------------------------------------------------------
     def build_model(self, arm: str, cfg: RunConfig, data: DataBundle) -> nn.Module:

@@ -171,6 +171,9 @@ def docstring_records(
     return out
 
 
+_MEMO: dict[tuple[str, ...], list[DocRecord]] = {}  # one walk per process (records are frozen)
+
+
 def _digest(payload: object) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
@@ -180,10 +183,14 @@ def load_records(cache_dir: str | os.PathLike[str] | None = None,
     """:func:`docstring_records`, cached as ``cache_dir/docstrings-py<X.Y>-<key>.json``.
 
     The cache holds a SHA-256 of its records; a file that does not parse or whose checksum
-    does not match is rebuilt (written atomically). ``cache_dir=None``: no cache.
+    does not match is rebuilt (written atomically). ``cache_dir=None``: no file cache. The
+    walk itself is done once per process.
     """
     if cache_dir is None:
-        return docstring_records(modules)
+        key_mem = tuple(modules)
+        if key_mem not in _MEMO:
+            _MEMO[key_mem] = docstring_records(modules)
+        return list(_MEMO[key_mem])
     key = _digest(list(modules))[:12]
     path = Path(cache_dir) / f"docstrings-py{sys.version_info[0]}.{sys.version_info[1]}-{key}.json"
     try:
@@ -193,7 +200,7 @@ def load_records(cache_dir: str | os.PathLike[str] | None = None,
             return [DocRecord(**r) for r in rows]
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    records = docstring_records(modules)
+    records = load_records(None, modules)
     rows = [asdict(r) for r in records]
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
