@@ -83,3 +83,29 @@ def test_hnas_weights_bounded() -> None:
     with torch.no_grad():
         model[0].weight_logit.fill_(50.0)
     assert 0.0 < hnas_weights(model)["hnas_w/0"] <= 1.0
+
+
+def test_padding_from_mask_and_logger_with_attn_mask() -> None:
+    from attnopt.experiments._diagnostics import padding_from_mask
+
+    kp = torch.tensor([[False, False, True], [False, False, False]])
+    qp = torch.tensor([[False, True, False], [False, False, False]])
+    mask = (kp[:, None, None, :] | qp[:, None, :, None])
+    keys, queries = padding_from_mask(mask, 2)
+    # query 1 of sample 0 is padding; key 2 of sample 0 is padding
+    assert torch.equal(keys, kp) and torch.equal(queries, qp)
+    causal = torch.ones(3, 3, dtype=torch.bool).triu(1)
+    assert padding_from_mask(causal, 2) is None
+    additive = torch.zeros(2, 1, 3, 3).masked_fill(mask, float("-inf"))
+    assert torch.equal(padding_from_mask(additive, 2)[0], kp)
+    torch.manual_seed(2)
+    mod = DoublyNormalizedMultiheadAttention(8, 2, iterations=1)
+    x = torch.randn(2, 3, 8)
+    with ColumnMassLogger(mod) as log:
+        mod(x, attn_mask=mask)
+    ref = column_mass_summary(mod(x, attn_mask=mask, need_weights=True)[1], key_padding_mask=kp,
+                              query_padding_mask=qp)
+    assert log.summary()["min_column_mass"] == pytest.approx(ref["min_column_mass"]) and ref["n_keys"] == 10
+    with ColumnMassLogger(mod) as log:
+        mod(x, attn_mask=causal)
+    assert math.isnan(log.summary()["min_column_mass"])  # causal calls are not counted

@@ -22,6 +22,7 @@ from attnopt.analysis.column_mass import column_mass
 
 __all__ = [
     "ColumnMassLogger", "column_mass_over", "column_mass_summary", "hnas_weights", "is_attention_module",
+    "padding_from_mask",
 ]
 
 
@@ -83,6 +84,27 @@ def column_mass_summary(
     }
 
 
+def padding_from_mask(attn_mask: Tensor, batch: int) -> tuple[Tensor, Tensor] | None:
+    """``(key padding (B, Nk), query padding (B, Nq))`` of a padding-only mask, else ``None``.
+
+    ``attn_mask`` is boolean (``True`` = not allowed) or additive (``-inf`` = not allowed),
+    shaped ``(Nq, Nk)`` or ``(B|1, H|1, Nq, Nk)``. It is a padding mask when it equals the
+    union of its fully masked columns (padding keys) and fully masked rows (padding queries);
+    a causal or any other structured mask gives ``None``.
+    """
+    m = attn_mask if attn_mask.dtype == torch.bool else torch.isneginf(attn_mask)
+    if m.dim() == 2:
+        m = m[None, None]
+    if m.dim() != 4 or m.shape[1] != 1:
+        return None
+    m = m[:, 0].expand(batch, -1, -1)
+    keys = m.all(dim=-2)
+    queries = m.all(dim=-1)
+    if not torch.equal(m, keys[:, None, :] | queries[:, :, None]):
+        return None
+    return keys, queries
+
+
 def is_attention_module(module: nn.Module) -> bool:
     """Registry-style attention: ``forward(query, key, value, *, need_weights=...) -> (out, weights)``."""
     from attnopt.nn._multihead import MultiheadBase
@@ -96,9 +118,10 @@ class ColumnMassLogger:
     Inside the ``with`` block every selected module is called with ``need_weights=True``
     (a forward pre-hook; ``nn.MultiheadAttention`` also gets ``average_attn_weights=False``)
     and its weights are reduced on the fly; the caller still receives ``None`` weights when
-    it did not ask for them. Outside the block the model is untouched. Calls with a causal or
-    an explicit ``attn_mask`` are skipped: there a key is hidden from most queries by
-    construction (the last key is seen by one query), which is not explaining away. In
+    it did not ask for them. Outside the block the model is untouched. Padding given as
+    ``key_padding_mask`` or as a padding-only ``attn_mask`` (:func:`padding_from_mask`) is
+    excluded; causal or otherwise structured masks are skipped: there a key is hidden from most
+    queries by construction (the last key is seen by one query), which is not explaining away. In
     self-attention (key is the query) the key padding mask also removes padding queries.
 
     Args:
@@ -137,21 +160,29 @@ class ColumnMassLogger:
         weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
         if weights is None:
             return None
-        if kwargs.get("is_causal") or kwargs.get("attn_mask") is not None:
-            return output if asked else (output[0], None, *output[2:])  # not a set of keys (see class doc)
+        unchanged = output if asked else (output[0], None, *output[2:])
+        if kwargs.get("is_causal"):
+            return unchanged  # not a set of keys (see the class docstring)
         query = args[0] if args else kwargs.get("query")
         key = args[1] if len(args) > 1 else kwargs.get("key")
         kpm = kwargs.get("key_padding_mask")
         if kpm is not None and kpm.dtype != torch.bool:
             kpm = torch.isneginf(kpm)
         qpm = kpm if (key is None or key is query) else None
+        attn_mask = kwargs.get("attn_mask")
+        if attn_mask is not None:
+            pads = padding_from_mask(attn_mask, weights.shape[0])
+            if pads is None:
+                return unchanged  # causal or otherwise structured: not explaining away
+            kpm = pads[0] if kpm is None else kpm | pads[0]
+            qpm = pads[1] if qpm is None else qpm | pads[1]
         s = column_mass_summary(weights, key_padding_mask=kpm, query_padding_mask=qpm, ratio=self.ratio)
         if s["n_keys"]:
             self._min = min(self._min, s["min_column_mass"])
             self._min_nk = min(self._min_nk, s["min_column_mass_x_nk"])
             self._below += s["frac_explained_away"] * s["n_keys"]
             self._count += s["n_keys"]
-        return output if asked else (output[0], None, *output[2:])
+        return unchanged
 
     def __enter__(self) -> ColumnMassLogger:
         for _, m in self.modules:

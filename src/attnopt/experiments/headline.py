@@ -190,7 +190,7 @@ class HeadlineTask(Task):
                                       src_padding_mask=batch["src_mask"])
             for hyp_ids, ref_ids in zip(out.tolist(), batch["tgt_out"].tolist()):
                 ref = vocab.decode(ref_ids)
-                hyp = vocab.decode(hyp_ids[1:])
+                hyp = vocab.decode(hyp_ids)  # a leading BOS ([CLS]) is skipped by decode
                 copy = " ".join(bodies[n].lower().split()[: max(1, len(ref.split()))])
                 for k, v in scorer.score(ref, hyp).items():
                     totals[k] += v.fmeasure

@@ -278,7 +278,12 @@ class PretrainFinetuneTask(Task):
 
     # ---- the two-stage run ----------------------------------------------------------------
     def run(self, cfg: RunConfig, fit: Any) -> dict[str, Any]:
-        """Pretrain (``cfg.epochs``), then fine-tune a copy of the encoder on each downstream task."""
+        """Pretrain (``cfg.epochs``), then fine-tune a copy of the encoder on each downstream task.
+
+        Returns the last stage's record with ``metrics`` = the pretraining metrics (MLM loss, HNAS
+        weight per layer) + ``cls_accuracy``/``pair_accuracy`` (and their majority-class rates),
+        and ``history`` = every stage's epochs, tagged with ``stage``.
+        """
         pre = self.build_data(cfg, "pretrain")
         torch.manual_seed(cfg.seed)
         mlm = self.build_model(cfg.arm, cfg, pre)
@@ -296,7 +301,7 @@ class PretrainFinetuneTask(Task):
             history += [dict(h, stage=stage) for h in r.get("history", [])]
             majority = Counter(int(y) for _, y in data.test).most_common(1)[0][1] / len(data.test)
             metrics[f"{stage}_majority"] = 100.0 * majority
-        return {"metrics": metrics, "history": history}
+        return {**r, "metrics": metrics, "history": history}
 
 
 TASK = PretrainFinetuneTask()
