@@ -46,7 +46,7 @@ QUICK: dict[str, dict[str, Any]] = {
     "pretrain-finetune": {
         "arms": ("lnas", "hnas"),
         "epochs": 2,
-        "sizes": {"seq_len": 32, "max_train": 600, "finetune_epochs": 6},
+        "sizes": {"seq_len": 32, "max_train": 600, "finetune_epochs": 4, "max_finetune": 400},
     },
 }
 
