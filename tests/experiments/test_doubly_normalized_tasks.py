@@ -179,3 +179,18 @@ def test_pretrain_finetune_run_per_arm(arm: str, out_dir: Path) -> None:
     ws = [v for k, v in m.items() if k.startswith("hnas_w/")]
     assert len(ws) == (2 if arm == "hnas" else 0) and all(0 < w < 1 for w in ws)
     assert "min_column_mass" in rec["history"][0]
+
+
+def test_figures_from_records(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from attnopt.experiments.multiview_fusion import TASK as MV
+    from attnopt.experiments.pretrain_finetune import TASK as PF
+
+    hist = [{"epoch": e, "min_column_mass_x_nk": 2.0 / (e + 1), "frac_explained_away": 0.1 * e,
+             "hnas_w/0": 0.5 + 0.01 * e, "stage": "pretrain"} for e in range(3)]
+    recs = [{"arm": a, "seed": s, "history": hist, "metrics": {"hnas_w/0": 0.6, "hnas_w/1": 0.55}}
+            for a in ("lnas", "dnas", "hnas") for s in (0, 1)]
+    paths = MV.figures(recs, tmp_path)
+    assert len(paths) == 2 and all(p.is_file() and p.stat().st_size > 1000 for p in paths)
+    assert len(PF.figures(recs, tmp_path)) == 2
+    assert MV.figures([{"arm": "concat", "seed": 0, "history": [{"epoch": 0}], "metrics": {}}], tmp_path) == []

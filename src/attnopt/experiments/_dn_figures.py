@@ -5,7 +5,6 @@ saved path, or ``None`` when the records hold nothing to plot.
 """
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -117,6 +116,3 @@ def hnas_layer_figure(weights: dict[str, list[list[float]]], out_dir: Path, *, n
     ax.set_title("HNAS weight per layer (paper Fig. 4)", fontsize=9)
     return _save(fig, out_dir, name)
 
-
-def finite(x: float) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)

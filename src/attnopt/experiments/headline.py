@@ -210,5 +210,11 @@ class HeadlineTask(Task):
                                                               tgt_padding_mask=b["tgt_in_mask"]))
         return {**stats, **hnas_weights(model)}
 
+    def figures(self, records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+        from attnopt.experiments._dn_figures import column_mass_figure
+
+        path = column_mass_figure(records, Path(out_dir), name="headline_column_mass")
+        return [] if path is None else [path]
+
 
 TASK = HeadlineTask()

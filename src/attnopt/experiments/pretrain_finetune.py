@@ -303,5 +303,20 @@ class PretrainFinetuneTask(Task):
             metrics[f"{stage}_majority"] = 100.0 * majority
         return {**r, "metrics": metrics, "history": history}
 
+    def figures(self, records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+        from attnopt.experiments._dn_figures import column_mass_figure, hnas_layer_figure
+
+        pre = [{**r, "history": [h for h in r.get("history", []) if h.get("stage") == "pretrain"]}
+               for r in records]
+        layers: dict[str, list[list[float]]] = {}
+        for r in records:
+            ws = sorted((int(k.split("/")[1]), float(v)) for k, v in r.get("metrics", {}).items()
+                        if k.startswith("hnas_w/"))
+            if ws:
+                layers.setdefault(r["arm"], []).append([w for _, w in ws])
+        paths = [column_mass_figure(pre, Path(out_dir), name="pretrain_column_mass"),
+                 hnas_layer_figure(layers, Path(out_dir), name="pretrain_fig4_hnas_layers")]
+        return [p for p in paths if p is not None]
+
 
 TASK = PretrainFinetuneTask()
