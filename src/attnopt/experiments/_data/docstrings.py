@@ -30,6 +30,7 @@ import random
 import re
 import sys
 import tempfile
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -156,8 +157,11 @@ def docstring_records(
             module = importlib.import_module(name)
         except ImportError:  # pragma: no cover - trimmed Python installs
             continue
-        for qualname, kind, obj in _members(module, name):
-            raw = obj.__doc__ if isinstance(getattr(obj, "__doc__", None), str) else None
+        with warnings.catch_warnings():  # e.g. typing.io's deprecation on attribute access
+            warnings.simplefilter("ignore", DeprecationWarning)
+            members = [(q, k, o, getattr(o, "__doc__", None)) for q, k, o in _members(module, name)]
+        for qualname, kind, _obj, doc_attr in members:
+            raw = doc_attr if isinstance(doc_attr, str) else None
             if not raw:
                 continue
             doc = _clean(raw)
