@@ -91,13 +91,16 @@ def test_padding_from_mask_and_logger_with_attn_mask() -> None:
     kp = torch.tensor([[False, False, True], [False, False, False]])
     qp = torch.tensor([[False, True, False], [False, False, False]])
     mask = (kp[:, None, None, :] | qp[:, None, :, None])
-    keys, queries = padding_from_mask(mask, 2)
+    keys, queries = padding_from_mask(mask, 2, 3, 3)
     # query 1 of sample 0 is padding; key 2 of sample 0 is padding
     assert torch.equal(keys, kp) and torch.equal(queries, qp)
     causal = torch.ones(3, 3, dtype=torch.bool).triu(1)
-    assert padding_from_mask(causal, 2) is None
+    assert padding_from_mask(causal, 2, 3, 3) is None
     additive = torch.zeros(2, 1, 3, 3).masked_fill(mask, float("-inf"))
-    assert torch.equal(padding_from_mask(additive, 2)[0], kp)
+    assert torch.equal(padding_from_mask(additive, 2, 3, 3)[0], kp)
+    # keys-only mask broadcast over queries (cross-attention without padded queries)
+    keys, queries = padding_from_mask(kp[:, None, None, :], 2, 4, 3)
+    assert torch.equal(keys, kp) and not queries.any() and queries.shape == (2, 4)
     torch.manual_seed(2)
     mod = DoublyNormalizedMultiheadAttention(8, 2, iterations=1)
     x = torch.randn(2, 3, 8)

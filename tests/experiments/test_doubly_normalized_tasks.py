@@ -193,4 +193,5 @@ def test_figures_from_records(tmp_path: Path) -> None:
     paths = MV.figures(recs, tmp_path)
     assert len(paths) == 2 and all(p.is_file() and p.stat().st_size > 1000 for p in paths)
     assert len(PF.figures(recs, tmp_path)) == 2
-    assert MV.figures([{"arm": "concat", "seed": 0, "history": [{"epoch": 0}], "metrics": {}}], tmp_path) == []
+    empty = [{"arm": "concat", "seed": 0, "history": [{"epoch": 0}], "metrics": {}}]
+    assert MV.figures(empty, tmp_path) == []

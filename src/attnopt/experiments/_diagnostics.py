@@ -84,11 +84,12 @@ def column_mass_summary(
     }
 
 
-def padding_from_mask(attn_mask: Tensor, batch: int) -> tuple[Tensor, Tensor] | None:
+def padding_from_mask(attn_mask: Tensor, batch: int, nq: int, nk: int) -> tuple[Tensor, Tensor] | None:
     """``(key padding (B, Nk), query padding (B, Nq))`` of a padding-only mask, else ``None``.
 
     ``attn_mask`` is boolean (``True`` = not allowed) or additive (``-inf`` = not allowed),
-    shaped ``(Nq, Nk)`` or ``(B|1, H|1, Nq, Nk)``. It is a padding mask when it equals the
+    shaped ``(Nq, Nk)`` or ``(B|1, 1, Nq|1, Nk|1)`` (broadcast to ``(batch, nq, nk)``). It is a
+    padding mask when it equals the
     union of its fully masked columns (padding keys) and fully masked rows (padding queries);
     a causal or any other structured mask gives ``None``.
     """
@@ -97,7 +98,7 @@ def padding_from_mask(attn_mask: Tensor, batch: int) -> tuple[Tensor, Tensor] | 
         m = m[None, None]
     if m.dim() != 4 or m.shape[1] != 1:
         return None
-    m = m[:, 0].expand(batch, -1, -1)
+    m = m[:, 0].expand(batch, nq, nk)
     keys = m.all(dim=-2)
     queries = m.all(dim=-1)
     if not torch.equal(m, keys[:, None, :] | queries[:, :, None]):
@@ -171,7 +172,7 @@ class ColumnMassLogger:
         qpm = kpm if (key is None or key is query) else None
         attn_mask = kwargs.get("attn_mask")
         if attn_mask is not None:
-            pads = padding_from_mask(attn_mask, weights.shape[0])
+            pads = padding_from_mask(attn_mask, weights.shape[0], weights.shape[-2], weights.shape[-1])
             if pads is None:
                 return unchanged  # causal or otherwise structured: not explaining away
             kpm = pads[0] if kpm is None else kpm | pads[0]
