@@ -18,7 +18,7 @@ def _plan(mp: pytest.MonkeyPatch, task: str, **plan) -> None:
 
 
 def _tiny_fusion(mp: pytest.MonkeyPatch, arms: tuple[str, ...]) -> None:
-    _plan(mp, "multiview-fusion", arms=arms, epochs=2, seeds=(0, 1))
+    _plan(mp, "multiview-fusion", arms=arms, epochs=2, seeds=(0,))
 
 
 def _dnas_reads_other_image(mp: pytest.MonkeyPatch) -> None:
@@ -57,7 +57,7 @@ def _logit_not_weight(module_name: str):  # noqa: ANN202
         if module_name.endswith("multiview_fusion"):
             _tiny_fusion(mp, ("hnas",))
         else:
-            _plan(mp, "pretrain-finetune", arms=("hnas",), epochs=1, seeds=(0, 1),
+            _plan(mp, "pretrain-finetune", arms=("hnas",), epochs=1, seeds=(0,),
                   sizes={"seq_len": 24, "max_train": 96, "finetune_epochs": 1, "n_modules": 4,
                          "max_finetune": 64})
         mp.setattr(mod, "hnas_weights", hnas_weights)
@@ -87,7 +87,7 @@ def _hnas_decodes_nothing(mp: pytest.MonkeyPatch) -> None:
     """The HNAS arm's greedy decoder stops at once: every headline is empty."""
     from attnopt.experiments import headline as hl
 
-    _plan(mp, "headline", epochs=1, seeds=(0, 1),
+    _plan(mp, "headline", epochs=1, seeds=(0,),
           sizes={"src_len": 24, "tgt_len": 10, "max_train": 96, "max_test": 24})
     build = hl.HeadlineTask.build_model
 
@@ -107,7 +107,7 @@ def _hnas_classifier_guesses(mp: pytest.MonkeyPatch) -> None:
     """The HNAS arm's fine-tuned classifiers answer at random."""
     from attnopt.experiments import pretrain_finetune as pf
 
-    _plan(mp, "pretrain-finetune", epochs=1, seeds=(0, 1),
+    _plan(mp, "pretrain-finetune", epochs=1, seeds=(0,),
           sizes={"seq_len": 24, "max_train": 96, "finetune_epochs": 1, "n_modules": 4, "max_finetune": 64})
     evaluate = pf.PretrainFinetuneTask.evaluate
 
