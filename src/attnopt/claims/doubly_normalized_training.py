@@ -36,17 +36,17 @@ QUICK: dict[str, dict[str, Any]] = {
     "multiview-fusion": {
         "arms": ("single-view", "concat", "lnas", "dnas", "hnas"),
         "sizes": {},
-        "epochs": None,
+        "epochs": 5,
     },
     "headline": {
         "arms": ("lnas-random", "hnas-random"),
         "epochs": 3,
-        "sizes": {"src_len": 32, "tgt_len": 12, "max_train": 600, "max_test": 96},
+        "sizes": {"src_len": 32, "tgt_len": 12, "max_train": 500, "max_test": 80},
     },
     "pretrain-finetune": {
         "arms": ("lnas", "hnas"),
         "epochs": 2,
-        "sizes": {"seq_len": 32, "max_train": 600, "finetune_epochs": 4, "max_finetune": 400},
+        "sizes": {"seq_len": 32, "max_train": 500, "finetune_epochs": 3, "max_finetune": 300},
     },
 }
 
