@@ -214,6 +214,7 @@ def judge_table1(recs: Sequence[dict]) -> ClaimResult:
     key="table1",
     title="multi-view fusion: DNAS >= LNAS (trained, digits stand-in for VQA)",
     reference="Sec. 7.1, Table 1",
+    requires=("plots", "train"),
 )
 def table1(ctx: ClaimContext) -> ClaimResult:
     res = judge_table1(records(ctx, "multiview-fusion"))
@@ -273,6 +274,7 @@ def judge_fig3(recs: Sequence[dict], *, arm: str = "hnas", init: float = 0.5) ->
     key="fig3",
     title="HNAS mixing weight moves to DNAS on multi-view fusion (trained)",
     reference="Sec. 7.1, Fig. 3",
+    requires=("plots", "train"),
 )
 def fig3(ctx: ClaimContext) -> ClaimResult:
     recs = records(ctx, "multiview-fusion")
@@ -338,6 +340,7 @@ def judge_fig1(recs: Sequence[dict], *, lnas: str = "lnas", dnas: str = "dnas") 
     key="fig1_training",
     title="explaining away during training: LNAS column mass vs DNAS",
     reference="Sec. 5.1, Fig. 1, Lemma 1",
+    requires=("plots", "train"),
 )
 def fig1_training(ctx: ClaimContext) -> ClaimResult:
     recs = records(ctx, "multiview-fusion")
@@ -394,6 +397,7 @@ def judge_table2(recs: Sequence[dict]) -> ClaimResult:
     key="table2",
     title="headline generation: HNAS >= LNAS in ROUGE (trained)",
     reference="Sec. 7.2, Table 2",
+    requires=("plots", "train", "hf"),
 )
 def table2(ctx: ClaimContext) -> ClaimResult:
     res = judge_table2(records(ctx, "headline"))
@@ -457,6 +461,7 @@ def judge_table3(recs: Sequence[dict]) -> ClaimResult:
     key="table3",
     title="MLM pretraining + fine-tuning: HNAS >= LNAS downstream (trained)",
     reference="Sec. 7.3, Table 3",
+    requires=("plots", "train", "hf"),
 )
 def table3(ctx: ClaimContext) -> ClaimResult:
     res = judge_table3(records(ctx, "pretrain-finetune"))
@@ -522,6 +527,7 @@ def judge_fig4(recs: Sequence[dict]) -> ClaimResult:
     key="fig4",
     title="HNAS weight per layer after MLM pretraining (trained)",
     reference="Sec. 7.3, Fig. 4",
+    requires=("plots", "train", "hf"),
 )
 def fig4(ctx: ClaimContext) -> ClaimResult:
     recs = records(ctx, "pretrain-finetune")
