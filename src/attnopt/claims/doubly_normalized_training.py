@@ -217,6 +217,7 @@ def judge_table1(recs: Sequence[dict]) -> ClaimResult:
     requires=("plots", "train"),
 )
 def table1(ctx: ClaimContext) -> ClaimResult:
+    """Table 1: train the fusion arms on the digit views; judge DNAS (and HNAS) vs LNAS accuracy."""
     res = judge_table1(records(ctx, "multiview-fusion"))
     return ClaimResult(
         res.verdict,
@@ -277,6 +278,7 @@ def judge_fig3(recs: Sequence[dict], *, arm: str = "hnas", init: float = 0.5) ->
     requires=("plots", "train"),
 )
 def fig3(ctx: ClaimContext) -> ClaimResult:
+    """Fig. 3: the fusion layer's HNAS weight over training (the multi-view runs)."""
     recs = records(ctx, "multiview-fusion")
     res = judge_fig3(recs)
     from attnopt.experiments._dn_figures import hnas_weight_figure
@@ -343,6 +345,7 @@ def judge_fig1(recs: Sequence[dict], *, lnas: str = "lnas", dnas: str = "dnas") 
     requires=("plots", "train"),
 )
 def fig1_training(ctx: ClaimContext) -> ClaimResult:
+    """Fig. 1: the fusion layer's minimum column mass per epoch, LNAS vs DNAS (the multi-view runs)."""
     recs = records(ctx, "multiview-fusion")
     res = judge_fig1(recs)
     from attnopt.experiments._dn_figures import column_mass_figure
@@ -400,6 +403,7 @@ def judge_table2(recs: Sequence[dict]) -> ClaimResult:
     requires=("plots", "train", "hf"),
 )
 def table2(ctx: ClaimContext) -> ClaimResult:
+    """Table 2: train the headline arms; judge HNAS vs LNAS ROUGE-L against the copy baseline."""
     res = judge_table2(records(ctx, "headline"))
     return ClaimResult(
         res.verdict,
@@ -464,6 +468,7 @@ def judge_table3(recs: Sequence[dict]) -> ClaimResult:
     requires=("plots", "train", "hf"),
 )
 def table3(ctx: ClaimContext) -> ClaimResult:
+    """Table 3: pretrain (MLM) and fine-tune both arms; judge HNAS vs LNAS downstream accuracy."""
     res = judge_table3(records(ctx, "pretrain-finetune"))
     return ClaimResult(
         res.verdict,
@@ -530,6 +535,7 @@ def judge_fig4(recs: Sequence[dict]) -> ClaimResult:
     requires=("plots", "train", "hf"),
 )
 def fig4(ctx: ClaimContext) -> ClaimResult:
+    """Fig. 4: the HNAS weight of every layer after pretraining (the Table 3 runs)."""
     recs = records(ctx, "pretrain-finetune")
     res = judge_fig4(recs)
     from attnopt.experiments._dn_figures import hnas_layer_figure
