@@ -106,7 +106,8 @@ def test_headline_one_step_and_decoding(arm: str, out_dir: Path) -> None:
     cfg = _cfg(TASK, arm, out_dir, **HEADLINE_SIZES)
     data = TASK.build_data(cfg)
     model = TASK.build_model(arm, cfg, data)
-    batch = next(iter(DataLoader(data.train, batch_size=8, collate_fn=data.collate_fn)))
+    by_len = sorted(range(len(data.train)), key=lambda i: len(data.train[i][0]))
+    batch = data.collate_fn([data.train[i] for i in by_len[:4] + by_len[-4:]])
     assert batch["src_mask"].any()  # padded positions present
     losses = _steps(TASK, model, batch, cfg)
     assert losses[-1] < losses[0]
@@ -149,7 +150,8 @@ def test_ngram_mask_spans_and_rate() -> None:
 def test_pretrain_finetune_run_per_arm(arm: str, out_dir: Path) -> None:
     from attnopt.experiments.pretrain_finetune import TASK
 
-    sizes = {"seq_len": 24, "max_train": 48, "d_model": 16, "layers": 2, "finetune_epochs": 1, "n_modules": 4}
+    sizes = {"seq_len": 24, "max_train": 48, "d_model": 16, "layers": 2, "finetune_epochs": 1, "n_modules": 4,
+             "max_finetune": 64}
     cfg = _cfg(TASK, arm, out_dir, **sizes)
     pre = TASK.build_data(cfg, "pretrain")
     assert len(pre.train) == 48

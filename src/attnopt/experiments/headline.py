@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 from pathlib import Path
 from typing import Any
 
@@ -88,8 +89,10 @@ def _build(cfg: RunConfig, dataset: str) -> dict[str, Any]:
     src_len, tgt_len = int(cfg.sizes.get("src_len", 48)), int(cfg.sizes.get("tgt_len", 20))
     pairs = _pairs(cfg, cfg.data_dir, dataset)
     limit = cfg.sizes.get("max_train")
-    if limit is not None:
-        pairs["train"] = pairs["train"][: int(limit)]
+    if limit is not None:  # a fixed random subset (the split keeps the corpus' module order)
+        n = len(pairs["train"])
+        keep = sorted(random.Random(0).sample(range(n), min(int(limit), n)))
+        pairs["train"] = [pairs["train"][i] for i in keep]
     enc = {k: (wordpiece_ids([a for a, _ in v], src_len), wordpiece_ids([h for _, h in v], tgt_len))
            for k, v in pairs.items()}
     vocab = CompactVocab.from_ids(enc["train"][0] + enc["train"][1])
@@ -139,14 +142,16 @@ class HeadlineTask(Task):
         if dataset not in self.datasets:
             raise ValueError(f"dataset must be one of {self.datasets}, got {dataset!r}")
         keys = ("src_len", "tgt_len", "max_train", "min_body_words")
-        key = hashlib.sha256(json.dumps([dataset, str(cfg.data_dir)] + [cfg.sizes.get(k) for k in keys])
+        key = hashlib.sha256(json.dumps(["v2", dataset, str(cfg.data_dir)] + [cfg.sizes.get(k) for k in keys])
                              .encode()).hexdigest()[:12]
         path = None if dataset == "tsv" else Path(cfg.out_dir) / "data" / f"headline-{key}.pt"
         d = cached(path, lambda: _build(cfg, dataset))
         test = d["test"]
         limit = cfg.sizes.get("max_test")
-        if limit is not None:
-            test = {k: v[: int(limit)] for k, v in test.items()}
+        if limit is not None:  # a fixed random subset of the test modules' pairs
+            n = len(test["src"])
+            keep = sorted(random.Random(1).sample(range(n), min(int(limit), n)))
+            test = {k: [v[i] for i in keep] for k, v in test.items()}
         return DataBundle(train=_Pairs(d["train"]), val=_Pairs(d["val"]), test=_Pairs(test),
                           collate_fn=_collate,
                           info={"vocab_size": len(d["orig_ids"]), "orig_ids": tuple(d["orig_ids"]),

@@ -113,7 +113,10 @@ def _build(sizes: dict[str, Any], cache_dir: Path) -> dict[str, Any]:
     records = load_records(cache_dir)
     parts = split_by_record(records, val=0.1, test=0.2, seed=0)
     limit = sizes.get("max_train")
-    train = parts["train"][: int(limit)] if limit is not None else parts["train"]
+    train = parts["train"]
+    if limit is not None:  # a fixed random subset (the split keeps the corpus' module order)
+        keep = sorted(random.Random(0).sample(range(len(train)), min(int(limit), len(train))))
+        train = [train[i] for i in keep]
     mlm_train = wordpiece_ids([r.docstring for r in train], seq_len)
     vocab = CompactVocab.from_ids(mlm_train)
     out: dict[str, Any] = {"orig_ids": list(vocab.orig_ids)}
@@ -194,7 +197,7 @@ class PretrainFinetuneTask(Task):
     # ---- data ---------------------------------------------------------------------------
     def _corpus(self, cfg: RunConfig) -> dict[str, Any]:
         keys = ("seq_len", "n_modules", "max_train")
-        key = hashlib.sha256(json.dumps([cfg.sizes.get(k) for k in keys]).encode()).hexdigest()[:12]
+        key = hashlib.sha256(json.dumps(["v2"] + [cfg.sizes.get(k) for k in keys]).encode()).hexdigest()[:12]
         cache_dir = Path(cfg.out_dir) / "data"
         return cached(cache_dir / f"pretrain-{key}.pt", lambda: _build(dict(cfg.sizes), cache_dir))
 
@@ -213,8 +216,11 @@ class PretrainFinetuneTask(Task):
         info["n_classes"] = len(d["modules"]) if stage == "cls" else 2
         cap = cfg.sizes.get("max_finetune")  # examples per downstream split (tests, negative controls)
         train, test = d[f"{stage}_train"], d[f"{stage}_test"]
-        if cap is not None:
-            train, test = train[: int(cap)], test[: int(cap)]
+        if cap is not None:  # a fixed random subset (the lists are in module order)
+            train, test = (
+                [xs[i] for i in sorted(random.Random(0).sample(range(len(xs)), min(int(cap), len(xs))))]
+                for xs in (train, test)
+            )
         return DataBundle(train=_List(train), test=_List(test), collate_fn=_collate_cls, info=info)
 
     # ---- models -------------------------------------------------------------------------
