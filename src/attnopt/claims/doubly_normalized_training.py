@@ -1,0 +1,550 @@
+r"""doubly-normalized-attention Sec. 7 (Tables 1–3, Figs. 1, 3, 4): trained systems, reduced scale.
+
+Each claim runs a task of :mod:`attnopt.experiments` through the training engine (quick: tiny
+models, few epochs, 3 seeds; full: the task's full scale, 5 seeds) and judges the records.
+Measure (:func:`records`) and judge (``judge_*``) are separate so that negative controls can
+mutate either cheaply; runs shared by several claims (Table 1, Fig. 1 and Fig. 3 all use the
+multi-view fusion runs; Table 3 and Fig. 4 the pretraining runs) are made once per process
+and output directory.
+
+The paper's direction: DNAS/HNAS ≥ LNAS (Tables 1–3); the HNAS weight converges to DNAS on
+fusion (Fig. 3) and stays ≥ 0.5 in every layer after pretraining, decreasing with depth
+(Fig. 4); LNAS explains keys away (column mass → 0) while DNAS never goes below 1/N_k (Fig. 1).
+Arm comparisons use the per-seed paired difference and its 95 % CI (Student t): reproduced
+when the CI lies above 0, partially when only the mean difference is ≥ 0, not reproduced
+("at this scale", with the numbers) otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attnopt.claims import ClaimContext, ClaimResult, claim, verdict
+from attnopt.report import markdown_table
+
+PAPER = "doubly_normalized"
+_CACHE: dict[tuple[Any, ...], list[dict]] = {}
+
+#: What each task trains in quick mode (full mode: the task's own full scale and arms).
+QUICK: dict[str, dict[str, Any]] = {
+    "multiview-fusion": {
+        "arms": ("single-view", "concat", "lnas", "dnas", "hnas"),
+        "sizes": {},
+        "epochs": 5,
+    },
+    "headline": {
+        "arms": ("lnas-random", "hnas-random"),
+        "epochs": 3,
+        "sizes": {"src_len": 32, "tgt_len": 12, "max_train": 500, "max_test": 80},
+    },
+    "pretrain-finetune": {
+        "arms": ("lnas", "hnas"),
+        "epochs": 2,
+        "sizes": {"seq_len": 32, "max_train": 500, "finetune_epochs": 3, "max_finetune": 300},
+    },
+}
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Tiny models train several times faster on one intra-op thread (and never oversubscribe)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def records(ctx: ClaimContext, task: str) -> list[dict]:
+    """The engine's records of ``task`` at the context's scale (cached per process and out_dir)."""
+    from attnopt.experiments._engine import run_task
+
+    key = (task, ctx.quick, str(ctx.out_dir))
+    if key not in _CACHE:
+        kwargs: dict[str, Any] = {
+            "quick": ctx.quick,
+            "out_dir": Path(ctx.out_dir) / "train" / task,
+            "progress": False,
+        }
+        if ctx.quick:
+            plan = QUICK[task]
+            kwargs["arms"] = list(plan["arms"])
+            if plan["sizes"]:
+                from attnopt.experiments import get_task
+
+                kwargs["sizes"] = {**get_task(task).quick.sizes, **plan["sizes"]}
+            if plan.get("epochs"):
+                kwargs["epochs"] = plan["epochs"]
+            if plan.get("seeds"):
+                kwargs["seeds"] = list(plan["seeds"])
+        with _one_thread():
+            _CACHE[key] = run_task(task, **kwargs)
+    return _CACHE[key]
+
+
+# ---- statistics ------------------------------------------------------------------------------
+def _values(recs: Sequence[dict], arm: str, metric: str) -> dict[int, float]:
+    return {
+        int(r["seed"]): float(r["metrics"][metric])
+        for r in recs
+        if r["arm"] == arm and metric in r.get("metrics", {})
+    }
+
+
+def _mean_ci(values: Sequence[float]) -> tuple[float, float]:
+    from attnopt.experiments._stats import mean_ci
+
+    if not values:
+        return math.nan, math.nan
+    m, h = mean_ci(list(values))
+    return float(m), float(h)
+
+
+def compare(
+    recs: Sequence[dict], better: str, base: str, metric: str, *, higher: bool = True
+) -> dict[str, Any]:
+    """``better`` vs ``base`` on ``metric``: means ± CI and the paired per-seed difference ± CI.
+
+    ``diff`` is signed so that > 0 means the paper's direction (``better`` is better).
+    """
+    a, b = _values(recs, better, metric), _values(recs, base, metric)
+    seeds = sorted(set(a) & set(b))
+    sign = 1.0 if higher else -1.0
+    diffs = [sign * (a[s] - b[s]) for s in seeds]
+    dm, dh = _mean_ci(diffs)
+    return {
+        "better": _mean_ci(list(a.values())),
+        "base": _mean_ci(list(b.values())),
+        "diff": (dm, dh),
+        "n": len(seeds),
+        "holds": bool(seeds) and dm >= 0,
+        "significant": bool(seeds) and dm - dh > 0,
+    }
+
+
+def _direction_verdict(cmps: Sequence[dict[str, Any]]) -> str:
+    """Reproduced: every comparison significant; partially: every mean difference ≥ 0."""
+    if not cmps or any(c["n"] == 0 for c in cmps):
+        return "not reproduced"
+    return verdict(all(c["significant"] for c in cmps), partial=all(c["holds"] for c in cmps))
+
+
+def _pm(t: tuple[float, float], digits: int = 2) -> str:
+    return f"{t[0]:.{digits}f} ± {t[1]:.{digits}f}"
+
+
+def _arm_table(
+    recs: Sequence[dict], arms: Sequence[str], metrics: Sequence[str], paper: dict[str, Any]
+) -> str:
+    rows = []
+    for arm in arms:
+        if not any(r["arm"] == arm for r in recs):
+            continue
+        cells = [_pm(_mean_ci(list(_values(recs, arm, m).values()))) for m in metrics]
+        rows.append([arm, *cells, len(_values(recs, arm, metrics[0])), paper.get(arm, "")])
+    return markdown_table(["arm", *[f"{m} (mean ± 95% CI)" for m in metrics], "seeds", "paper"], rows)
+
+
+def _scale(ctx: ClaimContext, what: str) -> str:
+    return (
+        f"\n\nScale ({'quick' if ctx.quick else 'full'}): {what}. The paper's data are not available "
+        "offline; see the task's docstring for the stand-in."
+    )
+
+
+def _phrase(v: str) -> str:
+    return {
+        "reproduced": "reproduced",
+        "partially reproduced": "direction holds, within the CI",
+        "not reproduced": "not reproduced at this scale",
+    }[v]
+
+
+# ---- Table 1 ---------------------------------------------------------------------------------
+def judge_table1(recs: Sequence[dict]) -> ClaimResult:
+    """DNAS fusion ≥ LNAS fusion (and HNAS ≥ LNAS) in accuracy; context: single view, concat."""
+    from attnopt.experiments.multiview_fusion import PAPER_TABLE1
+
+    cmps = {
+        arm: compare(recs, arm, "lnas", "accuracy")
+        for arm in ("dnas", "hnas")
+        if any(r["arm"] == arm for r in recs)
+    }
+    v = _direction_verdict([cmps["dnas"]] if "dnas" in cmps else [])
+    single = _mean_ci(list(_values(recs, "single-view", "accuracy").values()))
+    parts = [
+        f"DNAS − LNAS accuracy {_pm(cmps['dnas']['diff'])} pts (paired, {cmps['dnas']['n']} seeds)"
+        if "dnas" in cmps
+        else "no DNAS/LNAS records"
+    ]
+    if "hnas" in cmps:
+        parts.append(f"HNAS − LNAS {_pm(cmps['hnas']['diff'])}")
+    if not math.isnan(single[0]):
+        parts.append(f"single view {_pm(single)} % (chance 10 %)")
+    figures: dict[str, Any] = {
+        f"{a}_accuracy": round(_mean_ci(list(_values(recs, a, "accuracy").values()))[0], 2)
+        for a in ("single-view", "concat", "lnas", "dnas", "hnas")
+        if any(r["arm"] == a for r in recs)
+    }
+    if "dnas" in cmps:
+        figures["dnas_minus_lnas"] = round(cmps["dnas"]["diff"][0], 3)
+        figures["ci_half_width"] = round(cmps["dnas"]["diff"][1], 3)
+    return ClaimResult(
+        verdict=v,  # type: ignore[arg-type]
+        summary=(
+            f"Multi-view fusion of three digit-region views: {'; '.join(parts)}. Paper (VQA v2 test-dev): "
+            f"DNAS 69.70 vs LNAS 69.14 (+0.56). {_phrase(v)}."
+        ),
+        figures=figures,
+        details=_arm_table(
+            recs, ("single-view", "concat", "lnas", "dnas", "hnas"), ["accuracy"], PAPER_TABLE1
+        ),
+    )
+
+
+@claim(
+    paper=PAPER,
+    key="table1",
+    title="multi-view fusion: DNAS >= LNAS (trained, digits stand-in for VQA)",
+    reference="Sec. 7.1, Table 1",
+    requires=("plots", "train"),
+)
+def table1(ctx: ClaimContext) -> ClaimResult:
+    """Table 1: train the fusion arms on the digit views; judge DNAS (and HNAS) vs LNAS accuracy."""
+    res = judge_table1(records(ctx, "multiview-fusion"))
+    return ClaimResult(
+        res.verdict,
+        res.summary,
+        res.figures,
+        res.details + _scale(ctx, "8×8 digits, three region extractors, d=32 (quick) / 64 (full)"),
+    )
+
+
+# ---- Fig. 3 ----------------------------------------------------------------------------------
+def _last(rec: dict, key: str) -> float | None:
+    vals = [h[key] for h in rec.get("history", []) if key in h]
+    return float(vals[-1]) if vals else None
+
+
+def _first(rec: dict, key: str) -> float | None:
+    vals = [h[key] for h in rec.get("history", []) if key in h]
+    return float(vals[0]) if vals else None
+
+
+def judge_fig3(recs: Sequence[dict], *, arm: str = "hnas", init: float = 0.5) -> ClaimResult:
+    """The fusion layer's HNAS weight moves to DNAS: reproduced when its final mean is ≥ 0.9,
+    partially when its 95 % CI lies above the initial 0.5, not reproduced otherwise."""
+    finals = [w for r in recs if r["arm"] == arm and (w := _last(r, "hnas_w/0")) is not None]
+    firsts = [w for r in recs if r["arm"] == arm and (w := _first(r, "hnas_w/0")) is not None]
+    bounded = all(
+        0.0 < w < 1.0
+        for r in recs
+        if r["arm"] == arm
+        for h in r.get("history", [])
+        for k, w in h.items()
+        if k.startswith("hnas_w/")
+    )
+    if not finals:
+        return ClaimResult("not reproduced", f"no HNAS weight logged for arm {arm!r}", {})
+    m, h = _mean_ci(finals)
+    v = verdict(bounded and m >= 0.9, partial=bounded and m - h > init)
+    return ClaimResult(
+        verdict=v,  # type: ignore[arg-type]
+        summary=(
+            f"HNAS fusion weight w (1 = DNAS): after epoch 1 {_pm(_mean_ci(firsts), 3)}, at the end "
+            f"{_pm((m, h), 3)} over {len(finals)} seeds (init {init}; all logged w in (0, 1): {bounded}). "
+            f"Paper Fig. 3: w converges to 1. {_phrase(v)}."
+        ),
+        figures={"hnas_w_final": round(m, 4), "ci_half_width": round(h, 4), "weights_in_0_1": bounded},
+        details=markdown_table(
+            ["seed", "w after epoch 1", "w final"],
+            [[r["seed"], _first(r, "hnas_w/0"), _last(r, "hnas_w/0")] for r in recs if r["arm"] == arm],
+        ),
+    )
+
+
+@claim(
+    paper=PAPER,
+    key="fig3",
+    title="HNAS mixing weight moves to DNAS on multi-view fusion (trained)",
+    reference="Sec. 7.1, Fig. 3",
+    requires=("plots", "train"),
+)
+def fig3(ctx: ClaimContext) -> ClaimResult:
+    """Fig. 3: the fusion layer's HNAS weight over training (the multi-view runs)."""
+    recs = records(ctx, "multiview-fusion")
+    res = judge_fig3(recs)
+    from attnopt.experiments._dn_figures import hnas_weight_figure
+
+    path = hnas_weight_figure(list(recs), ctx.out_dir / "figures", name=f"{ctx.prefix}_hnas_weight")
+    if path is not None:
+        ctx.images.append(path)
+    return ClaimResult(
+        res.verdict,
+        res.summary,
+        res.figures,
+        res.details + _scale(ctx, "one fusion layer, weight logged per epoch"),
+    )
+
+
+# ---- Fig. 1 during training --------------------------------------------------------------------
+def judge_fig1(recs: Sequence[dict], *, lnas: str = "lnas", dnas: str = "dnas") -> ClaimResult:
+    """DNAS's min column mass × N_k stays ≥ 1 (Lemma 1) at every epoch; LNAS explains keys away.
+
+    Reproduced: DNAS ≥ 1/N_k throughout and LNAS goes below 1/(10 N_k) in most seeds;
+    partially: DNAS ≥ 1/N_k throughout and LNAS's minimum is below DNAS's in most seeds;
+    not reproduced otherwise (in particular when DNAS ever drops below 1/N_k).
+    """
+
+    def mins(arm: str) -> list[float]:
+        return [
+            min(float(h["min_column_mass_x_nk"]) for h in r["history"] if "min_column_mass_x_nk" in h)
+            for r in recs
+            if r["arm"] == arm and any("min_column_mass_x_nk" in h for h in r["history"])
+        ]
+
+    ln, dn = mins(lnas), mins(dnas)
+    if not ln or not dn:
+        return ClaimResult("not reproduced", "no column-mass history for the LNAS/DNAS arms", {})
+    frac = [
+        max(float(h.get("frac_explained_away", 0.0)) for h in r["history"]) for r in recs if r["arm"] == lnas
+    ]
+    bound_ok = min(dn) >= 1.0 - 1e-6
+    away = sum(v < 0.1 for v in ln) > len(ln) / 2
+    lower = sum(a < b for a, b in zip(sorted(ln), sorted(dn))) > len(ln) / 2
+    v = verdict(bound_ok and away, partial=bound_ok and lower)
+    return ClaimResult(
+        verdict=v,  # type: ignore[arg-type]
+        summary=(
+            f"Minimum over training of N_k·min_j Σ_i π_ij: DNAS {min(dn):.3f} (Lemma 1 bound 1: "
+            f"{'holds' if bound_ok else 'VIOLATED'}), LNAS per seed {', '.join(f'{x:.3g}' for x in ln)} "
+            f"(explained away = below 0.1 in {sum(x < 0.1 for x in ln)}/{len(ln)} seeds; largest fraction of "
+            f"keys below 1/(10 N_k): {max(frac):.3f}). Paper Fig. 1: LNAS → 0, DNAS ≥ 1/N_k. {_phrase(v)}."
+        ),
+        figures={
+            "dnas_min_x_nk": round(min(dn), 4),
+            "lnas_min_x_nk": round(min(ln), 5),
+            "lnas_seeds_explaining_away": sum(x < 0.1 for x in ln),
+            "lnas_max_frac_below": round(max(frac), 4),
+        },
+    )
+
+
+@claim(
+    paper=PAPER,
+    key="fig1_training",
+    title="explaining away during training: LNAS column mass vs DNAS",
+    reference="Sec. 5.1, Fig. 1, Lemma 1",
+    requires=("plots", "train"),
+)
+def fig1_training(ctx: ClaimContext) -> ClaimResult:
+    """Fig. 1: the fusion layer's minimum column mass per epoch, LNAS vs DNAS (the multi-view runs)."""
+    recs = records(ctx, "multiview-fusion")
+    res = judge_fig1(recs)
+    from attnopt.experiments._dn_figures import column_mass_figure
+
+    path = column_mass_figure(list(recs), ctx.out_dir / "figures", name=f"{ctx.prefix}_column_mass")
+    if path is not None:
+        ctx.images.append(path)
+    return ClaimResult(
+        res.verdict,
+        res.summary,
+        res.figures,
+        res.details
+        + _scale(ctx, "the fusion layer (16 queries, 25 keys), measured per epoch on 512 training examples"),
+    )
+
+
+# ---- Table 2 ---------------------------------------------------------------------------------
+def judge_table2(recs: Sequence[dict]) -> ClaimResult:
+    """HNAS ≥ LNAS in ROUGE-L (random initialization); not reproduced when neither arm beats
+    the copy-the-body baseline (a trivial run)."""
+    from attnopt.experiments.headline import PAPER_TABLE2
+
+    c = compare(recs, "hnas-random", "lnas-random", "rougeL")
+    copy = _mean_ci(list(_values(recs, "lnas-random", "copy_rougeL").values()))
+    best = max(c["better"][0], c["base"][0])
+    trivial = not math.isnan(copy[0]) and best <= copy[0]
+    v = "not reproduced" if trivial else _direction_verdict([c])
+    paper = {a: f"{p['rouge1']}/{p['rouge2']}/{p['rougeL']}" for a, p in PAPER_TABLE2.items()}
+    return ClaimResult(
+        verdict=v,  # type: ignore[arg-type]
+        summary=(
+            f"Docstring headlines: ROUGE-L HNAS {_pm(c['better'])} vs LNAS {_pm(c['base'])}, paired "
+            f"difference {_pm(c['diff'])} ({c['n']} seeds); copy-the-body baseline {copy[0]:.2f}"
+            f"{' (the models do not beat it at this scale)' if trivial else ''}. Paper (Gigaword): "
+            f"35.71 vs 35.23 (+0.48). {_phrase(v)}."
+        ),
+        figures={
+            "hnas_rougeL": round(c["better"][0], 3),
+            "lnas_rougeL": round(c["base"][0], 3),
+            "diff": round(c["diff"][0], 3),
+            "copy_rougeL": round(copy[0], 3),
+            "beats_copy": not trivial,
+        },
+        details=_arm_table(
+            recs, ("lnas-random", "hnas-random"), ["rouge1", "rouge2", "rougeL", "copy_rougeL"], paper
+        ),
+    )
+
+
+@claim(
+    paper=PAPER,
+    key="table2",
+    title="headline generation: HNAS >= LNAS in ROUGE (trained)",
+    reference="Sec. 7.2, Table 2",
+    requires=("plots", "train", "hf"),
+)
+def table2(ctx: ClaimContext) -> ClaimResult:
+    """Table 2: train the headline arms; judge HNAS vs LNAS ROUGE-L against the copy baseline."""
+    res = judge_table2(records(ctx, "headline"))
+    return ClaimResult(
+        res.verdict,
+        res.summary,
+        res.figures,
+        res.details
+        + _scale(
+            ctx,
+            "stdlib docstrings body → first sentence, split by module, "
+            "MiniLM word-pieces; the BERT-initialized rows are not run",
+        ),
+    )
+
+
+# ---- Table 3 / Fig. 4 ------------------------------------------------------------------------
+def judge_table3(recs: Sequence[dict]) -> ClaimResult:
+    """HNAS ≥ LNAS on the downstream accuracies after MLM pretraining; MLM loss reported.
+
+    Only a downstream task on which some arm beats the majority class by > 0.5 points is
+    judged; when neither does, the run is trivial and the claim is not reproduced at this scale.
+    """
+    from attnopt.experiments.pretrain_finetune import PAPER_TABLE3
+
+    cmps = {m: compare(recs, "hnas", "lnas", m) for m in ("cls_accuracy", "pair_accuracy")}
+    mlm = compare(recs, "hnas", "lnas", "mlm_loss", higher=False)
+    maj = {
+        m: _mean_ci(list(_values(recs, "lnas", m.replace("accuracy", "majority")).values()))[0] for m in cmps
+    }
+    # a comparison counts only where some arm learned more than the majority class
+    informative = [c for m, c in cmps.items() if max(c["better"][0], c["base"][0]) > maj[m] + 0.5]
+    v = _direction_verdict(informative) if informative else "not reproduced"
+    txt = "; ".join(
+        f"{m}: HNAS {_pm(c['better'])} vs LNAS {_pm(c['base'])} (diff {_pm(c['diff'])}, "
+        f"majority class {maj[m]:.1f})"
+        for m, c in cmps.items()
+    )
+    paper = {
+        a: f"SQuAD1.1 {p['squad1_f1']}, SQuAD2.0 {p['squad2_f1']}, MNLI {p['mnli']}"
+        for a, p in PAPER_TABLE3.items()
+    }
+    return ClaimResult(
+        verdict=v,  # type: ignore[arg-type]
+        summary=(
+            f"After MLM pretraining (n-gram masking) and fine-tuning: {txt}; test MLM loss HNAS "
+            f"{_pm(mlm['better'], 3)} vs LNAS {_pm(mlm['base'], 3)}. Paper: HNAS ≥ LNAS on SQuAD 1.1/2.0 "
+            f"and MNLI (84.7 vs 84.3). {_phrase(v)}."
+        ),
+        figures={
+            **{f"{m}_diff": round(c["diff"][0], 3) for m, c in cmps.items()},
+            "mlm_loss_hnas": round(mlm["better"][0], 4),
+            "mlm_loss_lnas": round(mlm["base"][0], 4),
+        },
+        details=_arm_table(recs, ("lnas", "hnas"), ["mlm_loss", "cls_accuracy", "pair_accuracy"], paper),
+    )
+
+
+@claim(
+    paper=PAPER,
+    key="table3",
+    title="MLM pretraining + fine-tuning: HNAS >= LNAS downstream (trained)",
+    reference="Sec. 7.3, Table 3",
+    requires=("plots", "train", "hf"),
+)
+def table3(ctx: ClaimContext) -> ClaimResult:
+    """Table 3: pretrain (MLM) and fine-tune both arms; judge HNAS vs LNAS downstream accuracy."""
+    res = judge_table3(records(ctx, "pretrain-finetune"))
+    return ClaimResult(
+        res.verdict,
+        res.summary,
+        res.figures,
+        res.details
+        + _scale(
+            ctx, "docstring corpus; module classification and headline/body pairs stand in for SQuAD/MNLI"
+        ),
+    )
+
+
+def layer_weights(recs: Sequence[dict], arm: str = "hnas") -> list[list[float]]:
+    """Per seed, the HNAS weight of every layer after pretraining (``metrics['hnas_w/<i>']``)."""
+    out = []
+    for r in recs:
+        if r["arm"] != arm:
+            continue
+        ws = sorted(
+            ((int(k.split("/")[1]), float(v)) for k, v in r["metrics"].items() if k.startswith("hnas_w/"))
+        )
+        if ws:
+            out.append([w for _, w in ws])
+    return out
+
+
+def judge_fig4(recs: Sequence[dict]) -> ClaimResult:
+    """Every layer's HNAS weight ≥ 0.5 after pretraining, and the last layer's below the first's.
+
+    Reproduced: both (every layer's mean ≥ 0.5 and a decrease with depth); partially: one of
+    the two; not reproduced: neither.
+    """
+    per_seed = layer_weights(recs)
+    if not per_seed:
+        return ClaimResult("not reproduced", "no HNAS layer weights recorded", {})
+    n = min(len(s) for s in per_seed)
+    means = [_mean_ci([s[i] for s in per_seed]) for i in range(n)]
+    all_dnas = all(m >= 0.5 for m, _ in means)
+    decreasing = n > 1 and means[-1][0] < means[0][0]
+    bounded = all(0.0 < w < 1.0 for s in per_seed for w in s)
+    v = verdict(bounded and all_dnas and decreasing, partial=bounded and (all_dnas or decreasing))
+    return ClaimResult(
+        verdict=v,  # type: ignore[arg-type]
+        summary=(
+            f"HNAS weight per layer after pretraining (layer 1 → {n}): "
+            + ", ".join(_pm(m, 3) for m in means)
+            + f" over {len(per_seed)} seeds; all ≥ 0.5: {all_dnas}; last < first: {decreasing}; "
+            f"in (0, 1): {bounded}. Paper Fig. 4: all ≥ 0.5, LNAS gains weight towards the output. "
+            f"{_phrase(v)}."
+        ),
+        figures={
+            **{f"layer{i + 1}_w": round(m, 4) for i, (m, _) in enumerate(means)},
+            "all_ge_half": all_dnas,
+            "decreasing": decreasing,
+        },
+    )
+
+
+@claim(
+    paper=PAPER,
+    key="fig4",
+    title="HNAS weight per layer after MLM pretraining (trained)",
+    reference="Sec. 7.3, Fig. 4",
+    requires=("plots", "train", "hf"),
+)
+def fig4(ctx: ClaimContext) -> ClaimResult:
+    """Fig. 4: the HNAS weight of every layer after pretraining (the Table 3 runs)."""
+    recs = records(ctx, "pretrain-finetune")
+    res = judge_fig4(recs)
+    from attnopt.experiments._dn_figures import hnas_layer_figure
+
+    path = hnas_layer_figure(
+        {"hnas": layer_weights(recs)}, ctx.out_dir / "figures", name=f"{ctx.prefix}_layers"
+    )
+    if path is not None:
+        ctx.images.append(path)
+    return ClaimResult(
+        res.verdict, res.summary, res.figures, res.details + _scale(ctx, "2 layers (quick) / 4 (full)")
+    )
