@@ -105,8 +105,11 @@ def read_planetoid(data_dir: str | Path, name: str):
         raise FileNotFoundError(
             f"--data-dir {folder} lacks {', '.join(missing)}; Planetoid's raw format needs: {expected}"
         )
+    from torch_geometric.utils import to_undirected
+
     data = read_planetoid_data(str(folder), name)
-    return data.__class__(x=data.x, edge_index=data.edge_index, y=data.y)
+    edge_index = to_undirected(data.edge_index, num_nodes=data.num_nodes)  # the citation graph is undirected
+    return data.__class__(x=data.x, edge_index=edge_index, y=data.y)
 
 
 def load_graph(name: str, *, data_dir: str | Path | None = None, seed: int = 0, **sbm_options):
