@@ -134,3 +134,26 @@ def test_planetoid_reader_on_written_files(tmp_path):
         graphs.read_planetoid(tmp_path, "cora")
     with pytest.raises(ValueError, match="name"):
         graphs.read_planetoid(tmp_path, "reddit")
+
+
+def test_docstring_corpus_and_text_sets_are_deterministic_and_split_by_docstring():
+    from attnopt.experiments._data import docstrings, text
+
+    recs = docstrings.docstring_records()
+    assert recs == tuple(sorted(recs, key=lambda r: (r.module, r.qualname)))
+    assert {r.kind for r in recs} == {"module", "class", "function"}
+    assert {r.module for r in recs} <= set(docstrings.STDLIB_MODULES)
+    json_loads = next(r for r in recs if r.module == "json" and r.qualname == "loads")
+    assert json_loads.kind == "function" and json_loads.first_sentence.startswith("Deserialize")
+    assert docstrings.sentences("One. Two here.\n\n>>> code()\n\nThree") == ["One.", "Two here.", "Three"]
+    for name in text.TEXT_DATASETS:
+        a, b = text.text_classification(name), text.text_classification(name)
+        assert a == b
+        assert len(set(a.test_labels)) == len(a.classes) and len(a.train_tokens) > 3 * len(a.test_tokens)
+        assert not {" ".join(t) for t in a.train_tokens} & set(map(" ".join, a.test_tokens))
+    kind = text.text_classification("docstring-kind")
+    assert abs(sum(kind.train_labels) / len(kind.train_labels) - 0.5) < 0.1  # balanced
+    ids, pad = text.encode_batch(kind.vocab, [["return", "the"], ["zzzz"]], max_len=4)
+    assert ids.shape == (2, 2) and pad.tolist() == [[False, False], [False, True]] and ids[1, 0] == 3
+    with pytest.raises(ValueError, match="dataset"):
+        text.text_classification("mr")
