@@ -103,8 +103,12 @@ class ImplicitSpectralDensity(nn.Module):
         return torch.sign(z) * (a * self.base_scale + self.nn2(a))
 
     @staticmethod
-    def kl(mu: Tensor, log_sigma: Tensor) -> Tensor:
-        """``KL(N(μ, σ²) ‖ N(0, I))`` summed over the last dimension."""
+    def gaussian_kl(mu: Tensor, log_sigma: Tensor) -> Tensor:
+        """``KL(N(μ, σ²) ‖ N(0, I))`` summed over the last dimension.
+
+        (Not named ``kl``: a module's ``kl()`` is its auxiliary loss, which training sums over
+        submodules; this is a function of given parameters.)
+        """
         return 0.5 * (torch.exp(2 * log_sigma) + mu.pow(2) - 1.0 - 2 * log_sigma).sum(-1)
 
 
@@ -185,7 +189,7 @@ class ImplicitSpectralPoints(nn.Module):
             if self.copula is not None:
                 noise = self.copula.correlate(noise)
             sets.append(dens.transform(mu.unsqueeze(-2) + log_sigma.exp().unsqueeze(-2) * noise))
-            set_kl = ImplicitSpectralDensity.kl(mu, log_sigma).sum(-1)
+            set_kl = ImplicitSpectralDensity.gaussian_kl(mu, log_sigma).sum(-1)
             if self.copula is not None:
                 set_kl = set_kl - 0.5 * self.dim * self.copula.log_det().to(h.dtype)
             kl = kl + half * set_kl
