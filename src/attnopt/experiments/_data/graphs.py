@@ -13,6 +13,7 @@ r"""Graphs for implicit-kernel-attention Table 5 (node classification), offline.
 Folds: ``sklearn.model_selection.StratifiedKFold`` over the nodes (transductive: the whole
 graph is seen, labels of the test fold are not). Everything is deterministic given the seed.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

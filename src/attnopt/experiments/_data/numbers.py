@@ -11,6 +11,7 @@ The numbers are drawn from ``range(low, high)`` and split by a seeded permutatio
 number occurs in training. Deterministic: the split depends only on ``(low, high, seed,
 test_fraction)``.
 """
+
 from __future__ import annotations
 
 import re

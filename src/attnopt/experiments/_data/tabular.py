@@ -19,6 +19,7 @@ every window that touches the test block (its inputs or target), so no test valu
 seen in training. Values and targets are standardized with the training fold's statistics;
 RMSE is reported on the standardized target (units: training-fold standard deviations).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

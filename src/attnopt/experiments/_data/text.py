@@ -11,6 +11,7 @@ sentence that recurs verbatim in several docstrings is kept once.
 Tokens: lower-cased words, numbers and punctuation; the vocabulary is built on the training
 split only (``min_freq``), unknown words map to ``<unk>``.
 """
+
 from __future__ import annotations
 
 import hashlib
