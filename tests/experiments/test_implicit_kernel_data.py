@@ -136,16 +136,10 @@ def test_planetoid_reader_on_written_files(tmp_path):
         graphs.read_planetoid(tmp_path, "reddit")
 
 
-def test_docstring_corpus_and_text_sets_are_deterministic_and_split_by_docstring():
-    from attnopt.experiments._data import docstrings, text
+def test_text_sets_are_deterministic_and_split_by_docstring():
+    from attnopt.experiments._data import text
 
-    recs = docstrings.docstring_records()
-    assert recs == tuple(sorted(recs, key=lambda r: (r.module, r.qualname)))
-    assert {r.kind for r in recs} == {"module", "class", "function"}
-    assert {r.module for r in recs} <= set(docstrings.STDLIB_MODULES)
-    json_loads = next(r for r in recs if r.module == "json" and r.qualname == "loads")
-    assert json_loads.kind == "function" and json_loads.first_sentence.startswith("Deserialize")
-    assert docstrings.sentences("One. Two here.\n\n>>> code()\n\nThree") == ["One.", "Two here.", "Three"]
+    assert text.sentences("One. Two here.\n\nThree") == ["One.", "Two here.", "Three"]
     for name in text.TEXT_DATASETS:
         a, b = text.text_classification(name), text.text_classification(name)
         assert a == b

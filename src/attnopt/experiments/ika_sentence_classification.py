@@ -172,7 +172,7 @@ class SentenceClassification(Task):
 
     def build_data(self, cfg: RunConfig) -> DataBundle:
         name = cfg.dataset or self.datasets[0]
-        split = text_classification(name)
+        split = text_classification(name, cache_dir=Path(cfg.out_dir) / "data")
         max_len = int(cfg.sizes.get("max_len", 32))
         return DataBundle(
             train=_Sentences(split.train_tokens, split.train_labels),

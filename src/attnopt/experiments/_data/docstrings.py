@@ -1,172 +1,262 @@
-r"""A corpus of standard-library docstrings (offline, deterministic text for the training tasks).
+"""A real-text corpus that installs offline: docstrings of a fixed list of standard-library modules.
 
-Records come from a fixed list of pure-Python standard-library modules (:data:`STDLIB_MODULES`),
-never from whatever else happens to be installed: each module's docstring, the docstrings of
-the public classes and functions it defines, and of those classes' public methods. Every
-record holds ``module``, ``qualname``, ``kind`` (``"module"``, ``"class"`` or ``"function"``),
-``body`` (the cleaned docstring) and ``first_sentence``. Records are sorted by
-``(module, qualname)``; the corpus depends only on the running Python's standard library.
+Shared by the text tasks (headline generation, MLM pretraining + fine-tuning, sentence
+classification). :func:`docstring_records` walks :data:`CORPUS_MODULES` in a fixed order —
+each module, its public classes and functions (defined in that module), and the methods
+defined in those classes — and returns one :class:`DocRecord` per distinct docstring:
+
+* ``module`` — the module the object belongs to (e.g. ``"json"``, ``"email.message"``),
+* ``qualname`` — ``""`` for the module itself, else ``"dumps"`` / ``"JSONDecoder.decode"``,
+* ``kind`` — ``"module"``, ``"class"`` or ``"function"`` (functions and methods),
+* ``docstring`` — the cleaned docstring (whitespace normalized, doctest/code lines dropped),
+* ``first_sentence`` — its first sentence (the "headline"),
+* ``body`` — the rest of the docstring (the "article"); empty when there is none.
+
+Only the object's own ``__doc__`` is used (never an inherited one), and a docstring seen
+before is skipped, so the corpus is deduplicated. The result is deterministic for a given
+Python version (it is cached under the run's output directory keyed by that version, see
+:func:`load_records`); site-packages are never read, so the corpus does not depend on what
+happens to be installed. :func:`split_by_module` gives a fixed train/val/test split in which
+the test modules are unseen in training.
 """
-
 from __future__ import annotations
 
+import hashlib
 import importlib
 import inspect
+import json
+import os
+import random
 import re
-import warnings
-from dataclasses import dataclass
-from functools import lru_cache
+import sys
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
-__all__ = ["DocRecord", "STDLIB_MODULES", "docstring_records", "sentences", "first_sentence"]
+__all__ = [
+    "CORPUS_MODULES",
+    "DocRecord",
+    "docstring_records",
+    "first_sentence_split",
+    "load_records",
+    "split_by_module",
+    "split_by_record",
+]
 
-STDLIB_MODULES: tuple[str, ...] = (
-    "argparse",
-    "ast",
-    "base64",
-    "bisect",
-    "calendar",
-    "codecs",
-    "collections",
-    "configparser",
-    "contextlib",
-    "copy",
-    "csv",
-    "dataclasses",
-    "datetime",
-    "decimal",
-    "difflib",
-    "email.message",
-    "enum",
-    "fractions",
-    "ftplib",
-    "functools",
-    "gettext",
-    "glob",
-    "gzip",
-    "heapq",
-    "hmac",
-    "http.client",
-    "http.cookiejar",
-    "imaplib",
-    "inspect",
-    "ipaddress",
-    "json",
-    "logging",
-    "mailbox",
-    "netrc",
-    "numbers",
-    "optparse",
-    "os",
-    "pathlib",
-    "pickle",
-    "pprint",
-    "pydoc",
-    "queue",
-    "random",
-    "shlex",
-    "shutil",
-    "smtplib",
-    "socketserver",
-    "statistics",
-    "string",
-    "subprocess",
-    "tarfile",
-    "tempfile",
-    "textwrap",
-    "threading",
-    "tokenize",
-    "traceback",
-    "typing",
-    "unittest.case",
-    "urllib.parse",
-    "urllib.request",
-    "uuid",
-    "warnings",
-    "weakref",
-    "xml.dom.minidom",
-    "zipfile",
+CORPUS_MODULES: tuple[str, ...] = (
+    "abc", "argparse", "array", "ast", "asyncio", "base64", "bdb", "binascii", "bisect", "builtins",
+    "bz2", "calendar", "cmath", "cmd", "code", "codecs", "collections", "collections.abc",
+    "concurrent.futures", "configparser", "contextlib", "copy", "csv", "ctypes", "dataclasses",
+    "datetime", "decimal", "difflib", "dis", "doctest", "email.message", "email.utils", "enum",
+    "filecmp", "fnmatch", "fractions", "ftplib", "functools", "gc", "getopt", "gettext", "glob",
+    "gzip", "hashlib", "heapq", "hmac", "html", "html.parser", "http.client", "http.cookies",
+    "http.server", "imaplib", "importlib", "inspect", "io", "ipaddress", "itertools", "json",
+    "keyword", "linecache", "locale", "logging", "logging.handlers", "lzma", "mailbox", "math",
+    "mimetypes", "multiprocessing", "netrc", "numbers", "operator", "optparse", "os", "os.path",
+    "pathlib", "pdb", "pickle", "pickletools", "pkgutil", "platform", "plistlib", "poplib", "pprint",
+    "profile", "pstats", "queue", "quopri", "random", "re", "reprlib", "sched", "secrets", "selectors",
+    "shelve", "shlex", "shutil", "signal", "smtplib", "socket", "socketserver", "sqlite3", "ssl",
+    "stat", "statistics", "string", "struct", "subprocess", "symtable", "sys", "sysconfig", "tarfile",
+    "tempfile", "textwrap", "threading", "time", "timeit", "token", "tokenize", "trace", "traceback",
+    "tracemalloc", "turtle", "types", "typing", "unittest", "unittest.mock", "urllib.parse",
+    "urllib.request", "uuid", "warnings", "wave", "weakref", "webbrowser", "xml.dom.minidom",
+    "xml.etree.ElementTree", "zipfile", "zlib", "zoneinfo",
 )
+"""The modules walked, in order (a fixed list: the corpus does not depend on site-packages)."""
 
-_SENT_SPLIT = re.compile(r"(?<=[.!?])\s+(?=[A-Z(`'\"])")
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z(\"'`])")
+_CODE_LINE = re.compile(r"^\s*(>>>|\.\.\.|\$ )")
+_SIGNATURE = re.compile(r"^[\w.]+\(.*\)(\s*->\s*.*)?$")
 
 
 @dataclass(frozen=True)
 class DocRecord:
-    """One docstring: where it is defined and its text."""
+    """One docstring of the corpus (see the module docstring for the fields)."""
 
     module: str
     qualname: str
     kind: str
-    body: str
+    docstring: str
     first_sentence: str
+    body: str
 
 
-def sentences(body: str) -> list[str]:
-    """Prose sentences of a docstring: paragraphs joined, split after ``.!?`` before a capital.
+def first_sentence_split(text: str) -> tuple[str, str]:
+    """Split whitespace-normalized ``text`` into ``(first sentence, rest)``.
 
-    Lines of doctest (``>>>``) and indented blocks are dropped.
+    The first sentence ends at the first ``.``, ``!`` or ``?`` followed by white space and an
+    upper-case letter, a quote or a parenthesis, or at the first blank line (a one-line
+    summary without a period) — whichever comes first.
     """
-    prose: list[str] = []
-    for para in re.split(r"\n\s*\n", body):
-        lines = para.splitlines()
-        if not lines or lines[0].startswith((" ", "\t")):
+    paragraphs = [p for p in re.split(r"\n\s*\n", text.strip()) if p.strip()]
+    if not paragraphs:
+        return "", ""
+    first_para = " ".join(paragraphs[0].split())
+    rest_paras = [" ".join(p.split()) for p in paragraphs[1:]]
+    parts = _SENTENCE_END.split(first_para, maxsplit=1)
+    head = parts[0]
+    rest = ([parts[1]] if len(parts) > 1 else []) + rest_paras
+    return head, " ".join(rest)
+
+
+def _clean(doc: str) -> str:
+    """Drop leading signature lines and doctest/shell lines; keep paragraphs; normalize spaces."""
+    lines = [ln for ln in inspect.cleandoc(doc).splitlines() if not _CODE_LINE.match(ln)]
+    while lines and (_SIGNATURE.match(lines[0].strip()) or not lines[0].strip()):
+        lines = lines[1:]  # C functions start with their signature ("dumps(obj, ...) -> str")
+    paragraphs = re.split(r"\n\s*\n", "\n".join(lines))
+    return "\n\n".join(" ".join(p.split()) for p in paragraphs if p.strip())
+
+
+def _members(module: object, name: str) -> Iterable[tuple[str, str, object]]:
+    """``(qualname, kind, object)`` of the module, its public classes/functions and their methods."""
+    yield "", "module", module
+    for attr in sorted(vars(module)):
+        if attr.startswith("_"):
             continue
-        if any(ln.lstrip().startswith(">>>") for ln in lines):
+        obj = vars(module)[attr]
+        if getattr(obj, "__module__", None) != name:
             continue
-        prose.append(" ".join(ln.strip() for ln in lines))
-    out: list[str] = []
-    for para in prose:
-        out.extend(s.strip() for s in _SENT_SPLIT.split(para) if s.strip())
+        if inspect.isclass(obj):
+            yield attr, "class", obj
+            for meth in sorted(vars(obj)):
+                if meth.startswith("_"):
+                    continue
+                fn = vars(obj)[meth]
+                if isinstance(fn, (staticmethod, classmethod)):
+                    fn = fn.__func__
+                if inspect.isroutine(fn) or isinstance(fn, property):
+                    yield f"{attr}.{meth}", "function", fn
+        elif inspect.isroutine(obj):
+            yield attr, "function", obj
+
+
+def docstring_records(
+    modules: Sequence[str] = CORPUS_MODULES,
+    *,
+    min_words: int = 3,
+) -> list[DocRecord]:
+    """Every distinct docstring of ``modules`` (in a fixed order), as :class:`DocRecord` s.
+
+    Args:
+        modules: importable module names; one that does not import is skipped.
+        min_words: drop docstrings whose first sentence has fewer words.
+    Returns:
+        the records, deduplicated on the cleaned docstring, in walk order.
+    Raises:
+        ValueError: ``min_words < 1``.
+    """
+    if min_words < 1:
+        raise ValueError(f"min_words must be >= 1, got {min_words}")
+    seen: set[str] = set()
+    out: list[DocRecord] = []
+    for name in modules:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:  # pragma: no cover - trimmed Python installs
+            continue
+        for qualname, kind, obj in _members(module, name):
+            raw = obj.__doc__ if isinstance(getattr(obj, "__doc__", None), str) else None
+            if not raw:
+                continue
+            doc = _clean(raw)
+            if not doc or doc in seen:
+                continue
+            head, rest = first_sentence_split(doc)
+            if len(head.split()) < min_words:
+                continue
+            seen.add(doc)
+            out.append(DocRecord(name, qualname, kind, doc, head, rest))
     return out
 
 
-def first_sentence(body: str) -> str:
-    """The docstring's first sentence ("" when it has no prose)."""
-    s = sentences(body)
-    return s[0] if s else ""
+def _digest(payload: object) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
-def _doc(obj: object) -> str:
-    with warnings.catch_warnings():  # e.g. typing.io warns that it is deprecated when read
-        warnings.simplefilter("ignore", DeprecationWarning)
-        doc = getattr(obj, "__doc__", None)
-    return inspect.cleandoc(doc) if isinstance(doc, str) and doc else ""
+def load_records(cache_dir: str | os.PathLike[str] | None = None,
+                 modules: Sequence[str] = CORPUS_MODULES) -> list[DocRecord]:
+    """:func:`docstring_records`, cached as ``cache_dir/docstrings-py<X.Y>-<key>.json``.
+
+    The cache holds a SHA-256 of its records; a file that does not parse or whose checksum
+    does not match is rebuilt (written atomically). ``cache_dir=None``: no cache.
+    """
+    if cache_dir is None:
+        return docstring_records(modules)
+    key = _digest(list(modules))[:12]
+    path = Path(cache_dir) / f"docstrings-py{sys.version_info[0]}.{sys.version_info[1]}-{key}.json"
+    try:
+        payload = json.loads(path.read_text())
+        rows = payload["records"]
+        if payload["sha256"] == _digest(rows):
+            return [DocRecord(**r) for r in rows]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    records = docstring_records(modules)
+    rows = [asdict(r) for r in records]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as fh:
+        json.dump({"sha256": _digest(rows), "records": rows}, fh)
+    os.replace(tmp, path)
+    return records
 
 
-@lru_cache(maxsize=4)
-def docstring_records(modules: tuple[str, ...] = STDLIB_MODULES) -> tuple[DocRecord, ...]:
-    """Records of every public docstring defined in ``modules`` (sorted; no inherited docs).
+def _fractions(val: float, test: float) -> None:
+    if not (0.0 <= val < 1.0 and 0.0 < test < 1.0 and val + test < 1.0):
+        raise ValueError(f"need 0 <= val, 0 < test, val + test < 1; got val={val}, test={test}")
+
+
+def split_by_module(records: Sequence[DocRecord], *, val: float = 0.1, test: float = 0.2,
+                    seed: int = 0) -> dict[str, list[DocRecord]]:
+    """Fixed split of whole modules: ``{"train", "val", "test"}``; no module is in two parts.
+
+    Modules are shuffled with ``random.Random(seed)`` and assigned greedily so that each part
+    gets about its fraction of the *records*.
 
     Raises:
-        ValueError: a module cannot be imported.
+        ValueError: bad fractions, or fewer than 3 modules.
     """
-    recs: dict[tuple[str, str], DocRecord] = {}
+    _fractions(val, test)
+    modules = sorted({r.module for r in records})
+    if len(modules) < 3:
+        raise ValueError(f"need records of at least 3 modules to split by module, got {len(modules)}")
+    random.Random(seed).shuffle(modules)
+    counts = {m: 0 for m in modules}
+    for r in records:
+        counts[r.module] += 1
+    total = len(records)
+    part_of: dict[str, str] = {}
+    filled = {"test": 0, "val": 0}
+    for m in modules:
+        if filled["test"] < test * total:
+            part_of[m] = "test"
+            filled["test"] += counts[m]
+        elif filled["val"] < val * total:
+            part_of[m] = "val"
+            filled["val"] += counts[m]
+        else:
+            part_of[m] = "train"
+    out: dict[str, list[DocRecord]] = {"train": [], "val": [], "test": []}
+    for r in records:
+        out[part_of[r.module]].append(r)
+    return out
 
-    def add(mod: str, qual: str, kind: str, body: str) -> None:
-        if body:
-            recs[(mod, qual)] = DocRecord(mod, qual, kind, body, first_sentence(body))
 
-    for name in modules:
-        try:
-            mod = importlib.import_module(name)
-        except ImportError as err:  # pragma: no cover - stdlib modules always import
-            raise ValueError(f"module {name!r} of the corpus cannot be imported: {err}") from err
-        add(name, "", "module", _doc(mod))
-        with warnings.catch_warnings():  # e.g. typing.io's deprecation when its __module__ is read
-            warnings.simplefilter("ignore", DeprecationWarning)
-            members = [(a, o, getattr(o, "__module__", None)) for a, o in sorted(vars(mod).items())]
-        for attr, obj, owner in members:
-            if attr.startswith("_") or owner != mod.__name__:
-                continue
-            if inspect.isclass(obj):
-                add(name, attr, "class", _doc(obj))
-                for mname, meth in sorted(vars(obj).items()):
-                    if mname.startswith("_"):
-                        continue
-                    if isinstance(meth, (staticmethod, classmethod)):
-                        meth = meth.__func__
-                    if inspect.isfunction(meth):
-                        add(name, f"{attr}.{mname}", "function", _doc(meth))
-            elif inspect.isfunction(obj):
-                add(name, attr, "function", _doc(obj))
-    return tuple(recs[k] for k in sorted(recs))
+def split_by_record(records: Sequence[DocRecord], *, val: float = 0.1, test: float = 0.2,
+                    seed: int = 0) -> dict[str, list[DocRecord]]:
+    """Fixed split of records (a seeded permutation): ``{"train", "val", "test"}`` in walk order.
+
+    Raises:
+        ValueError: bad fractions.
+    """
+    _fractions(val, test)
+    idx = list(range(len(records)))
+    random.Random(seed).shuffle(idx)
+    n_test, n_val = round(test * len(idx)), round(val * len(idx))
+    parts = {"test": set(idx[:n_test]), "val": set(idx[n_test:n_test + n_val])}
+    out: dict[str, list[DocRecord]] = {"train": [], "val": [], "test": []}
+    for i, r in enumerate(records):
+        out["test" if i in parts["test"] else "val" if i in parts["val"] else "train"].append(r)
+    return out

@@ -17,10 +17,12 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 
 import torch
 
-from attnopt.experiments._data.docstrings import DocRecord, docstring_records, sentences
+from attnopt.experiments._data.docstrings import DocRecord, load_records
 from attnopt.experiments._data.numbers import Vocab
 
 __all__ = [
@@ -29,17 +31,32 @@ __all__ = [
     "TextSplit",
     "text_classification",
     "tokenize",
+    "sentences",
     "encode_batch",
 ]
 
 TEXT_DATASETS = ("docstring-module", "docstring-kind")
 MODULE_CLASSES = ("logging", "inspect", "imaplib", "difflib", "threading", "statistics")
 _TOKEN = re.compile(r"[a-z]+|\d+|[^\sa-z\d]")
+_SENT_SPLIT = re.compile(r"(?<=[.!?])\s+(?=[A-Z(`'\"])")
+
+
+def sentences(docstring: str) -> list[str]:
+    """The sentences of a cleaned docstring (paragraphs split after ``.!?`` before a capital)."""
+    out: list[str] = []
+    for para in docstring.split("\n\n"):
+        out.extend(x.strip() for x in _SENT_SPLIT.split(para) if x.strip())
+    return out
 
 
 def tokenize(text: str) -> list[str]:
     """Lower-cased words, digit runs and single punctuation marks."""
     return _TOKEN.findall(text.lower())
+
+
+@lru_cache(maxsize=2)
+def _records(cache_dir: str | None) -> list[DocRecord]:
+    return load_records(cache_dir)
 
 
 def _bucket(rec: DocRecord, salt: str = "") -> int:
@@ -69,15 +86,14 @@ class TextSplit:
     vocab: Vocab
 
 
-def _examples(name: str) -> tuple[list[tuple[DocRecord, str, int]], tuple[str, ...]]:
-    recs = docstring_records()
+def _examples(name: str, recs: list[DocRecord]) -> tuple[list[tuple[DocRecord, str, int]], tuple[str, ...]]:
     if name == "docstring-module":
         classes = MODULE_CLASSES
         ex = [
             (r, s, classes.index(r.module))
             for r in recs
             if r.module in classes
-            for s in sentences(r.body)
+            for s in sentences(r.docstring)
             if 4 <= len(s.split()) <= 40
         ]
         return ex, classes
@@ -93,8 +109,12 @@ def _examples(name: str) -> tuple[list[tuple[DocRecord, str, int]], tuple[str, .
     raise ValueError(f"dataset must be one of {TEXT_DATASETS}, got {name!r}")
 
 
-def text_classification(name: str, *, test_percent: int = 20, min_freq: int = 2) -> TextSplit:
+def text_classification(
+    name: str, *, test_percent: int = 20, min_freq: int = 2, cache_dir: str | Path | None = None
+) -> TextSplit:
     """The data set ``name`` (see module docstring), split by record hash.
+
+    ``cache_dir``: where the docstring corpus is cached (``docstrings.load_records``).
 
     Raises:
         ValueError: unknown name, ``test_percent`` outside (0, 100), ``min_freq < 1``.
@@ -103,7 +123,7 @@ def text_classification(name: str, *, test_percent: int = 20, min_freq: int = 2)
         raise ValueError(f"test_percent must be in (0, 100), got {test_percent}")
     if min_freq < 1:
         raise ValueError(f"min_freq must be >= 1, got {min_freq}")
-    examples, classes = _examples(name)
+    examples, classes = _examples(name, _records(None if cache_dir is None else str(cache_dir)))
     seen: set[str] = set()
     unique = []
     for ex in examples:  # a sentence repeated in several docstrings is kept once (first record)

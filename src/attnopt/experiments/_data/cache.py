@@ -1,0 +1,52 @@
+"""Atomic, checksummed cache of a built data set under the run's output directory.
+
+:func:`cached` returns ``build()``'s result, stored with ``torch.save`` at ``path`` next to
+``path.sha256``; a file that is missing, does not load or whose SHA-256 does not match is
+rebuilt (a killed write or a corrupted file never poisons later runs).
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = ["cached"]
+
+T = TypeVar("T")
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+    os.replace(tmp, path)
+
+
+def cached(path: str | os.PathLike[str] | None, build: Callable[[], T]) -> T:
+    """``build()``, cached at ``path`` (``None``: no cache). The object must be ``torch.save``-able
+    with plain containers, tensors, numbers and strings (it is reloaded with ``weights_only=True``)."""
+    if path is None:
+        return build()
+    path = Path(path)
+    digest_path = path.with_name(path.name + ".sha256")
+    try:
+        data = path.read_bytes()
+        if hashlib.sha256(data).hexdigest() == digest_path.read_text().strip():
+            obj: Any = torch.load(io.BytesIO(data), weights_only=True)
+            return obj  # type: ignore[no-any-return]
+    except (OSError, RuntimeError, ValueError, EOFError):
+        pass
+    obj = build()
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getvalue()
+    _atomic_write(path, data)
+    _atomic_write(digest_path, (hashlib.sha256(data).hexdigest() + "\n").encode())
+    return obj
