@@ -156,7 +156,8 @@ class SentenceClassification(Task):
     default_arms = ARMS
     lr_grid = (1e-3,)
     datasets = TEXT_DATASETS
-    paper_results = PAPER
+    # the paper's column beside ours: TREC (6 classes) for docstring-module, SUBJ (binary) for docstring-kind
+    paper_results = {"docstring-module": PAPER["TREC"], "docstring-kind": PAPER["SUBJ"]}
     quick = Scale(
         epochs=4,
         seeds=3,
