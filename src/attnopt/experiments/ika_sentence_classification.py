@@ -154,12 +154,12 @@ class SentenceClassification(Task):
         a: arm_options(a, p=P_CLASSIFICATION, num_samples=8) for a in ARMS
     }
     default_arms = ARMS
-    lr_grid = (1e-3,)
+    lr_grid = (3e-3,)
     datasets = TEXT_DATASETS
     # the paper's column beside ours: TREC (6 classes) for docstring-module, SUBJ (binary) for docstring-kind
     paper_results = {"docstring-module": PAPER["TREC"], "docstring-kind": PAPER["SUBJ"]}
     quick = Scale(
-        epochs=4,
+        epochs=5,
         seeds=3,
         batch_size=64,
         sizes={"d_model": 32, "num_heads": 4, "num_layers": 1, "max_len": 24, "num_samples": 8},
