@@ -7,8 +7,8 @@ never seen in training) — the offline stand-in for IWSLT14 De→En. Arms: ``tr
 and cross-attention), with ``p = 4``: the paper tunes ``p`` per task and says translation
 wants the similarity rather than the magnitude; ``p > 2`` shrinks the magnitude term
 (``‖x‖_p ≤ ‖x‖_2``). ``p`` was picked from {1, 2, 4} in a one-seed quick pilot scored on the
-test numbers (there is no validation split), a mild optimism for the IKA arms. BLEU by ``sacrebleu`` on greedy decodes (detokenized; plus the share of
-exactly right translations).
+test numbers (there is no validation split), a mild optimism for the IKA arms. BLEU by
+``sacrebleu`` on greedy decodes (detokenized; plus the share of exactly right translations).
 
 Fig. 3: after every epoch, on a fixed batch of test sources, the first encoder
 self-attention layer and the first cross-attention layer report the mean (over queries) of
