@@ -36,12 +36,16 @@ FIXED_ARMS = ("rbf-only", "expsin", "linear")
 _REGISTRY_NAME = {"transformer": "softmax"}
 
 
-def arm_options(arm: str, *, p: float, num_samples: int, hidden: int = 32) -> dict[str, Any]:
+def arm_options(
+    arm: str, *, p: float, num_samples: int, hidden: int = 32, mode: str | None = None
+) -> dict[str, Any]:
     """``{"attention": registry name, "attention_options": {...}}`` of one arm.
 
     ``ika-s``/``ika-ns`` keep the L2 magnitude (they are the paper's IKA rows); ``ikan``,
     ``ikan-direct`` and ``mikan`` use ``p``; every implicit kernel uses ``num_samples`` points.
     An arm ``"<base>-p<value>"`` (e.g. ``"mikan-p0.5"``) is ``<base>`` with that ``p``.
+    ``mode="linear"`` selects the implicit kernels' exact linear-time form (long inputs; key
+    padding masks only, so not for causal decoders); the task size knob ``attention_mode``.
 
     Raises:
         ValueError: unknown arm.
@@ -52,10 +56,13 @@ def arm_options(arm: str, *, p: float, num_samples: int, hidden: int = 32) -> di
         p = float(p_txt)
     if base in ("transformer", *FIXED_ARMS):
         return {"attention": _REGISTRY_NAME.get(base, base), "attention_options": {}}
+    extra: dict[str, Any] = {} if mode is None else {"mode": mode}
+    opts: dict[str, Any]
     if base in ("ika-s", "ika-ns"):
-        return {"attention": base, "attention_options": {"num_samples": num_samples, "hidden": hidden}}
+        opts = {"num_samples": num_samples, "hidden": hidden, **extra}
+        return {"attention": base, "attention_options": opts}
     if base in ("ikan", "ikan-direct", "mikan"):
-        opts: dict[str, Any] = {"num_samples": num_samples, "p": p}
+        opts = {"num_samples": num_samples, "p": p, **extra}
         if base != "ikan-direct":
             opts["hidden"] = hidden
         return {"attention": base, "attention_options": opts}

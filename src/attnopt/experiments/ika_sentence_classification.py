@@ -195,7 +195,9 @@ class SentenceClassification(Task):
         from attnopt.models import TransformerEncoder
 
         s = cfg.sizes
-        spec = arm_options(arm, p=P_CLASSIFICATION, num_samples=int(s.get("num_samples", 8)))
+        spec = arm_options(
+            arm, p=P_CLASSIFICATION, num_samples=int(s.get("num_samples", 8)), mode=s.get("attention_mode")
+        )
         return TransformerEncoder(
             d_model=int(s.get("d_model", 32)),
             num_heads=int(s.get("num_heads", 4)),
