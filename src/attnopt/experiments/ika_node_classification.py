@@ -154,7 +154,7 @@ class NodeClassification(Task):
     paper_results = {"cora": PAPER["Cora"], "citeseer": PAPER["Citeseer"], "pubmed": PAPER["Pubmed"]}
     folds = 10
     quick = Scale(
-        epochs=60,
+        epochs=40,
         seeds=1,
         batch_size=1,
         sizes={"folds": 10, "hidden": 8, "heads": 4, "num_samples": 8, "dropout": 0.3},

@@ -80,7 +80,7 @@ class Regression(Task):
     paper_results = {"co2": PAPER["CO2"], "sunspots": PAPER["Passenger"]}
     folds = 10
     quick = Scale(
-        epochs=15,
+        epochs=10,
         seeds=1,
         batch_size=64,
         sizes={"folds": 10, "d_model": 16, "num_heads": 2, "num_layers": 1, "num_samples": 8},

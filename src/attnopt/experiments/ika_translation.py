@@ -93,16 +93,16 @@ class Translation(Task):
         str, Mapping[str, float]
     ] = {}  # Table 3's numbers are missing from the text we have
     quick = Scale(
-        epochs=6,
+        epochs=5,
         seeds=3,
         batch_size=64,
-        sizes={"high": 1000, "d_model": 32, "num_heads": 4, "layers": 1, "num_samples": 8},
+        sizes={"high": 700, "d_model": 32, "num_heads": 4, "layers": 1, "num_samples": 8},
     )
     full = Scale(
         epochs=30,
         seeds=5,
         batch_size=64,
-        sizes={"high": 10000, "d_model": 64, "num_heads": 4, "layers": 2, "num_samples": 16},
+        sizes={"high": 7000, "d_model": 64, "num_heads": 4, "layers": 2, "num_samples": 16},
     )
 
     def build_data(self, cfg: RunConfig) -> DataBundle:
