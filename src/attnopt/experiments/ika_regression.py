@@ -190,6 +190,8 @@ class Regression(Task):
         if base:
             axes[2].axhline(float(np.mean(base)), color="gray", ls="--", label="transformer")
         axes[2].set_xscale("log")
+        axes[2].minorticks_off()
+        axes[2].set_xticks(ps, [f"{p:g}" for p in ps])
         axes[2].set_xlabel("p")
         axes[2].set_ylabel("RMSE (standardized)")
         axes[2].legend()

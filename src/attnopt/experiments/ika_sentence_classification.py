@@ -296,7 +296,8 @@ class SentenceClassification(Task):
                         ax.set_xticks(range(len(toks)), toks, rotation=70, fontsize=6)
                         ax.set_yticks(range(len(toks)), toks, fontsize=6)
                     ax.set_title(f"{arm} head {h + 1}")
-            fig.suptitle(f"Fig. 2 ({ds}): first-layer attention of one test sentence", y=1.02)
+            fig.suptitle(f"Fig. 2 ({ds}): first-layer attention of one test sentence")
+            fig.tight_layout()
             path = fig_dir / f"fig2_attention_{ds}.png"
             fig.savefig(path, dpi=100, bbox_inches="tight")
             plt.close(fig)
