@@ -83,6 +83,21 @@ def test_node_classification_mikan_kl_enters_and_accuracy_matches_sklearn(tmp_pa
     assert TASK.figures([{"arm": "mikan", "metrics": metrics}], tmp_path)[0].exists()
 
 
+def test_node_classification_reads_planetoid_files_from_data_dir(tmp_path):
+    from dataclasses import replace
+
+    from attnopt.experiments.ika_node_classification import TASK
+    from tests.experiments.test_implicit_kernel_data import _write_planetoid
+
+    _write_planetoid(tmp_path, "cora")
+    cfg = replace(_cfg(TASK, "ikan-direct", tmp_path, dataset="cora", sizes={"folds": 3}), data_dir=tmp_path)
+    data = TASK.build_data(cfg)
+    assert data.info["num_features"] == 4 and data.info["num_classes"] <= 3
+    _one_step(TASK, "ikan-direct", cfg, data, data.collate_fn([data.train[0]]))
+    with pytest.raises(FileNotFoundError, match="ind.citeseer"):
+        TASK.build_data(replace(cfg, dataset="citeseer"))
+
+
 # ---------------------------------------------------------------- Transformer tasks (need attnopt.models)
 TINY = {"d_model": 16, "num_heads": 2, "num_layers": 1, "layers": 1, "num_samples": 4, "max_len": 12}
 
