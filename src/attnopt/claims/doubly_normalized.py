@@ -23,7 +23,7 @@ def _gmm_loglik(x: torch.Tensor, centres: torch.Tensor, log_prior: torch.Tensor)
 
 
 @claim(paper=PAPER, key="eq4_eq8", title="LNAS / DNAS updates are GMM likelihood fixed-point steps",
-       reference="eq. (3)-(4), (5)-(8)")
+       reference="eq. (3)-(4), (5)-(8)", requires=())
 def gmm_fixed_points(ctx: ClaimContext) -> ClaimResult:
     """∇_q log-lik = π k − q (LNAS, eq. 3–4); zero of the DNAS gradient = DNAS output (eq. 8)."""
     g = ctx.generator(4)
@@ -67,7 +67,7 @@ def gmm_fixed_points(ctx: ClaimContext) -> ClaimResult:
 
 
 @claim(paper=PAPER, key="eq10_sinkhorn", reference="eq. (8), (10)",
-       title="DNAS = one Sinkhorn iteration; K iterations converge (vs POT)")
+       title="DNAS = one Sinkhorn iteration; K iterations converge (vs POT)", requires=("plots", "oracles"))
 def sinkhorn_iterations(ctx: ClaimContext) -> ClaimResult:
     """Our K-step weights equal POT's ``ot.sinkhorn`` with K iterations; they converge as K grows."""
     import ot
@@ -134,7 +134,7 @@ def _adversarial_min_column_mass(nq: int, nk: int, iterations: int, steps: int, 
 
 
 @claim(paper=PAPER, key="lemma1", title="DNAS column mass >= 1/Nk; LNAS can explain keys away",
-       reference="Lemma 1, Fig. 1")
+       reference="Lemma 1, Fig. 1", requires=("plots", "oracles"))
 def lemma1_column_mass(ctx: ClaimContext) -> ClaimResult:
     """Minimum column mass of DNAS over random and adversarial scores vs the bound 1/Nk."""
     g = ctx.generator(1)

@@ -36,7 +36,7 @@ TOL = 1e-6
 
 
 @claim(paper=PAPER, key="thm33", title="The one-sided EOT minimizer is the SDPA weight matrix",
-       reference="Thm 3.3, Thm A.7")
+       reference="Thm 3.3, Thm A.7", requires=())
 def eot_equals_sdpa(ctx: ClaimContext) -> ClaimResult:
     """Generic solver with ``Ω = τ Σ p log p``, ``τ = √d`` on raw scores ``q kᵀ`` vs SDPA's weights.
 
@@ -91,7 +91,7 @@ def _closed_form_cases(
 
 
 @claim(paper=PAPER, key="prop41_44", title="Softmax, sparsemax, α-entmax and ALiBi are regularized argmaxes",
-       reference="Prop. 4.1–4.4")
+       reference="Prop. 4.1–4.4", requires=())
 def closed_forms(ctx: ClaimContext) -> ClaimResult:
     """Each closed form vs the generic solver given only ``Ω`` (float64, masks included)."""
     g = ctx.generator(2)
@@ -130,7 +130,7 @@ def _minilm(ctx: ClaimContext):  # -> tuple[model, input_ids, attention_mask]
 
 @claim(paper=PAPER, key="thm52_thm73_cor75",
        title="Backprop through attention = advantage policy gradient = −τ·Fisher·U; Hessian of τ·lse = τF",
-       reference="Thm 5.2, Thm 7.3, Cor. 7.5")
+       reference="Thm 5.2, Thm 7.3, Cor. 7.5", requires=("hf", "plots"))
 def backward_pass(ctx: ClaimContext) -> ClaimResult:
     """Autograd on MiniLM (float64) vs the formulas, every layer and head."""
     import matplotlib

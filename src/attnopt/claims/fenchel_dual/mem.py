@@ -42,7 +42,7 @@ def _primal_direct(T: torch.Tensor, z: torch.Tensor, u: torch.Tensor, alpha: flo
 
 
 @claim(paper=PAPER, key="thm1", title="dual optimum = primal optimum (exact Newton solver)",
-       reference="Theorem 1, eq. (3), (7), (9)")
+       reference="Theorem 1, eq. (3), (7), (9)", requires=())
 def theorem1(ctx: ClaimContext) -> ClaimResult:
     """The maximizer λ* of (7) recovers, via (9), the minimizer of the primal (3); values coincide."""
     g = ctx.generator(1)
@@ -141,7 +141,7 @@ def approximation_orders(ctx: ClaimContext) -> ClaimResult:
 
 
 @claim(paper=PAPER, key="gaussian", title="Gaussian preference: closed-form λ*, ĥ exact for all α",
-       reference="Sec. 5 (motivating example), footnote to eq. (13)")
+       reference="Sec. 5 (motivating example), footnote to eq. (13)", requires=())
 def gaussian_closed_form(ctx: ClaimContext) -> ClaimResult:
     """u = N(μ, I) (a fine grid in d = 2): the solver reproduces λ* = α/(1+α)(b−μ), ĥ = (μ+αb)/(1+α)."""
     g = ctx.generator(5)

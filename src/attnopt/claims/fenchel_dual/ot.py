@@ -38,7 +38,7 @@ def _entropic_ot(p: np.ndarray, u: np.ndarray, m_cost: np.ndarray, gamma: float)
 
 
 @claim(paper=PAPER, key="ot_prop1", title="OT: ũ minimizes W_γ(·, u; M) and ũ → u as γ → 0",
-       reference="Prop. 1, eq. (37)-(38)")
+       reference="Prop. 1, eq. (37)-(38)", requires=("plots", "oracles"))
 def true_preference_minimizes(ctx: ClaimContext) -> ClaimResult:
     """ũ of eq. (37) vs POT's entropic OT value on random competitors; first-order test; γ sweep."""
     import matplotlib.pyplot as plt

@@ -130,7 +130,7 @@ def _figure(ctx: ClaimContext, m: _Measured) -> None:
 
 
 @claim(paper=PAPER, key="sec8_bert", title="λ* ≈ αz in a pretrained BERT-family model",
-       reference="Sec. 8, eq. (19), Fig. 4a/5")
+       reference="Sec. 8, eq. (19), Fig. 4a/5", requires=("hf", "plots"))
 def pretrained_deviation(ctx: ClaimContext) -> ClaimResult:
     """Per-layer mean ‖λ*−αz‖/‖λ*‖ on MiniLM vs the paper's BERT-base trend (0.074 → 0)."""
     m = _measure(ctx)
@@ -172,7 +172,8 @@ def pretrained_deviation(ctx: ClaimContext) -> ClaimResult:
 
 
 @claim(paper=PAPER, key="sec8_explaining_away", title="explaining away: LNAS vs DNAS on pretrained MiniLM",
-       reference="doubly-normalized-attention Fig. 1, Lemma 1 (on the Sec. 8 model)")
+       reference="doubly-normalized-attention Fig. 1, Lemma 1 (on the Sec. 8 model)",
+       requires=("hf", "plots"))
 def pretrained_explaining_away(ctx: ClaimContext) -> ClaimResult:
     """Fraction of keys with column mass < 1/N_k: the model's softmax (LNAS) vs DNAS on the same q, k."""
     m = _measure(ctx)
