@@ -154,6 +154,7 @@ def _scale_note(ctx: ClaimContext, what: str) -> str:
     paper=PAPER,
     key="table2",
     title="Sentence classification: IKA variants beat SDPA and the fixed kernels",
+    requires=("plots", "train"),
     reference="Table 2, Fig. 2",
 )
 def table2(ctx: ClaimContext) -> ClaimResult:
@@ -203,6 +204,7 @@ def _combine(verdicts: Sequence[str]) -> Any:
     paper=PAPER,
     key="table3",
     title="Translation: IKAN-direct and MIKAN reach higher BLEU than SDPA",
+    requires=("plots", "train"),
     reference="Table 3",
 )
 def table3(ctx: ClaimContext) -> ClaimResult:
@@ -228,6 +230,7 @@ def judge_table3(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
     paper=PAPER,
     key="fig3",
     title="Similarity vs magnitude: SDPA leans on a growing magnitude, IKA stays stable",
+    requires=("plots", "train"),
     reference="Fig. 3",
 )
 def fig3(ctx: ClaimContext) -> ClaimResult:
@@ -280,6 +283,7 @@ def judge_fig3(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
     paper=PAPER,
     key="table4",
     title="Regression: IKAN-direct and MIKAN reach lower RMSE than SDPA",
+    requires=("plots", "train"),
     reference="Table 4",
 )
 def table4(ctx: ClaimContext) -> ClaimResult:
@@ -318,6 +322,7 @@ def judge_table4(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
     paper=PAPER,
     key="fig4",
     title="Trained MIKAN: attention weights get sparser as p → 0",
+    requires=("plots", "train"),
     reference="Fig. 4a-c",
 )
 def fig4(ctx: ClaimContext) -> ClaimResult:
@@ -370,6 +375,7 @@ def judge_fig4(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
     paper=PAPER,
     key="table5",
     title="Node classification: kernel graph attention (IKAN-direct, MIKAN) ≥ GAT",
+    requires=("plots", "train", "graph"),
     reference="Table 5",
 )
 def table5(ctx: ClaimContext) -> ClaimResult:
@@ -397,7 +403,11 @@ def judge_table5(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
 
 
 @claim(
-    paper=PAPER, key="fig5", title="MIKAN's attention heads are more diverse than GAT's", reference="Fig. 5d"
+    paper=PAPER,
+    key="fig5",
+    title="MIKAN's attention heads are more diverse than GAT's",
+    requires=("plots", "train", "graph"),
+    reference="Fig. 5d",
 )
 def fig5(ctx: ClaimContext) -> ClaimResult:
     return judge_fig5(records(ctx, "node-classification"), ctx)
