@@ -60,3 +60,18 @@ def test_head_std_and_sparsity_stats():
     st = _ika.sparsity_stats(torch.tensor([[1.0, 0.0], [0.5, 0.5]]))
     assert st["mean_max_weight"] == pytest.approx(0.75) and st["share_above_0.99"] == pytest.approx(0.25)
     assert st["share_below_0.01"] == pytest.approx(0.25)
+
+
+def test_similarity_magnitude_reads_boolean_attn_masks_like_key_padding():
+    torch.manual_seed(1)
+    layer = ImplicitKernelAttention(16, 2, variant="mikan", num_samples=4, p=1.0, seed=0)
+    x = torch.randn(2, 6, 16)
+    pad = torch.zeros(2, 6, dtype=torch.bool)
+    pad[1, -3:] = True
+    by_pad = _ika.similarity_magnitude(layer, ((x,), {"key_padding_mask": pad}))
+    mask = pad[:, None, None, :] | pad[:, None, :, None]  # padding keys and padding query rows
+    by_mask = _ika.similarity_magnitude(layer, ((x, x, x), {"attn_mask": mask}))
+    unmasked = _ika.similarity_magnitude(layer, ((x,), {}))
+    assert by_pad[0] == pytest.approx(by_mask[0], rel=0.2) and by_mask != unmasked
+    causal = _ika.similarity_magnitude(layer, ((x,), {"is_causal": True}))
+    assert causal[0] <= unmasked[0] + 1e-6  # fewer admissible keys: a smaller row maximum

@@ -138,8 +138,9 @@ def similarity_magnitude(
     - implicit kernels: ``sim_ij = f(q_i, k_j)² + ε`` with the layer's kernel for this input
       and ``log mag_ij = (‖q_i‖_p² + ‖k_j‖_p²)/(2√d)``.
 
-    The magnitude is reported as a mean logarithm (its raw value overflows). Padding keys
-    (``key_padding_mask``) are excluded.
+    The magnitude is reported as a mean logarithm (its raw value overflows). Only admissible
+    (query, key) pairs count (``key_padding_mask``, boolean or additive ``attn_mask``,
+    ``is_causal``); queries with no admissible key (padding rows) are left out.
     """
     from attnopt.analysis.decompose import decompose
     from attnopt.functional.kernel import log_magnitude
@@ -152,12 +153,16 @@ def similarity_magnitude(
         q = _heads(layer, query, layer.q_proj)  # type: ignore[arg-type]
         k = _heads(layer, key, layer.k_proj)  # type: ignore[arg-type]
         d = q.shape[-1]
-        pad = kwargs.get("key_padding_mask")
-        keep = None if pad is None else ~pad.bool()[:, None, None, :]  # (B, 1, 1, Nk)
+        allowed = _allowed(kwargs, q.shape[-2], k.shape[-2], q.device)  # (B|1, 1, Nq, Nk)
         if hasattr(layer, "kernel_for"):  # implicit kernel attention
             was = layer.training
             layer.eval()
-            kern = layer.kernel_for(k)  # type: ignore[operator]
+            add = (
+                None
+                if allowed is None
+                else torch.zeros(allowed.shape, dtype=k.dtype).masked_fill(~allowed, -math.inf)
+            )
+            kern = layer.kernel_for(k, add)  # type: ignore[operator]  # h over the admissible keys
             layer.train(was)
             sim = kern(q, k).square() + float(getattr(layer, "eps", 1e-5))
             p = float(getattr(layer, "p", 2.0))
@@ -166,13 +171,32 @@ def similarity_magnitude(
         else:
             sim, log_mag = decompose(q, k, log=True)
             sim = sim.exp()
-        if keep is not None:
-            sim = sim.masked_fill(~keep, 0.0)
-            w = keep.expand_as(log_mag).to(log_mag.dtype)
-            mean_log_mag = float((log_mag * w).sum() / w.sum())
-        else:
-            mean_log_mag = float(log_mag.mean())
-        return float(sim.amax(-1).mean()), mean_log_mag
+        if allowed is None:
+            return float(sim.amax(-1).mean()), float(log_mag.mean())
+        allowed = allowed.expand_as(sim)
+        rows = allowed.any(-1)  # queries with at least one admissible key (padding queries drop out)
+        row_max = sim.masked_fill(~allowed, 0.0).amax(-1)
+        w = allowed.to(log_mag.dtype)
+        return float(row_max[rows].mean()), float((log_mag * w).sum() / w.sum())
+
+
+def _allowed(kwargs: Mapping[str, Any], nq: int, nk: int, device: torch.device) -> Tensor | None:
+    """Boolean ``(B|1, 1, Nq, Nk)``: True where a key is admissible for a query (from the call's masks)."""
+    out: Tensor | None = None
+    pad = kwargs.get("key_padding_mask")
+    if pad is not None:
+        out = ~pad.bool().view(pad.shape[0], 1, 1, nk)
+    mask = kwargs.get("attn_mask")
+    if mask is not None:
+        m = mask if mask.dtype == torch.bool else torch.isneginf(mask)
+        while m.dim() < 4:
+            m = m.unsqueeze(0)
+        ok = ~m
+        out = ok if out is None else out & ok
+    if kwargs.get("is_causal"):
+        tri = torch.ones(nq, nk, dtype=torch.bool, device=device).tril(nk - nq).view(1, 1, nq, nk)
+        out = tri if out is None else out & tri
+    return out
 
 
 def head_std(weights: Tensor, valid: Tensor | None = None) -> float:
