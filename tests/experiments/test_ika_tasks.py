@@ -11,6 +11,15 @@ import torch
 from attnopt.experiments._task import RunConfig
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models run faster on one thread (no OpenMP hand-offs on a loaded 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _cfg(task, arm, tmp_path, *, dataset=None, sizes=None, fold=0):
     scale = task.quick
     return RunConfig(
@@ -176,7 +185,7 @@ def test_regression_rmse_matches_sklearn_and_sparsity(tmp_path):
 
     from attnopt.experiments.ika_regression import TASK
 
-    cfg = _cfg(TASK, "mikan-p0.25", tmp_path, dataset="co2", sizes={**TINY, "folds": 3})
+    cfg = _cfg(TASK, "mikan-p0.25", tmp_path, dataset="diabetes", sizes={**TINY, "folds": 3})
     data = TASK.build_data(cfg)
     model = TASK.build_model("mikan-p0.25", cfg, data)
     assert model.modules  # p parsed from the arm name
@@ -189,7 +198,7 @@ def test_regression_rmse_matches_sklearn_and_sparsity(tmp_path):
     y = data.test.tensors[1]
     assert metrics["rmse"] == pytest.approx(math.sqrt(mean_squared_error(y.numpy(), pred.numpy())), rel=1e-5)
     assert 0 < metrics["mean_max_weight"] <= 1 and 0 <= metrics["share_above_0.99"] <= 1
-    assert (tmp_path / "attention" / "co2-mikan-p0.25-seed0-fold0.json").is_file()
+    assert (tmp_path / "attention" / "diabetes-mikan-p0.25-seed0-fold0.json").is_file()
 
 
 @pytest.mark.parametrize("arm", ["transformer", "ikan-direct", "mikan"])

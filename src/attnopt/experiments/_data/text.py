@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -54,9 +53,14 @@ def tokenize(text: str) -> list[str]:
     return _TOKEN.findall(text.lower())
 
 
-@lru_cache(maxsize=2)
+_MEMO: list[list[DocRecord]] = []
+
+
 def _records(cache_dir: str | None) -> list[DocRecord]:
-    return load_records(cache_dir)
+    """The corpus, built (or read from ``cache_dir``) once per process."""
+    if not _MEMO:
+        _MEMO.append(load_records(cache_dir))
+    return _MEMO[0]
 
 
 def _bucket(rec: DocRecord, salt: str = "") -> int:
