@@ -57,24 +57,38 @@ FULL_ARMS = {"regression": ("transformer", "ikan-direct", "mikan", "mikan-p0.25"
 
 
 def records(ctx: ClaimContext, task: str) -> list[dict]:
-    """The engine's records of ``task`` at the context's scale (cached per process and out_dir)."""
+    """The engine's records of ``task`` at the context's scale (cached per process and out_dir).
+
+    Quick mode trains the arms, data set and sizes of :data:`QUICK`; a plan with ``folds``
+    runs that many cross-validation folds (a copy of the task with ``folds`` set, and the
+    data builder told the same through ``sizes``).
+    """
+    import copy
+
+    from attnopt.experiments import get_task
     from attnopt.experiments._engine import run_task
 
     key = (task, ctx.quick, str(ctx.out_dir))
     if key not in _CACHE:
         plan = QUICK[task]
+        the_task = get_task(task)
         kwargs: dict[str, Any] = {
             "quick": ctx.quick,
             "out_dir": Path(ctx.out_dir) / "train" / task,
             "progress": False,
         }
         if ctx.quick:
-            kwargs.update(arms=list(plan["arms"]), sizes=dict(plan["sizes"]) or None)
+            sizes = dict(plan["sizes"])
+            if plan["folds"]:
+                the_task = copy.copy(the_task)
+                the_task.folds = int(plan["folds"])
+                sizes["folds"] = int(plan["folds"])
+            kwargs.update(arms=list(plan["arms"]), sizes=sizes or None)
             if plan["dataset"]:
                 kwargs["dataset"] = plan["dataset"]
         elif task in FULL_ARMS:
             kwargs["arms"] = list(FULL_ARMS[task])
-        _CACHE[key] = run_task(task, **kwargs)
+        _CACHE[key] = run_task(the_task, **kwargs)
     return _CACHE[key]
 
 
