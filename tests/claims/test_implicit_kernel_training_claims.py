@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from attnopt.claims import ClaimContext
+
+pytest.importorskip("attnopt.experiments._stats", reason="the training engine (issue 10) is not merged yet")
 from attnopt.claims.implicit_kernel import training as tr
 
 
