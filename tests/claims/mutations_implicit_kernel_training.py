@@ -54,7 +54,7 @@ def _all_sdpa(mp: pytest.MonkeyPatch, module: str) -> None:
 
 
 def _sentence_sdpa(mp: pytest.MonkeyPatch) -> None:
-    _tiny(mp, "sentence-classification", arms=("transformer", "linear", "ikan", "mikan"))
+    _tiny(mp, "sentence-classification", arms=("transformer", "ikan"))
     _all_sdpa(mp, "ika_sentence_classification")
 
 
