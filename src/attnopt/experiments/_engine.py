@@ -20,6 +20,7 @@ restartable:
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -47,6 +48,13 @@ __all__ = ["run_task", "run_dir", "EpochSampler", "latest_checkpoint", "atomic_w
 
 _CKPT_RE = re.compile(r"^epoch=(\d+)\.ckpt$")
 _KEEP_CHECKPOINTS = 2
+_QUIET = (  # Lightning notices that say nothing about this run
+    r".*smaller than the logging interval.*",
+    r".*exists and is not empty.*",
+    r".*LeafSpec.*",
+    r".*does not have many workers.*",
+    r".*litlogger.*",
+)
 
 
 # --------------------------------------------------------------------------- files
@@ -350,6 +358,9 @@ class _Session:
             _PruneCheckpoints(ckpt_dir),
         ]
         logger = _loggers(rdir)
+        if not self.progress:
+            for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
+                logging.getLogger(name).setLevel(logging.WARNING)
         trainer = L.Trainer(
             accelerator=self.accelerator,
             devices=self.devices,
@@ -518,6 +529,7 @@ def run_task(
     progress: bool = True,
     sizes: Mapping[str, Any] | None = None,
     write_report: bool = True,
+    threads: int | None = None,
 ) -> list[dict[str, Any]]:
     """Run every (arm, seed, lr, fold) of ``task`` as one Lightning fit; write the results.
 
@@ -535,6 +547,9 @@ def run_task(
         progress: Lightning's progress bar.
         sizes: task-specific size knobs, merged over the scale's.
         write_report: write ``results.md`` and figures at the end.
+        threads: torch CPU threads per process; default 1 at quick scale (tiny models: more
+            threads only add synchronization, and on a loaded 2-core machine they were 30x
+            slower per step), else ``cpu_count // devices``.
     Returns:
         one record per run (the entries of ``results.json``).
     Raises:
@@ -558,6 +573,9 @@ def run_task(
         sizes=sizes,
     )
     session = _Session(task, out, devices, strategy, resume, progress)
+    if session.accelerator == "cpu":
+        n_threads = threads or (1 if quick else max(1, (os.cpu_count() or 1) // devices))
+        torch.set_num_threads(_positive_int(n_threads, "threads"))
     records: list[dict[str, Any]] = []
     for cfg in configs:
         rec_path = run_dir(out, cfg) / "record.json"
