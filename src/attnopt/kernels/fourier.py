@@ -81,7 +81,8 @@ class RandomFourier(Kernel):
     def paired(self, x: Tensor, y: Tensor) -> Tensor:
         w = self.spectral_points
         check_dim("spectral_points", w, x)
-        diff = torch.einsum("...d,...rd->...r", x - y, w.to(x.dtype))  # cos a cos b + sin a sin b = cos(a − b)
+        # cos a cos b + sin a sin b = cos(a − b): one einsum over the differences
+        diff = torch.einsum("...d,...rd->...r", x - y, w.to(x.dtype))
         return diff.cos().mean(-1)
 
     def __repr__(self) -> str:
