@@ -25,6 +25,7 @@ def _use_agg() -> None:
 def _cmd_reproduce(args: argparse.Namespace) -> int:
     _use_agg()
     from attnopt.claims._runner import REPRODUCE_INSTALL, figures_text, run_claims, write_claims_report
+    from attnopt.report import format_duration
 
     if args.list:
         return _list_claims(args.only)
@@ -35,7 +36,8 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
 
     def echo(run) -> None:  # type: ignore[no-untyped-def]
         name = f"{run.claim.paper}:{run.claim.key} {run.claim.title}"[:57]
-        print(f"{name:<58} {run.verdict:<22} {figures_text(run, 3)}  [{run.seconds:.1f}s]", flush=True)
+        took = format_duration(run.seconds)
+        print(f"{name:<58} {run.verdict:<22} {figures_text(run, 3)}  [{took}]", flush=True)
 
     try:
         runs = run_claims(quick=args.quick, out_dir=out, only=args.only, seed=args.seed, on_done=echo)

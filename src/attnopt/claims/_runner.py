@@ -10,7 +10,7 @@ from pathlib import Path
 
 from attnopt._extras import MissingExtraError, as_missing_extra, install_command, missing_modules
 from attnopt.claims._registry import Claim, ClaimContext, ClaimResult, all_claims
-from attnopt.report import Section, format_value, write_report
+from attnopt.report import Section, format_duration, format_value, write_report
 
 #: The one command that installs everything ``attnopt reproduce`` needs.
 REPRODUCE_INSTALL = install_command("reproduce")
@@ -111,9 +111,10 @@ def write_claims_report(runs: list[ClaimRun], out_dir: Path, *, quick: bool) -> 
     )
     summary = Section(
         "Summary",
-        headers=("paper", "claim", "reference", "verdict", "measured", "seconds"),
+        headers=("paper", "claim", "reference", "verdict", "measured", "time"),
         rows=[
-            (r.claim.paper, r.claim.title, r.claim.reference, r.verdict, figures_text(r), r.seconds)
+            (r.claim.paper, r.claim.title, r.claim.reference, r.verdict, figures_text(r),
+             format_duration(r.seconds))
             for r in runs
         ],
     )
