@@ -106,3 +106,11 @@ def test_dropout_in_training_is_refused_and_bad_options(registered):
         hf.register(hnas_weight=2.0)
     with pytest.raises(ValueError, match="entmax_alpha"):
         hf.register(entmax_alpha=1.0)
+
+
+def test_hf_names_are_registry_names() -> None:
+    from attnopt.nn import attention_names
+
+    reg = set(attention_names())
+    for name in NAMES:
+        assert name == "attnopt_generalized" or name.removeprefix("attnopt_") in reg, name

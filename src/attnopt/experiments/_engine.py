@@ -374,7 +374,7 @@ class _Session:
             limit_val_batches=0,
             use_distributed_sampler=False,
             plugins=[AtomicCheckpointIO()],
-            log_every_n_steps=50,
+            log_every_n_steps=1,
             default_root_dir=rdir,
         )
         sampler = EpochSampler(
@@ -600,6 +600,12 @@ def run_task(
             write_results_md(task, records, out / "results.md")
             write_figures(task, records, out / "figures")
     return records
+
+
+def is_global_zero() -> bool:
+    """``False`` in the non-zero ranks of a multi-process run (from the launcher's environment)."""
+    return os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0" and os.environ.get(
+        "NODE_RANK", "0") == "0"
 
 
 def _json_default(x: Any) -> Any:

@@ -18,6 +18,9 @@ name                   mechanism (options: :func:`register` defaults, or per cal
                        ``model(..., attnopt_iterations=0)`` keywords)
 =====================  ==================================================================
 attnopt_generalized    :func:`attnopt.generalized_attention`; T5's position bias is ``log u``
+attnopt_softmax,       the same under the registry's names (:func:`attnopt.nn.attention_names`;
+attnopt_lnas,          a model's own position bias, e.g. T5's, is its ``log u``)
+attnopt_t5
 attnopt_dnas           :func:`attnopt.doubly_normalized_attention` (``attnopt_iterations``, 1)
 attnopt_sinkhorn       the same with ``attnopt_iterations`` Sinkhorn steps (default 3)
 attnopt_hnas           :func:`attnopt.hybrid_normalized_attention` with fixed ``attnopt_weight``
@@ -25,9 +28,11 @@ attnopt_sparsemax      :func:`attnopt.regularized_attention` with ``SquaredL2()`
 attnopt_entmax         the same with ``Tsallis(attnopt_alpha)`` (default 1.5)
 =====================  ==================================================================
 
-The list is data (:data:`MECHANISMS`): a mechanism whose function is missing from the
-package is reported by :func:`register`, not a crash. Dropout is supported by
-``attnopt_generalized`` only; the others raise in training mode with dropout > 0.
+Names are ``attnopt_`` + the registry name (:func:`attnopt.nn.make_attention`) of the same
+mechanism; ``attnopt_generalized`` is kept as an alias. The list is data
+(:data:`MECHANISMS`): a mechanism whose function is missing from the package is reported
+by :func:`register`, not a crash. Dropout is supported by the generalized-attention names
+only; the others raise in training mode with dropout > 0.
 """
 from __future__ import annotations
 
@@ -53,6 +58,10 @@ class Mechanism:
 
 MECHANISMS: tuple[Mechanism, ...] = (
     Mechanism("attnopt_generalized", "attnopt.functional:generalized_attention"),
+    # the registry's names (attnopt.nn.attention_names) for the same parameter-free mechanisms
+    Mechanism("attnopt_softmax", "attnopt.functional:generalized_attention"),
+    Mechanism("attnopt_lnas", "attnopt.functional:generalized_attention"),
+    Mechanism("attnopt_t5", "attnopt.functional:generalized_attention"),
     Mechanism("attnopt_dnas", "attnopt.functional:doubly_normalized_attention", (("iterations", 1),)),
     Mechanism("attnopt_hnas", "attnopt.functional:hybrid_normalized_attention",
               (("iterations", 1), ("weight", 0.5))),
@@ -138,11 +147,12 @@ def _make(mech: Mechanism, fn: Callable[..., Tensor], defaults: dict[str, Any]) 
             key = key.repeat_interleave(groups, dim=1)
             value = value.repeat_interleave(groups, dim=1)
         opts = {o: kwargs.get(f"attnopt_{o}", v) for o, v in defaults.items()}
-        if dropout > 0.0 and mech.name != "attnopt_generalized":
+        generalized = mech.target.endswith(":generalized_attention")
+        if dropout > 0.0 and not generalized:
             raise ValueError(f"{mech.name} does not implement attention dropout; call model.eval() "
                              "or set the attention dropout to 0")
         keep, bias = _masks(module, query, key, attention_mask, kwargs.get("position_bias"))
-        if mech.name == "attnopt_generalized":
+        if generalized:
             out = fn(query, key, value, log_preference=bias, attn_mask=keep, scale=scaling, dropout_p=dropout)
         elif mech.name in ("attnopt_dnas", "attnopt_sinkhorn"):
             out = fn(query, key, value, iterations=int(opts["iterations"]),
