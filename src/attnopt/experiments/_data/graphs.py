@@ -32,7 +32,7 @@ __all__ = [
     "load_graph",
 ]
 
-GRAPH_DATASETS = ("karate", "sbm", "cora", "citeseer", "pubmed")
+GRAPH_DATASETS = ("sbm", "karate", "cora", "citeseer", "pubmed")
 PLANETOID = ("cora", "citeseer", "pubmed")
 PLANETOID_FILES = ("x", "tx", "allx", "y", "ty", "ally", "graph", "test.index")
 
