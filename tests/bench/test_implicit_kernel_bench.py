@@ -17,7 +17,7 @@ def test_suite_runs_with_one_baseline_per_case(monkeypatch):
     assert set(cases) == {r.case for r in rows} and set(cases.values()) == {1}
     assert all(r.seconds > 0 for r in rows)
     impls = {r.impl for r in rows}
-    assert {"sdpa", "ikan R=8 linear mode", "mikan", "ikan-direct", "N=2048"} <= impls
+    assert {"sdpa", "ikan R=8 linear mode", "mikan", "ikan-direct", "N=2048", "mikan R=16"} <= impls
 
 
 def test_memory_factory_runs():

@@ -116,3 +116,41 @@ def test_import_attnopt_does_not_import_torch_geometric():
 
     code = "import attnopt, attnopt.nn, attnopt.kernels, sys; assert 'torch_geometric' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+@pytest.mark.parametrize("kind", ["ikan", "mikan"])
+def test_implicit_kernels_normalize_train_and_report_kl(kind):
+    x, ei = _graph(3)
+    conv = KernelGATConv(5, 3, heads=2, kernel=kind, p=1.5, num_samples=4, seed=0).double()
+    assert kind in repr(conv)
+    ei2, alpha = conv.edge_weights(x, ei)
+    sums = torch.zeros(7, 2, dtype=torch.float64).index_add_(0, ei2[1], alpha)
+    torch.testing.assert_close(sums, torch.ones_like(sums))
+    out = conv(x, ei)
+    assert conv.kl().item() == pytest.approx(0.0, abs=1e-12)  # the posterior starts at the prior
+    assert conv.sampler is not None and conv.sampler.densities[0].nn1[2].weight.grad is None
+    (out.square().sum() + conv.kl()).backward()
+    assert conv.lin.weight.grad.abs().sum() > 0
+    assert conv.sampler.densities[0].nn1[2].weight.grad.abs().sum() > 0  # density learns via the task loss
+    with torch.no_grad():  # move the posterior away from the prior: the KL becomes positive
+        conv.sampler.densities[0].nn1[2].bias.fill_(0.3)
+    conv(x, ei)
+    assert conv.kl().item() > 0
+    if kind == "mikan":
+        with torch.no_grad():
+            conv.sampler.densities[0].nn1[2].bias.zero_()
+            conv.sampler.copula.raw.normal_()  # correlated heads: log det C < 0 adds to the KL
+        conv(x, ei)
+        assert conv.kl().item() > 0
+    conv.eval()
+    torch.testing.assert_close(conv(x, ei), conv(x, ei))  # fixed evaluation noise
+
+
+def test_fixed_kernels_have_zero_kl_and_sampled_kernel_needs_forward():
+    x, ei = _graph(4)
+    assert KernelGATConv(5, 3, heads=2).double().kl().item() == 0.0
+    conv = KernelGATConv(5, 3, heads=2, kernel="ikan", num_samples=4)
+    with pytest.raises(RuntimeError, match="forward"):
+        conv.kl()
+    with pytest.raises(ValueError, match="kernel"):
+        KernelGATConv(5, 3, kernel="gauss")

@@ -119,3 +119,14 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="num_samples"):
         RandomFourier.rbf(0, 3)
     assert math.isclose(RBF().inv_sq_lengthscale(16), 0.25)
+
+
+def test_fourier_paired_equals_the_gram_diagonal_with_per_head_points():
+    from attnopt.kernels import NonStationaryFourier, RandomFourier
+
+    g = torch.Generator().manual_seed(11)
+    x, y = (torch.randn(5, 3, 6, generator=g, dtype=torch.float64) for _ in range(2))
+    w1, w2 = (torch.randn(3, 4, 6, generator=g, dtype=torch.float64) for _ in range(2))  # (H, R, d)
+    for kern in (RandomFourier(w1), NonStationaryFourier(w1, w2)):
+        ref = kern(x.unsqueeze(-2), y.unsqueeze(-2))[..., 0, 0]
+        torch.testing.assert_close(kern.paired(x, y), ref)

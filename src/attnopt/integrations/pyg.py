@@ -10,6 +10,12 @@ normalized over the incoming edges of ``i`` (in the log domain). With the exact 
 (``l = 1``) and ``p = 2`` this is ``GATConv`` (Prop. 2). Kernels that can be negative are
 squared, ``sim = f² + ε``.
 
+The learned kernels of the paper's Table 5: ``kernel="direct"`` (IKAN-direct: the
+non-stationary spectral points are parameters) and ``kernel="ikan"`` / ``"mikan"`` (the points
+are drawn from implicit spectral densities, eq. 5–8, heads coupled by a Gaussian copula for
+MIKAN; :meth:`KernelGATConv.kl` gives the ELBO's KL term). The density's input ``h^{(m)}``
+for head ``m`` is the mean over the graph's nodes of ``q_i + k_i = [Wh_i ‖ Wh_i]``.
+
 Needs the ``graph`` extra (``torch_geometric``), imported when this module is imported;
 ``import attnopt`` never imports it.
 """
@@ -25,6 +31,7 @@ from torch import Tensor, nn
 from attnopt._extras import MissingExtraError
 from attnopt.functional.kernel import log_magnitude
 from attnopt.kernels import RBF, Kernel, NonStationaryFourier
+from attnopt.nn.spectral import ImplicitSpectralPoints
 
 try:
     from torch_geometric.nn import MessagePassing
@@ -47,9 +54,11 @@ class KernelGATConv(MessagePassing):
         heads: ``H``.
         kernel: ``"rbf"`` (exact RBF, ``l = 1``: GAT itself when ``p = 2``), ``"direct"``
             (IKAN-direct: learned non-stationary spectral points, ``num_samples`` per head,
-            initialized from ``N(0, I/2)`` so ``f²`` starts near the ``l = 1`` RBF), or any
-            :class:`~attnopt.kernels.Kernel` on ``2F``-dimensional inputs (spectral points
-            broadcast over (E, H, ·)).
+            initialized from ``N(0, I/2)`` so ``f²`` starts near the ``l = 1`` RBF),
+            ``"ikan"`` / ``"mikan"`` (non-stationary points from two implicit spectral
+            densities, copula-coupled heads for ``"mikan"``; they also start at ``N(0, I/2)``),
+            or any :class:`~attnopt.kernels.Kernel` on ``2F``-dimensional inputs (spectral
+            points broadcast over (E, H, ·)).
         p: magnitude exponent ``p > 0``.
         num_samples: ``R`` for ``kernel="direct"``.
         concat: concatenate heads (else average), as ``GATConv``.
@@ -58,6 +67,8 @@ class KernelGATConv(MessagePassing):
         add_self_loops: as ``GATConv``.
         bias: learn an additive bias.
         eps: added to ``f²`` for squared kernels.
+        hidden: width of the density networks (``"ikan"``/``"mikan"``).
+        seed: seeds the densities' training noise and fixed evaluation noise.
     Raises:
         ValueError: bad sizes, ``p <= 0``, unknown kernel name.
         TypeError: ``kernel`` neither a name nor a :class:`~attnopt.kernels.Kernel`.
@@ -69,7 +80,7 @@ class KernelGATConv(MessagePassing):
         out_channels: int,
         heads: int = 1,
         *,
-        kernel: Kernel | Literal["rbf", "direct"] = "rbf",
+        kernel: Kernel | Literal["rbf", "direct", "ikan", "mikan"] = "rbf",
         p: float = 2.0,
         num_samples: int = 8,
         concat: bool = True,
@@ -78,6 +89,8 @@ class KernelGATConv(MessagePassing):
         add_self_loops: bool = True,
         bias: bool = True,
         eps: float = 1e-5,
+        hidden: int = 32,
+        seed: int | None = None,
     ) -> None:
         super().__init__(aggr="add", node_dim=0)
         if in_channels < 1 or out_channels < 1 or heads < 1:
@@ -95,6 +108,9 @@ class KernelGATConv(MessagePassing):
         n_out = heads * out_channels if concat else out_channels
         self.bias = nn.Parameter(torch.zeros(n_out)) if bias else None
         self.spectral_points: nn.Parameter | None = None
+        self.sampler: ImplicitSpectralPoints | None = None
+        self._sampled: Kernel | None = None
+        self._kl: Tensor | None = None
         if isinstance(kernel, str):
             if kernel == "rbf":
                 self._kernel: Kernel | None = RBF(1.0)
@@ -103,8 +119,16 @@ class KernelGATConv(MessagePassing):
                 self.spectral_points = nn.Parameter(
                     torch.randn(2, heads, num_samples, 2 * out_channels) / math.sqrt(2.0)
                 )
+            elif kernel in ("ikan", "mikan"):
+                self._kernel = None
+                self.sampler = ImplicitSpectralPoints(
+                    2 * out_channels, heads, num_samples, n_sets=2, copula=kernel == "mikan",
+                    hidden=hidden, lengthscale_sq=1.0, seed=seed,
+                )
             else:
-                raise ValueError(f"kernel must be 'rbf', 'direct' or a Kernel, got {kernel!r}")
+                raise ValueError(
+                    f"kernel must be 'rbf', 'direct', 'ikan', 'mikan' or a Kernel, got {kernel!r}"
+                )
         elif isinstance(kernel, Kernel):
             self._kernel = kernel
         else:
@@ -123,11 +147,37 @@ class KernelGATConv(MessagePassing):
 
     @property
     def kernel(self) -> Kernel:
-        """The similarity kernel on ``2F``-dimensional vectors."""
+        """The similarity kernel on ``2F``-dimensional vectors (sampled ones: the last forward's)."""
         if self._kernel is not None:
             return self._kernel
+        if self.sampler is not None:
+            if self._sampled is None:
+                raise RuntimeError("a sampled kernel ('ikan'/'mikan') exists after a forward pass")
+            return self._sampled
         assert self.spectral_points is not None
         return NonStationaryFourier(self.spectral_points[0], self.spectral_points[1])
+
+    def _sample_kernel(self, h: Tensor) -> None:
+        """Draw this pass's spectral points from the densities (``h (N, H, F)``) and record the KL."""
+        if self.sampler is None:
+            return
+        summary = h.mean(dim=0)  # (H, F): the mean of q_i + k_i = [Wh_i ‖ Wh_i] over the nodes
+        (w1, w2), kl = self.sampler(torch.cat([summary, summary], dim=-1))
+        self._sampled = NonStationaryFourier(w1, w2)
+        self._kl = kl
+
+    def kl(self) -> Tensor:
+        """KL term of the ELBO for the last forward (0 for fixed or directly learned kernels).
+
+        For ``"ikan"``/``"mikan"``: ``(R/2)·Σ_sets [Σ_heads KL(N(μ, σ²)‖N(0, I)) − (2F/2)·log det C]``
+        (see :class:`~attnopt.nn.spectral.ImplicitSpectralPoints`); the engine adds
+        ``kl_weight · kl()`` to the task loss.
+        """
+        if self.sampler is None:
+            return self.lin.weight.new_zeros(())
+        if self._kl is None:
+            raise RuntimeError("kl() is available after a forward pass")
+        return self._kl
 
     def _loops(self, edge_index: Tensor, n: int) -> Tensor:
         if self.add_self_loops:
@@ -139,6 +189,7 @@ class KernelGATConv(MessagePassing):
         """``x (N, in_channels)``, ``edge_index (2, E)`` (source, target) -> (N, H·F) or (N, F)."""
         n = x.shape[0]
         h = self.lin(x).view(n, self.heads, self.out_channels)
+        self._sample_kernel(h)
         out = self.propagate(self._loops(edge_index, n), x=h, size=None)
         out = out.reshape(n, -1) if self.concat else out.mean(dim=1)
         return out if self.bias is None else out + self.bias
@@ -147,6 +198,7 @@ class KernelGATConv(MessagePassing):
         """``(edge_index with self loops, α (E, H))``: the normalized attention of each edge."""
         n = x.shape[0]
         h = self.lin(x).view(n, self.heads, self.out_channels)
+        self._sample_kernel(h)
         ei = self._loops(edge_index, n)
         score = self._score(h[ei[1]], h[ei[0]])
         return ei, softmax(score, ei[1], num_nodes=n)
@@ -179,8 +231,13 @@ class KernelGATConv(MessagePassing):
         alpha = F.dropout(alpha, p=self.dropout, training=self.training)
         return x_j * alpha.unsqueeze(-1)
 
+    def _kernel_label(self) -> str:
+        if self.sampler is not None:
+            return "'mikan'" if self.sampler.copula is not None else "'ikan'"
+        return repr(self.kernel)
+
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}({self.in_channels}, {self.out_channels}, heads={self.heads}, "
-            f"kernel={self.kernel!r}, p={self.p})"
+            f"kernel={self._kernel_label()}, p={self.p})"
         )

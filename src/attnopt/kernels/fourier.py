@@ -79,7 +79,11 @@ class RandomFourier(Kernel):
         return torch.matmul(self.features(q), self.features(k).transpose(-2, -1))
 
     def paired(self, x: Tensor, y: Tensor) -> Tensor:
-        return (self.features(x.unsqueeze(-2)) * self.features(y.unsqueeze(-2))).sum(-1).squeeze(-1)
+        w = self.spectral_points
+        check_dim("spectral_points", w, x)
+        # cos a cos b + sin a sin b = cos(a − b): one einsum over the differences
+        diff = torch.einsum("...d,...rd->...r", x - y, w.to(x.dtype))
+        return diff.cos().mean(-1)
 
     def __repr__(self) -> str:
         return f"RandomFourier(spectral_points={tuple(self.spectral_points.shape)})"

@@ -82,8 +82,16 @@ class NonStationaryFourier(Kernel):
         self._check(q, k)
         return torch.matmul(self.features(q), self.features(k).transpose(-2, -1))
 
+    def _paired_features(self, x: Tensor) -> Tensor:
+        """``φ(x_n)/(2√R)`` per row (..., d) -> (..., 2R), by einsum (no broadcast matmul)."""
+        check_dim("w1", self.w1, x)
+        p1 = torch.einsum("...d,...rd->...r", x, self.w1.to(x.dtype))
+        p2 = torch.einsum("...d,...rd->...r", x, self.w2.to(x.dtype))
+        phi = torch.cat([p1.cos() + p2.cos(), p1.sin() + p2.sin()], dim=-1)
+        return phi / (2 * math.sqrt(self.num_samples))
+
     def paired(self, x: Tensor, y: Tensor) -> Tensor:
-        return (self.features(x.unsqueeze(-2)) * self.features(y.unsqueeze(-2))).sum(-1).squeeze(-1)
+        return (self._paired_features(x) * self._paired_features(y)).sum(-1)
 
     def __repr__(self) -> str:
         return f"NonStationaryFourier(w={tuple(self.w1.shape)})"

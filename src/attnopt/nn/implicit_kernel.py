@@ -140,7 +140,7 @@ class ImplicitKernelAttention(MultiheadBase):
                 noise = self.copula.correlate(noise)
             z_tilde = mu.unsqueeze(-2) + log_sigma.exp().unsqueeze(-2) * noise
             sets.append(dens.transform(z_tilde))
-            set_kl = ImplicitSpectralDensity.kl(mu, log_sigma).sum(-1)
+            set_kl = ImplicitSpectralDensity.gaussian_kl(mu, log_sigma).sum(-1)
             if self.copula is not None:
                 set_kl = set_kl - 0.5 * self.head_dim * self.copula.log_det().to(k.dtype)
             kl = kl + (self.num_samples // 2) * set_kl

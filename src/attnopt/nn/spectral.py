@@ -22,7 +22,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-__all__ = ["ImplicitSpectralDensity", "GaussianCopula"]
+__all__ = ["ImplicitSpectralDensity", "ImplicitSpectralPoints", "GaussianCopula"]
 
 
 class GaussianCopula(nn.Module):
@@ -103,6 +103,94 @@ class ImplicitSpectralDensity(nn.Module):
         return torch.sign(z) * (a * self.base_scale + self.nn2(a))
 
     @staticmethod
-    def kl(mu: Tensor, log_sigma: Tensor) -> Tensor:
-        """``KL(N(μ, σ²) ‖ N(0, I))`` summed over the last dimension."""
+    def gaussian_kl(mu: Tensor, log_sigma: Tensor) -> Tensor:
+        """``KL(N(μ, σ²) ‖ N(0, I))`` summed over the last dimension.
+
+        (Not named ``kl``: a module's ``kl()`` is its auxiliary loss, which training sums over
+        submodules; this is a function of given parameters.)
+        """
         return 0.5 * (torch.exp(2 * log_sigma) + mu.pow(2) - 1.0 - 2 * log_sigma).sum(-1)
+
+
+class ImplicitSpectralPoints(nn.Module):
+    r"""Spectral point sets from implicit densities (eq. 5–8), optionally copula-coupled (MIKAN).
+
+    ``n_sets`` independent :class:`ImplicitSpectralDensity` networks (2 for the non-stationary
+    kernel of IKAN/MIKAN) map the per-head summaries ``h (..., H, d)`` to ``R`` points per head
+    each. Training draws fresh base noise (reparameterized); evaluation uses a fixed base
+    sample drawn once from ``seed`` (deterministic ``eval()`` outputs). With ``copula=True``
+    the heads' base noise is correlated by a learned :class:`GaussianCopula` (MIKAN).
+
+    The KL term of the ELBO per example is ``(R/2)·Σ_sets [Σ_m KL(N(μ_m, σ_m²)‖N(0, I)) −
+    (d/2)·log det C]`` (the copula term only for MIKAN), as
+    :meth:`attnopt.nn.ImplicitKernelAttention.kl` defines it.
+
+    Args:
+        dim: ``d`` of each spectral point.
+        num_heads: ``H``.
+        num_samples: ``R`` per head (even).
+        n_sets: number of point sets (1 stationary, 2 non-stationary).
+        copula: couple the heads by a Gaussian copula.
+        hidden: width of the density networks.
+        lengthscale_sq: ``l²`` of the RBF the points start from (``w ~ N(0, I/(2l²))``);
+            ``None`` means ``√d`` (attention's length-scale).
+        seed: seeds the training noise and the fixed evaluation noise.
+    Raises:
+        ValueError: odd or non-positive ``num_samples``, bad sizes, ``lengthscale_sq <= 0``.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        num_samples: int,
+        *,
+        n_sets: int = 2,
+        copula: bool = False,
+        hidden: int = 32,
+        lengthscale_sq: float | None = None,
+        seed: int | None = None,
+    ) -> None:
+        super().__init__()
+        if num_heads < 1 or n_sets < 1:
+            raise ValueError(f"num_heads and n_sets must be >= 1, got {num_heads}, {n_sets}")
+        if lengthscale_sq is not None and not lengthscale_sq > 0:
+            raise ValueError(f"lengthscale_sq must be > 0, got {lengthscale_sq}")
+        self.dim, self.num_heads, self.num_samples = dim, num_heads, num_samples
+        self.densities = nn.ModuleList(
+            ImplicitSpectralDensity(dim, num_samples, hidden) for _ in range(n_sets)
+        )
+        if lengthscale_sq is not None:
+            for dens in self.densities:
+                assert isinstance(dens, ImplicitSpectralDensity)
+                dens.base_scale = 1.0 / math.sqrt(2 * lengthscale_sq)
+        self.copula = GaussianCopula(num_heads) if copula else None
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        self._generator = torch.Generator().manual_seed(seed + 1) if seed is not None else None
+        noise = torch.randn(n_sets, num_heads, num_samples // 2, dim, generator=gen)
+        self.register_buffer("eval_noise", noise)
+
+    def forward(self, h: Tensor) -> tuple[list[Tensor], Tensor]:
+        """``h (..., H, d)`` -> (point sets, each (..., H, R, d); KL per example (...))."""
+        if h.shape[-2:] != (self.num_heads, self.dim):
+            raise ValueError(f"h must be (..., {self.num_heads}, {self.dim}), got {tuple(h.shape)}")
+        batch = h.shape[:-2]
+        half = self.num_samples // 2
+        sets, kl = [], h.new_zeros(batch)
+        for i, dens in enumerate(self.densities):
+            assert isinstance(dens, ImplicitSpectralDensity)
+            mu, log_sigma = dens.posterior(h)
+            if self.training:
+                noise = torch.randn(*batch, self.num_heads, half, self.dim, generator=self._generator)
+                noise = noise.to(device=h.device, dtype=h.dtype)
+            else:
+                noise = self.get_buffer("eval_noise")[i].to(device=h.device, dtype=h.dtype)
+                noise = noise.expand(*batch, -1, -1, -1)
+            if self.copula is not None:
+                noise = self.copula.correlate(noise)
+            sets.append(dens.transform(mu.unsqueeze(-2) + log_sigma.exp().unsqueeze(-2) * noise))
+            set_kl = ImplicitSpectralDensity.gaussian_kl(mu, log_sigma).sum(-1)
+            if self.copula is not None:
+                set_kl = set_kl - 0.5 * self.dim * self.copula.log_det().to(h.dtype)
+            kl = kl + half * set_kl
+        return sets, kl

@@ -1,0 +1,1 @@
+"""Offline data builders for the papers' training experiments (deterministic, no downloads)."""
