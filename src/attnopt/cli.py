@@ -1,4 +1,4 @@
-"""The ``attnopt`` command: ``reproduce`` (the main job), ``bench`` and ``analyze``."""
+"""The ``attnopt`` command: ``reproduce`` (the main job), ``bench``, ``analyze`` and ``train``."""
 from __future__ import annotations
 
 import argparse
@@ -87,7 +87,14 @@ def _build_parser() -> argparse.ArgumentParser:
     ben.set_defaults(func=_cmd_bench)
 
     _add_analyze(sub)
+    _add_train(sub)
     return parser
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from attnopt.cli_train import add_train_parser
+
+    add_train_parser(sub)
 
 
 def _add_analyze(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -11,6 +11,7 @@ from attnopt.nn.doubly_normalized import (
 )
 from attnopt.nn.generalized import GeneralizedMultiheadAttention
 from attnopt.nn.implicit_kernel import ImplicitKernelAttention
+from attnopt.nn.kernel import KernelMultiheadAttention
 from attnopt.nn.mem import MEMAttention, MEMEstimate
 from attnopt.nn.ot import OTAttention
 from attnopt.nn.preference import (
@@ -19,14 +20,17 @@ from attnopt.nn.preference import (
     PreferenceModule,
     T5RelativePreference,
 )
+from attnopt.nn.registry import AttentionSpec, attention_names, attention_spec, make_attention
 from attnopt.nn.regularized import RegularizedMultiheadAttention
 
 __all__: list[str] = [
     "ALiBiPreference",
+    "AttentionSpec",
     "DoublyNormalizedMultiheadAttention",
     "GeneralizedMultiheadAttention",
     "HybridNormalizedMultiheadAttention",
     "ImplicitKernelAttention",
+    "KernelMultiheadAttention",
     "KeyPreference",
     "MEMAttention",
     "MEMEstimate",
@@ -34,4 +38,7 @@ __all__: list[str] = [
     "PreferenceModule",
     "RegularizedMultiheadAttention",
     "T5RelativePreference",
+    "attention_names",
+    "attention_spec",
+    "make_attention",
 ]

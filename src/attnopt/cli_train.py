@@ -1,0 +1,155 @@
+"""``attnopt train``: the papers' training experiments on PyTorch Lightning.
+
+``attnopt train --list`` prints every task, the paper table it reproduces and its arms;
+``attnopt train TASK [--arms A,B] [--seeds N] [--epochs E] [--lr X,Y] [--batch-size B]
+[--quick] [--devices N] [--strategy ddp] [--dataset NAME] [--data-dir DIR] [--out DIR]
+[--resume]`` runs one Lightning fit per (arm, seed, lr) and writes ``OUT/results.json``,
+``OUT/results.md``, ``OUT/figures/`` and per-run logs and checkpoints. Exit 0 on success,
+2 on bad input (one ``error:`` line, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["add_train_parser"]
+
+_NEEDS = "error: attnopt train needs the 'train' extra: pip install 'attnopt[train]'"
+
+
+def add_train_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+    """Add the ``train`` subcommand to ``attnopt``'s sub-parsers."""
+    p = subparsers.add_parser("train", help="train the papers' experiments (Lightning; --list for the tasks)")
+    p.add_argument("task", nargs="?", default=None, help="task name (see --list)")
+    p.add_argument("--list", action="store_true", help="list the tasks, their paper tables and arms")
+    p.add_argument("--arms", default=None, help="comma-separated arms (default: the paper's rows)")
+    p.add_argument("--seeds", type=int, default=None, help="number of seeds (default: the scale's)")
+    p.add_argument("--epochs", type=int, default=None)
+    p.add_argument("--lr", default=None, help="learning rate(s), comma-separated (default: the paper's grid)")
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--quick", action="store_true", help="the task's reduced scale")
+    p.add_argument("--devices", type=int, default=1, help="processes/GPUs (Lightning devices)")
+    p.add_argument("--strategy", default="auto", help="Lightning strategy, e.g. ddp")
+    p.add_argument("--dataset", default=None, help="data set (default: the task's offline one)")
+    p.add_argument("--data-dir", default=None, help="folder with the paper's data files")
+    p.add_argument("--out", default=None, help="output folder (default attnopt-train/TASK)")
+    p.add_argument("--resume", action="store_true", help="continue unfinished runs, skip finished ones")
+    p.add_argument(
+        "--size",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="task size knob (repeatable), e.g. --size d_model=16",
+    )
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads per process (0 = automatic)")
+    p.add_argument("--no-progress", action="store_true", help="hide Lightning's progress bar")
+    p.set_defaults(func=_cmd_train)
+    return p
+
+
+def _parse_lrs(text: str) -> list[float]:
+    out = []
+    for part in text.split(","):
+        try:
+            v = float(part)
+        except ValueError:
+            raise ValueError(f"--lr must be positive numbers, got {part!r}") from None
+        if not v > 0 or v != v or v == float("inf"):
+            raise ValueError(f"--lr must be positive numbers, got {part!r}")
+        out.append(v)
+    return out
+
+
+def _parse_sizes(items: list[str]) -> dict[str, object]:
+    sizes: dict[str, object] = {}
+    for item in items:
+        key, sep, val = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--size must be KEY=VALUE, got {item!r}")
+        for conv in (int, float):
+            try:
+                sizes[key] = conv(val)
+                break
+            except ValueError:
+                continue
+        else:
+            sizes[key] = val
+    return sizes
+
+
+def _list() -> int:
+    from attnopt.experiments import get_task, task_names
+
+    for name in task_names():
+        t = get_task(name)
+        print(f"{name}: {t.paper}, {t.table}")
+        if t.description:
+            print(f"    {t.description}")
+        print(
+            f"    arms: {', '.join(t.arms)} (default {', '.join(t.default_arms)}); "
+            f"lr grid: {', '.join(f'{x:g}' for x in t.lr_grid)}; data sets: {', '.join(t.datasets)}"
+        )
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("lightning") is None:
+        print(_NEEDS, file=sys.stderr)
+        return 2
+    if args.list:
+        return _list()
+    if args.task is None:
+        print("error: give a TASK (attnopt train --list shows them)", file=sys.stderr)
+        return 2
+    from attnopt.experiments import get_task
+    from attnopt.experiments._engine import run_task
+
+    t0 = time.perf_counter()
+    try:
+        task = get_task(args.task)
+        for flag, val in (
+            ("--seeds", args.seeds),
+            ("--epochs", args.epochs),
+            ("--batch-size", args.batch_size),
+            ("--devices", args.devices),
+        ):
+            if val is not None and val < 1:
+                raise ValueError(f"{flag} must be a positive integer, got {val}")
+        if args.threads < 0:
+            raise ValueError("--threads must be >= 0")
+        if args.data_dir is not None and not Path(args.data_dir).is_dir():
+            raise ValueError(f"--data-dir {args.data_dir} is not a folder")
+        out = Path(args.out) if args.out else Path("attnopt-train") / task.name
+        records = run_task(
+            task,
+            arms=args.arms.split(",") if args.arms else None,
+            seeds=args.seeds,
+            epochs=args.epochs,
+            lrs=_parse_lrs(args.lr) if args.lr else None,
+            batch_size=args.batch_size,
+            quick=args.quick,
+            dataset=args.dataset,
+            data_dir=args.data_dir,
+            out_dir=out,
+            devices=args.devices,
+            strategy=args.strategy,
+            resume=args.resume,
+            progress=not args.no_progress,
+            sizes=_parse_sizes(args.size),
+            threads=args.threads or None,
+        )
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from attnopt.experiments._engine import is_global_zero
+
+    if is_global_zero():
+        print(f"{len(records)} runs in {time.perf_counter() - t0:.0f}s -> {out}/results.md")
+        md = out / "results.md"
+        if md.is_file():
+            print(md.read_text(encoding="utf-8"))
+    return 0

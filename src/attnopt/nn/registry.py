@@ -1,0 +1,272 @@
+r"""The attention registry: one name per mechanism, with its paper options.
+
+``make_attention(name, embed_dim, num_heads, **options)`` builds a module with the
+``nn.MultiheadAttention(batch_first=True)`` call convention::
+
+    out, weights = module(query, key=None, value=None, *, key_padding_mask=None,
+                          attn_mask=None, need_weights=False, is_causal=False)
+
+(boolean masks ``True`` = not allowed; ``key``/``value`` may differ from ``query`` for
+cross-attention). Modules with an auxiliary loss (the IKA variants) also have ``kl()``.
+The one exception is ``ot``: :class:`~attnopt.nn.OTAttention` pools a token set with a
+learned query and a template bank (``module(tokens, bank=..., key_padding_mask=...) ->
+(B, E)``), so it is used as the last layer of :class:`attnopt.models.ViT` (OT-ViT), not as a
+drop-in self-attention.
+
+=============  ================================================  ===============================
+name           mechanism (paper)                                  options (default)
+=============  ================================================  ===============================
+softmax        scaled dot-product attention                       —
+lnas           the same, under doubly-normalized-attention's name —
+t5             generalized attention, T5 preference (fenchel 17)  num_buckets (32), max_distance
+                                                                  (128), bidirectional (True)
+alibi          generalized attention, ALiBi preference            —
+mem            exact MEM / Fenchel-dual attention (fenchel 7, 9)  scale (1/√d), tol (1e-6),
+                                                                  max_iter (50)
+dnas           doubly-normalized attention (DNAS, eq. 6–8)        —
+hnas           hybrid w·DNAS + (1−w)·LNAS, learned w (Sec. 6)     init_weight (0.5), per_head (False)
+sinkhorn       K Sinkhorn normalizations (eq. 10)                 iterations (3)
+sparsemax      Ω = ½‖p‖² (one-sided EOT Prop. 4.2)                —
+entmax         Ω = Tsallis α (Prop. 4.3)                          alpha (1.5)
+rbf-only       RBF similarity, no magnitude (implicit-kernel T2)  —
+expsin         periodic kernel × L2 magnitude                     period (2π: matches RBF at 0)
+linear         linear kernel × L2 magnitude                       —
+ika-s          implicit stationary kernel (eq. 12–13)             num_samples (8), hidden (32), seed
+ika-ns         implicit non-stationary kernel (eq. 14–16)         num_samples, hidden, seed
+ikan           ika-ns with an L^p magnitude                       p (2.0), num_samples, hidden, seed
+ikan-direct    learned spectral points (no sampling, no KL)       p, num_samples, seed
+mikan          ikan with a Gaussian copula across heads           p, num_samples, hidden, seed
+ot             OT-based attention pooling (fenchel Sec. 9)        alpha (1), gamma (√E), cost
+                                                                  ("neg_dot")
+=============  ================================================  ===============================
+
+The Hugging Face registration (:mod:`attnopt.integrations.hf`) and ``attnopt train`` use
+the same names.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+__all__ = ["AttentionSpec", "attention_names", "attention_spec", "make_attention"]
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """One registry entry: ``name``, a one-line ``description``, the ``paper`` and its ``defaults``."""
+
+    name: str
+    description: str
+    paper: str
+    defaults: Mapping[str, Any]
+    build: Callable[..., nn.Module]
+    multihead_convention: bool = True
+
+
+def _generalized(e: int, h: int) -> nn.Module:
+    from attnopt.nn.generalized import GeneralizedMultiheadAttention
+
+    return GeneralizedMultiheadAttention(e, h)
+
+
+def _t5(e: int, h: int, *, num_buckets: int, max_distance: int, bidirectional: bool) -> nn.Module:
+    from attnopt.nn.generalized import GeneralizedMultiheadAttention
+    from attnopt.nn.preference import T5RelativePreference
+
+    pref = T5RelativePreference(
+        h, num_buckets=num_buckets, max_distance=max_distance, bidirectional=bidirectional
+    )
+    return GeneralizedMultiheadAttention(e, h, pref)
+
+
+def _alibi(e: int, h: int) -> nn.Module:
+    from attnopt.nn.generalized import GeneralizedMultiheadAttention
+    from attnopt.nn.preference import ALiBiPreference
+
+    return GeneralizedMultiheadAttention(e, h, ALiBiPreference(h))
+
+
+def _mem(e: int, h: int, *, scale: float | None, tol: float, max_iter: int) -> nn.Module:
+    from attnopt.nn.mem import MEMAttention
+
+    return MEMAttention(e, h, scale=scale, tol=tol, max_iter=max_iter)
+
+
+def _dn(e: int, h: int, *, iterations: int = 1) -> nn.Module:
+    from attnopt.nn.doubly_normalized import DoublyNormalizedMultiheadAttention
+
+    return DoublyNormalizedMultiheadAttention(e, h, iterations=iterations)
+
+
+def _hnas(e: int, h: int, *, init_weight: float, per_head: bool) -> nn.Module:
+    from attnopt.nn.doubly_normalized import HybridNormalizedMultiheadAttention
+
+    return HybridNormalizedMultiheadAttention(e, h, init_weight=init_weight, per_head=per_head)
+
+
+def _sparsemax(e: int, h: int) -> nn.Module:
+    from attnopt.functional.regularizers import SquaredL2
+    from attnopt.nn.regularized import RegularizedMultiheadAttention
+
+    return RegularizedMultiheadAttention(e, h, SquaredL2())
+
+
+def _entmax(e: int, h: int, *, alpha: float) -> nn.Module:
+    from attnopt.functional.regularizers import Tsallis
+    from attnopt.nn.regularized import RegularizedMultiheadAttention
+
+    return RegularizedMultiheadAttention(e, h, Tsallis(alpha))
+
+
+def _kernel(which: str) -> Callable[..., nn.Module]:
+    def build(e: int, h: int, **opts: Any) -> nn.Module:
+        from attnopt.kernels import RBF, Linear, Periodic
+        from attnopt.nn.kernel import KernelMultiheadAttention
+
+        if which == "rbf-only":
+            return KernelMultiheadAttention(e, h, RBF(), magnitude_p=None)
+        if which == "expsin":
+            return KernelMultiheadAttention(e, h, Periodic(opts["period"]), magnitude_p=2.0)
+        return KernelMultiheadAttention(e, h, Linear(), magnitude_p=2.0)
+
+    return build
+
+
+def _ika(variant: str) -> Callable[..., nn.Module]:
+    def build(e: int, h: int, **opts: Any) -> nn.Module:
+        from attnopt.nn.implicit_kernel import ImplicitKernelAttention
+
+        return ImplicitKernelAttention(e, h, variant, **opts)  # type: ignore[arg-type]
+
+    return build
+
+
+def _ot(e: int, h: int, *, alpha: float, gamma: float | None, cost: str) -> nn.Module:
+    from attnopt.nn.ot import OTAttention
+
+    return OTAttention(e, h, alpha=alpha, gamma=gamma, cost=cost)
+
+
+_FD, _DN, _IK, _EOT = (
+    "fenchel-dual-attention",
+    "doubly-normalized-attention",
+    "implicit-kernel-attention",
+    "sdpa-one-sided-eot",
+)
+_IKA_OPTS = {"num_samples": 8, "hidden": 32, "seed": None}
+
+_SPECS: tuple[AttentionSpec, ...] = (
+    AttentionSpec("softmax", "scaled dot-product attention (SDPA)", _EOT, {}, _generalized),
+    AttentionSpec("lnas", "row-normalized attention = softmax (LNAS)", _DN, {}, _generalized),
+    AttentionSpec(
+        "t5",
+        "generalized attention with T5's relative-position preference",
+        _FD,
+        {"num_buckets": 32, "max_distance": 128, "bidirectional": True},
+        _t5,
+    ),
+    AttentionSpec("alibi", "generalized attention with the ALiBi preference", _EOT, {}, _alibi),
+    AttentionSpec(
+        "mem",
+        "exact MEM / Fenchel-dual attention (Newton)",
+        _FD,
+        {"scale": None, "tol": 1e-6, "max_iter": 50},
+        _mem,
+    ),
+    AttentionSpec("dnas", "doubly-normalized attention (one Sinkhorn step)", _DN, {}, _dn),
+    AttentionSpec(
+        "hnas",
+        "hybrid w*DNAS + (1-w)*LNAS with learned w",
+        _DN,
+        {"init_weight": 0.5, "per_head": False},
+        _hnas,
+    ),
+    AttentionSpec("sinkhorn", "K Sinkhorn normalizations", _DN, {"iterations": 3}, _dn),
+    AttentionSpec("sparsemax", "sparsemax (squared-L2 regularizer)", _EOT, {}, _sparsemax),
+    AttentionSpec("entmax", "alpha-entmax (Tsallis regularizer)", _EOT, {"alpha": 1.5}, _entmax),
+    AttentionSpec("rbf-only", "RBF similarity without the magnitude term", _IK, {}, _kernel("rbf-only")),
+    AttentionSpec(
+        "expsin", "periodic kernel x L2 magnitude", _IK, {"period": 2 * math.pi}, _kernel("expsin")
+    ),
+    AttentionSpec("linear", "linear kernel x L2 magnitude", _IK, {}, _kernel("linear")),
+    AttentionSpec(
+        "ika-s",
+        "implicit stationary kernel (random Fourier, learned density)",
+        _IK,
+        dict(_IKA_OPTS),
+        _ika("ika-s"),
+    ),
+    AttentionSpec("ika-ns", "implicit non-stationary kernel", _IK, dict(_IKA_OPTS), _ika("ika-ns")),
+    AttentionSpec(
+        "ikan", "implicit non-stationary kernel x L^p magnitude", _IK, {"p": 2.0, **_IKA_OPTS}, _ika("ikan")
+    ),
+    AttentionSpec(
+        "ikan-direct",
+        "learned spectral points x L^p magnitude",
+        _IK,
+        {"p": 2.0, "num_samples": 8, "seed": None},
+        _ika("ikan-direct"),
+    ),
+    AttentionSpec(
+        "mikan", "ikan with a Gaussian copula across heads", _IK, {"p": 2.0, **_IKA_OPTS}, _ika("mikan")
+    ),
+    AttentionSpec(
+        "ot",
+        "OT-based attention pooling with a template bank (OT-ViT last layer)",
+        _FD,
+        {"alpha": 1.0, "gamma": None, "cost": "neg_dot"},
+        _ot,
+        multihead_convention=False,
+    ),
+)
+_BY_NAME: dict[str, AttentionSpec] = {s.name: s for s in _SPECS}
+
+
+def attention_names() -> list[str]:
+    """Every registry name, in the table's order."""
+    return [s.name for s in _SPECS]
+
+
+def attention_spec(name: str) -> AttentionSpec:
+    """The :class:`AttentionSpec` of ``name``.
+
+    Raises:
+        ValueError: unknown name (the message lists the valid ones).
+    """
+    if not isinstance(name, str) or name not in _BY_NAME:
+        raise ValueError(f"unknown attention {name!r}; valid names: {', '.join(attention_names())}")
+    return _BY_NAME[name]
+
+
+def make_attention(name: str, embed_dim: int, num_heads: int, **options: Any) -> nn.Module:
+    """Build the attention module registered as ``name``.
+
+    Args:
+        name: a registry name (:func:`attention_names`).
+        embed_dim: E (divisible by ``num_heads``).
+        num_heads: H.
+        **options: the mechanism's options (see the module table); omitted ones take their
+            defaults.
+    Returns:
+        an ``nn.Module`` with the ``nn.MultiheadAttention(batch_first=True)`` convention
+        (``ot``: the pooling convention of :class:`~attnopt.nn.OTAttention`).
+    Raises:
+        ValueError: unknown name or option (the message lists the valid ones), or an option
+            value the mechanism rejects.
+    """
+    spec = attention_spec(name)
+    unknown = sorted(set(options) - set(spec.defaults))
+    if unknown:
+        valid = ", ".join(spec.defaults) or "none"
+        raise ValueError(
+            f"attention {name!r} has no option {', '.join(map(repr, unknown))}; valid options: {valid}"
+        )
+    try:
+        return spec.build(embed_dim, num_heads, **{**spec.defaults, **options})
+    except TypeError as exc:
+        raise ValueError(f"attention {name!r}: {exc}") from exc
