@@ -89,11 +89,24 @@ def _demote_title(md: str, title: str) -> tuple[str, str]:
     return f"# {title}\n", "\n".join(lines).lstrip("\n") + "\n"
 
 
+def shrink_png(path: Path, max_width: int = 1100) -> None:
+    """Re-save a figure small for the repository: at most ``max_width`` px, 256-colour palette."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        im = im.convert("RGB")
+        if im.width > max_width:
+            im = im.resize((max_width, round(im.height * max_width / im.width)), Image.LANCZOS)
+        im.quantize(colors=256, method=Image.Quantize.MEDIANCUT).save(path, optimize=True)
+
+
 def _copy_figures(src: Path, dest: Path) -> None:
     if dest.exists():
         shutil.rmtree(dest)
     if src.is_dir():
         shutil.copytree(src, dest)
+        for png in dest.glob("*.png"):
+            shrink_png(png)
 
 
 def build_report(note: str) -> None:
