@@ -47,7 +47,8 @@ def _simple_tables(lines: list[str]) -> list[str]:
                 if separators == 1:
                     rows.append(["---"] * len(spans))
                 continue
-            cells = [line[a:e].strip() if e is not None else line[a:].strip() for (a, _), e in zip(spans, ends)]
+            cells = [line[a:e].strip() if e is not None else line[a:].strip()
+                     for (a, _), e in zip(spans, ends)]
             if rows and not cells[0] and rows[-1][0] != "---":
                 rows[-1] = [(p + " " + c).strip() for p, c in zip(rows[-1], cells)]
             elif any(cells):
@@ -90,6 +91,6 @@ def rst_to_markdown(text: str) -> str:
 class RstToMarkdown(Extension):
     """Apply :func:`rst_to_markdown` to every docstring griffe loads."""
 
-    def on_instance(self, *, obj, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    def on_instance(self, *, obj, **kwargs) -> None:  # type: ignore[no-untyped-def]  # noqa: ARG002
         if obj.docstring is not None:
             obj.docstring.value = rst_to_markdown(obj.docstring.value)

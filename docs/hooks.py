@@ -45,9 +45,10 @@ def api_pages(modules: list[str]) -> dict[str, str]:
     for key, mods in sorted(groups.items()):
         lines = [f"# `{key}`", ""]
         if key == "attnopt":
-            lines += ["::: attnopt", "    options:", "      members: false", "      show_root_heading: false", ""]
-            subs = [k for k in groups if k != "attnopt"]
-            lines += ["Subpackages and modules: " + ", ".join(f"[`{s}`]({_page(s)[4:]})" for s in sorted(subs)), ""]
+            lines += ["::: attnopt", "    options:", "      members: false", "      show_root_heading: false"]
+            subs = sorted(k for k in groups if k != "attnopt")
+            links = ", ".join(f"[`{s}`]({_page(s)[4:]})" for s in subs)
+            lines += ["", "Subpackages and modules: " + links, ""]
         for mod in mods:
             is_pkg = (PACKAGE.parent / Path(*mod.split(".")) / "__init__.py").exists()
             lines.append(f"::: {mod}")
@@ -72,7 +73,7 @@ def mathjax_source() -> Path:
     return path
 
 
-def on_config(config, **kwargs):
+def on_config(config, **kwargs):  # noqa: ARG001 - the mkdocs hook signature
     pages = api_pages(public_modules())
     entries = [{k[4:-3]: k} for k in pages]
     nav = [e for e in config["nav"] if not (isinstance(e, dict) and "API reference" in e)]
@@ -82,7 +83,7 @@ def on_config(config, **kwargs):
     return config
 
 
-def on_files(files: Files, config, **kwargs):
+def on_files(files: Files, config, **kwargs):  # noqa: ARG001 - the mkdocs hook signature
     for path, content in config["_attnopt_api_pages"].items():
         files.append(File.generated(config, path, content=content))
     files.append(File.generated(config, MATHJAX_DEST, abs_src_path=os.fspath(mathjax_source())))

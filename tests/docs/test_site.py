@@ -54,7 +54,8 @@ def test_api_reference_covers_every_public_module(site):
     missing = [m for m in hooks.public_modules() if f'id="{m}"' not in text]
     assert not missing, f"modules without an API section: {missing}"
     # a docstring's `.. math::` became a MathJax display block
-    assert '<div class="arithmatex">\\[' in (site / "api" / "attnopt.functional.html").read_text(encoding="utf-8")
+    functional = (site / "api" / "attnopt.functional.html").read_text(encoding="utf-8")
+    assert '<div class="arithmatex">\\[' in functional
 
 
 def test_math_renderer_is_local_and_pages_load_nothing_from_the_network(site):
