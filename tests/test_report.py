@@ -1,5 +1,5 @@
 """The Markdown/HTML report writer."""
-from attnopt.report import Section, format_value, markdown_table, write_report
+from attnopt.report import Section, format_duration, format_value, markdown_table, write_report
 
 
 def test_format_value():
@@ -8,6 +8,13 @@ def test_format_value():
     assert format_value(1.23456e-7) == "1.235e-07"
     assert format_value(0.5) == "0.5"
     assert format_value("x") == "x"
+
+
+def test_format_duration_is_human():
+    assert format_duration(9.639e-05) == "0.10 ms"
+    assert format_duration(0.0123) == "12 ms"
+    assert format_duration(3.44) == "3.4 s"
+    assert format_duration(125.2) == "2 min 05 s"
 
 
 def test_markdown_table_escapes_pipes():

@@ -1,4 +1,8 @@
-"""The ``attnopt`` command: ``reproduce`` (the main job), ``bench``, ``analyze`` and ``train``."""
+"""The ``attnopt`` command: ``reproduce`` (the main job), ``bench``, ``analyze`` and ``train``.
+
+A command whose optional packages are missing says which extra to install in one line
+(exit code 2); ``reproduce`` runs every claim it can and marks the others ``skipped``.
+"""
 from __future__ import annotations
 
 import argparse
@@ -10,12 +14,21 @@ from pathlib import Path
 __all__ = ["main"]
 
 
-def _cmd_reproduce(args: argparse.Namespace) -> int:
-    import matplotlib
-
+def _use_agg() -> None:
+    try:
+        import matplotlib
+    except ImportError:  # claims that draw are skipped with the install command
+        return
     matplotlib.use("Agg")
-    from attnopt.claims._runner import figures_text, run_claims, write_claims_report
 
+
+def _cmd_reproduce(args: argparse.Namespace) -> int:
+    _use_agg()
+    from attnopt.claims._runner import REPRODUCE_INSTALL, figures_text, run_claims, write_claims_report
+    from attnopt.report import format_duration
+
+    if args.list:
+        return _list_claims(args.only)
     out = Path(args.out)
     t0 = time.perf_counter()
     print(f"attnopt reproduce ({'quick' if args.quick else 'full'}) -> {out}/report.md")
@@ -23,7 +36,8 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
 
     def echo(run) -> None:  # type: ignore[no-untyped-def]
         name = f"{run.claim.paper}:{run.claim.key} {run.claim.title}"[:57]
-        print(f"{name:<58} {run.verdict:<22} {figures_text(run, 3)}  [{run.seconds:.1f}s]", flush=True)
+        took = format_duration(run.seconds)
+        print(f"{name:<58} {run.verdict:<22} {figures_text(run, 3)}  [{took}]", flush=True)
 
     try:
         runs = run_claims(quick=args.quick, out_dir=out, only=args.only, seed=args.seed, on_done=echo)
@@ -31,15 +45,38 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     md, _ = write_claims_report(runs, out, quick=args.quick)
-    errors = [r for r in runs if r.result is None]
+    errors = [r for r in runs if r.verdict == "error"]
+    skipped = [r for r in runs if r.verdict == "skipped"]
     n_ok = sum(r.verdict == "reproduced" for r in runs)
     print(
-        f"\n{n_ok}/{len(runs)} reproduced, {len(errors)} errors, "
+        f"\n{n_ok}/{len(runs)} reproduced, {len(skipped)} skipped, {len(errors)} errors, "
         f"{time.perf_counter() - t0:.0f}s. Report: {md}"
     )
+    if skipped:
+        print(f"{len(skipped)} claims skipped for missing optional packages: {REPRODUCE_INSTALL}")
     for r in errors:
         print(f"\n--- {r.claim.id} raised:\n{r.error}", file=sys.stderr)
     return 1 if errors else 0
+
+
+def _list_claims(only: str | None) -> int:
+    from attnopt.claims._registry import all_claims
+    from attnopt.claims._runner import missing_requirements
+
+    try:
+        claims = all_claims(only)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{'claim':<40} {'reference':<28} {'needs':<24} title")
+    for c in claims:
+        needs = ",".join(c.requires) or "-"
+        if missing_requirements(c) is not None:
+            needs += " (missing)"
+        print(f"{c.id:<40} {c.reference[:27]:<28} {needs:<24} {c.title}")
+    print(f"\n{len(claims)} claims. Extras: pip install 'attnopt[EXTRA]'; all of them: pip install "
+          "'attnopt[reproduce]'")
+    return 0
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -64,9 +101,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    from attnopt import __version__
+
     parser = argparse.ArgumentParser(
         prog="attnopt", description="Attention as optimization: reproduce, benchmark, analyze."
     )
+    parser.add_argument("--version", action="version", version=f"attnopt {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     rep = sub.add_parser("reproduce", help="check every claim of the papers and write a report")
@@ -74,6 +114,8 @@ def _build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--only", default=None, help="paper(s) or claim id(s), comma-separated")
     rep.add_argument("--out", default="attnopt-report", help="output directory")
     rep.add_argument("--seed", type=int, default=0)
+    rep.add_argument("--list", action="store_true",
+                     help="list every claim with its paper, equation and the extras it needs")
     rep.set_defaults(func=_cmd_reproduce)
 
     ben = sub.add_parser("bench", help="time our mechanisms against their peers")
@@ -98,18 +140,25 @@ def _add_train(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def _add_analyze(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    try:
-        from attnopt.cli_analyze import add_analyze_parser
-    except ImportError:
-        return
+    from attnopt.cli_analyze import add_analyze_parser  # stdlib only at import time
+
     add_analyze_parser(sub)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``attnopt`` console script."""
+    from attnopt._extras import as_missing_extra
+
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = _build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except ImportError as exc:  # an optional package: one line naming the extra, no traceback
+        missing = as_missing_extra(exc, f"attnopt {args.command}")
+        if missing is None:
+            raise
+        print(f"error: {missing}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

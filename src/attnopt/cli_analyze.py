@@ -58,6 +58,10 @@ def _sentences(args: argparse.Namespace) -> list[str]:
 def _cmd_analyze(args: argparse.Namespace) -> int:
     import torch
 
+    from attnopt._extras import require
+
+    require("hf", "plots", what="attnopt analyze")
+
     from attnopt.analysis.analyze import analyze_model
     from attnopt.analysis.analyze_report import write_analysis
     from attnopt.analysis.pretrained import load_model, tokenize

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Section", "markdown_table", "format_value", "write_report"]
+__all__ = ["Section", "markdown_table", "format_value", "format_duration", "write_report"]
 
 
 def format_value(x: Any) -> str:
@@ -29,6 +29,20 @@ def format_value(x: Any) -> str:
             return f"{x:.3e}"
         return f"{x:.4g}"
     return str(x)
+
+
+def format_duration(seconds: float) -> str:
+    """A wall time for people: ``0.10 ms``, ``12 ms``, ``3.4 s``, ``2 min 05 s``."""
+    if not seconds >= 0:
+        return str(seconds)
+    if seconds < 0.01:
+        return f"{seconds * 1e3:.2f} ms"
+    if seconds < 1.0:
+        return f"{seconds * 1e3:.0f} ms"
+    if seconds < 60.0:
+        return f"{seconds:.1f} s"
+    minutes, rest = divmod(int(round(seconds)), 60)
+    return f"{minutes} min {rest:02d} s"
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

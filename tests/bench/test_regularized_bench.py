@@ -6,10 +6,14 @@ from attnopt.bench import regularized as bench
 def test_suite_runs_tiny(monkeypatch):
     monkeypatch.setattr(bench, "QUICK_MAP", (2, 16))
     monkeypatch.setattr(bench, "QUICK_ATTN", [16])
+    monkeypatch.setattr(bench, "QUICK_VS_SOFTMAX", (2, [16]))
     suite = all_suites("regularized")["regularized"]
     rows = list(suite(BenchContext(quick=True, memory=False, repeat=1)))
     groups = {r.case for r in rows}
-    assert len(groups) == 5
+    assert len(groups) == 7
+    vs = [r for r in rows if r.case.startswith("vs softmax")]
+    assert {r.extra["threads"] for r in vs} == {1, 2}
+    assert {r.impl for r in vs} == {"torch.softmax", "attnopt.sparsemax", "attnopt.entmax(1.5)"}
     for case in groups:
         assert sum(r.baseline for r in rows if r.case == case) == 1
     errs = {r.impl: r.extra["max_err"] for r in rows if "max_err" in r.extra}

@@ -1,12 +1,10 @@
-"""sdpa-one-sided-eot claims reproduce, and would fail on a wrong implementation."""
+"""sdpa-one-sided-eot claims reproduce (negative controls: mutations_one_sided_eot.py)."""
 from pathlib import Path
 
 import pytest
-import torch
 
 from attnopt.claims import ClaimContext
 from attnopt.claims import one_sided_eot as claims
-from attnopt.functional import Shannon
 
 
 def test_thm33_reproduces(tmp_path: Path):
@@ -14,18 +12,10 @@ def test_thm33_reproduces(tmp_path: Path):
     assert res.verdict == "reproduced" and res.figures["max_abs_err"] < 1e-6
 
 
-def test_thm33_detects_a_wrong_temperature(tmp_path: Path, monkeypatch):
-    monkeypatch.setattr(claims, "Shannon", lambda t=1.0: Shannon(2 * t))
-    res = claims.eot_equals_sdpa(ClaimContext(quick=True, out_dir=tmp_path))
-    assert res.verdict == "not reproduced" and res.figures["max_abs_err"] > 1e-3
-
-
-def test_prop41_44_reproduce_and_detect_a_wrong_map(tmp_path: Path, monkeypatch):
+def test_prop41_44_reproduce(tmp_path: Path):
+    # wrong maps (sparsemax as softmax, ALiBi sign or shape) are in mutations_one_sided_eot.py
     res = claims.closed_forms(ClaimContext(quick=True, out_dir=tmp_path))
     assert res.verdict == "reproduced" and res.figures["max_abs_err"] < 1e-6
-    monkeypatch.setattr(claims, "sparsemax", lambda s: torch.softmax(s, -1))
-    bad = claims.closed_forms(ClaimContext(quick=True, out_dir=tmp_path))
-    assert bad.verdict == "not reproduced" and bad.figures["err[½‖p‖² (sparsemax)]"] > 1e-2
 
 
 def test_table1_reproduces_with_figure(tmp_path: Path):

@@ -52,6 +52,10 @@ def test_run_and_report(scratch_registry, tmp_path):
     md, html = write_claims_report(runs, tmp_path, quick=True)
     text = md.read_text()
     assert "a measured identity" in text and "claim crashed" in text and "measured 3, expected 4" in text
+    summary_rows = [line for line in text.splitlines() if line.startswith(("| toy", "| other"))]
+    assert summary_rows and all(line.rstrip(" |").endswith(("ms", " s")) for line in summary_rows)
+    assert "e-0" not in " ".join(line.rsplit("|", 2)[-2] for line in summary_rows)
+    assert "| time |" in text and " ms |" in html.read_text().replace("</td>", " |")
     assert (tmp_path / "figures" / "toy_ok_line.png").exists()
     assert "figures/toy_ok_line.png" in html.read_text()
 

@@ -182,9 +182,11 @@ def test_default_runs_do_not_warn():
 def test_bad_inputs():
     x = torch.randn(3, 4)
     with pytest.raises(ValueError, match="alpha"):
-        entmax(x, 1.0)
+        entmax(x, 0.0)
     with pytest.raises(ValueError, match="alpha"):
-        entmax(x, torch.tensor([[0.5], [2.0], [2.0]]))
+        entmax(x, float("nan"))
+    with pytest.raises(ValueError, match="alpha"):
+        entmax(x, torch.tensor([[-0.5], [2.0], [2.0]]))
     with pytest.raises(ValueError, match="size 1 along dim"):
         entmax(x, torch.full((3, 4), 1.5))
     with pytest.raises(TypeError, match="alpha"):

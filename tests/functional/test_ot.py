@@ -244,7 +244,6 @@ def _bad(**over):
         (dict(bank=torch.randn(2, 2, 6, 4, dtype=F64)), ValueError, "feature size"),
         (dict(bank=torch.randn(2, 2, 6, 3)), TypeError, "dtype"),
         (dict(bank=torch.randn(3, 2, 6, 3, dtype=F64)), ValueError, "broadcast"),
-        (dict(bank=torch.randn(2, 2, 0, 3, dtype=F64)), ValueError, "m >= 1"),
         (dict(bank_mask=torch.ones(6)), TypeError, "bank_mask"),
         (dict(bank_mask=torch.ones(5, dtype=torch.bool)), ValueError, "bank_mask"),
     ],
@@ -268,5 +267,6 @@ def test_bad_square_cost_and_values():
         ot_attention(z, t, bank_values=torch.randn(2, 2, 4, 3))
     with pytest.raises(TypeError, match="z"):
         ot_attention([1.0], t)
-    with pytest.raises(ValueError, match="templates"):
-        ot_attention(z, t[..., :0, :])
+    # empty sets follow the shared empty-size policy (issue 17): no template / no bank member -> zeros
+    assert torch.equal(ot_attention(z, t[..., :0, :]), torch.zeros(2, 2, z.shape[-2], 3, dtype=F64))
+    assert ot_weights(z, t, bank=t[..., :0, :]).shape == (2, 2, z.shape[-2], 0)

@@ -6,6 +6,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from attnopt._extras import as_missing_extra
 from attnopt.bench._harness import BenchContext, Measurement, all_suites
 from attnopt.report import markdown_table
 
@@ -50,11 +51,22 @@ def run_bench(
     out: Path | None = None,
     echo: Callable[[str], None] = print,
 ) -> list[Measurement]:
-    """Run the selected suites, print one table per suite and optionally save Markdown/JSON."""
+    """Run the selected suites, print one table per suite and optionally save Markdown/JSON.
+
+    A suite whose peer (POT, scipy, the ``entmax`` package, ...) is not installed is skipped
+    with one line naming the extra to install; the other suites still run.
+    """
     results: list[Measurement] = []
     for name, suite in all_suites(only).items():
         echo(f"\n== {name} ==")
-        ms = list(suite(ctx))
+        try:
+            ms = list(suite(ctx))
+        except ImportError as exc:
+            missing = as_missing_extra(exc, f"bench suite {name!r}")
+            if missing is None:
+                raise
+            echo(f"skipped: {missing}")
+            continue
         results.extend(ms)
         echo(markdown_table(HEADERS, ratio_rows(ms)))
         sys.stdout.flush()

@@ -28,6 +28,8 @@ __all__ = [
 
 Verdict = Literal["reproduced", "partially reproduced", "not reproduced"]
 _VERDICTS = ("reproduced", "partially reproduced", "not reproduced")
+#: Extras a claim needs by default: nearly every claim draws a figure.
+DEFAULT_REQUIRES: tuple[str, ...] = ("plots",)
 
 
 def verdict(ok: bool, *, partial: bool = False) -> Verdict:
@@ -97,13 +99,21 @@ ClaimFn = Callable[[ClaimContext], ClaimResult]
 
 @dataclass(frozen=True)
 class Claim:
-    """A registered claim: ``paper`` (module name), ``key``, ``title``, ``reference``."""
+    """A registered claim.
+
+    Attributes:
+        paper: claims module name (``fenchel_dual``); ``key``: short id; ``title``: the claim
+            in words; ``reference``: the paper's equation / section.
+        requires: extras of ``pyproject.toml`` (see :mod:`attnopt._extras`) whose packages the
+            claim imports at run time; without them it is skipped, not failed.
+    """
 
     paper: str
     key: str
     title: str
     reference: str
     func: ClaimFn
+    requires: tuple[str, ...] = DEFAULT_REQUIRES
 
     @property
     def id(self) -> str:
@@ -113,11 +123,25 @@ class Claim:
 _REGISTRY: dict[str, Claim] = {}
 
 
-def claim(*, paper: str, key: str, title: str, reference: str) -> Callable[[ClaimFn], ClaimFn]:
-    """Register ``func`` as the claim ``paper:key`` (e.g. ``fenchel_dual:thm1``)."""
+def claim(
+    *, paper: str, key: str, title: str, reference: str, requires: tuple[str, ...] = DEFAULT_REQUIRES
+) -> Callable[[ClaimFn], ClaimFn]:
+    """Register ``func`` as the claim ``paper:key`` (e.g. ``fenchel_dual:thm1``).
+
+    Args:
+        requires: the extras it needs at run time (default ``("plots",)``: it draws a figure).
+    Raises:
+        ValueError: an unknown extra, or the id registered twice.
+    """
+    from attnopt._extras import EXTRA_MODULES
+
+    unknown = [r for r in requires if r not in EXTRA_MODULES]
+    if unknown:
+        raise ValueError(f"requires: unknown extras {unknown}; known: {sorted(EXTRA_MODULES)}")
 
     def register(func: ClaimFn) -> ClaimFn:
-        c = Claim(paper=paper, key=key, title=title, reference=reference, func=func)
+        c = Claim(paper=paper, key=key, title=title, reference=reference, func=func,
+                  requires=tuple(requires))
         if c.id in _REGISTRY and _REGISTRY[c.id].func.__qualname__ != func.__qualname__:
             raise ValueError(f"claim {c.id} registered twice")
         _REGISTRY[c.id] = c

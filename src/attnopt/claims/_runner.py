@@ -8,25 +8,45 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from attnopt._extras import MissingExtraError, as_missing_extra, install_command, missing_modules
 from attnopt.claims._registry import Claim, ClaimContext, ClaimResult, all_claims
-from attnopt.report import Section, format_value, write_report
+from attnopt.report import Section, format_duration, format_value, write_report
+
+#: The one command that installs everything ``attnopt reproduce`` needs.
+REPRODUCE_INSTALL = install_command("reproduce")
 
 __all__ = ["ClaimRun", "run_claims", "write_claims_report"]
 
 
 @dataclass
 class ClaimRun:
-    """One executed claim: its result, or the error it raised, and its wall time."""
+    """One executed claim: its result, the error it raised, or why it was skipped; wall time.
+
+    A claim whose optional packages are missing is ``skipped`` (``skip_reason`` holds the
+    missing packages and the install command), never an error.
+    """
 
     claim: Claim
     result: ClaimResult | None
     error: str | None
     seconds: float
     images: list[Path]
+    skip_reason: str | None = None
 
     @property
     def verdict(self) -> str:
+        if self.skip_reason is not None:
+            return "skipped"
         return self.result.verdict if self.result is not None else "error"
+
+
+def missing_requirements(c: Claim) -> MissingExtraError | None:
+    """The first extra of ``c.requires`` with a module that cannot be imported here, or ``None``."""
+    for extra in c.requires:
+        missing = missing_modules(extra)
+        if missing:
+            return MissingExtraError(extra, missing, f"claim {c.id}", install=REPRODUCE_INSTALL)
+    return None
 
 
 def run_claims(
@@ -44,15 +64,25 @@ def run_claims(
         t0 = time.perf_counter()
         result: ClaimResult | None = None
         error: str | None = None
+        missing = missing_requirements(c)
+        skip = str(missing) if missing is not None else None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", category=UserWarning)
             try:
-                result = c.func(ctx)
-                if not isinstance(result, ClaimResult):
-                    raise TypeError(f"claim {c.id} returned {type(result).__name__}, not ClaimResult")
+                if skip is None:
+                    result = c.func(ctx)
+                    if not isinstance(result, ClaimResult):
+                        raise TypeError(f"claim {c.id} returned {type(result).__name__}, not ClaimResult")
+            except ImportError as exc:  # an optional package the claim did not declare
+                converted = as_missing_extra(exc, f"claim {c.id}", install=REPRODUCE_INSTALL)
+                if converted is None:
+                    error = traceback.format_exc()
+                else:
+                    skip = str(converted)
             except Exception:  # noqa: BLE001 - a failing claim is reported, never swallowed
                 error = traceback.format_exc()
-        run = ClaimRun(c, result, error, time.perf_counter() - t0, list(ctx.images))
+        images = [] if skip is not None else list(ctx.images)
+        run = ClaimRun(c, None if skip else result, error, time.perf_counter() - t0, images, skip)
         runs.append(run)
         if on_done is not None:
             on_done(run)
@@ -61,6 +91,8 @@ def run_claims(
 
 def figures_text(run: ClaimRun, limit: int = 4) -> str:
     """The first ``limit`` measured figures as ``name=value`` text."""
+    if run.skip_reason is not None:
+        return "(skipped: " + run.skip_reason.split(": ", 1)[0].removeprefix(f"claim {run.claim.id} ") + ")"
     if run.result is None:
         return "(raised an error)"
     items = list(run.result.figures.items())[:limit]
@@ -79,14 +111,19 @@ def write_claims_report(runs: list[ClaimRun], out_dir: Path, *, quick: bool) -> 
     )
     summary = Section(
         "Summary",
-        headers=("paper", "claim", "reference", "verdict", "measured", "seconds"),
+        headers=("paper", "claim", "reference", "verdict", "measured", "time"),
         rows=[
-            (r.claim.paper, r.claim.title, r.claim.reference, r.verdict, figures_text(r), r.seconds)
+            (r.claim.paper, r.claim.title, r.claim.reference, r.verdict, figures_text(r),
+             format_duration(r.seconds))
             for r in runs
         ],
     )
     sections = [summary]
     for r in runs:
+        if r.skip_reason is not None:
+            text = f"Verdict: skipped — {r.skip_reason}"
+            sections.append(Section(f"{r.claim.paper} — {r.claim.title}", text=text))
+            continue
         if r.result is None:
             text = f"Verdict: error\n\n```\n{r.error}\n```"
             sections.append(Section(f"{r.claim.paper} — {r.claim.title}", text=text))

@@ -20,8 +20,10 @@ import torch
 from torch import Tensor
 
 from attnopt._validation import (
-    check_attention_inputs,
+    empty_attention,
+    empty_weights,
     resolve_scale,
+    validate_attention,
 )
 from attnopt.dual._mem_batch import canonicalize, check_alpha, check_solver_knobs, safe_log, validate
 from attnopt.dual._mem_core import _w_apply, apply_inverse_hessian, gram, newton_mem
@@ -142,12 +144,15 @@ def mem_weights(
     Warns:
         RuntimeWarning: the dual solve did not converge.
     """
-    nq, nk, d = check_attention_inputs(q, k)
+    nq, nk, d = validate_attention(q, k, None, attn_mask)
     alpha = resolve_scale(scale, d)
     check_solver_knobs(tol, max_iter)
     batch = tuple(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2]))
     cdt = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     bias = score_bias(q, k, preference, log_preference, attn_mask, is_causal, cdt)
+    empty = empty_weights(q, k, preference, log_preference)
+    if empty is not None:
+        return empty
     full = (*batch, nq)
     if bias is None:
         return _solve_weights(k.unsqueeze(-3), q, None, full, alpha, tol, max_iter)
@@ -195,7 +200,12 @@ def mem_attention(
     Warns:
         RuntimeWarning: the dual solve did not converge.
     """
-    check_attention_inputs(q, k, v)
+    validate_attention(q, k, v, attn_mask)
+    empty = empty_attention(q, k, v, preference, log_preference)
+    if empty is not None:
+        mem_weights(q, k, preference=preference, log_preference=log_preference, attn_mask=attn_mask,
+                    scale=scale, is_causal=is_causal, tol=tol, max_iter=max_iter)  # the same checks
+        return empty
     w = mem_weights(
         q, k, preference=preference, log_preference=log_preference, attn_mask=attn_mask,
         scale=scale, is_causal=is_causal, tol=tol, max_iter=max_iter,

@@ -13,6 +13,7 @@ from attnopt.functional.doubly_normalized import (
 from attnopt.functional.entmax import entmax, sparsemax
 from attnopt.functional.generalized import generalized_attention, generalized_weights
 from attnopt.functional.kernel import kernel_attention, kernel_weights
+from attnopt.functional.losses import entmax_loss, sparsemax_loss, tsallis_negentropy
 from attnopt.functional.ot import ot_attention, ot_weights
 from attnopt.functional.regularized import (
     locality_bias,
@@ -26,6 +27,9 @@ from attnopt.functional.regularizers import Regularizer, Shannon, SquaredL2, Tsa
 __all__ = [
     "entmax",
     "sparsemax",
+    "entmax_loss",
+    "sparsemax_loss",
+    "tsallis_negentropy",
     "softmax_weights",
     "regularized_weights",
     "regularized_attention",

@@ -17,6 +17,16 @@ Notation (doubly-normalized-attention eq. 6–10, design.md §3): scores ``s_ij 
   backward: an LSE pass costs one swapped (d+1)-wide *forward* call, the final attention pass
   one (d+1)-wide backward call.
 
+Kernel contract (checked here, never assumed). The kernel reads the last dimension of ``q``,
+``k``, ``v`` (and of the incoming gradient) as if it had stride 1: a tensor whose last
+dimension is strided (keys kept as a ``(B, H, d, N)`` buffer and passed transposed, a
+channels-permuted or ``[..., ::2]``-sliced tensor, a stride-0 expand of the head dim) gives
+silently wrong values. :func:`_fit` copies exactly those tensors and leaves every other
+layout (transposed heads/sequence, sliced batch, stride-0 batch or sequence) as is. The
+kernel also dies with SIGFPE on an empty ``B``, ``H``, ``Nq`` or ``Nk``; :func:`_flash`
+raises instead, and the public ops answer empty shapes before they get here
+(``attnopt._validation.empty_attention``).
+
 Tensors are 4-D ``(B, H, N, ·)``, potentials and validity masks ``(B, H, N)``; ``valid``
 masks mark the keys that may take part (a key no row can see gets ``-inf``, never
 ``+inf − inf``). The kernel returns ``lse = 0`` (not ``-inf``)
@@ -56,9 +66,27 @@ def key_bias(pot: Tensor, valid: Tensor, full_mask: Tensor | None) -> Tensor:
     return neg.contiguous()
 
 
+def _fit(x: Tensor) -> Tensor:
+    """``x`` in a layout the kernel reads correctly: unit stride on the last dim (a copy only then)."""
+    if x.shape[-1] > 1 and x.stride(-1) != 1:
+        return x.contiguous()
+    return x
+
+
+def _check_sizes(*xs: Tensor) -> None:
+    """Refuse empty sizes, on which the kernel crashes the process (SIGFPE) instead of raising."""
+    for x in xs:
+        if 0 in x.shape[:-1]:
+            raise ValueError(f"internal: the fused CPU kernel cannot take an empty shape {tuple(x.shape)}")
+
+
 def _flash(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor]:
+    _check_sizes(q, k, v)
+    q, k, v = _fit(q), _fit(k), _fit(v)
+    if mask is not None:
+        mask = _fit(mask)
     out, lse = _fwd(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
     return out, lse.contiguous()
 
@@ -83,7 +111,8 @@ def _augmented_backward(
     """
     d, dv = q.shape[-1], v.shape[-1]
     w = -(-(max(d, dv) + 1) // 8) * 8  # a multiple of 8 runs ~15% faster than d + 1 in the kernel
-    qa, ka, va = _pad_last(q, w, 1.0), _pad_last(k, w), _pad_last(v, w)
+    _check_sizes(q, k, v)
+    qa, ka, va = _pad_last(q, w, 1.0), _pad_last(k, w), _pad_last(v, w)  # fresh, contiguous copies
     da, oa = _pad_last(dout.to(q.dtype), w), _pad_last(out, w)
     dq, dk, dvv = _bwd(da, qa, ka, va, oa, lse, 0.0, causal, attn_mask=mask, scale=scale)
     return dq[..., :d], dk[..., :d], dvv[..., :dv], dk[..., -1].to(_pot_dtype(q)) / scale

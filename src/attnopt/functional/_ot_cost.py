@@ -32,7 +32,7 @@ def check_positive(name: str, x: float) -> float:
 
 
 def check_ot_inputs(
-    z: Tensor | None, templates: Tensor, bank: Tensor | None
+    z: Tensor | None, templates: Tensor, bank: Tensor | None, *, allow_empty: bool = False
 ) -> tuple[Tensor, tuple[int, ...]]:
     """Validate ``z (..., Nq, d)``, ``templates (..., n, d)``, ``bank (..., m, d)``.
 
@@ -40,16 +40,16 @@ def check_ot_inputs(
         ``(bank, batch)`` — the bank (``templates`` when ``None``) and the broadcast batch shape.
     Raises:
         TypeError: non-tensor, non-floating or mixed dtypes.
-        ValueError: fewer than 2 dims, empty sets, mismatched feature size, batch dims that
-            do not broadcast, different devices.
+        ValueError: fewer than 2 dims, empty sets (unless ``allow_empty``), mismatched feature
+            size, batch dims that do not broadcast, different devices.
     """
     check_tensor("templates", templates, min_dim=2)
-    if templates.shape[-2] == 0:
+    if templates.shape[-2] == 0 and not allow_empty:
         raise ValueError("templates must hold at least one template (n >= 1)")
     named = [("templates", templates)]
     if bank is not None:
         check_tensor("bank", bank, min_dim=2)
-        if bank.shape[-2] == 0:
+        if bank.shape[-2] == 0 and not allow_empty:
             raise ValueError("bank must hold at least one template (m >= 1)")
         named.append(("bank", bank))
     if z is not None:

@@ -29,7 +29,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnopt._validation import additive_mask, causal_additive_mask, check_attention_inputs, resolve_scale
+from attnopt._validation import (
+    additive_mask,
+    causal_additive_mask,
+    check_attention_inputs,
+    empty_attention,
+    resolve_scale,
+    validate_attention,
+)
 from attnopt.functional import _flash_cpu as fc
 from attnopt.functional._sinkhorn_chunked import chunked_attn_pass, chunked_lse_pass
 from attnopt.functional._softmax import safe_logsumexp, safe_softmax
@@ -162,6 +169,9 @@ def _dnas(
     q: Tensor, k: Tensor, v: Tensor, iterations: int, attn_mask: Tensor | None, scale: float, is_causal: bool
 ) -> Tensor:
     nq, nk, _ = check_attention_inputs(q, k, v)
+    empty = empty_attention(q, k, v)
+    if empty is not None:  # the fused kernel crashes the process on empty sizes
+        return empty
     batch = tuple(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
     q4, k4, v4 = _to_bh(q, batch), _to_bh(k, batch), _to_bh(v, batch)
     bh = (q4.shape[0], q4.shape[1])
@@ -210,17 +220,24 @@ def doubly_normalized_attention(
         is_causal: SDPA's top-left causal mask, in both normalizations.
 
     Returns:
-        (B, H, Nq, dv); a query with no admissible key gets zeros (finite gradients).
-        Half precision keeps the potentials in float32 and never produces NaN.
+        (B, H, Nq, dv); a query with no admissible key gets zeros (finite gradients), and so
+        does every query when ``Nk = 0``; ``Nq = 0`` or an empty batch gives an empty output.
+        Half precision keeps the potentials in float32 and never produces NaN. Any strided
+        layout is accepted: the fused CPU kernel gets a copy of an input whose last dim is
+        not unit-stride.
 
     Raises:
         ValueError: negative ``iterations``, shape mismatch, ``scale <= 0``, a mask that does
-            not broadcast or holds NaN/``+inf``.
+            not broadcast to (B, H, Nq, Nk) or holds NaN/``+inf``, NaN or ±inf in ``q``,
+            ``k``, ``v``.
         TypeError: non-tensor / non-floating inputs, non-int ``iterations``.
     """
-    check_attention_inputs(q, k, v)
+    validate_attention(q, k, v, attn_mask)
     iterations = _check_iterations(iterations)
     alpha = resolve_scale(scale, q.shape[-1])
+    empty = empty_attention(q, k, v)
+    if empty is not None:
+        return empty
     if iterations == 0:
         return _lnas(q, k, v, attn_mask, alpha, is_causal)
     if isinstance(attn_mask, Tensor) and attn_mask.requires_grad and torch.is_grad_enabled():
@@ -275,7 +292,7 @@ def doubly_normalized_weights(
     Raises:
         ValueError, TypeError: as :func:`doubly_normalized_attention`.
     """
-    check_attention_inputs(q, k)
+    validate_attention(q, k, None, attn_mask)
     iterations = _check_iterations(iterations)
     alpha = resolve_scale(scale, q.shape[-1])
     return _weights(q, k, iterations, attn_mask, alpha, is_causal).to(q.dtype)
@@ -330,8 +347,12 @@ def hybrid_normalized_attention(
             :func:`doubly_normalized_attention`.
         TypeError: non-tensor ``weight``; as :func:`doubly_normalized_attention`.
     """
-    check_attention_inputs(q, k, v)
+    validate_attention(q, k, v, attn_mask)
     w = _check_weight(weight, q)
+    empty = empty_attention(q, k, v, weight)
+    if empty is not None:
+        _check_iterations(iterations)
+        return empty
     dn = doubly_normalized_attention(q, k, v, iterations=iterations, attn_mask=attn_mask, scale=scale,
                                      is_causal=is_causal)
     ln = doubly_normalized_attention(q, k, v, iterations=0, attn_mask=attn_mask, scale=scale,
@@ -360,7 +381,7 @@ def hybrid_normalized_weights(
     Raises:
         ValueError, TypeError: as :func:`hybrid_normalized_attention`.
     """
-    check_attention_inputs(q, k)
+    validate_attention(q, k, None, attn_mask)
     w = _check_weight(weight, q)
     iterations = _check_iterations(iterations)
     alpha = resolve_scale(scale, q.shape[-1])

@@ -10,26 +10,28 @@ threshold ``θ`` is the root of the decreasing function ``Σ_j p_j(θ) − 1``.
 
 How it is computed (no fixed iteration count hiding error):
 
-* every α: safeguarded Newton iterations on ``g(θ) = ‖[z − θ]₊‖_e − 1`` with
-  ``z = (α−1)(s − max s)``, ``e = 1/(α−1)``, started at ``θ = −1`` (where ``g ≥ 0``) and kept
-  inside the bracket ``[−1, −n^{1−α}]``. For ``α ≤ 2`` the ℓ_e norm is convex in ``θ``, so the
-  iterates increase monotonically to the root; this form of ``g`` makes the step exact
-  whenever the support weights are equal. Iteration stops when ``|Σp − 1| ≤ tol`` for every
-  slice (a warning is raised otherwise), and ``p`` is renormalized.
+* every α > 0 (α ≠ 1.5, 2; tensor α): safeguarded Newton in the ``q``-exponential form
+  ``p = exp(log1p(ε(s − m − τ))/ε)``, ``ε = α − 1`` (see :func:`_entmax_general_forward`),
+  accurate as ``α → 1``; ``α = 1`` is ``torch.softmax``. Iteration stops when
+  ``|Σp − 1| ≤ tol`` for every slice (a warning is raised otherwise), and ``p`` is
+  renormalized.
 * α = 2 (sparsemax): the Newton step is Michelot's algorithm and ends, in finitely many steps,
   when the support stops changing — the result is the exact projection.
 * α = 1.5: once Newton has converged, the threshold is recomputed in closed form on the
   support (the quadratic of the sort-based algorithm), so the result is exact to rounding.
 
 Backward (closed form, only the output is saved): with ``g = p^{2−α}`` on the support,
-``∂L/∂s = g ⊙ (d − (Σ g d)/(Σ g))`` for the incoming gradient ``d``; for a tensor ``α`` the
-gradient with respect to ``α`` is the one of Peters et al. (2019).
+``∂L/∂s = g ⊙ (d − (Σ g d)/(Σ g))`` for the incoming gradient ``d`` (every α > 0); for a
+tensor ``α`` the gradient with respect to ``α`` is the one of Peters et al. (2019), rewritten
+without the 0/0 at ``α = 1`` (:func:`_alpha_backward`).
 
 Conventions: ``−inf`` scores get exactly 0; a slice that is entirely ``−inf`` gives zeros
 (and zero gradient); float16/bfloat16 are computed in float32 and returned in the input dtype.
 """
 from __future__ import annotations
 
+import math
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +40,7 @@ import torch
 from torch import Tensor
 
 from attnopt._validation import check_tensor
+from attnopt.functional import _sparse_groups as _groups
 
 __all__ = ["sparsemax", "entmax"]
 
@@ -73,10 +76,16 @@ def _warn(name: str, max_iter: int, err: float) -> None:
     )
 
 
-def _sparsemax_forward(x: Tensor, dim: int, max_iter: int) -> tuple[Tensor, Tensor]:
-    """Michelot's algorithm = Newton on ``Σ[z − θ]₊ − 1``; exact when the support is stable."""
+def _sparsemax_forward(
+    x: Tensor, dim: int, max_iter: int, theta0: Tensor | None = None, warn: bool = True
+) -> tuple[Tensor, Tensor]:
+    """Michelot's algorithm = Newton on ``Σ[z − θ]₊ − 1``; exact when the support is stable.
+
+    ``theta0``: a lower bound on the threshold to start from (default ``−1``); every iterate
+    stays a lower bound, so a capped run (``warn=False``) still returns one.
+    """
     z, empty = _shift(x, dim)
-    theta = torch.full_like(z.narrow(dim, 0, 1), -1.0)
+    theta = torch.full_like(z.narrow(dim, 0, 1), -1.0) if theta0 is None else theta0.clamp_min(-1.0)
     t = torch.empty_like(z)  # reused buffers: fresh large tensors cost page faults on CPU
     sign = torch.empty_like(z)
     count_prev: Tensor | None = None
@@ -91,17 +100,23 @@ def _sparsemax_forward(x: Tensor, dim: int, max_iter: int) -> tuple[Tensor, Tens
             break
         count_prev = count
     del sign
-    if not converged:
+    if not converged and warn:
         _warn("sparsemax", max_iter, float("nan"))
     torch.sub(z, theta, out=t).relu_()
     return t.masked_fill_(empty, 0.0), theta
 
 
-def _entmax15_forward(x: Tensor, dim: int, tol: float, max_iter: int) -> tuple[Tensor, Tensor]:
-    """Newton on ``‖[z − θ]₊‖₂ − 1`` then the exact threshold on the support found."""
+def _entmax15_forward(
+    x: Tensor, dim: int, tol: float, max_iter: int, theta0: Tensor | None = None, warn: bool = True
+) -> tuple[Tensor, Tensor]:
+    """Newton on ``‖[z − θ]₊‖₂ − 1`` then the exact threshold on the support found.
+
+    ``theta0``: a lower bound to start from (Newton from below is monotone, so every iterate
+    is a lower bound too).
+    """
     z, empty = _shift(x, dim)
     z.mul_(0.5)
-    theta = torch.full_like(z.narrow(dim, 0, 1), -1.0)
+    theta = torch.full_like(z.narrow(dim, 0, 1), -1.0) if theta0 is None else theta0.clamp_min(-1.0)
     tiny = torch.finfo(z.dtype).tiny
     eps = torch.finfo(z.dtype).eps
     t = torch.empty_like(z)
@@ -116,6 +131,8 @@ def _entmax15_forward(x: Tensor, dim: int, tol: float, max_iter: int) -> tuple[T
             break
         theta = theta + step
     else:
+        if not warn:  # a capped run for a lower bound: the Newton iterate is one (the closed form is not)
+            return t, theta
         _warn("entmax(alpha=1.5)", max_iter, float(dev.abs().max()))
     # closed-form threshold on the support S = {t > 0}: Σ_S (t − δ)² = 1, smaller root
     torch.sub(z, theta, out=t).relu_()
@@ -130,54 +147,69 @@ def _entmax15_forward(x: Tensor, dim: int, tol: float, max_iter: int) -> tuple[T
     return t.masked_fill_(empty, 0.0), theta + delta
 
 
+def _qlog_base(u: Tensor, eps: Tensor) -> Tensor:
+    """``log p = log1p(ε u)/ε`` with ``ε u`` clamped at ``−1`` (``p = 0`` there); ``ε ≠ 0``."""
+    return torch.log1p((eps * u).clamp_min(-1.0)).div_(eps)
+
+
 def _entmax_general_forward(
-    x: Tensor, alpha: Tensor, dim: int, tol: float, max_iter: int
+    x: Tensor, alpha: Tensor, dim: int, tol: float, max_iter: int,
+    theta0: Tensor | None = None, warn: bool = True,
 ) -> tuple[Tensor, Tensor]:
-    """Safeguarded Newton on ``‖[z − θ]₊‖_e − 1`` (``e = 1/(α−1)``) with a bracket."""
-    z, empty = _shift(x, dim)
-    am1 = alpha - 1
-    z.mul_(am1)
-    e = 1.0 / am1
+    r"""Every ``α > 0`` (tensor ``α`` broadcast, size 1 along ``dim``): safeguarded Newton.
+
+    In score units, ``p_j = [1 + ε(x_j − m − τ)]₊^{1/ε}`` with ``ε = α − 1`` (the Tsallis
+    ``q``-exponential: ``ε → 0`` is ``exp``), computed as ``exp(log1p(ε u)/ε)`` — accurate for
+    ``α`` near 1, where the power form ``t^{1/ε}`` loses ``1/ε`` digits. Newton runs on
+    ``g(τ) = S(τ)^ε − 1`` (``S = Σ p``): convex decreasing for ``0 < ε ≤ 1``, concave increasing
+    for ``ε < 0``, so from ``τ = 0`` (``S ≥ 1``) the iterates rise monotonically to the root; the
+    step ``S·(1 − S^{−ε})/(ε Σ p^{1−ε})`` is exact for softmax (``ε → 0``). A bracket
+    ``[0, (1 − n^{−ε})/ε]`` guards ``α > 2``. Rows with ``α = 1`` are replaced by softmax.
+
+    Returns ``(p, θ)`` with ``θ = ετ − 1`` (the threshold of ``[(α−1)(x − m) − θ]₊``).
+    """
+    xs, empty = _shift(x, dim)
+    am1 = (alpha - 1).to(xs.dtype)
+    tiny = torch.finfo(xs.dtype).tiny
+    eps_f = torch.finfo(xs.dtype).eps
+    e = torch.where(am1 == 0, torch.full_like(am1, 1e-20 if xs.dtype == torch.float64 else 1e-12), am1)
     n = x.shape[dim]
-    shape = z.narrow(dim, 0, 1).shape
-    lo = torch.full(shape, -1.0, dtype=z.dtype, device=z.device)
-    hi = torch.zeros_like(lo) - torch.pow(torch.full_like(lo, 1.0 / n), am1.expand(shape))
-    theta = lo.clone()
-    tiny = torch.finfo(z.dtype).tiny
-    eps = torch.finfo(z.dtype).eps
-    small_alpha = bool((alpha < 2).all())  # then t^{e-1} is finite at t = 0
-    t = torch.empty_like(z)
-    u = torch.empty_like(z)
+    shape = list(xs.shape)
+    shape[dim] = 1
+    e = e.expand(shape)
+    lo = torch.zeros(shape, dtype=xs.dtype, device=xs.device)
+    hi = -torch.expm1(-e * math.log(n)) / e
+    tau = lo.clone() if theta0 is None else ((theta0 + 1) / e).clamp(min=lo, max=hi)
+    big = bool((am1 >= 1).any())  # then p^{1-ε} is infinite (or 0·inf) at p = 0: mask it
     for _ in range(max_iter):
-        torch.sub(z, theta, out=t).relu_()
-        if small_alpha:
-            torch.pow(t, e - 1, out=u)  # t^{e-1}
-            deriv = u.sum(dim=dim, keepdim=True)
-            total = torch.mul(u, t, out=u).sum(dim=dim, keepdim=True)
-        else:
-            torch.pow(t, e, out=u)
-            total = u.sum(dim=dim, keepdim=True)
-            deriv = u.div_(t.clamp_min(tiny)).sum(dim=dim, keepdim=True)
+        q = _qlog_base(xs - tau, e)
+        p = torch.exp(q)
+        total = p.sum(dim=dim, keepdim=True)
+        w = torch.exp(q.mul_(1 - e))
+        if big:
+            w = torch.where(p > 0, w, 0.0)
+        deriv = w.sum(dim=dim, keepdim=True)
         dev = torch.where(empty, torch.zeros_like(total), total - 1)
-        # a row is done at the tolerance, or when its bracket has collapsed to rounding
-        done = (dev.abs() <= tol) | (hi - lo <= 4 * eps)
+        done = (dev.abs() <= tol) | (hi - lo <= 4 * eps_f * (1 + hi.abs()))
         if bool(done.all()):
             break
-        lo = torch.where(dev > 0, theta, lo)
-        hi = torch.where(dev > 0, hi, theta)
-        # g(θ) = total^{1/e} − 1, g'(θ) = −total^{1/e − 1} Σ t^{e−1}
-        norm = total.clamp_min(tiny).pow(am1)
-        step = (norm - 1) * total / (norm * deriv).clamp_min(tiny)
-        new = theta + step
-        bad = ~((new > lo) & (new < hi)) | (deriv <= 0)
+        lo = torch.where(dev > 0, tau, lo)
+        hi = torch.where(dev > 0, hi, tau)
+        logs = total.clamp_min(tiny).log()
+        step = total * (-torch.expm1(-e * logs)) / e / deriv.clamp_min(tiny)
+        new = tau + step
+        bad = ~((new > lo) & (new < hi)) | ~torch.isfinite(new)
         new = torch.where(bad, 0.5 * (lo + hi), new)
-        theta = torch.where(done, theta, new)
+        tau = torch.where(done, tau, new)
     else:
+        if not warn:  # a capped run for a lower bound: lo (where Σp ≥ 1) is one
+            return xs, e * lo - 1
         _warn("entmax", max_iter, float(dev.abs().max()))
-    del u
-    torch.sub(z, theta, out=t).relu_().pow_(e)
-    t.div_(t.sum(dim=dim, keepdim=True).clamp_min(tiny))
-    return t.masked_fill_(empty, 0.0), theta
+    p = torch.exp(_qlog_base(xs - tau, e))
+    p = p.div_(p.sum(dim=dim, keepdim=True).clamp_min(tiny))
+    if bool((am1 == 0).any()):
+        p = torch.where(am1 == 0, torch.softmax(xs.masked_fill(empty, 0.0), dim=dim), p)
+    return p.masked_fill_(empty, 0.0), e * tau - 1
 
 
 def _chunked(
@@ -202,13 +234,34 @@ def _chunked(
 
 
 def _threshold_map(x: Tensor, alpha: float, dim: int, max_iter: int, tol: float) -> tuple[Tensor, Tensor]:
-    """Forward of the float-α map returning ``(p, θ)``; :func:`_map_from_threshold` recomputes ``p``."""
+    """Forward of the float-α map returning ``(p, θ)``; :func:`_map_from_threshold` recomputes ``p``.
+
+    Large CPU inputs (last dim) go through the exact candidate-group path of
+    :mod:`attnopt.functional._sparse_groups` when their rows are sparse, else the dense search.
+    """
+    core: Callable[[Tensor, int], tuple[Tensor, Tensor]]
+    solve: _groups.Solver
     if alpha == 2.0:
-        return _chunked(lambda c, d: _sparsemax_forward(c, d, max_iter), x, dim, _CHUNK_SPARSEMAX)
-    if alpha == 1.5:
-        return _chunked(lambda c, d: _entmax15_forward(c, d, tol, max_iter), x, dim, _CHUNK)
-    a = torch.tensor(alpha, dtype=x.dtype, device=x.device)
-    return _chunked(lambda c, d: _entmax_general_forward(c, a, d, tol, max_iter), x, dim, _CHUNK)
+        core, elements = (lambda c, d: _sparsemax_forward(c, d, max_iter)), _CHUNK_SPARSEMAX
+
+        def solve(t: Tensor, th0: Tensor | None, cap: int | None) -> tuple[Tensor, Tensor]:
+            return _sparsemax_forward(t, -1, cap or max_iter, th0, warn=cap is None)
+    elif alpha == 1.5:
+        core, elements = (lambda c, d: _entmax15_forward(c, d, tol, max_iter)), _CHUNK
+
+        def solve(t: Tensor, th0: Tensor | None, cap: int | None) -> tuple[Tensor, Tensor]:
+            return _entmax15_forward(t, -1, tol, cap or max_iter, th0, warn=cap is None)
+    else:
+        a = torch.tensor(alpha, dtype=x.dtype, device=x.device)
+        core, elements = (lambda c, d: _entmax_general_forward(c, a, d, tol, max_iter)), _CHUNK
+
+        def solve(t: Tensor, th0: Tensor | None, cap: int | None) -> tuple[Tensor, Tensor]:
+            return _entmax_general_forward(t, a, -1, tol, cap or max_iter, th0, warn=cap is None)
+    if alpha > 1.0 and _groups.usable(x, dim):
+        res = _groups.group_forward(x, alpha, solve)
+        if res is not None:
+            return res
+    return _chunked(core, x, dim, elements)
 
 
 def _map_from_threshold(x: Tensor, theta: Tensor, alpha: float, dim: int) -> Tensor:
@@ -226,8 +279,55 @@ def _map_from_threshold(x: Tensor, theta: Tensor, alpha: float, dim: int) -> Ten
     return z.masked_fill_(empty, 0.0)
 
 
+def _support_weight(p: Tensor, alpha: float, out: Tensor, aux: Tensor) -> Tensor:
+    """``p^{2−α}`` on the support, 0 elsewhere, written into ``out`` (float ``1 < α ≤ 2``).
+
+    ``sqrt``/``pow`` of exact zeros take a slow path on x86 CPUs (~20x): the root is taken of
+    ``max(p, 1e-30)`` and the off-support entries are zeroed by ``sign(p)`` (in ``aux``).
+    """
+    if alpha == 2.0:
+        return torch.sign(p, out=out)
+    torch.clamp_min(p, 1e-30, out=out)
+    if alpha == 1.5:
+        out.sqrt_()
+    else:
+        out.pow_(2.0 - alpha)
+    return out.mul_(torch.sign(p, out=aux))
+
+
+def _backward_rows(p: Tensor, grad: Tensor, alpha: float) -> Tensor:
+    """The backward below on cache-sized row blocks of a contiguous last-dim ``p`` (CPU).
+
+    Five streaming ops per block, all in cache, one reused ``g`` buffer and no full-size
+    temporary besides the result: about what ``torch.softmax``'s backward costs.
+    """
+    n = p.shape[-1]
+    pf = p.view(-1, n)
+    gf = grad.reshape(-1, n)
+    out = torch.empty_like(pf)
+    step = max(1, _CHUNK_SPARSEMAX // n)
+    local = threading.local()  # one pair of cache-sized buffers per worker thread
+
+    def block(i: int, j: int) -> bool:
+        buf = getattr(local, "buf", None)
+        if buf is None:
+            buf = local.buf = torch.empty((2, step, n), dtype=p.dtype, device=p.device)
+        w = _support_weight(pf[i:j], alpha, buf[0, : j - i], buf[1, : j - i])
+        wsum = w.sum(dim=-1, keepdim=True)
+        o = torch.mul(w, gf[i:j], out=out[i:j])
+        q = o.sum(dim=-1, keepdim=True) / torch.where(wsum > 0, wsum, torch.ones_like(wsum))
+        o.addcmul_(w, q, value=-1.0)
+        return True
+
+    _groups.run_blocks(block, [(i, min(pf.shape[0], i + step)) for i in range(0, pf.shape[0], step)])
+    return out.view(p.shape)
+
+
 def _entmax_backward(p: Tensor, grad: Tensor, alpha: Tensor | float, dim: int) -> Tensor:
     """``g ⊙ (d − Σ g d / Σ g)`` with ``g = p^{2−α}`` on the support (few large temporaries)."""
+    if (isinstance(alpha, float) and 1.0 < alpha <= 2.0 and _groups.usable(p, dim)
+            and grad.shape == p.shape and grad.dtype == p.dtype):
+        return _backward_rows(p, grad, alpha)
     if isinstance(alpha, float) and alpha == 2.0:
         g = torch.sign(p)
     elif isinstance(alpha, float) and alpha == 1.5:
@@ -242,17 +342,56 @@ def _entmax_backward(p: Tensor, grad: Tensor, alpha: Tensor | float, dim: int) -
     return out.sub_(g.mul_(q))
 
 
+_PHI_TERMS = 14  # Taylor terms of (e^x − 1 − x)/x² used for |x| < 1/2 (error < 1e-17)
+
+
+def _phi(x: Tensor) -> Tensor:
+    """``(eˣ − 1 − x)/x²`` without cancellation (``1/2`` at ``x = 0``)."""
+    small = x.abs() < 0.5
+    xd = torch.where(small, torch.ones_like(x), x)
+    direct = (torch.expm1(xd) - xd) / (xd * xd)
+    series = torch.full_like(x, 1.0 / math.factorial(_PHI_TERMS + 1))
+    for k in range(_PHI_TERMS - 1, -1, -1):
+        series = series * x + 1.0 / math.factorial(k + 2)
+    return torch.where(small, series, direct)
+
+
 def _alpha_backward(p: Tensor, grad: Tensor, alpha: Tensor, dim: int) -> Tensor:
-    """``Σ_j d_j ∂p_j/∂α`` per slice (Peters et al., 2019, App. for the bisection entmax)."""
+    r"""``Σ_j d_j ∂p_j/∂α`` per slice, including across ``α = 1``.
+
+    Peters et al. (2019) give ``∂p/∂α = (p − p̃)/ε² − (p log p − p̃ Σ p log p)/ε`` with
+    ``ε = α − 1``, ``p̃ = p^{1−ε}/Σ p^{1−ε}``: a 0/0 at ``α = 1``. With ``l = log p``,
+    ``w = p^{−ε} = 1 − εl + ε²l²φ(−εl)`` (``φ(x) = (eˣ−1−x)/x²``) it is exactly
+
+    .. math:: \partial_\alpha p_j = \frac{p_j}{W}\big[(1 − εl_j) C − l_j^2 φ_j (1 − εA)\big],
+              \ W = Σ p w,\ A = Σ p l,\ C = Σ p l^2 φ,
+
+    finite at ``ε = 0`` (``p_j (Σ p l² − l_j²)/2``). Used for ``|ε| < 1``; the original form
+    (no cancellation there) elsewhere.
+    """
     support = p > 0
-    g = torch.where(support, p.clamp_min(torch.finfo(p.dtype).tiny).pow(2 - alpha), 0.0)
+    tiny = torch.finfo(p.dtype).tiny
+    am1 = (alpha - 1).to(p.dtype)
+    logp = torch.where(support, p.clamp_min(tiny).log(), 0.0)
+    # stable form (|ε| < 1)
+    xe = -am1 * logp
+    phi = _phi(xe)
+    w = torch.where(support, torch.exp(xe), 0.0)
+    big_w = (p * w).sum(dim=dim, keepdim=True)
+    a_ = (p * logp).sum(dim=dim, keepdim=True)
+    l2phi = logp * logp * phi
+    c_ = (p * l2phi).sum(dim=dim, keepdim=True)
+    inner = (1 - am1 * logp) * c_ - l2phi * (1 - am1 * a_)
+    stable = p * inner / torch.where(big_w > 0, big_w, torch.ones_like(big_w))
+    # original form (|ε| ≥ 1)
+    g = torch.where(support, p.clamp_min(tiny).pow(2 - alpha), 0.0)
     gsum = g.sum(dim=dim, keepdim=True)
     skew = g / torch.where(gsum > 0, gsum, torch.ones_like(gsum))
-    plogp = torch.special.xlogy(p, p)
-    ent = plogp.sum(dim=dim, keepdim=True)
-    am1 = alpha - 1
-    d_alpha = grad * ((p - skew) / (am1 * am1) - (plogp - skew * ent) / am1)
-    return d_alpha.sum(dim=dim, keepdim=True)
+    plogp = p * logp
+    safe = torch.where(am1 == 0, torch.ones_like(am1), am1)
+    original = (p - skew) / (safe * safe) - (plogp - skew * a_) / safe
+    dp = torch.where(am1.abs() < 1, stable, original)
+    return (grad * dp).sum(dim=dim, keepdim=True)
 
 
 def _reduce_to(g: Tensor, shape: torch.Size) -> Tensor:
@@ -331,6 +470,19 @@ class _EntmaxAlpha(torch.autograd.Function):
         return gx, ga, None, None, None
 
 
+def _softmax(scores: Tensor, dim: int) -> Tensor:
+    """``torch.softmax`` (α = 1) with the conventions of the sparse maps: NaN/``+inf`` rejected,
+    an all ``−inf`` slice gives zeros (and zero gradient), half precision computed in float32."""
+    m = scores.detach().amax(dim=dim, keepdim=True)
+    if bool((torch.isnan(m) | torch.isposinf(m)).any()):
+        raise ValueError("scores must not contain NaN or +inf (use -inf to mask an entry)")
+    x = scores.to(_compute_dtype(scores.dtype))
+    empty = torch.isneginf(m)
+    if bool(empty.any()):
+        return torch.softmax(x.masked_fill(empty, 0.0), dim=dim).masked_fill(empty, 0.0).to(scores.dtype)
+    return torch.softmax(x, dim=dim).to(scores.dtype)
+
+
 def _check_dim(scores: Tensor, dim: int) -> int:
     if not isinstance(dim, int) or isinstance(dim, bool):
         raise TypeError(f"dim must be an int, got {type(dim).__name__}")
@@ -384,19 +536,22 @@ def entmax(
     tol: float | None = None,
     max_iter: int = 100,
 ) -> Tensor:
-    r"""α-entmax, the Tsallis-regularized argmax (sdpa-one-sided-eot Prop. 4.3).
+    r"""α-entmax, the Tsallis-regularized argmax (sdpa-one-sided-eot Prop. 4.3), every ``α > 0``.
 
     .. math:: p = \arg\max_{p \in \Delta} \langle s, p \rangle
               - \sum_j \frac{p_j^\alpha - p_j}{\alpha(\alpha - 1)}
-              = [(\alpha - 1) s - \theta]_+^{1/(\alpha - 1)}
+              = [1 + (\alpha - 1)(s - \tau)]_+^{1/(\alpha - 1)}
 
-    ``α → 1`` is softmax, ``α = 2`` is :func:`sparsemax`. α = 1.5 and 2 are exact (closed-form
-    threshold on the support); other α stop when ``|Σp − 1| ≤ tol``.
+    ``α = 1`` is ``softmax`` exactly (the limit of the Tsallis regularizer is Shannon's),
+    ``α ∈ (0, 1)`` gives dense maps, ``α > 1`` sparse ones, ``α = 2`` is :func:`sparsemax`.
+    α = 1.5 and 2 are exact (closed-form threshold on the support); other α stop when
+    ``|Σp − 1| ≤ tol``.
 
     Args:
         scores: (..., S) real scores; ``-inf`` entries get weight 0.
-        alpha: a float > 1, or a tensor broadcastable to ``scores`` with size 1 along ``dim``
-            (e.g. per head ``(H, 1, 1)``), values > 1; a tensor α receives a gradient.
+        alpha: a float > 0, or a tensor broadcastable to ``scores`` with size 1 along ``dim``
+            (e.g. per head ``(H, 1, 1)``), values > 0 that may mix ``α < 1``, ``α = 1`` and
+            ``α > 1``; a tensor α receives a gradient (continuous across ``α = 1``).
         dim: dimension that sums to one.
         tol: stopping tolerance on ``|Σp − 1|`` (default 1e-6, 1e-12 for float64).
         max_iter: maximum Newton iterations (a ``RuntimeWarning`` if ``tol`` is not reached).
@@ -405,8 +560,9 @@ def entmax(
         zeros. Same dtype as ``scores`` (half precision computed in float32).
     Raises:
         TypeError: non-floating ``scores`` or ``alpha`` of another type.
-        ValueError: ``alpha <= 1``, a tensor ``alpha`` that does not broadcast with size 1
-            along ``dim``, NaN/``+inf`` scores, ``dim`` out of range, bad ``tol``/``max_iter``.
+        ValueError: ``alpha <= 0`` or not finite, a tensor ``alpha`` that does not broadcast
+            with size 1 along ``dim``, NaN/``+inf`` scores, ``dim`` out of range, bad
+            ``tol``/``max_iter``.
     """
     check_tensor("scores", scores)
     dim = _check_dim(scores, dim)
@@ -414,8 +570,8 @@ def entmax(
     if isinstance(alpha, Tensor):
         if not alpha.is_floating_point():
             raise TypeError(f"alpha must be a floating-point tensor, got {alpha.dtype}")
-        if not bool((alpha > 1).all()) or not bool(torch.isfinite(alpha).all()):
-            raise ValueError("alpha must be > 1 and finite everywhere (use softmax_weights for alpha = 1)")
+        if not bool((alpha > 0).all()) or not bool(torch.isfinite(alpha).all()):
+            raise ValueError("alpha must be > 0 and finite everywhere")
         try:
             full = torch.broadcast_shapes(alpha.shape, scores.shape)
         except RuntimeError as exc:
@@ -432,10 +588,12 @@ def entmax(
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
         raise TypeError(f"alpha must be a float or a tensor, got {type(alpha).__name__}")
     alpha = float(alpha)
-    if not alpha > 1.0 or alpha == float("inf"):
-        raise ValueError(f"alpha must be a finite number > 1 (softmax_weights is alpha = 1), got {alpha}")
+    if not alpha > 0.0 or alpha == float("inf"):
+        raise ValueError(f"alpha must be a finite number > 0, got {alpha}")
     if scores.shape[dim] == 0:
         return scores.clone()
+    if alpha == 1.0:
+        return _softmax(scores, dim)
     if alpha == 2.0:
         res: Tensor = _Sparsemax.apply(scores, dim, max(max_iter, 1000))
         return res

@@ -22,7 +22,11 @@ from attnopt._validation import (
     check_attention_inputs,
     check_broadcastable,
     combine_additive,
+    empty_attention,
+    empty_weights,
     resolve_scale,
+    to_rank,
+    validate_attention,
 )
 from attnopt.functional._softmax import safe_softmax
 
@@ -58,14 +62,14 @@ def preference_to_log(
             if bool(low < 0):
                 raise ValueError("preference must be non-negative (u >= 0; 0 masks a key)")
         log_u = _safe_log(preference) if preference.requires_grad else preference.log()
-        return log_u.to(dtype)
+        return to_rank(log_u.to(dtype), len(target))
     if log_preference is not None:
         if not isinstance(log_preference, Tensor) or not log_preference.is_floating_point():
             raise TypeError("log_preference must be a floating-point torch.Tensor")
         check_broadcastable("log_preference", log_preference, target)
         if log_preference.numel() and not bool(log_preference.detach().max() < float("inf")):
             raise ValueError("log_preference must not contain NaN or +inf (-inf masks a key)")
-        return log_preference.to(dtype)
+        return to_rank(log_preference.to(dtype), len(target))
     return None
 
 
@@ -131,17 +135,23 @@ def generalized_attention(
 
     Returns:
         (B, H, Nq, dv). A row whose preference/mask excludes every key is all zeros, with
-        finite gradients.
+        finite gradients; ``Nk = 0`` gives zeros, ``Nq = 0`` (or an empty batch) an empty
+        output. Any strided layout is accepted (README, "Layout and conventions").
 
     Raises:
         ValueError: both ``preference`` and ``log_preference``; a negative or non-finite
-            preference; shapes that do not broadcast; ``scale <= 0``; ``dropout_p`` not in [0, 1).
+            preference; NaN or ±inf in ``q``, ``k`` or ``v``; shapes or a mask that do not
+            broadcast to (B, H, Nq, Nk); ``scale <= 0``; ``dropout_p`` not in [0, 1).
         TypeError: non-tensor or non-floating inputs.
     """
-    check_attention_inputs(q, k, v)
+    validate_attention(q, k, v, attn_mask)
     alpha = resolve_scale(scale, q.shape[-1])
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    empty = empty_attention(q, k, v, preference, log_preference)
+    if empty is not None:
+        score_bias(q, k, preference, log_preference, attn_mask, is_causal)  # the same checks as otherwise
+        return empty
     if preference is None and log_preference is None and attn_mask is None:
         return F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=alpha
@@ -177,11 +187,14 @@ def generalized_weights(
     Raises:
         ValueError, TypeError: as :func:`generalized_attention`.
     """
-    check_attention_inputs(q, k)
+    validate_attention(q, k, None, attn_mask)
     alpha = resolve_scale(scale, q.shape[-1])
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     bias = score_bias(q, k, preference, log_preference, attn_mask, is_causal)
+    empty = empty_weights(q, k, preference, log_preference)
+    if empty is not None:
+        return empty
     compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     scores = torch.matmul(q.to(compute), k.to(compute).transpose(-2, -1)) * alpha
     if bias is not None:

@@ -29,7 +29,10 @@ from attnopt._validation import (
     causal_additive_mask,
     check_attention_inputs,
     combine_additive,
+    empty_attention,
+    empty_weights,
     resolve_scale,
+    validate_attention,
 )
 from attnopt.functional._softmax import safe_softmax
 from attnopt.functional.kernel_linear import linear_kernel_attention
@@ -218,6 +221,13 @@ def kernel_weights(
     Raises:
         ValueError, TypeError: as :func:`kernel_attention`.
     """
+    validate_attention(q, k, None, attn_mask)
+    empty = empty_weights(q, k)
+    if empty is not None:  # the same checks as otherwise, then the empty-size policy
+        _check_options(kernel, magnitude_p, eps, "quadratic")
+        resolve_scale(scale, q.shape[-1])
+        _full_mask(q, k, attn_mask, is_causal, q.dtype)
+        return empty
     _, compute, bias = _prepare(q, k, kernel, magnitude_p, scale, eps, "quadratic")
     mask = _full_mask(q, k, attn_mask, is_causal, compute)
     w = _quadratic(q.to(compute), k.to(compute), None, kernel, bias, mask, eps)
@@ -263,15 +273,23 @@ def kernel_attention(
             by positive kernels. Both modes include it exactly.
 
     Returns:
-        (B, H, Nq, dv) in the input dtype; a row with no admissible key is zeros.
+        (B, H, Nq, dv) in the input dtype; a row with no admissible key is zeros (every row
+        when ``Nk = 0``; ``Nq = 0`` gives an empty output).
 
     Raises:
         TypeError: ``kernel`` not a :class:`~attnopt.kernels.Kernel`; non-floating inputs.
-        ValueError: mismatched shapes, ``magnitude_p <= 0``, ``eps < 0``, unknown ``mode``,
+        ValueError: NaN or ±inf in ``q``, ``k``, ``v``; a mask that does not broadcast to
+            (B, H, Nq, Nk); mismatched shapes, ``magnitude_p <= 0``, ``eps < 0``, unknown ``mode``,
             ``mode="linear"`` with a kernel without features, a query-dependent mask, or a
             causal mask with ``Nq != Nk``.
     """
-    check_attention_inputs(q, k, v)
+    validate_attention(q, k, v, attn_mask)
+    empty = empty_attention(q, k, v)
+    if empty is not None:  # the same checks as otherwise, then the empty-size policy
+        _check_options(kernel, magnitude_p, eps, mode)
+        resolve_scale(scale, q.shape[-1])
+        _full_mask(q, k, attn_mask, is_causal, q.dtype)
+        return empty
     s, compute, bias = _prepare(q, k, kernel, magnitude_p, scale, eps, mode)
     qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)
     if mode == "linear":

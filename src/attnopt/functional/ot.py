@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnopt._validation import check_broadcastable, check_tensor
+from attnopt._validation import check_broadcastable, check_finite, check_tensor, zero_anchor
 from attnopt.functional._ot_cost import (
     CostSpec,
     check_ot_inputs,
@@ -102,6 +102,24 @@ def _ot_log_weights(
     return scores + log_matmul_exp(w, log_k.transpose(-2, -1))
 
 
+def _empty(
+    z: Tensor, templates: Tensor, bank: Tensor | None, bank_values: Tensor | None, weights: bool
+) -> Tensor | None:
+    """Entry checks shared with every op (finiteness; empty sizes -> empty / zeros), or ``None``.
+
+    ``Nq = 0`` or an empty batch gives an empty result; no template (``n = 0``) or no bank
+    member (``m = 0``) gives zeros, as an all-zero preference does.
+    """
+    bank_t, batch = check_ot_inputs(z, templates, bank, allow_empty=True)
+    check_finite(z=z, templates=templates, bank=bank, bank_values=bank_values)
+    nq, n, m = z.shape[-2], templates.shape[-2], bank_t.shape[-2]
+    if nq and n and m and 0 not in batch:
+        return None
+    width = m if weights else (z.shape[-1] if bank_values is None else bank_values.shape[-1])
+    anchor = zero_anchor(*(x for x in (z, templates, bank, bank_values) if x is not None))
+    return z.new_zeros((*batch, nq, width)) + anchor.to(z.dtype)
+
+
 def _prepare(
     z: Tensor,
     templates: Tensor,
@@ -166,14 +184,20 @@ def ot_weights(
 
     Returns:
         (B, H, Nq, m) non-negative weights, each row summing to 1 (0 for an all-zero
-        preference). Half precision is computed in float32 and returned in the input dtype.
+        preference, and for no template, ``n = 0``; ``Nq = 0`` or ``m = 0`` gives an empty
+        result). Half precision is computed in float32 and returned in the input dtype.
 
     Raises:
         TypeError: non-tensor / non-floating inputs, mixed dtypes, non-number ``alpha``/``gamma``,
             a cost of an unsupported type, a non-boolean ``bank_mask``.
-        ValueError: mismatched shapes, ``alpha``/``gamma`` not finite and > 0, a negative,
+        ValueError: NaN or ±inf in ``z``, ``templates``, ``bank`` (or ``bank_values``);
+            mismatched shapes, ``alpha``/``gamma`` not finite and > 0, a negative,
             NaN or infinite preference, a cost that fails its checks, an unknown cost name.
     """
+    check_positive("alpha", alpha), check_positive("gamma", gamma)
+    empty = _empty(z, templates, bank, None, weights=True)
+    if empty is not None:
+        return empty
     zc, bank_c, u, log_k, mask, alpha, gamma, _ = _prepare(
         z, templates, bank, preference, cost, alpha, gamma, bank_mask
     )
@@ -213,6 +237,12 @@ def ot_attention(
         TypeError, ValueError: as :func:`ot_weights`; ``bank_values`` whose rows, dtype,
             device or batch dims do not match the bank.
     """
+    if bank_values is not None:
+        check_tensor("bank_values", bank_values, min_dim=2)
+    check_positive("alpha", alpha), check_positive("gamma", gamma)
+    empty = _empty(z, templates, bank, bank_values, weights=False)
+    if empty is not None:
+        return empty
     zc, bank_c, u, log_k, mask, alpha, gamma, batch = _prepare(
         z, templates, bank, preference, cost, alpha, gamma, bank_mask
     )

@@ -34,7 +34,10 @@ from attnopt._validation import (
     check_attention_inputs,
     check_tensor,
     combine_additive,
+    empty_attention,
+    empty_weights,
     resolve_scale,
+    validate_attention,
 )
 from attnopt.functional._blocked_sparse import blocked_sparse_attention
 from attnopt.functional.regularizers import Regularizer, Shannon, SquaredL2, Tsallis
@@ -150,9 +153,13 @@ def regularized_attention_weights(
     Raises:
         ValueError, TypeError: as :func:`regularized_attention`.
     """
+    validate_attention(q, k, None, attn_mask)
     reg = Shannon() if regularizer is None else regularizer
     _check_regularizer(reg)
     scores = _scores(q, k, attn_mask, scale, locality, is_causal)
+    empty = empty_weights(q, k, locality if isinstance(locality, Tensor) else None)
+    if empty is not None:
+        return empty
     return reg.conjugate_grad(scores, -1).to(q.dtype)
 
 
@@ -190,13 +197,15 @@ def regularized_attention(
         block_size: queries per block in the blocked sparse path (default: about 2^22 scores
             per block).
     Returns:
-        (B, H, Nq, dv) in the dtype of ``q``; a row with no admissible key is zeros.
+        (B, H, Nq, dv) in the dtype of ``q``; a row with no admissible key is zeros (every
+        row when ``Nk = 0``; ``Nq = 0`` gives an empty output).
     Raises:
         TypeError: non-tensor or non-floating inputs; a regularizer without ``conjugate_grad``.
-        ValueError: shapes that do not fit; ``scale <= 0``; non-finite ``locality``; a per-head
+        ValueError: NaN or ±inf in ``q``, ``k``, ``v``; a mask that does not broadcast to
+            (B, H, Nq, Nk); shapes that do not fit; ``scale <= 0``; non-finite ``locality``; a per-head
             ``locality`` whose length is not H; bad ``block_size``.
     """
-    nq, nk, _ = check_attention_inputs(q, k, v)
+    nq, nk, _ = validate_attention(q, k, v, attn_mask)
     reg = Shannon() if regularizer is None else regularizer
     _check_regularizer(reg)
     alpha_scale = resolve_scale(scale, q.shape[-1])
@@ -206,6 +215,9 @@ def regularized_attention(
     target = (*batch, nq, nk)
     mask = additive_mask(attn_mask, target, _compute(q.dtype))
     loc = None if locality is None else _checked_locality(locality, q, nq, nk)
+    empty = empty_attention(q, k, v, locality if isinstance(locality, Tensor) else None)
+    if empty is not None:
+        return empty
     if isinstance(reg, Shannon):
         tau = reg.temperature
         if mask is None and loc is None:

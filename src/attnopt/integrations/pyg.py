@@ -21,11 +21,16 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch_geometric.nn import MessagePassing
-from torch_geometric.utils import add_self_loops, remove_self_loops, softmax
 
+from attnopt._extras import MissingExtraError
 from attnopt.functional.kernel import log_magnitude
 from attnopt.kernels import RBF, Kernel, NonStationaryFourier
+
+try:
+    from torch_geometric.nn import MessagePassing
+    from torch_geometric.utils import add_self_loops, remove_self_loops, softmax
+except ImportError as _exc:  # one message naming the extra, not a bare ImportError
+    raise MissingExtraError("graph", ["torch_geometric"], "attnopt.integrations.pyg") from _exc
 
 __all__ = ["KernelGATConv"]
 

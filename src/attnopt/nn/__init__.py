@@ -12,6 +12,7 @@ from attnopt.nn.doubly_normalized import (
 from attnopt.nn.generalized import GeneralizedMultiheadAttention
 from attnopt.nn.implicit_kernel import ImplicitKernelAttention
 from attnopt.nn.kernel import KernelMultiheadAttention
+from attnopt.nn.losses import EntmaxLoss, SparsemaxLoss
 from attnopt.nn.mem import MEMAttention, MEMEstimate
 from attnopt.nn.ot import OTAttention
 from attnopt.nn.preference import (
@@ -27,6 +28,7 @@ __all__: list[str] = [
     "ALiBiPreference",
     "AttentionSpec",
     "DoublyNormalizedMultiheadAttention",
+    "EntmaxLoss",
     "GeneralizedMultiheadAttention",
     "HybridNormalizedMultiheadAttention",
     "ImplicitKernelAttention",
@@ -37,6 +39,7 @@ __all__: list[str] = [
     "OTAttention",
     "PreferenceModule",
     "RegularizedMultiheadAttention",
+    "SparsemaxLoss",
     "T5RelativePreference",
     "attention_names",
     "attention_spec",

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from attnopt._validation import check_finite
+
 __all__ = ["MultiheadBase", "merge_masks"]
 
 
@@ -90,6 +92,7 @@ class MultiheadBase(nn.Module):
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         self.embed_dim, self.num_heads = embed_dim, num_heads
+        self.kdim, self.vdim = kdim or embed_dim, vdim or embed_dim
         self.head_dim = embed_dim // num_heads
         self.dropout = dropout
         self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
@@ -124,6 +127,21 @@ class MultiheadBase(nn.Module):
         """
         raise NotImplementedError
 
+    def check_features(self, query: Tensor, key: Tensor, value: Tensor) -> None:
+        """Raise ``TypeError``/``ValueError`` naming the input whose type, rank or feature size
+        (``embed_dim`` / ``kdim`` / ``vdim``) is wrong, before any projection runs."""
+        for name, x, size in (("query", query, self.embed_dim), ("key", key, self.kdim),
+                              ("value", value, self.vdim)):
+            if not isinstance(x, Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+            if x.dim() != 3:
+                raise ValueError(f"{name} must be (B, N, features) (batch_first), got {tuple(x.shape)}")
+            if x.shape[-1] != size:
+                attr = {"query": "embed_dim", "key": "kdim", "value": "vdim"}[name]
+                raise ValueError(
+                    f"{name} has {x.shape[-1]} features, expected {attr}={size}: shape {tuple(x.shape)}"
+                )
+
     def forward(
         self,
         query: Tensor,
@@ -142,16 +160,20 @@ class MultiheadBase(nn.Module):
 
         Returns:
             ``(output (B, Nq, E), weights (B, H, Nq, Nk) if need_weights else None)``.
+        Raises:
+            TypeError: ``query``/``key``/``value`` is not a tensor.
+            ValueError: an input that is not 3-D, whose feature size differs from
+                ``embed_dim``/``kdim``/``vdim`` (named), or mismatched batch/lengths.
         """
-        if query.dim() != 3:
-            raise ValueError(f"query must be (B, N, E) (batch_first), got {tuple(query.shape)}")
         key = query if key is None else key
         value = key if value is None else value
+        self.check_features(query, key, value)
         if key.shape[:2] != value.shape[:2] or key.shape[0] != query.shape[0]:
             raise ValueError(
                 f"query/key/value batch or length mismatch: {tuple(query.shape)}, "
                 f"{tuple(key.shape)}, {tuple(value.shape)}"
             )
+        check_finite(query=query, key=key, value=value)  # the shared non-finite policy, by module argument
         q = self.split_heads(self.q_proj(query))
         k = self.split_heads(self.k_proj(key))
         v = self.split_heads(self.v_proj(value))

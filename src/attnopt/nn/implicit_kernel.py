@@ -112,6 +112,8 @@ class ImplicitKernelAttention(MultiheadBase):
 
     def _head_summary(self, k: Tensor, mask: Tensor | None) -> Tensor:
         """``h`` per head: mean of the head's keys over non-padded positions, (B, H, d)."""
+        if k.shape[-2] == 0:  # no key (Nk = 0): the empty mean is taken as 0, not NaN
+            return k.sum(dim=-2)
         if mask is None:
             return k.mean(dim=-2)
         valid = (~torch.isneginf(mask).all(dim=-2)).to(k.dtype)  # (B|1, H|1, Nk)

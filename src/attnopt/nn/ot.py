@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from attnopt._validation import check_finite
 from attnopt.functional.ot import ot_attention, ot_weights
 from attnopt.nn._multihead import MultiheadBase
 
@@ -94,6 +95,7 @@ class OTAttention(MultiheadBase):
         """Pool ``tokens (B, N, E)`` (and optional extra ``bank (B, M, E)``) into ``(B, E)``."""
         if not isinstance(tokens, Tensor) or tokens.dim() != 3 or tokens.shape[-1] != self.embed_dim:
             raise ValueError(f"tokens must be (B, N, E={self.embed_dim})")
+        check_finite(tokens=tokens, bank=bank)
         b, n, _ = tokens.shape
         keep_t = _padding_to_keep(key_padding_mask, b, n, "key_padding_mask")
         z = self.split_heads(self.q_proj(self.query.expand(b, 1, -1).to(tokens.dtype)))

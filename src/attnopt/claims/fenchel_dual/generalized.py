@@ -10,7 +10,8 @@ from attnopt.nn.preference import T5RelativePreference
 PAPER = "fenchel_dual"
 
 
-@claim(paper=PAPER, key="eq16", title="uniform preference = dot-product attention", reference="eq. (16)")
+@claim(paper=PAPER, key="eq16", title="uniform preference = dot-product attention", reference="eq. (16)",
+       requires=())
 def uniform_preference_is_dot_product(ctx: ClaimContext) -> ClaimResult:
     """With u uniform (any constant), ĥ of eq. (16) is softmax dot-product attention."""
     g = ctx.generator(16)
@@ -76,7 +77,7 @@ def _t5_case(bidirectional: bool, g: torch.Generator) -> tuple[float, str]:
 
 
 @claim(paper=PAPER, key="eq18", title="T5 attention = generalized attention, u ∝ exp(b)·mask",
-       reference="eq. (17)-(18)")
+       reference="eq. (17)-(18)", requires=("hf",))
 def t5_is_generalized_attention(ctx: ClaimContext) -> ClaimResult:
     """T5's relative-position-biased attention equals generalized attention with u_ij ∝ exp(b_{j−i})."""
     g = ctx.generator(18)

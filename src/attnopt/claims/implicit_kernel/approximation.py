@@ -91,7 +91,12 @@ def _bound_eps(r: int, d: int, diam: float, sigma: float, delta: float) -> float
 @claim(paper=PAPER, key="prop4", title="non-stationary random-Fourier sup-error vs the bound",
        reference="Prop. 4")
 def prop4(ctx: ClaimContext) -> ClaimResult:
-    """Empirical 90% quantile of sup_{x,x'∈M}|f − k| vs the ε at which the bound gives probability 0.1."""
+    """Empirical 90% quantile of sup_{x,x'∈M}|f − k| vs R: slope −½ decides; the bound's ε is reported.
+
+    The verdict is the measured rate (log-log slope of the sup-error in R, expected −½, and a
+    4× drop over the grid), with the bound holding as a necessary consistency check only: at
+    small R the bound's ε exceeds 2, the largest error possible, so holding it proves nothing.
+    """
     import matplotlib.pyplot as plt
 
     g = ctx.generator(4)
@@ -110,8 +115,12 @@ def prop4(ctx: ClaimContext) -> ClaimResult:
         emp.append(float(np.quantile(sups, 1 - delta)))
         bound.append(_bound_eps(r, d, diam, sigma, delta))
     holds = all(e <= b for e, b in zip(emp, bound))
+    # |f| ≤ 1 and |k| ≤ 1, so no error exceeds 2: where the bound's ε ≥ 2 it says nothing
+    vacuous = [r for r, b in zip(grid, bound) if b >= 2.0]
     slope = _loglog_slope(grid, emp)
-    ok = holds and -0.65 < slope < -0.35
+    # the verdict rests on the measured rate R^{-1/2}; the (loose) bound is reported, and a
+    # violation would contradict the proposition, but holding it proves nothing by itself
+    ok = -0.65 < slope < -0.35 and emp[-1] < emp[0] / 4 and holds
     fig, ax = plt.subplots(figsize=(5, 3.6))
     ax.loglog(grid, emp, "o-", label="empirical sup-error (90% quantile)")
     ax.loglog(grid, bound, "s--", label="Prop. 4 ε at P = 0.1")
@@ -122,20 +131,23 @@ def prop4(ctx: ClaimContext) -> ClaimResult:
     ctx.save_figure(fig, "sup_error_vs_bound")
     rows = [(r, f"{e:.4f}", f"{b:.3f}", f"{b / e:.0f}×") for r, e, b in zip(grid, emp, bound)]
     return ClaimResult(
-        verdict=verdict(ok, partial=holds),
+        verdict=verdict(ok),
         summary=(
             f"Sup-error of the non-stationary RFF kernel over {n_pts} points of a set of diameter {diam} "
             f"(d={d}, w1~N(0,{s1}²I), w2~N(0,{s2}²I)): 90% quantile {emp[0]:.3f} at R={grid[0]} → "
             f"{emp[-1]:.4f} at R={grid[-1]} (slope {slope:.2f}); the bound's ε at probability 0.1 is "
             f"{'above it for every R' if holds else 'violated for some R'} "
             f"({bound[0]:.2f} → {bound[-1]:.3f}; loose by {bound[-1] / emp[-1]:.0f}× at the largest R). "
-            "The sup is over a finite sample of the set, so it under-estimates the true sup slightly."
+            "The sup is over a finite sample of the set, so it under-estimates the true sup slightly. "
+            f"Verdict on the slope (expected −0.5 ± 0.15); the bound is vacuous (ε ≥ 2, the largest "
+            f"possible error) at R = {', '.join(map(str, vacuous)) or 'none'}."
         ),
         figures={
             "bound_holds": holds,
             "slope": slope,
             "sup_err_largest_R": emp[-1],
             "bound_largest_R": bound[-1],
+            "bound_vacuous_R": ", ".join(map(str, vacuous)) or "none",
         },
         details=markdown_table(("R", "empirical ε (90%)", "bound ε (δ=0.1)", "looseness"), rows),
     )

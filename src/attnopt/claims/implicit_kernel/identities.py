@@ -15,7 +15,7 @@ PAPER = "implicit_kernel"
 
 
 @claim(paper=PAPER, key="prop1", title="dot-product attention = RBF similarity × exp-L2 magnitude",
-       reference="Prop. 1")
+       reference="Prop. 1", requires=())
 def prop1(ctx: ClaimContext) -> ClaimResult:
     """exp(qᵀk/√d) = exp(−‖q−k‖²/(2√d))·exp((‖q‖²+‖k‖²)/(2√d)), and the weights are SDPA's."""
     g = ctx.generator(1)
@@ -46,7 +46,7 @@ def prop1(ctx: ClaimContext) -> ClaimResult:
 
 
 @claim(paper=PAPER, key="prop2", title="GAT attention = two RBF similarities through ca × magnitude",
-       reference="Prop. 2")
+       reference="Prop. 2", requires=("graph",))
 def prop2(ctx: ClaimContext) -> ClaimResult:
     """exp(LeakyReLU(aᵀ[Wh_i‖Wh_j])) factorizes with c chosen by the sign of the raw score."""
     g = ctx.generator(2)

@@ -24,6 +24,7 @@ def prop5(ctx: ClaimContext) -> ClaimResult:
     b, h, n, d, r = (4, 4, 32, 16, 8) if ctx.quick else (8, 8, 64, 16, 16)
     q = torch.randn(b, h, n, d, generator=g, dtype=torch.float64)
     k = torch.randn(b, h, n, d, generator=g, dtype=torch.float64)
+    k[0, 0, 0, :] *= 3  # in the first head key 0 is the longest, so (as p → 0) it wins every row there
     k[..., 1, :] = k[..., 0, :]  # a duplicated key: where it wins, the limit is 1/2 on each copy
     kern = NonStationaryFourier.gaussian(r, d, d**-0.25, 0.5 * d**-0.25, generator=g, dtype=torch.float64)
     ps = [4.0, 2.0, 1.0, 0.5, 0.25, 0.1, 0.05]
@@ -38,13 +39,18 @@ def prop5(ctx: ClaimContext) -> ClaimResult:
         rows.append((p, f"{max_w[-1]:.4f}", f"{ent[-1]:.4f}", f"{(mw > 0.99).double().mean().item():.3f}"))
     w_lim = weights[ps[-1]]
     top = w_lim.amax(-1)
-    tie_rows = (w_lim[..., 0] - 0.5).abs().lt(1e-6) & (w_lim[..., 1] - 0.5).abs().lt(1e-6)
+    # rows whose arg-max set A is the duplicated pair {0, 1} — found from which key wins, not from
+    # the 1/2 pattern itself, so a wrong tie-break (all mass on one copy) cannot hide them
+    tie_rows = w_lim.argmax(-1) <= 1
     others = ~tie_rows
     dev_unique = (1 - top[others]).max().item() if others.any() else float("nan")
-    monotone = all(a <= b_ + 1e-9 for a, b_ in zip(max_w, max_w[1:]))
     n_ties = int(tie_rows.sum())
+    pair = w_lim[..., :2][tie_rows]
+    dev_ties = (pair - 0.5).abs().max().item() if n_ties else float("nan")
+    monotone = all(a <= b_ + 1e-9 for a, b_ in zip(max_w, max_w[1:]))
     tie_entropy = math.log(2) * n_ties / tie_rows.numel()  # the limit's mean entropy: ln 2 on tie rows
-    ok = monotone and dev_unique < 1e-3 and abs(ent[-1] - tie_entropy) < 1e-3
+    ok = (monotone and n_ties > 0 and dev_unique < 1e-3 and dev_ties < 1e-3
+          and abs(ent[-1] - tie_entropy) < 1e-3)
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.2), sharey=True)
     for ax, p in zip(axes, (2.0, 0.1)):
         ax.hist(weights[p].flatten().numpy(), bins=np.linspace(0, 1, 26), color="tab:blue")
@@ -62,13 +68,15 @@ def prop5(ctx: ClaimContext) -> ClaimResult:
             f"{max_w[-1]:.5f} (p={ps[-1]}) and the mean entropy falls from {ent[0]:.2f} to "
             f"{ent[-1]:.4f} nats; "
             f"at p={ps[-1]} rows with a unique arg-max are one-hot to within {dev_unique:.1e}, and the "
-            f"{n_ties} rows whose arg-max is the duplicated key give exactly 1/2 to each copy (1_A/|A|)."
+            f"{n_ties} rows whose arg-max is the duplicated key give 1/2 to each copy to within "
+            f"{dev_ties:.1e} (1_A/|A|; at least one such row is required)."
         ),
         figures={
             "max_weight_p4": max_w[0],
             "max_weight_smallest_p": max_w[-1],
             "entropy_smallest_p": ent[-1],
             "tie_rows": n_ties,
+            "max_dev_tie_rows": dev_ties,
         },
         details=markdown_table(("p", "mean max weight", "mean entropy (nats)", "rows with max > 0.99"), rows)
         + "\n\nThe paper's Fig. 4a–b histograms come from MIKAN trained on UCI Housing; here the inputs and "

@@ -1,0 +1,6 @@
+"""``python -m attnopt``: the same as the ``attnopt`` command."""
+import sys
+
+from attnopt.cli import main
+
+sys.exit(main())
