@@ -1,0 +1,90 @@
+"""MkDocs hooks for the attnopt site (registered in ``mkdocs.yml``).
+
+* The API reference is generated, not hand-listed: every public module of ``src/attnopt``
+  (no path component starting with ``_``) gets a ``::: module`` block on its subpackage's
+  page, and the pages join the navigation. A module a later change adds appears by itself.
+* The math renderer comes from an installed package, not a CDN: MathJax 3's self-contained
+  ``es5/tex-svg.js`` (fonts inlined as SVG paths) from the ``django-static-mathjax`` wheel
+  (the ``docs`` extra) is added to the site as ``javascripts/mathjax/tex-svg.js``.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from mkdocs.structure.files import File, Files
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "src" / "attnopt"
+MATHJAX_DEST = "javascripts/mathjax/tex-svg.js"
+
+
+def public_modules(package: Path = PACKAGE) -> list[str]:
+    """Dotted names of the public modules and packages under ``package``, sorted."""
+    out = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package.parent).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if any(p.startswith("_") for p in parts):
+            continue
+        out.append(".".join(parts))
+    return sorted(set(out))
+
+
+def api_pages(modules: list[str]) -> dict[str, str]:
+    """``{page path: markdown}``: one page for the root and one per direct subpackage/module."""
+    groups: dict[str, list[str]] = {}
+    for mod in modules:
+        parts = mod.split(".")
+        key = ".".join(parts[:2])
+        groups.setdefault(key, []).append(mod)
+    pages = {}
+    for key, mods in sorted(groups.items()):
+        lines = [f"# `{key}`", ""]
+        if key == "attnopt":
+            lines += ["::: attnopt", "    options:", "      members: false", "      show_root_heading: false"]
+            subs = sorted(k for k in groups if k != "attnopt")
+            links = ", ".join(f"[`{s}`]({_page(s)[4:]})" for s in subs)
+            lines += ["", "Subpackages and modules: " + links, ""]
+        for mod in mods:
+            is_pkg = (PACKAGE.parent / Path(*mod.split(".")) / "__init__.py").exists()
+            lines.append(f"::: {mod}")
+            if is_pkg:  # the package's docstring only; its members are documented in their modules
+                lines += ["    options:", "      members: false"]
+            lines.append("")
+        pages[_page(key)] = "\n".join(lines)
+    return pages
+
+
+def _page(key: str) -> str:
+    return "api/" + key + ".md"
+
+
+def mathjax_source() -> Path:
+    spec = importlib.util.find_spec("mathjax")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("MathJax is not installed: pip install -e '.[docs]' (django-static-mathjax)")
+    path = Path(spec.origin).parent / "static" / "mathjax" / "es5" / "tex-svg.js"
+    if not path.is_file():
+        raise RuntimeError(f"{path} is missing: the installed `mathjax` package is not django-static-mathjax")
+    return path
+
+
+def on_config(config, **kwargs):  # noqa: ARG001 - the mkdocs hook signature
+    pages = api_pages(public_modules())
+    entries = [{k[4:-3]: k} for k in pages]
+    nav = [e for e in config["nav"] if not (isinstance(e, dict) and "API reference" in e)]
+    nav.insert(len(nav) - 1, {"API reference": entries})
+    config["nav"] = nav
+    config["_attnopt_api_pages"] = pages
+    return config
+
+
+def on_files(files: Files, config, **kwargs):  # noqa: ARG001 - the mkdocs hook signature
+    for path, content in config["_attnopt_api_pages"].items():
+        files.append(File.generated(config, path, content=content))
+    files.append(File.generated(config, MATHJAX_DEST, abs_src_path=os.fspath(mathjax_source())))
+    return files
