@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from torch import Tensor
 
 from attnopt.functional.kernel import kernel_attention, kernel_weights
@@ -37,7 +39,7 @@ class KernelMultiheadAttention(MultiheadBase):
         kernel: Kernel,
         *,
         magnitude_p: float | None = 2.0,
-        mode: str = "quadratic",
+        mode: Literal["quadratic", "linear"] = "quadratic",
         bias: bool = True,
         kdim: int | None = None,
         vdim: int | None = None,
@@ -63,7 +65,7 @@ class KernelMultiheadAttention(MultiheadBase):
             attn_mask=mask,
             is_causal=is_causal,
             mode=self.mode,
-        )  # type: ignore[arg-type]
+        )
         weights = None
         if need_weights:
             weights = kernel_weights(

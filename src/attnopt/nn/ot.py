@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -118,7 +119,7 @@ class OTAttention(MultiheadBase):
         elif bank_padding_mask is not None:
             raise ValueError("bank_padding_mask given without a bank")
         mask = None if keep_bank is None else keep_bank.unsqueeze(1)
-        kw = dict(
+        kw: dict[str, Any] = dict(
             bank=bank_k, preference=pref, cost=self.cost, alpha=self.alpha, gamma=self.gamma, bank_mask=mask
         )
         out = ot_attention(z, templates, bank_values=values, **kw)  # (B, H, 1, d)
