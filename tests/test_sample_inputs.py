@@ -460,6 +460,12 @@ OPS: list[OpInfo] = [
         M,
         tol32=LOOSE,
     ),
+    OpInfo(
+        "nn.KernelMultiheadAttention[expsin]",
+        _module(lambda: ann.KernelMultiheadAttention(4, 2, kernels.Periodic(6.283))),
+        M,
+        tol32=LOOSE,
+    ),
     OpInfo("nn.MEMAttention", _module(lambda: ann.MEMAttention(4, 2)), M, tol32=LOOSE, k_default=3),
     OpInfo(
         "nn.OTAttention",
