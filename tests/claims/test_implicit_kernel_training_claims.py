@@ -61,6 +61,10 @@ def test_ranking_verdicts_follow_the_direction_of_the_means():
     assert tr.judge_ranking(_recs(worse, "rmse"), **low)[0] == "not reproduced"  # lower RMSE is better
     better = {"transformer": [0.5, 0.51], "linear": [0.6, 0.6], "ikan": [0.3, 0.31], "mikan": [0.2, 0.21]}
     assert tr.judge_ranking(_recs(better, "rmse"), **low)[0] == "reproduced"
+    noisy = {"transformer": [0.40, 0.60, 0.50], "linear": [0.30, 0.50, 0.40],
+             "ikan": [0.45, 0.65, 0.55], "mikan": [0.42, 0.62, 0.52]}
+    v, summary, figs, _ = tr.judge_ranking(_recs(noisy, "accuracy"), **kw)
+    assert v == "partially reproduced" and not figs["separated_beyond_ci"]  # every mean better, inside the CIs
 
 
 def test_table2_judge_reports_each_dataset_and_parameters(ctx):
