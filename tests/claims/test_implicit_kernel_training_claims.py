@@ -64,7 +64,8 @@ def test_ranking_verdicts_follow_the_direction_of_the_means():
     noisy = {"transformer": [0.40, 0.60, 0.50], "linear": [0.30, 0.50, 0.40],
              "ikan": [0.45, 0.65, 0.55], "mikan": [0.42, 0.62, 0.52]}
     v, summary, figs, _ = tr.judge_ranking(_recs(noisy, "accuracy"), **kw)
-    assert v == "partially reproduced" and not figs["separated_beyond_ci"]  # every mean better, inside the CIs
+    # every mean is better, but inside the CIs
+    assert v == "partially reproduced" and not figs["separated_beyond_ci"]
 
 
 def test_table2_judge_reports_each_dataset_and_parameters(ctx):
