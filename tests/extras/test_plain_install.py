@@ -50,6 +50,9 @@ def test_analyze_and_bench_name_their_extra_in_one_line(tmp_path):
     assert res.returncode == 2
     assert res.stderr.strip().count("\n") == 0 and "Traceback" not in res.stderr
     assert "attnopt analyze needs" in res.stderr and "pip install 'attnopt[hf]'" in res.stderr
+    res = _run("train", "ot-vit", "--quick", "--out", str(tmp_path / "tr"), cwd=tmp_path)
+    assert res.returncode == 2 and res.stderr.strip().count("\n") == 0
+    assert "pip install 'attnopt[train]'" in res.stderr and "Traceback" not in res.stderr
     res = _run("bench", "--quick", "--only", "regularized", "--no-memory", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert "skipped: bench suite 'regularized' needs entmax" in res.stdout
