@@ -174,6 +174,7 @@ def _scale_note(ctx: ClaimContext, what: str) -> str:
     reference="Table 2, Fig. 2",
 )
 def table2(ctx: ClaimContext) -> ClaimResult:
+    """Table 2: the IKA arms against SDPA and the fixed kernels in sentence classification (trained)."""
     recs = records(ctx, "sentence-classification")
     return judge_table2(recs, ctx)
 
@@ -224,6 +225,7 @@ def _combine(verdicts: Sequence[str]) -> Any:
     reference="Table 3",
 )
 def table3(ctx: ClaimContext) -> ClaimResult:
+    """Table 3: BLEU of IKAN-direct / MIKAN against SDPA on German→English number words (trained)."""
     return judge_table3(records(ctx, "translation"), ctx)
 
 
@@ -250,6 +252,7 @@ def judge_table3(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
     reference="Fig. 3",
 )
 def fig3(ctx: ClaimContext) -> ClaimResult:
+    """Fig. 3: max similarity and mean log magnitude, first epoch vs last, per arm (the Table 3 runs)."""
     return judge_fig3(records(ctx, "translation"), ctx)
 
 
@@ -303,6 +306,7 @@ def judge_fig3(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
     reference="Table 4",
 )
 def table4(ctx: ClaimContext) -> ClaimResult:
+    """Table 4: cross-validated RMSE of IKAN-direct / MIKAN against SDPA (trained regression)."""
     return judge_table4(records(ctx, "regression"), ctx)
 
 
@@ -342,6 +346,7 @@ def judge_table4(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
     reference="Fig. 4a-c",
 )
 def fig4(ctx: ClaimContext) -> ClaimResult:
+    """Fig. 4: trained MIKAN's attention weights get sparser as p decreases (the Table 4 runs)."""
     return judge_fig4(records(ctx, "regression"), ctx)
 
 
@@ -395,6 +400,7 @@ def judge_fig4(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
     reference="Table 5",
 )
 def table5(ctx: ClaimContext) -> ClaimResult:
+    """Table 5: kernel graph attention (IKAN-direct, MIKAN) against GAT, CV accuracy (trained)."""
     return judge_table5(records(ctx, "node-classification"), ctx)
 
 
@@ -426,6 +432,7 @@ def judge_table5(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
     reference="Fig. 5d",
 )
 def fig5(ctx: ClaimContext) -> ClaimResult:
+    """Fig. 5d: spread of attention weights across heads, MIKAN vs GAT (the Table 5 runs)."""
     return judge_fig5(records(ctx, "node-classification"), ctx)
 
 
