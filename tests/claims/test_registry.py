@@ -67,3 +67,15 @@ def test_every_registered_claim_has_metadata():
     assert len(ids) == len(set(ids))
     for c in claims:
         assert c.title and c.reference and c.func.__doc__
+
+
+def test_attach_figures_links_existing_files_in_sorted_order(tmp_path):
+    from attnopt.claims import ClaimContext
+
+    folder = tmp_path / "train" / "task" / "figures"
+    folder.mkdir(parents=True)
+    for name in ("b_fig.png", "a_fig.png", "notes.txt"):
+        (folder / name).write_text("x")
+    ctx = ClaimContext(quick=True, out_dir=tmp_path)
+    found = ctx.attach_figures(folder, "*_fig.png", "missing.png")
+    assert found == [folder / "a_fig.png", folder / "b_fig.png"] and ctx.images == found

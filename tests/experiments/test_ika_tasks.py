@@ -167,8 +167,8 @@ def test_sentence_classification_accuracy_attention_file_and_figure(tmp_path):
         assert metrics["accuracy"] == pytest.approx(accuracy_score(ys, preds))
         assert (tmp_path / "attention" / f"docstring-kind-{arm}-seed0.json").is_file()
         recs.append({"arm": arm, "seed": 0, "dataset": "docstring-kind", "metrics": metrics})
-    figs = TASK.figures(recs, tmp_path)
-    assert len(figs) == 1 and figs[0].exists()
+    figs = TASK.figures(recs, tmp_path / "figures")  # the engine hands over OUT/figures
+    assert len(figs) == 1 and figs[0].exists() and figs[0].parent == tmp_path / "figures"
 
 
 @pytest.mark.parametrize("arm", ["transformer", "ikan-direct", "mikan", "mikan-p0.5"])

@@ -81,6 +81,17 @@ class ClaimContext:
         """A CPU ``torch.Generator`` seeded with ``seed + offset``."""
         return torch.Generator().manual_seed(self.seed + offset)
 
+    def attach_figures(self, folder: Path, *patterns: str) -> list[Path]:
+        """Show figures another step already wrote (e.g. a training task's) in this claim's section.
+
+        Args:
+            folder: where they are (usually under ``out_dir``, so the report links them relatively).
+            patterns: glob patterns of file names; the matches are added in sorted order.
+        """
+        found = [p for pat in patterns for p in sorted(Path(folder).glob(pat)) if p.is_file()]
+        self.images.extend(found)
+        return found
+
     def save_figure(self, fig: Any, name: str) -> Path:
         """Save a matplotlib figure as ``figures/<prefix>_<name>.png`` and close it."""
         import matplotlib.pyplot as plt

@@ -231,7 +231,7 @@ class NodeClassification(Task):
         ax.set_xticks(range(len(arms)), arms)
         ax.set_ylabel("std of attention across heads")
         ax.set_title("Fig. 5d: head diversity (first layer)")
-        fig_dir = Path(out_dir) / "figures"
+        fig_dir = Path(out_dir)  # the engine hands over OUT/figures
         fig_dir.mkdir(parents=True, exist_ok=True)
         path = fig_dir / "fig5d_head_std.png"
         fig.savefig(path, dpi=100, bbox_inches="tight")

@@ -196,7 +196,7 @@ class Regression(Task):
         axes[2].set_ylabel("RMSE (standardized)")
         axes[2].legend()
         fig.suptitle("Fig. 4: MIKAN attention sparsity and RMSE vs p", y=1.03)
-        fig_dir = Path(out_dir) / "figures"
+        fig_dir = Path(out_dir)  # the engine hands over OUT/figures
         fig_dir.mkdir(parents=True, exist_ok=True)
         path = fig_dir / "fig4_mikan_p.png"
         fig.savefig(path, dpi=100, bbox_inches="tight")

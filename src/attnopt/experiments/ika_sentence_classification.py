@@ -263,7 +263,7 @@ class SentenceClassification(Task):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        folder = Path(out_dir) / "attention"
+        folder = Path(out_dir).parent / "attention"  # out_dir is OUT/figures; the maps are in OUT/attention
         out: list[Path] = []
         datasets = sorted({r.get("dataset") or self.datasets[0] for r in records})
         for ds in datasets:
@@ -279,7 +279,7 @@ class SentenceClassification(Task):
                     maps[arm] = json.loads(path.read_text())
             if not maps:
                 continue
-            fig_dir = Path(out_dir) / "figures"
+            fig_dir = Path(out_dir)  # the engine hands over OUT/figures
             fig_dir.mkdir(parents=True, exist_ok=True)
             fig, axes = plt.subplots(len(maps), 5, figsize=(17, 3.4 * len(maps)), squeeze=False)
             for row, (arm, rec) in enumerate(maps.items()):

@@ -258,7 +258,7 @@ class Translation(Task):
             ax.set_title(title)
         axes[0].legend()
         fig.suptitle("Fig. 3: similarity and magnitude (first layer), first vs last epoch", y=1.03)
-        fig_dir = Path(out_dir) / "figures"
+        fig_dir = Path(out_dir)  # the engine hands over OUT/figures
         fig_dir.mkdir(parents=True, exist_ok=True)
         path = fig_dir / "fig3_similarity_magnitude.png"
         fig.savefig(path, dpi=100, bbox_inches="tight")

@@ -153,10 +153,14 @@ def judge_table2(records: list[dict[str, Any]]) -> ClaimResult:
     key="ot_vit_table1",
     title="OT-ViT: best-LR accuracy ≥ ViT's (LR grid, trained)",
     reference="Sec. 9, Table 1",
+    requires=("plots", "train"),
 )
 def table1(ctx: ClaimContext) -> ClaimResult:
     """Train ViT and OT-ViT over the LR grid and seeds; compare the best-LR accuracies."""
-    return judge_table1(measure(ctx))
+    result = judge_table1(measure(ctx))
+    ctx.attach_figures(Path(ctx.out_dir) / "train" / "ot-vit" / "figures",
+                       "ot_vit_accuracy_vs_lr.png", "learning_curves.png")
+    return result
 
 
 @claim(
@@ -164,6 +168,7 @@ def table1(ctx: ClaimContext) -> ClaimResult:
     key="ot_vit_table2",
     title="OT-ViT ≥ ViT on every data set available (trained)",
     reference="Sec. 9, Table 2",
+    requires=("plots", "train"),
 )
 def table2(ctx: ClaimContext) -> ClaimResult:
     """At the LR best for both models (the paper's selection), OT-ViT vs ViT per data set."""

@@ -56,6 +56,11 @@ QUICK = {
 FULL_ARMS = {"regression": ("transformer", "ikan-direct", "mikan", "mikan-p0.25", "mikan-p0.5", "mikan-p2")}
 
 
+def _show(ctx: ClaimContext, task: str, *patterns: str) -> None:
+    """Link the task's figures (written by the engine under ``train/<task>/figures``) in the report."""
+    ctx.attach_figures(Path(ctx.out_dir) / "train" / task / "figures", *patterns)
+
+
 def records(ctx: ClaimContext, task: str) -> list[dict]:
     """The engine's records of ``task`` at the context's scale (cached per process and out_dir).
 
@@ -176,7 +181,9 @@ def _scale_note(ctx: ClaimContext, what: str) -> str:
 def table2(ctx: ClaimContext) -> ClaimResult:
     """Table 2: the IKA arms against SDPA and the fixed kernels in sentence classification (trained)."""
     recs = records(ctx, "sentence-classification")
-    return judge_table2(recs, ctx)
+    result = judge_table2(recs, ctx)
+    _show(ctx, "sentence-classification", "fig2_attention_*.png", "learning_curves.png")
+    return result
 
 
 def judge_table2(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
@@ -226,7 +233,9 @@ def _combine(verdicts: Sequence[str]) -> Any:
 )
 def table3(ctx: ClaimContext) -> ClaimResult:
     """Table 3: BLEU of IKAN-direct / MIKAN against SDPA on German→English number words (trained)."""
-    return judge_table3(records(ctx, "translation"), ctx)
+    result = judge_table3(records(ctx, "translation"), ctx)
+    _show(ctx, "translation", "learning_curves.png")
+    return result
 
 
 def judge_table3(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
@@ -253,7 +262,9 @@ def judge_table3(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
 )
 def fig3(ctx: ClaimContext) -> ClaimResult:
     """Fig. 3: max similarity and mean log magnitude, first epoch vs last, per arm (the Table 3 runs)."""
-    return judge_fig3(records(ctx, "translation"), ctx)
+    result = judge_fig3(records(ctx, "translation"), ctx)
+    _show(ctx, "translation", "fig3_similarity_magnitude.png")
+    return result
 
 
 def _start_end(recs: Sequence[dict], arm: str, key: str) -> tuple[float, float]:
@@ -307,7 +318,9 @@ def judge_fig3(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
 )
 def table4(ctx: ClaimContext) -> ClaimResult:
     """Table 4: cross-validated RMSE of IKAN-direct / MIKAN against SDPA (trained regression)."""
-    return judge_table4(records(ctx, "regression"), ctx)
+    result = judge_table4(records(ctx, "regression"), ctx)
+    _show(ctx, "regression", "learning_curves.png")
+    return result
 
 
 def judge_table4(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
@@ -347,7 +360,9 @@ def judge_table4(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
 )
 def fig4(ctx: ClaimContext) -> ClaimResult:
     """Fig. 4: trained MIKAN's attention weights get sparser as p decreases (the Table 4 runs)."""
-    return judge_fig4(records(ctx, "regression"), ctx)
+    result = judge_fig4(records(ctx, "regression"), ctx)
+    _show(ctx, "regression", "fig4_mikan_p.png")
+    return result
 
 
 def judge_fig4(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
@@ -401,7 +416,9 @@ def judge_fig4(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
 )
 def table5(ctx: ClaimContext) -> ClaimResult:
     """Table 5: kernel graph attention (IKAN-direct, MIKAN) against GAT, CV accuracy (trained)."""
-    return judge_table5(records(ctx, "node-classification"), ctx)
+    result = judge_table5(records(ctx, "node-classification"), ctx)
+    _show(ctx, "node-classification", "learning_curves.png")
+    return result
 
 
 def judge_table5(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
@@ -433,7 +450,9 @@ def judge_table5(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
 )
 def fig5(ctx: ClaimContext) -> ClaimResult:
     """Fig. 5d: spread of attention weights across heads, MIKAN vs GAT (the Table 5 runs)."""
-    return judge_fig5(records(ctx, "node-classification"), ctx)
+    result = judge_fig5(records(ctx, "node-classification"), ctx)
+    _show(ctx, "node-classification", "fig5d_head_std.png")
+    return result
 
 
 def judge_fig5(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
