@@ -34,3 +34,27 @@ def test_write_report(tmp_path):
     assert "# Title <1>" in md.read_text() and "![f](figures/f.png)" in md.read_text()
     h = html.read_text()
     assert "Title &lt;1&gt;" in h and 'class="reproduced"' in h and 'src="figures/f.png"' in h
+
+
+def test_html_renders_markdown_emphasis_and_tables(tmp_path):
+    text = ("Verdict: not reproduced at this scale\n\nThe **best** arm:\n\n"
+            "| arm | acc |\n|---|---|\n| a | 0.5 |")
+    _, html = write_report(tmp_path, "r", "T", [Section("S", text=text)])
+    h = html.read_text()
+    assert "<strong>best</strong>" in h and "**" not in h
+    assert "<table>" in h and "<td>0.5</td>" in h
+    assert 'class="not"' in h
+
+
+def test_html_escapes_raw_html_in_text(tmp_path):
+    _, html = write_report(tmp_path, "r", "T", [Section("S", text="a <script>x</script> b")])
+    assert "<script>" not in html.read_text()
+
+
+def test_html_falls_back_without_markdown_it(tmp_path, monkeypatch):
+    import attnopt.report as report
+
+    monkeypatch.setattr(report, "_markdown_renderer", lambda: None)
+    _, html = write_report(tmp_path, "r", "T", [Section("S", text="Verdict: reproduced\n\n| a |\n|---|")])
+    h = html.read_text()
+    assert 'class="reproduced"' in h and "<pre>| a |" in h

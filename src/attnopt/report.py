@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import html
 import os
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,42 @@ def _verdict_class(text: str) -> str:
     return ""
 
 
+def _markdown_renderer() -> Callable[[str], str] | None:
+    """markdown-it-py's CommonMark renderer with tables and raw HTML off, or None if absent."""
+    try:
+        from markdown_it import MarkdownIt
+    except ImportError:  # the `plots` extra is not installed: fall back to escaped text
+        return None
+    return MarkdownIt("commonmark", {"html": False}).enable("table").render
+
+
+_VERDICT_PARAGRAPH = re.compile(r"<p>Verdict:\s*([^<]*)")
+
+
+def _markdown_to_html(text: str) -> str:
+    """Render a section's Markdown (emphasis, lists, tables, code) as HTML.
+
+    Raw HTML in the text is escaped, never passed through. A paragraph starting with
+    ``Verdict:`` gets the verdict's colour class. Without markdown-it-py (``plots`` extra)
+    each paragraph is shown escaped, tables as preformatted text.
+    """
+    render = _markdown_renderer()
+    if render is None:
+        parts = []
+        for para in text.split("\n\n"):
+            tag = "pre" if para.lstrip().startswith("|") else "p"
+            parts.append(f"<{tag}>{html.escape(para)}</{tag}>")
+        out = "\n".join(parts)
+    else:
+        out = render(text)
+
+    def add_class(m: re.Match[str]) -> str:
+        cls = _verdict_class(html.unescape(m.group(1)).strip().lower())
+        return f'<p class="{cls}">Verdict: {m.group(1)}' if cls else m.group(0)
+
+    return _VERDICT_PARAGRAPH.sub(add_class, out)
+
+
 def write_report(
     out_dir: Path, name: str, title: str, sections: Sequence[Section], intro: str = ""
 ) -> tuple[Path, Path]:
@@ -110,13 +147,7 @@ def write_report(
         body.append(f"<h{sec.level}>{html.escape(sec.title)}</h{sec.level}>")
         if sec.text:
             md += [sec.text, ""]
-            for para in sec.text.split("\n\n"):
-                if para.lstrip().startswith("|"):
-                    body.append(f"<pre>{html.escape(para)}</pre>")
-                else:
-                    cls = _verdict_class(para.removeprefix("Verdict: ").strip().lower())
-                    attr = f' class="{cls}"' if para.startswith("Verdict:") and cls else ""
-                    body.append(f"<p{attr}>{html.escape(para)}</p>")
+            body.append(_markdown_to_html(sec.text))
         if sec.headers:
             md += [markdown_table(sec.headers, sec.rows), ""]
             body.append(_html_table(sec.headers, sec.rows))
