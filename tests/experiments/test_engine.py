@@ -66,6 +66,21 @@ def test_run_task_fits_and_writes_results(tmp_path: Path) -> None:
     assert [r["wall_time_s"] for r in skipped] == [r["wall_time_s"] for r in recs]
 
 
+def test_checkpoints_kept_during_and_after_a_run(tmp_path: Path) -> None:
+    run_task(TASK, arms=["softmax"], seeds=[0], epochs=3, out_dir=tmp_path / "a", progress=False,
+             write_report=False)
+    ckpt = tmp_path / "a/runs/softmax/seed0-lr0.01/checkpoints"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["epoch=1.ckpt", "epoch=2.ckpt"]  # newest two
+    recs = run_task(TASK, arms=["softmax"], seeds=[0], epochs=3, out_dir=tmp_path / "b", progress=False,
+                    write_report=False, keep_checkpoints=0)
+    assert not list((tmp_path / "b/runs/softmax/seed0-lr0.01/checkpoints").glob("*.ckpt"))
+    again = run_task(TASK, arms=["softmax"], seeds=[0], epochs=3, out_dir=tmp_path / "b", progress=False,
+                     write_report=False, resume=True)  # finished: known by its record, not retrained
+    assert again[0]["wall_time_s"] == recs[0]["wall_time_s"]
+    with pytest.raises(ValueError, match="keep_checkpoints"):
+        run_task(TASK, arms=["softmax"], seeds=[0], out_dir=tmp_path / "c", keep_checkpoints=-1)
+
+
 def test_plan_validates() -> None:
     runs = plan_runs(TASK, quick=True, lrs=[1e-3, 3e-3])
     assert len(runs) == 2 * 2 * 2 and {r.arm for r in runs} == {"softmax", "dnas"}

@@ -279,16 +279,36 @@ class _TaskModule(L.LightningModule):
     _t0 = 0.0
 
 
-class _PruneCheckpoints(Callback):
-    """Keep the newest ``_KEEP_CHECKPOINTS`` epoch checkpoints (rank 0 deletes)."""
+class _EpochCheckpoint(ModelCheckpoint):
+    """Save ``epoch=<e>.ckpt`` every epoch, then keep only the newest ``_KEEP_CHECKPOINTS``.
+
+    Pruning happens right after the save (Lightning runs checkpoint callbacks after all
+    others, so a separate pruning callback would run before the save and leave one extra
+    file). Two are kept so that a torn newest file falls back to the previous one.
+    """
 
     def __init__(self, ckpt_dir: Path) -> None:
+        super().__init__(
+            dirpath=ckpt_dir,
+            filename="epoch={epoch}",
+            auto_insert_metric_name=False,
+            save_top_k=-1,
+            every_n_epochs=1,
+            save_on_train_epoch_end=True,
+            enable_version_counter=False,
+        )
         self.ckpt_dir = ckpt_dir
 
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:  # noqa: ARG002
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_epoch_end(trainer, pl_module)
         if trainer.is_global_zero:
-            for _, p in _checkpoints(self.ckpt_dir)[_KEEP_CHECKPOINTS:]:
-                p.unlink(missing_ok=True)
+            _prune_checkpoints(self.ckpt_dir, _KEEP_CHECKPOINTS)
+
+
+def _prune_checkpoints(ckpt_dir: Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` epoch checkpoints of ``ckpt_dir``."""
+    for _, p in _checkpoints(ckpt_dir)[keep:]:
+        p.unlink(missing_ok=True)
 
 
 def _loggers(rdir: Path) -> list[Any]:
@@ -345,18 +365,7 @@ class _Session:
         ckpt_dir = rdir / "checkpoints"
         ckpt_path = latest_checkpoint(ckpt_dir) if self.resume else None
         module = _TaskModule(self.task, model, data, cfg, lr, epochs)
-        callbacks: list[Callback] = [
-            ModelCheckpoint(
-                dirpath=ckpt_dir,
-                filename="epoch={epoch}",
-                auto_insert_metric_name=False,
-                save_top_k=-1,
-                every_n_epochs=1,
-                save_on_train_epoch_end=True,
-                enable_version_counter=False,
-            ),
-            _PruneCheckpoints(ckpt_dir),
-        ]
+        callbacks: list[Callback] = [_EpochCheckpoint(ckpt_dir)]
         logger = _loggers(rdir)
         if not self.progress:
             for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
@@ -530,6 +539,7 @@ def run_task(
     sizes: Mapping[str, Any] | None = None,
     write_report: bool = True,
     threads: int | None = None,
+    keep_checkpoints: int = 2,
 ) -> list[dict[str, Any]]:
     """Run every (arm, seed, lr, fold) of ``task`` as one Lightning fit; write the results.
 
@@ -550,6 +560,10 @@ def run_task(
         threads: torch CPU threads per process; default 1 at quick scale (tiny models: more
             threads only add synchronization, and on a loaded 2-core machine they were 30x
             slower per step), else ``cpu_count // devices``.
+        keep_checkpoints: epoch checkpoints each fit keeps once its run has finished and its
+            record is written (the newest; at most 2). ``0`` deletes them: a finished run is
+            known by its ``record.json``, so ``resume`` still skips it (``attnopt reproduce``
+            uses 0; keep the default to load trained models later).
     Returns:
         one record per run (the entries of ``results.json``).
     Raises:
@@ -559,6 +573,8 @@ def run_task(
     task = get_task(task) if isinstance(task, str) else task
     out = Path(out_dir)
     devices = _positive_int(devices, "devices")
+    if not isinstance(keep_checkpoints, int) or keep_checkpoints < 0:
+        raise ValueError(f"keep_checkpoints must be a non-negative int, got {keep_checkpoints!r}")
     configs = plan_runs(
         task,
         arms=arms,
@@ -593,6 +609,9 @@ def run_task(
         records.append(rec)
         if session.is_global_zero:
             atomic_write_text(rec_path, json.dumps(rec, indent=1, default=_json_default))
+            if keep_checkpoints < _KEEP_CHECKPOINTS:
+                for ckpt_dir in run_dir(out, cfg).rglob("checkpoints"):
+                    _prune_checkpoints(ckpt_dir, keep_checkpoints)
             atomic_write_text(out / "results.json", json.dumps(records, indent=1, default=_json_default))
     if session.is_global_zero:
         atomic_write_text(out / "results.json", json.dumps(records, indent=1, default=_json_default))

@@ -29,7 +29,8 @@ def measure(ctx: ClaimContext) -> list[dict[str, Any]]:
 
         task = get_task("ot-vit")
         seeds = [ctx.seed + i for i in range(task.scale(ctx.quick).seeds)]
-        _CACHE[key] = run_task(task, quick=ctx.quick, seeds=seeds, out_dir=out, progress=False)
+        _CACHE[key] = run_task(task, quick=ctx.quick, seeds=seeds, out_dir=out, progress=False,
+                               keep_checkpoints=0)
     return _CACHE[key]
 
 

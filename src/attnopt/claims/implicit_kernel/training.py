@@ -81,6 +81,7 @@ def records(ctx: ClaimContext, task: str) -> list[dict]:
             "quick": ctx.quick,
             "out_dir": Path(ctx.out_dir) / "train" / task,
             "progress": False,
+            "keep_checkpoints": 0,  # the report needs records, not trained weights
         }
         if ctx.quick:
             sizes = dict(plan["sizes"])
