@@ -192,7 +192,9 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="temperature"):
         Shannon(0.0)
     with pytest.raises(ValueError, match="alpha"):
-        Tsallis(1.0)
+        Tsallis(0.0)
+    with pytest.raises(ValueError, match="alpha"):
+        Tsallis(torch.tensor([0.5, -1.0]))
     with pytest.raises(TypeError, match="alpha"):
         Tsallis("2")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="NaN"):
@@ -213,3 +215,46 @@ def test_key_permutation_equivariance(seed, reg_index):
     w = regularized_attention_weights(q, k, regularizer=reg)
     w_perm = regularized_attention_weights(q, k[..., perm, :], regularizer=reg)
     torch.testing.assert_close(w_perm, w[..., perm])
+
+
+@pytest.mark.parametrize("alpha", [0.25, 0.5, 0.75])
+def test_tsallis_below_one_solves_its_problem(alpha):
+    """KKT of max <s,p> - Ω(p) on the simplex with a dense p: ∇Ω(p) - s is one constant per row."""
+    s = torch.randn(4, 9, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    reg = Tsallis(alpha)
+    p = regularized_weights(s, reg)
+    assert (p > 0).all() and torch.allclose(p.sum(-1), torch.ones(4, dtype=torch.float64))
+    grad_omega = (alpha * p ** (alpha - 1) - 1) / (alpha * (alpha - 1))
+    gap = grad_omega - s
+    torch.testing.assert_close(gap, gap[:, :1].expand_as(gap), rtol=0, atol=1e-9)
+    # and it beats any other point of the simplex on the objective
+    other = torch.softmax(torch.randn(64, 4, 9, dtype=torch.float64), -1)
+    best = (s * p).sum(-1) - reg.value(p)
+    assert ((s * other).sum(-1) - reg.value(other) <= best + 1e-12).all()
+
+
+def test_tsallis_value_at_and_around_one():
+    p = torch.softmax(torch.randn(3, 6, dtype=torch.float64), -1)
+    torch.testing.assert_close(Tsallis(1.0).value(p), (p * p.log()).sum(-1))
+    torch.testing.assert_close(Tsallis(1.0 + 1e-7).value(p), (p * p.log()).sum(-1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(Tsallis(0.5).value(p), ((p.sqrt() - p) / (0.5 * -0.5)).sum(-1))
+    a = torch.tensor([[0.5], [1.0], [1.5]], dtype=torch.float64, requires_grad=True)
+    mixed = Tsallis(a).value(p)
+    want = torch.stack([Tsallis(x).value(p[i]) for i, x in enumerate((0.5, 1.0, 1.5))])
+    torch.testing.assert_close(mixed, want)
+    mixed.sum().backward()
+    assert torch.isfinite(a.grad).all()
+
+
+def test_attention_with_tsallis_at_and_below_one():
+    q, k, v = _qkv()
+    torch.testing.assert_close(regularized_attention(q, k, v, regularizer=Tsallis(1.0)),
+                               F.scaled_dot_product_attention(q, k, v), rtol=0, atol=1e-15)
+    scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
+    for causal in (False, True):
+        sc = scores.masked_fill(torch.ones(5, 7).triu(1).bool(), float("-inf")) if causal else scores
+        want = entmax(sc, 0.5) @ v
+        got = regularized_attention(q, k, v, regularizer=Tsallis(0.5), is_causal=causal)
+        torch.testing.assert_close(got, want)
+    q, k, v = (t.detach()[:1, :1].requires_grad_() for t in (q, k, v))
+    assert torch.autograd.gradcheck(lambda *t: regularized_attention(*t, regularizer=Tsallis(0.5)), (q, k, v))

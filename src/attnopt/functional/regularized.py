@@ -231,6 +231,8 @@ def regularized_attention(
     empty = empty_attention(q, k, v, locality if isinstance(locality, Tensor) else None)
     if empty is not None:
         return empty
+    if isinstance(reg, Tsallis) and not isinstance(reg.alpha, Tensor) and reg.alpha == 1.0:
+        reg = Shannon()  # the α → 1 limit of Tsallis is Shannon: softmax, i.e. SDPA
     if isinstance(reg, Shannon):
         tau = reg.temperature
         if mask is None and loc is None:
@@ -244,8 +246,8 @@ def regularized_attention(
     alpha: float | None = None
     if isinstance(reg, SquaredL2):
         alpha = 2.0
-    elif isinstance(reg, Tsallis) and not isinstance(reg.alpha, Tensor):
-        alpha = float(reg.alpha)
+    elif isinstance(reg, Tsallis) and not isinstance(reg.alpha, Tensor) and reg.alpha > 1.0:
+        alpha = float(reg.alpha)  # sparse (α > 1): fused / blocked paths; α < 1 is dense: below
     if alpha is not None and not (attn_mask is not None and attn_mask.requires_grad):
         beta = None
         if locality is not None:

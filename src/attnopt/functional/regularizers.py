@@ -87,15 +87,16 @@ class SquaredL2:
 
 @dataclass(frozen=True, eq=False)
 class Tsallis:
-    r"""Tsallis negentropy ``Ω(p) = Σ_j (p_j^α − p_j) / (α(α−1))`` (Prop. 4.3).
+    r"""Tsallis negentropy ``Ω(p) = Σ_j (p_j^α − p_j) / (α(α−1))`` (Prop. 4.3), any ``α > 0``.
 
-    Map: α-entmax ``[(α−1)s − θ]₊^{1/(α−1)}``; ``α = 2`` is sparsemax, ``α → 1`` softmax.
+    Map: α-entmax ``[(α−1)s − θ]₊^{1/(α−1)}``; ``α = 2`` is sparsemax, ``α = 1`` is the
+    limit ``Ω(p) = Σ p log p`` (Shannon, map softmax), ``α ∈ (0, 1)`` gives dense maps.
 
     Args:
-        alpha: a float > 1, or a tensor of values > 1 broadcastable to the scores with size 1
+        alpha: a float > 0, or a tensor of values > 0 broadcastable to the scores with size 1
             along the normalized dim (e.g. ``(H, 1, 1)`` per head; it then receives gradients).
     Raises:
-        ValueError: ``alpha <= 1`` or not finite.
+        ValueError: ``alpha <= 0`` or not finite.
         TypeError: ``alpha`` is neither a number nor a floating-point tensor.
     """
 
@@ -106,19 +107,25 @@ class Tsallis:
         if isinstance(a, Tensor):
             if not a.is_floating_point():
                 raise TypeError(f"alpha must be a floating-point tensor, got {a.dtype}")
-            if not bool(torch.isfinite(a).all()) or not bool((a > 1).all()):
-                raise ValueError("alpha must be finite and > 1")
+            if not bool(torch.isfinite(a).all()) or not bool((a > 0).all()):
+                raise ValueError("alpha must be finite and > 0")
             return
         if isinstance(a, bool) or not isinstance(a, (int, float)):
             raise TypeError(f"alpha must be a float or a tensor, got {type(a).__name__}")
-        if not math.isfinite(a) or a <= 1:
-            raise ValueError(f"alpha must be a finite number > 1, got {a}")
+        if not math.isfinite(a) or a <= 0:
+            raise ValueError(f"alpha must be a finite number > 0, got {a}")
         object.__setattr__(self, "alpha", float(a))
 
     def value(self, p: Tensor, dim: int = -1) -> Tensor:
-        """``Σ (p^α − p) / (α(α−1))`` along ``dim``."""
+        """``Σ (p^α − p) / (α(α−1))`` along ``dim`` (``Σ p log p`` where ``α = 1``)."""
         a = self.alpha
-        return ((p.clamp_min(0) ** a - p) / (a * (a - 1))).sum(dim=dim)
+        p = p.clamp_min(0)
+        shannon = torch.special.xlogy(p, p)
+        if not isinstance(a, Tensor):
+            return (shannon if a == 1.0 else (p**a - p) / (a * (a - 1))).sum(dim=dim)
+        one = a == 1
+        safe = torch.where(one, torch.full_like(a, 2.0), a)  # no 0/0 in the unused branch
+        return torch.where(one, shannon, (p**safe - p) / (safe * (safe - 1))).sum(dim=dim)
 
     def conjugate_grad(self, scores: Tensor, dim: int = -1) -> Tensor:
         """:func:`attnopt.functional.entmax` with this ``alpha``."""

@@ -199,8 +199,8 @@ def register(
         raise ValueError("iterations must be >= 0")
     if not 0.0 <= hnas_weight <= 1.0:
         raise ValueError(f"hnas_weight must be in [0, 1], got {hnas_weight}")
-    if not entmax_alpha > 1.0:
-        raise ValueError(f"entmax_alpha must be > 1, got {entmax_alpha}")
+    if not entmax_alpha > 0.0:
+        raise ValueError(f"entmax_alpha must be > 0, got {entmax_alpha}")
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
