@@ -400,12 +400,15 @@ class _Session:
         if ckpt_path is None and trainer.is_global_zero:
             for _, p in _checkpoints(ckpt_dir):  # a fresh run: old checkpoints must not mix in
                 p.unlink(missing_ok=True)
-        trainer.fit(
-            module,
-            train_dataloaders=loader,
-            ckpt_path=None if ckpt_path is None else str(ckpt_path),
-            weights_only=True,
-        )
+        with warnings.catch_warnings():
+            for pattern in _QUIET:
+                warnings.filterwarnings("ignore", message=pattern)
+            trainer.fit(
+                module,
+                train_dataloaders=loader,
+                ckpt_path=None if ckpt_path is None else str(ckpt_path),
+                weights_only=True,
+            )
         t_fit = time.perf_counter()
         metrics = self.evaluate(module.model, data, cfg, trainer.strategy.root_device)
         wall = module.wall_before + (time.perf_counter() - module._t0)
