@@ -57,6 +57,7 @@ def test_every_name_round_trips_the_mha_convention(name: str) -> None:
 def test_options_are_passed_and_checked() -> None:
     assert make_attention("sinkhorn", 8, 2, iterations=5).iterations == 5
     assert make_attention("entmax", 8, 2, alpha=1.25).regularizer.alpha == 1.25
+    assert make_attention("entmax", 8, 2, alpha=0.5).regularizer.alpha == 0.5  # dense Tsallis map
     with pytest.raises(ValueError, match="valid options: iterations"):
         make_attention("sinkhorn", 8, 2, alpha=2.0)
     with pytest.raises(ValueError, match="valid names: softmax"):
@@ -64,7 +65,7 @@ def test_options_are_passed_and_checked() -> None:
     with pytest.raises(ValueError, match="valid options: none"):
         make_attention("dnas", 8, 2, iterations=2)
     with pytest.raises(ValueError):
-        make_attention("entmax", 8, 2, alpha=0.5)
+        make_attention("entmax", 8, 2, alpha=0.0)  # any α > 0 is valid; 0 is not
 
 
 def test_ot_is_the_pooling_convention() -> None:
