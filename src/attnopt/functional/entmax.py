@@ -41,6 +41,7 @@ from torch import Tensor
 
 from attnopt._validation import check_tensor
 from attnopt.functional import _sparse_groups as _groups
+from attnopt.functional._entmax15_passes import entmax15_passes
 
 __all__ = ["sparsemax", "entmax"]
 
@@ -257,6 +258,13 @@ def _threshold_map(x: Tensor, alpha: float, dim: int, max_iter: int, tol: float)
 
         def solve(t: Tensor, th0: Tensor | None, cap: int | None) -> tuple[Tensor, Tensor]:
             return _entmax_general_forward(t, a, -1, tol, cap or max_iter, th0, warn=cap is None)
+    if alpha == 1.5 and _groups.usable(x, dim):
+
+        def dense(z: Tensor, c0: Tensor) -> tuple[Tensor, Tensor]:  # z: shifted rows, c0: a lower bound
+            p, th = _entmax15_forward(z, -1, tol, max_iter, (0.5 * c0).clamp_min(-1.0))
+            return p, 2.0 * th
+
+        return entmax15_passes(x, tol, dense)
     if alpha > 1.0 and _groups.usable(x, dim):
         res = _groups.group_forward(x, alpha, solve)
         if res is not None:
