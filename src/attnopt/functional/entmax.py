@@ -19,6 +19,9 @@ How it is computed (no fixed iteration count hiding error):
   when the support stops changing — the result is the exact projection.
 * α = 1.5: once Newton has converged, the threshold is recomputed in closed form on the
   support (the quadratic of the sort-based algorithm), so the result is exact to rounding.
+  Large contiguous CPU inputs (last dim) take :mod:`attnopt.functional._entmax15_passes`
+  instead: the same closed form from a group-max guess, verified in a second pass, with reruns
+  and this dense search for the rows it rejects — two streaming passes per cache block.
 
 Backward (closed form, only the output is saved): with ``g = p^{2−α}`` on the support,
 ``∂L/∂s = g ⊙ (d − (Σ g d)/(Σ g))`` for the incoming gradient ``d`` (every α > 0); for a
