@@ -13,7 +13,10 @@ def test_suite_runs_tiny(monkeypatch):
     assert len(groups) == 7
     vs = [r for r in rows if r.case.startswith("vs softmax")]
     assert {r.extra["threads"] for r in vs} == {1, 2}
-    assert {r.impl for r in vs} == {"torch.softmax", "attnopt.sparsemax", "attnopt.entmax(1.5)"}
+    assert {r.impl for r in vs} == {"torch.softmax", "attnopt.sparsemax", "attnopt.entmax(1.5)",
+                                    "entmax.sparsemax (package)", "entmax.entmax15 (package)"}
+    ours = [r for r in vs if r.impl.startswith("attnopt")]
+    assert all(r.extra["package_speedup"] > 0 and r.extra["vs_softmax"] > 0 for r in ours)
     for case in groups:
         assert sum(r.baseline for r in rows if r.case == case) == 1
     errs = {r.impl: r.extra["max_err"] for r in rows if "max_err" in r.extra}

@@ -1,10 +1,15 @@
 """The CPU candidate-group forward and the row-block backward agree with the dense algorithm."""
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
-from attnopt.functional import _sparse_groups, entmax, sparsemax
+from attnopt.functional import _entmax15_passes, _sparse_groups, entmax, sparsemax
+from tests.reference.regularized import entmax15_sort
+
+entmax_mod = importlib.import_module("attnopt.functional.entmax")  # the module, not the function
 
 
 def _map(alpha):
@@ -83,3 +88,70 @@ def test_blocks_over_threads_give_the_same_result(alpha):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
+
+
+def _adversarial_rows() -> torch.Tensor:
+    """(2, 12, 512) float64 rows aimed at the two-pass 1.5-entmax: each kind twice (2 blocks)."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 12, 512, generator=g, dtype=torch.float64)
+    x[:, 0] = 0.25  # all equal: the whole row is the support
+    x[:, 1, :300] = 0.0  # 300 ties below one max, the rest far below
+    x[:, 1, 300:] = -10.0
+    x[:, 1, 7] = 1.0
+    x[:, 2] *= 1e4  # huge spread: a one-entry support
+    x[:, 3] = float("-inf")  # fully masked
+    x[:, 4, 50:] = float("-inf")  # masked tail
+    x[:, 5] *= 1e-3  # tiny range: every entry in the support
+    x[:, 6] += 1e3  # large offset (the threshold is found relative to the max)
+    x[:, 7, :5] = 4.0  # ties at the max
+    # support entries sharing strided groups (view(rows, 4, 128)): the group-max guess misses
+    # them, so the first check fails and the reruns / dense solver settle these rows
+    x[:, 8:10] *= 0.5
+    x[:, 8, torch.arange(4) * 128 + 3] = torch.tensor([3.0, 2.99, 2.98, 2.97], dtype=torch.float64)
+    x[:, 9, torch.arange(4) * 128 + 5] = 3.0
+    x[:, 9, torch.arange(4) * 128 + 6] = 2.9
+    x[:, 10] = torch.linspace(0, 1, 512, dtype=torch.float64) ** 8 * 3  # a long tail at the threshold
+    x[:, 11, ::2] = x[:, 11, 1::2]  # every value twice
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_entmax15_passes_match_sort_on_adversarial_rows(dtype):
+    x = _adversarial_rows().to(dtype)
+    assert _sparse_groups.usable(x, -1)
+    ref = entmax15_sort(x)  # float64, on the same (rounded) scores
+    p = entmax(x, 1.5)
+    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    torch.testing.assert_close(p.double(), ref, atol=tol, rtol=0)
+    torch.testing.assert_close(p.sum(-1)[:, [0, 1, 2, 4, 5, 6, 7, 8, 9, 10, 11]].double(),
+                               torch.ones(2, 11, dtype=torch.float64), atol=10 * tol, rtol=0)
+    assert (p[:, 3] == 0).all() and (p[:, 4, 50:] == 0).all()
+    assert ((p > 0) == (ref > 0)).all() if dtype == torch.float64 else True
+
+
+def test_entmax15_reruns_and_dense_fallback_agree(monkeypatch):
+    """The rows the first check rejects are settled by the reruns, else by the dense solver."""
+    x = _adversarial_rows()
+    ref = entmax15_sort(x)
+    calls = []
+    dense = entmax_mod._entmax15_forward
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return dense(*args, **kwargs)
+
+    monkeypatch.setattr(entmax_mod, "_entmax15_forward", spy)
+    monkeypatch.setattr(_entmax15_passes, "_RETRIES", 0)  # every rejected row -> dense solver
+    torch.testing.assert_close(entmax(x, 1.5), ref, atol=1e-12, rtol=0)
+    assert calls and calls[0] >= 4  # at least the group-collision rows were rejected
+    calls.clear()
+    monkeypatch.setattr(_entmax15_passes, "_RETRIES", 2)
+    torch.testing.assert_close(entmax(x, 1.5), ref, atol=1e-12, rtol=0)
+    assert not calls  # the reruns from the Newton bound settle them
+
+
+def test_sort_reference_matches_entmax_package():
+    import entmax as entmax_pkg
+
+    x = _adversarial_rows()[:, [0, 1, 2, 5, 6, 7, 8, 9, 10, 11]]  # finite rows
+    torch.testing.assert_close(entmax15_sort(x), entmax_pkg.entmax15(x), atol=1e-12, rtol=0)

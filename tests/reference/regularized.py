@@ -26,6 +26,32 @@ def sparsemax_sort(x: Tensor, dim: int = -1) -> Tensor:
     return out.movedim(-1, dim)
 
 
+def entmax15_sort(x: Tensor, dim: int = -1) -> Tensor:
+    """Sort-based 1.5-entmax (Peters et al., 2019, Alg. 2) in float64, row by row; -inf gets 0.
+
+    With ``z = (x − max x)/2`` sorted decreasingly, ``τ_k = μ_k − √((1 − k(μ²_k − μ_k²))/k)``
+    (``μ_k``, ``μ²_k``: means of the top ``k`` values and of their squares); the support size
+    is the number of ``k`` with ``τ_k ≤ z_(k)`` and ``p = [z − τ]₊²``.
+    """
+    x = x.to(torch.float64).movedim(dim, -1)
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.zeros_like(flat)
+    for idx in range(flat.shape[0]):
+        row = flat[idx]
+        fin = torch.isfinite(row)
+        if not fin.any():
+            continue
+        z = (row[fin] - row[fin].max()) / 2
+        zs, _ = torch.sort(z, descending=True)
+        ks = torch.arange(1, len(zs) + 1, dtype=torch.float64)
+        mean = torch.cumsum(zs, 0) / ks
+        mean_sq = torch.cumsum(zs * zs, 0) / ks
+        tau = mean - torch.sqrt(torch.clamp((1 - ks * (mean_sq - mean * mean)) / ks, min=0))
+        k = int((tau <= zs).sum())
+        out[idx, fin] = torch.clamp(z - tau[k - 1], min=0) ** 2
+    return out.reshape(x.shape).movedim(-1, dim)
+
+
 def entmax_bisect_ref(x: Tensor, alpha: float, dim: int = -1, n_iter: int = 200) -> Tensor:
     """α-entmax by plain bisection on the threshold in float64 (200 halvings)."""
     x = x.to(torch.float64).movedim(dim, -1)

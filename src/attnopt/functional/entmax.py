@@ -19,6 +19,9 @@ How it is computed (no fixed iteration count hiding error):
   when the support stops changing — the result is the exact projection.
 * α = 1.5: once Newton has converged, the threshold is recomputed in closed form on the
   support (the quadratic of the sort-based algorithm), so the result is exact to rounding.
+  Large contiguous CPU inputs (last dim) take :mod:`attnopt.functional._entmax15_passes`
+  instead: the same closed form from a group-max guess, verified in a second pass, with reruns
+  and this dense search for the rows it rejects — two streaming passes per cache block.
 
 Backward (closed form, only the output is saved): with ``g = p^{2−α}`` on the support,
 ``∂L/∂s = g ⊙ (d − (Σ g d)/(Σ g))`` for the incoming gradient ``d`` (every α > 0); for a
@@ -41,6 +44,7 @@ from torch import Tensor
 
 from attnopt._validation import check_tensor
 from attnopt.functional import _sparse_groups as _groups
+from attnopt.functional._entmax15_passes import entmax15_passes
 
 __all__ = ["sparsemax", "entmax"]
 
@@ -257,6 +261,13 @@ def _threshold_map(x: Tensor, alpha: float, dim: int, max_iter: int, tol: float)
 
         def solve(t: Tensor, th0: Tensor | None, cap: int | None) -> tuple[Tensor, Tensor]:
             return _entmax_general_forward(t, a, -1, tol, cap or max_iter, th0, warn=cap is None)
+    if alpha == 1.5 and _groups.usable(x, dim):
+
+        def dense(z: Tensor, c0: Tensor) -> tuple[Tensor, Tensor]:  # z: shifted rows, c0: a lower bound
+            p, th = _entmax15_forward(z, -1, tol, max_iter, (0.5 * c0).clamp_min(-1.0))
+            return p, 2.0 * th
+
+        return entmax15_passes(x, tol, dense)
     if alpha > 1.0 and _groups.usable(x, dim):
         res = _groups.group_forward(x, alpha, solve)
         if res is not None:
@@ -279,20 +290,20 @@ def _map_from_threshold(x: Tensor, theta: Tensor, alpha: float, dim: int) -> Ten
     return z.masked_fill_(empty, 0.0)
 
 
-def _support_weight(p: Tensor, alpha: float, out: Tensor, aux: Tensor) -> Tensor:
+def _support_weight(p: Tensor, alpha: float, out: Tensor) -> Tensor:
     """``p^{2−α}`` on the support, 0 elsewhere, written into ``out`` (float ``1 < α ≤ 2``).
 
-    ``sqrt``/``pow`` of exact zeros take a slow path on x86 CPUs (~20x): the root is taken of
-    ``max(p, 1e-30)`` and the off-support entries are zeroed by ``sign(p)`` (in ``aux``).
+    ``sqrt``/``pow`` of exact zeros take a slow path on x86 CPUs (~20x): computed as
+    ``p · max(p, 1e-30)^{1−α}`` (``p · rsqrt`` for α = 1.5), exactly 0 off the support.
     """
     if alpha == 2.0:
         return torch.sign(p, out=out)
     torch.clamp_min(p, 1e-30, out=out)
     if alpha == 1.5:
-        out.sqrt_()
+        out.rsqrt_()
     else:
-        out.pow_(2.0 - alpha)
-    return out.mul_(torch.sign(p, out=aux))
+        out.pow_(1.0 - alpha)
+    return out.mul_(p)
 
 
 def _backward_rows(p: Tensor, grad: Tensor, alpha: float) -> Tensor:
@@ -306,13 +317,13 @@ def _backward_rows(p: Tensor, grad: Tensor, alpha: float) -> Tensor:
     gf = grad.reshape(-1, n)
     out = torch.empty_like(pf)
     step = max(1, _CHUNK_SPARSEMAX // n)
-    local = threading.local()  # one pair of cache-sized buffers per worker thread
+    local = threading.local()  # one cache-sized buffer per worker thread
 
     def block(i: int, j: int) -> bool:
         buf = getattr(local, "buf", None)
         if buf is None:
-            buf = local.buf = torch.empty((2, step, n), dtype=p.dtype, device=p.device)
-        w = _support_weight(pf[i:j], alpha, buf[0, : j - i], buf[1, : j - i])
+            buf = local.buf = torch.empty((step, n), dtype=p.dtype, device=p.device)
+        w = _support_weight(pf[i:j], alpha, buf[: j - i])
         wsum = w.sum(dim=-1, keepdim=True)
         o = torch.mul(w, gf[i:j], out=out[i:j])
         q = o.sum(dim=-1, keepdim=True) / torch.where(wsum > 0, wsum, torch.ones_like(wsum))
