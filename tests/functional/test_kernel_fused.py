@@ -34,7 +34,10 @@ def _oracle(q, k, v, ws, m, eps):
                 wts = []
                 for j in range(nk):
                     y = k[bi, hi, j].detach()
-                    f = ref.random_fourier(x, y, pts[0]) if len(pts) == 1 else ref.nonstationary_fourier(x, y, *pts)
+                    if len(pts) == 1:
+                        f = ref.random_fourier(x, y, pts[0])
+                    else:
+                        f = ref.nonstationary_fourier(x, y, *pts)
                     wts.append((f * f + eps) * float(m.detach()[bi, 0, 0, j]))
                 total = sum(wts)
                 if total > 0:
