@@ -41,7 +41,7 @@ from attnopt.functional.kernel_linear import linear_kernel_attention
 from attnopt.kernels import RBF, Kernel
 from attnopt.kernels._base import check_dim
 
-__all__ = ["kernel_attention", "kernel_weights", "log_magnitude"]
+__all__ = ["kernel_attention", "kernel_weights", "log_magnitude", "split_key_query_mask"]
 
 Mode = Literal["quadratic", "linear"]
 _CHUNK_ELEMS = 1 << 24  # logits held at once by the chunked quadratic path
@@ -114,6 +114,32 @@ class _LpHalfSquare(torch.autograd.Function):
         x, pw, total, live = ctx.saved_tensors
         coef = torch.where(live, g * ctx.scale * total.pow(2.0 / ctx.p - 1.0), 0.0)
         return pw * x.sign() * coef.unsqueeze(-1), None, None
+
+
+def split_key_query_mask(mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Factor an additive mask ``(…, Nq, Nk)`` into a key mask and the fully masked query rows.
+
+    The linear mode sums over keys once for all queries, so it takes masks of the form
+    ``mask_ij = key_j`` for every query ``i`` that has an admissible key — e.g. key padding,
+    or the models' key padding ∪ query padding (padded queries' rows all ``-inf``).
+
+    Returns:
+        ``(key (…, 1, Nk), dead (…, Nq, 1))``: the shared row of the live queries (``0`` where
+        every query is dead) and a boolean marking the rows with no admissible key (their output
+        is 0, as in the quadratic mode).
+    Raises:
+        ValueError: the live rows differ (a query-dependent mask, e.g. causal ∪ padding).
+    """
+    dead = torch.isneginf(mask).all(dim=-1, keepdim=True)
+    inf = torch.full((), float("inf"), dtype=mask.dtype, device=mask.device)
+    key = torch.where(dead, inf, mask).amin(dim=-2, keepdim=True)
+    if not bool(torch.where(dead, key, mask).eq(key).all()):
+        raise ValueError(
+            "mode='linear' needs a key mask: attn_mask may only mask keys (the same keys for every "
+            "query) and whole query rows; got a query-dependent mask of shape "
+            f"{tuple(mask.shape)} (use mode='quadratic' or is_causal for causal masks)"
+        )
+    return torch.where(torch.isposinf(key), torch.zeros_like(key), key), dead
 
 
 def _check_options(kernel: object, magnitude_p: float | None, eps: float, mode: str) -> None:
@@ -327,7 +353,9 @@ def kernel_attention(
         magnitude_p: ``p > 0`` of the L^p magnitude; ``None`` = no magnitude term (RBF-only).
             ``p → 0⁺`` makes rows one-hot (Prop. 5).
         attn_mask: boolean (``True`` = take part) or additive float mask broadcastable to
-            (B, H, Nq, Nk). ``mode="linear"`` accepts only key masks, (..., 1, Nk).
+            (B, H, Nq, Nk). ``mode="linear"`` accepts key masks, (..., 1, Nk), and masks that
+            are a key mask on every row that is not fully masked (key ∪ query padding, as the
+            models build them; :func:`split_key_query_mask`).
         scale: ``s`` of the magnitude (default ``1/sqrt(d)``), > 0. It does not change the
             kernel: give the kernel its own length-scale.
         mode: ``"quadratic"`` (explicit scores, chunked over queries) or ``"linear"`` (exact
@@ -344,8 +372,8 @@ def kernel_attention(
         TypeError: ``kernel`` not a :class:`~attnopt.kernels.Kernel`; non-floating inputs.
         ValueError: NaN or ±inf in ``q``, ``k``, ``v``; a mask that does not broadcast to
             (B, H, Nq, Nk); mismatched shapes, ``magnitude_p <= 0``, ``eps < 0``, unknown ``mode``,
-            ``mode="linear"`` with a kernel without features, a query-dependent mask, or a
-            causal mask with ``Nq != Nk``.
+            ``mode="linear"`` with a kernel without features, a query-dependent mask (other
+            than whole masked rows), or a causal mask with ``Nq != Nk``.
     """
     validate_attention(q, k, v, attn_mask)
     empty = empty_attention(q, k, v)
@@ -358,21 +386,22 @@ def kernel_attention(
     qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)
     if mode == "linear":
         nq, nk = q.shape[-2], k.shape[-2]
+        key_mask, dead_rows = None, None
         if attn_mask is not None:
             batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
             if attn_mask.dim() >= 2 and attn_mask.shape[-2] != 1:
-                raise ValueError(
-                    "mode='linear' supports only key masks broadcastable to (..., 1, Nk); "
-                    f"got attn_mask {tuple(attn_mask.shape)}"
-                )
-            key_mask = additive_mask(attn_mask, (*batch, 1, nk), compute)
-        else:
-            key_mask = None
+                full = additive_mask(attn_mask, (*batch, nq, nk), compute)
+                assert full is not None
+                key_mask, dead_rows = split_key_query_mask(full)
+            else:
+                key_mask = additive_mask(attn_mask, (*batch, 1, nk), compute)
         if is_causal and nq != nk:
             raise ValueError(f"mode='linear' with is_causal needs Nq == Nk, got {nq} and {nk}")
         out = linear_kernel_attention(
             qc, kc, vc, kernel=kernel, key_bias=combine_additive(bias, key_mask), is_causal=is_causal, eps=eps
         )
+        if dead_rows is not None:
+            out = out.masked_fill(dead_rows, 0.0)
         return out.to(q.dtype)
     mask = _full_mask(q, k, attn_mask, is_causal, compute)
     if isinstance(kernel, RBF):
