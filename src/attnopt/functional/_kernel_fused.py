@@ -101,27 +101,32 @@ class _FusedFourier(torch.autograd.Function):
             phi = phi.mul_(coef).flatten(-2)
         pq, pk = phi[..., :nq, :], phi[..., nq:, :]
         f = torch.matmul(pq, pk.transpose(-2, -1))
-        wgt = f * f
-        if eps:
-            wgt.add_(eps)
-        num = torch.matmul(wgt, torch.cat([v * mt, mt], dim=-1))
+        wgt = torch.addcmul(f.new_full((), eps), f, f) if eps else f * f  # one pass over Nq×Nk
+        vm = torch.cat([v * mt, mt], dim=-1)
+        num = torch.matmul(wgt, vm)
         den = num[..., -1:]
         inv = torch.where(den > 0, den.reciprocal(), 0.0)  # a row with no weight gives zeros
         out = num[..., :-1] * inv
         ctx.eps, ctx.coef, ctx.nq, ctx.nsets, ctx.r = eps, coef, nq, len(ws), r
         ctx.w_shapes = [t.shape for t in ws]
-        ctx.save_for_backward(x, w, cs, pq, pk, mt, v, f, wgt, inv, out)
+        ctx.save_for_backward(x, w, cs, pq, pk, mt, v, vm, f, wgt, inv, out)
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        x, w, cs, pq, pk, mt, v, f, wgt, inv, out = ctx.saved_tensors
+        # With A_ij = W_ij m_j, g = dO/den, δ_i = <g_i, O_i>, dA_ij = <g_i, v_j> − δ_i:
+        # dW_ij = <[g_i, −δ_i], [m_j v_j, m_j]> (one matmul), T = Wᵀ[g, −δ] gives
+        # dv_j = m_j T_j[:dv] and dm_j = <v_j, T_j[:dv]> + T_j[dv]: one pass over Nq×Nk (dW ⊙ f).
+        x, w, cs, pq, pk, mt, v, vm, f, wgt, inv, out = ctx.saved_tensors
         g = dout * inv
-        delta = (g * out).sum(-1, keepdim=True)
-        da = torch.matmul(g, v.transpose(-2, -1)).sub_(delta)
-        dm = (da * wgt).sum(-2).unsqueeze(-1) if ctx.needs_input_grad[2] else None
-        dv = torch.matmul(wgt.transpose(-2, -1), g).mul_(mt) if ctx.needs_input_grad[3] else None
-        df = da.mul_(mt.transpose(-2, -1)).mul_(f).mul_(2.0 * ctx.coef)
+        gn = torch.cat([g, (g * out).sum(-1, keepdim=True).neg_()], dim=-1)
+        dm = dv = None
+        if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
+            t = torch.matmul(wgt.transpose(-2, -1), gn)
+            tv = t[..., :-1]
+            dv = tv * mt if ctx.needs_input_grad[3] else None
+            dm = (tv * v).sum(-1, keepdim=True).add_(t[..., -1:]) if ctx.needs_input_grad[2] else None
+        df = torch.matmul(gn * (2.0 * ctx.coef), vm.transpose(-2, -1)).mul_(f)
         dphi = torch.cat([torch.matmul(df, pk), torch.matmul(df.transpose(-2, -1), pq)], dim=-2)
         s, r = ctx.nsets, ctx.r
         dc, ds = dphi[..., :r], dphi[..., r:]
