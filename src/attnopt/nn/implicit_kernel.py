@@ -50,7 +50,9 @@ class ImplicitKernelAttention(MultiheadBase):
         variant: one of ``"ika-s"``, ``"ika-ns"``, ``"ikan"``, ``"ikan-direct"``, ``"mikan"``.
         num_samples: ``R`` spectral points per head (even for sampled variants).
         p: magnitude exponent ``p > 0`` (``ika-s``/``ika-ns`` use L2 and require ``p = 2``).
-        mode: ``"quadratic"`` or ``"linear"`` (exact O(N·R²) form; key masks only).
+        mode: ``"quadratic"`` or ``"linear"`` (the exact O(N·R²) form for long inputs; takes
+            key padding, also combined with query padding as :mod:`attnopt.models` passes it,
+            and ``is_causal``, but not other query-dependent masks).
         eps: added to ``f²`` (the authors' ``1e-5``).
         hidden: width of the spectral-density networks.
         seed: seeds the training noise generator and the fixed evaluation noise.
