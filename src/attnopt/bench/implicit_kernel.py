@@ -10,6 +10,9 @@ Functional rows (B=1, H=4, d=64, float32, forward):
   up to N = 65,536 in full mode.
 * ``module N=…``: each ``ImplicitKernelAttention`` variant vs ``nn.MultiheadAttention``
   (baseline), projections included.
+* ``long input N=…``: the registry's ``ikan`` module (R = 8, p = 1.5, B = 1, E = 256, H = 4,
+  the last eighth of the keys padded) forward+backward in the quadratic mode (baseline) and
+  the exact linear mode, time and peak memory (N = 2048, 4096; quick: 2048).
 * ``training step N=128``: one optimizer step (forward, loss incl. the KL term, backward,
   Adam) of ``ikan`` / ``ikan-direct`` / ``mikan`` (R = 8, 16) against
   ``nn.MultiheadAttention`` (the Transformer arm), B = 8, E = 64, H = 4 — the issue's target
@@ -156,6 +159,50 @@ def _train_step_rows(ctx: BenchContext, repeat: int) -> Iterator[Measurement]:
                           note="B=8, E=64, H=4: fwd + loss (+KL) + bwd + Adam")
 
 
+def _padded_input(n: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(1, n, H * D, generator=g).to(device).requires_grad_()
+    pad = torch.zeros(1, n, dtype=torch.bool, device=device)
+    pad[:, n - n // 8 :] = True  # the last eighth is padding: the linear mode's key-mask path
+    return x, pad
+
+
+def long_module_factory(mode: str, n: int, device: str = "cpu") -> Callable[[], None]:
+    """One forward+backward of the registry's ``ikan`` (R = 8, p = 1.5) in ``mode`` (memory probe)."""
+    from attnopt.nn.registry import make_attention
+
+    torch.manual_seed(0)
+    mod = make_attention("ikan", H * D, H, p=1.5, num_samples=8, seed=0, mode=mode).to(device)
+    x, pad = _padded_input(n, device)
+
+    def run() -> None:
+        x.grad = None
+        mod.zero_grad(set_to_none=True)
+        out = mod(x, key_padding_mask=pad)[0]
+        (out.square().mean() + mod.kl()).backward()
+
+    return run
+
+
+def _long_rows(ctx: BenchContext) -> Iterator[Measurement]:
+    """``ikan`` as a module at long N: quadratic (baseline) vs the linear mode, fwd+bwd, padded."""
+    for n in LONG_N_QUICK if ctx.quick else LONG_N:
+        for mode in ("quadratic", "linear"):
+            run = long_module_factory(mode, n, ctx.device)
+            t = _best_cpu_time(run, 1 if ctx.quick else 2, ctx.device)
+            peak = None
+            if ctx.memory:
+                kwargs = {"mode": mode, "n": n, "device": ctx.device}
+                peak = peak_memory_mb(f"{__name__}:long_module_factory", kwargs, device=ctx.device)
+            yield Measurement(SUITE, f"long input N={n} B=1 E={H * D} H={H}", f"ikan {mode} mode", t,
+                              peak_mb=peak, baseline=mode == "quadratic",
+                              note="registry module, R=8, p=1.5, 1/8 key padding; fwd + bwd")
+
+
+LONG_N_QUICK = (2048,)
+LONG_N = (2048, 4096)
+
+
 @bench_suite(SUITE)
 def suite(ctx: BenchContext) -> Iterator[Measurement]:
     """Kernel-attention variants vs SDPA, linear vs quadratic mode, linear scaling, modules."""
@@ -194,3 +241,4 @@ def _rows(ctx: BenchContext) -> Iterator[Measurement]:
                           note=f"ideal ratio {n // scale_sizes[0]}")
     yield from _module_rows(ctx, 512 if ctx.quick else 2048, 2 if ctx.quick else ctx.repeat)
     yield from _train_step_rows(ctx, 3 if ctx.quick else max(ctx.repeat, 5))
+    yield from _long_rows(ctx)

@@ -18,7 +18,7 @@ memory (see :mod:`attnopt.functional.kernel_linear`).
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -35,12 +35,13 @@ from attnopt._validation import (
     validate_attention,
 )
 from attnopt.functional import dispatch
-from attnopt.functional._kernel_fused import fused_feature_kernel_attention
+from attnopt.functional._kernel_fused import fused_feature_kernel_attention, fused_fourier_attention
 from attnopt.functional._softmax import safe_softmax
 from attnopt.functional.kernel_linear import linear_kernel_attention
 from attnopt.kernels import RBF, Kernel
+from attnopt.kernels._base import check_dim
 
-__all__ = ["kernel_attention", "kernel_weights", "log_magnitude"]
+__all__ = ["kernel_attention", "kernel_weights", "log_magnitude", "split_key_query_mask"]
 
 Mode = Literal["quadratic", "linear"]
 _CHUNK_ELEMS = 1 << 24  # logits held at once by the chunked quadratic path
@@ -55,12 +56,15 @@ def log_magnitude(x: Tensor, p: float, scale: float) -> Tensor:
     zeros get a zero gradient.
     """
     if 1 <= p <= 2 and x.dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
-        # (Σ|x|^p)^{2/p}: both powers have exponent >= 1, so the plain chain is finite (zero
-        # gradient at 0) and ~20 small ops cheaper than the guarded log-domain form below
+        # (Σ|x|^p)^{2/p}: both powers have exponent >= 1, so it is finite with a zero gradient
+        # at 0; one node with a closed-form backward, ~20 small ops cheaper than the guarded
+        # log-domain form below
         dt = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-        ax = x.to(dt)
-        total = ax.square().sum(-1) if p == 2 else ax.abs().pow(p).sum(-1).pow(2.0 / p)
-        return (0.5 * scale * total).clamp(max=torch.finfo(dt).max / 8)
+        if p == 2:
+            total = x.to(dt).square().sum(-1)
+            return (0.5 * scale * total).clamp(max=torch.finfo(dt).max / 8)
+        out: Tensor = _LpHalfSquare.apply(x.to(dt), float(p), float(scale))
+        return out
     if p < 1:
         dt = torch.float64
     else:
@@ -74,6 +78,68 @@ def log_magnitude(x: Tensor, p: float, scale: float) -> Tensor:
     log_total = torch.where(tpos, safe_total.log(), total.new_tensor(-1e4))
     la = math.log(0.5 * scale) + (2.0 / p) * log_total
     return la.clamp(max=math.log(torch.finfo(dt).max) - 2.0).exp()
+
+
+def _abs_pow(ax: Tensor, e: float) -> Tensor:
+    """``|x|^e`` for ``0 <= e <= 1`` by the cheapest exact op (``pow`` is ~10× a ``sqrt``)."""
+    if e == 0.5:
+        return ax.sqrt()
+    if e == 1.0:
+        return ax
+    if e == 0.0:
+        return torch.ones_like(ax)
+    return ax.pow(e)
+
+
+class _LpHalfSquare(torch.autograd.Function):
+    r"""``a = s·(Σ_i |x_i|^p)^{2/p} / 2`` for ``1 <= p <= 2`` (the L^p magnitude, eq. 11).
+
+    Backward: ``∂a/∂x_i = s·T^{2/p−1}·|x_i|^{p−1}·sign(x_i)`` with ``T = Σ|x|^p`` (0 where
+    ``x_i = 0`` for ``p > 1``; ``T^{2/p−1}`` has a non-negative exponent).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, p: float, scale: float) -> Tensor:  # type: ignore[override]
+        ax = x.abs()
+        pw = _abs_pow(ax, p - 1.0)  # |x|^{p-1}
+        total = (ax * pw).sum(-1)
+        cap = torch.finfo(x.dtype).max / 8
+        out = (0.5 * scale * total.pow(2.0 / p)).clamp_(max=cap)
+        ctx.p, ctx.scale = p, scale
+        ctx.save_for_backward(x, pw, total, out < cap)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, None, None]:  # type: ignore[override]
+        x, pw, total, live = ctx.saved_tensors
+        coef = torch.where(live, g * ctx.scale * total.pow(2.0 / ctx.p - 1.0), 0.0)
+        return pw * x.sign() * coef.unsqueeze(-1), None, None
+
+
+def split_key_query_mask(mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Factor an additive mask ``(…, Nq, Nk)`` into a key mask and the fully masked query rows.
+
+    The linear mode sums over keys once for all queries, so it takes masks of the form
+    ``mask_ij = key_j`` for every query ``i`` that has an admissible key — e.g. key padding,
+    or the models' key padding ∪ query padding (padded queries' rows all ``-inf``).
+
+    Returns:
+        ``(key (…, 1, Nk), dead (…, Nq, 1))``: the shared row of the live queries (``0`` where
+        every query is dead) and a boolean marking the rows with no admissible key (their output
+        is 0, as in the quadratic mode).
+    Raises:
+        ValueError: the live rows differ (a query-dependent mask, e.g. causal ∪ padding).
+    """
+    dead = torch.isneginf(mask).all(dim=-1, keepdim=True)
+    inf = torch.full((), float("inf"), dtype=mask.dtype, device=mask.device)
+    key = torch.where(dead, inf, mask).amin(dim=-2, keepdim=True)
+    if not bool(torch.where(dead, key, mask).eq(key).all()):
+        raise ValueError(
+            "mode='linear' needs a key mask: attn_mask may only mask keys (the same keys for every "
+            "query) and whole query rows; got a query-dependent mask of shape "
+            f"{tuple(mask.shape)} (use mode='quadratic' or is_causal for causal masks)"
+        )
+    return torch.where(torch.isposinf(key), torch.zeros_like(key), key), dead
 
 
 def _check_options(kernel: object, magnitude_p: float | None, eps: float, mode: str) -> None:
@@ -156,7 +222,9 @@ def _quadratic(
     chunk = nq if v is None else max(1, min(nq, _CHUNK_ELEMS // max(1, batch * nk)))
     direct = _direct_ok(kernel, mask, eps)
     m: Tensor | None = None
-    if direct:
+    if direct and mask is None:
+        m = None if bias is None else bias.exp()  # the bias is already ≤ 0 with max 0
+    elif direct:
         a = combine_additive(bias, mask)
         if a is not None:
             c = a.amax(dim=-1, keepdim=True).detach()
@@ -166,6 +234,11 @@ def _quadratic(
         path = dispatch.choose_impl("kernel", nq=nq, nk=nk, batch=rows, dtype=q.dtype)
         if dispatch.record("kernel", path) == "materialized":
             kernel._check(q, k)
+            fourier = kernel.fourier_sets()
+            if fourier is not None:
+                sets, coef = fourier
+                check_dim("spectral points", sets[0], q)
+                return fused_fourier_attention(q, k, m, v, eps, coef, sets)
             return fused_feature_kernel_attention(kernel.features(q), kernel.features(k), m, v, eps)
     else:
         dispatch.record("kernel", "streaming")
@@ -280,7 +353,9 @@ def kernel_attention(
         magnitude_p: ``p > 0`` of the L^p magnitude; ``None`` = no magnitude term (RBF-only).
             ``p → 0⁺`` makes rows one-hot (Prop. 5).
         attn_mask: boolean (``True`` = take part) or additive float mask broadcastable to
-            (B, H, Nq, Nk). ``mode="linear"`` accepts only key masks, (..., 1, Nk).
+            (B, H, Nq, Nk). ``mode="linear"`` accepts key masks, (..., 1, Nk), and masks that
+            are a key mask on every row that is not fully masked (key ∪ query padding, as the
+            models build them; :func:`split_key_query_mask`).
         scale: ``s`` of the magnitude (default ``1/sqrt(d)``), > 0. It does not change the
             kernel: give the kernel its own length-scale.
         mode: ``"quadratic"`` (explicit scores, chunked over queries) or ``"linear"`` (exact
@@ -297,8 +372,8 @@ def kernel_attention(
         TypeError: ``kernel`` not a :class:`~attnopt.kernels.Kernel`; non-floating inputs.
         ValueError: NaN or ±inf in ``q``, ``k``, ``v``; a mask that does not broadcast to
             (B, H, Nq, Nk); mismatched shapes, ``magnitude_p <= 0``, ``eps < 0``, unknown ``mode``,
-            ``mode="linear"`` with a kernel without features, a query-dependent mask, or a
-            causal mask with ``Nq != Nk``.
+            ``mode="linear"`` with a kernel without features, a query-dependent mask (other
+            than whole masked rows), or a causal mask with ``Nq != Nk``.
     """
     validate_attention(q, k, v, attn_mask)
     empty = empty_attention(q, k, v)
@@ -311,21 +386,22 @@ def kernel_attention(
     qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)
     if mode == "linear":
         nq, nk = q.shape[-2], k.shape[-2]
+        key_mask, dead_rows = None, None
         if attn_mask is not None:
             batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
             if attn_mask.dim() >= 2 and attn_mask.shape[-2] != 1:
-                raise ValueError(
-                    "mode='linear' supports only key masks broadcastable to (..., 1, Nk); "
-                    f"got attn_mask {tuple(attn_mask.shape)}"
-                )
-            key_mask = additive_mask(attn_mask, (*batch, 1, nk), compute)
-        else:
-            key_mask = None
+                full = additive_mask(attn_mask, (*batch, nq, nk), compute)
+                assert full is not None
+                key_mask, dead_rows = split_key_query_mask(full)
+            else:
+                key_mask = additive_mask(attn_mask, (*batch, 1, nk), compute)
         if is_causal and nq != nk:
             raise ValueError(f"mode='linear' with is_causal needs Nq == Nk, got {nq} and {nk}")
         out = linear_kernel_attention(
             qc, kc, vc, kernel=kernel, key_bias=combine_additive(bias, key_mask), is_causal=is_causal, eps=eps
         )
+        if dead_rows is not None:
+            out = out.masked_fill(dead_rows, 0.0)
         return out.to(q.dtype)
     mask = _full_mask(q, k, attn_mask, is_causal, compute)
     if isinstance(kernel, RBF):

@@ -62,6 +62,13 @@ class Kernel:
         """Feature map ``φ (..., N, D)`` with ``f(q, k) = φ(q)ᵀ φ(k)``."""
         raise NotImplementedError(f"{type(self).__name__} has no finite feature map")
 
+    def fourier_sets(self) -> tuple[list[Tensor], float] | None:
+        """``(point sets, c)`` when ``features(x) = c·[Σ_s cos(x w_sᵀ), Σ_s sin(x w_sᵀ)]``, else None.
+
+        Lets attention fuse the feature maps into its own autograd node.
+        """
+        return None
+
     def paired(self, x: Tensor, y: Tensor) -> Tensor:
         """``f(x_n, y_n)`` for matching rows (..., d) x (..., d) -> (...)."""
         return self(x.unsqueeze(-2), y.unsqueeze(-2)).squeeze(-1).squeeze(-1)

@@ -74,6 +74,9 @@ class RandomFourier(Kernel):
         proj = torch.matmul(x, w.to(x.dtype).transpose(-2, -1))
         return torch.cat([proj.cos(), proj.sin()], dim=-1) / math.sqrt(self.num_samples)
 
+    def fourier_sets(self) -> tuple[list[Tensor], float]:
+        return [self.spectral_points], 1.0 / math.sqrt(self.num_samples)
+
     def __call__(self, q: Tensor, k: Tensor) -> Tensor:
         self._check(q, k)
         return torch.matmul(self.features(q), self.features(k).transpose(-2, -1))

@@ -78,6 +78,9 @@ class NonStationaryFourier(Kernel):
         phi = torch.cat([p1.cos() + p2.cos(), p1.sin() + p2.sin()], dim=-1)
         return phi / (2 * math.sqrt(self.num_samples))
 
+    def fourier_sets(self) -> tuple[list[Tensor], float]:
+        return [self.w1, self.w2], 1.0 / (2 * math.sqrt(self.num_samples))
+
     def __call__(self, q: Tensor, k: Tensor) -> Tensor:
         self._check(q, k)
         return torch.matmul(self.features(q), self.features(k).transpose(-2, -1))

@@ -50,7 +50,9 @@ class ImplicitKernelAttention(MultiheadBase):
         variant: one of ``"ika-s"``, ``"ika-ns"``, ``"ikan"``, ``"ikan-direct"``, ``"mikan"``.
         num_samples: ``R`` spectral points per head (even for sampled variants).
         p: magnitude exponent ``p > 0`` (``ika-s``/``ika-ns`` use L2 and require ``p = 2``).
-        mode: ``"quadratic"`` or ``"linear"`` (exact O(N·R²) form; key masks only).
+        mode: ``"quadratic"`` or ``"linear"`` (the exact O(N·R²) form for long inputs; takes
+            key padding, also combined with query padding as :mod:`attnopt.models` passes it,
+            and ``is_causal``, but not other query-dependent masks).
         eps: added to ``f²`` (the authors' ``1e-5``).
         hidden: width of the spectral-density networks.
         seed: seeds the training noise generator and the fixed evaluation noise.
@@ -126,24 +128,29 @@ class ImplicitKernelAttention(MultiheadBase):
         if self.variant == "ikan-direct":
             return [w.to(k.dtype) for w in self.spectral_points], k.new_zeros(b)
         h = self._head_summary(k, mask)
+        n_sets, half = len(self.densities), self.num_samples // 2
+        # every set's base noise in one draw (eval: the fixed buffer), correlated by the copula
+        # in one einsum with its factor computed once per forward
+        if self.training:
+            noise = torch.randn(n_sets, b, self.num_heads, half, self.head_dim, generator=self._generator)
+            noise = noise.to(device=k.device, dtype=k.dtype)
+        else:
+            noise = self.get_buffer("eval_noise").to(k.dtype).unsqueeze(1).expand(-1, b, -1, -1, -1)
+        log_det = None
+        if self.copula is not None:
+            factor = self.copula.factor()
+            noise = self.copula.correlate(noise, factor)
+            log_det = 2 * factor.diagonal().log().sum().to(k.dtype)
         sets, kl = [], k.new_zeros(b)
         for i, dens in enumerate(self.densities):
             assert isinstance(dens, ImplicitSpectralDensity)
             mu, log_sigma = dens.posterior(h)  # (B, H, d)
-            if self.training:
-                noise = torch.randn(
-                    b, self.num_heads, self.num_samples // 2, self.head_dim, generator=self._generator
-                ).to(device=k.device, dtype=k.dtype)
-            else:
-                noise = self.get_buffer("eval_noise")[i].to(k.dtype).expand(b, -1, -1, -1)
-            if self.copula is not None:
-                noise = self.copula.correlate(noise)
-            z_tilde = mu.unsqueeze(-2) + log_sigma.exp().unsqueeze(-2) * noise
+            z_tilde = torch.addcmul(mu.unsqueeze(-2), log_sigma.exp().unsqueeze(-2), noise[i])
             sets.append(dens.transform(z_tilde))
             set_kl = ImplicitSpectralDensity.gaussian_kl(mu, log_sigma).sum(-1)
-            if self.copula is not None:
-                set_kl = set_kl - 0.5 * self.head_dim * self.copula.log_det().to(k.dtype)
-            kl = kl + (self.num_samples // 2) * set_kl
+            if log_det is not None:
+                set_kl = set_kl - 0.5 * self.head_dim * log_det
+            kl = kl + half * set_kl
         return sets, kl
 
     def kernel_for(self, k: Tensor, mask: Tensor | None = None) -> Kernel:

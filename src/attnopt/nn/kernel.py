@@ -25,7 +25,8 @@ class KernelMultiheadAttention(MultiheadBase):
         embed_dim, num_heads: as ``nn.MultiheadAttention``.
         kernel: an :class:`attnopt.kernels.Kernel` (``RBF()``, ``Periodic(P)``, ``Linear()``).
         magnitude_p: ``p > 0`` of the L^p magnitude, or ``None`` for none.
-        mode: ``"quadratic"`` or ``"linear"`` (kernels with a feature map, key masks only).
+        mode: ``"quadratic"`` or ``"linear"`` (kernels with a feature map; key padding, also
+            combined with query padding, and ``is_causal``, not other query-dependent masks).
         bias, kdim, vdim: as ``nn.MultiheadAttention``.
     Raises:
         TypeError: ``kernel`` not a :class:`~attnopt.kernels.Kernel`.

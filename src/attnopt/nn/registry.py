@@ -30,15 +30,22 @@ sparsemax      Ω = ½‖p‖² (one-sided EOT Prop. 4.2)                —
 entmax         Ω = Tsallis α (Prop. 4.3)                          alpha (1.5)
 rbf-only       RBF similarity, no magnitude (implicit-kernel T2)  —
 expsin         periodic kernel × L2 magnitude                     period (2π: matches RBF at 0)
-linear         linear kernel × L2 magnitude                       —
-ika-s          implicit stationary kernel (eq. 12–13)             num_samples (8), hidden (32), seed
-ika-ns         implicit non-stationary kernel (eq. 14–16)         num_samples, hidden, seed
-ikan           ika-ns with an L^p magnitude                       p (2.0), num_samples, hidden, seed
-ikan-direct    learned spectral points (no sampling, no KL)       p, num_samples, seed
-mikan          ikan with a Gaussian copula across heads           p, num_samples, hidden, seed
+linear         linear kernel × L2 magnitude                       mode ("quadratic")
+ika-s          implicit stationary kernel (eq. 12–13)             num_samples (8), hidden (32), seed,
+                                                                  mode ("quadratic")
+ika-ns         implicit non-stationary kernel (eq. 14–16)         num_samples, hidden, seed, mode
+ikan           ika-ns with an L^p magnitude                       p (2.0), num_samples, hidden, seed,
+                                                                  mode
+ikan-direct    learned spectral points (no sampling, no KL)       p, num_samples, seed, mode
+mikan          ikan with a Gaussian copula across heads           p, num_samples, hidden, seed, mode
 ot             OT-based attention pooling (fenchel Sec. 9)        alpha (1), gamma (√E), cost
                                                                   ("neg_dot")
 =============  ================================================  ===============================
+
+``mode="linear"`` (the kernels with a feature map: ``linear`` and the implicit kernels) computes
+the same attention exactly in O(N) time and memory (implicit-kernel-attention §4, via the
+features ``φ(x)⊗φ(x)``); it takes key padding masks, also combined with query padding as
+:mod:`attnopt.models` builds them, but not a query-dependent mask (a causal decoder with padding).
 
 The Hugging Face registration (:mod:`attnopt.integrations.hf`) and ``attnopt train`` use
 the same names.
@@ -132,7 +139,7 @@ def _kernel(which: str) -> Callable[..., nn.Module]:
             return KernelMultiheadAttention(e, h, RBF(), magnitude_p=None)
         if which == "expsin":
             return KernelMultiheadAttention(e, h, Periodic(opts["period"]), magnitude_p=2.0)
-        return KernelMultiheadAttention(e, h, Linear(), magnitude_p=2.0)
+        return KernelMultiheadAttention(e, h, Linear(), magnitude_p=2.0, mode=opts["mode"])
 
     return build
 
@@ -158,7 +165,7 @@ _FD, _DN, _IK, _EOT = (
     "implicit-kernel-attention",
     "sdpa-one-sided-eot",
 )
-_IKA_OPTS = {"num_samples": 8, "hidden": 32, "seed": None}
+_IKA_OPTS = {"num_samples": 8, "hidden": 32, "seed": None, "mode": "quadratic"}
 
 _SPECS: tuple[AttentionSpec, ...] = (
     AttentionSpec("softmax", "scaled dot-product attention (SDPA)", _EOT, {}, _generalized),
@@ -193,7 +200,7 @@ _SPECS: tuple[AttentionSpec, ...] = (
     AttentionSpec(
         "expsin", "periodic kernel x L2 magnitude", _IK, {"period": 2 * math.pi}, _kernel("expsin")
     ),
-    AttentionSpec("linear", "linear kernel x L2 magnitude", _IK, {}, _kernel("linear")),
+    AttentionSpec("linear", "linear kernel x L2 magnitude", _IK, {"mode": "quadratic"}, _kernel("linear")),
     AttentionSpec(
         "ika-s",
         "implicit stationary kernel (random Fourier, learned density)",
@@ -209,7 +216,7 @@ _SPECS: tuple[AttentionSpec, ...] = (
         "ikan-direct",
         "learned spectral points x L^p magnitude",
         _IK,
-        {"p": 2.0, "num_samples": 8, "seed": None},
+        {"p": 2.0, "num_samples": 8, "seed": None, "mode": "quadratic"},
         _ika("ikan-direct"),
     ),
     AttentionSpec(

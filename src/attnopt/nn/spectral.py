@@ -52,9 +52,12 @@ class GaussianCopula(nn.Module):
         """``log det C = 2 Σ log L̃_mm``."""
         return 2 * self.factor().diagonal().log().sum()
 
-    def correlate(self, eps: Tensor) -> Tensor:
-        """Correlate standard normals across heads: eps (..., H, n, d) -> L̃ε along H."""
-        f = self.factor().to(eps.dtype)
+    def correlate(self, eps: Tensor, factor: Tensor | None = None) -> Tensor:
+        """Correlate standard normals across heads: eps (..., H, n, d) -> L̃ε along H.
+
+        ``factor`` is :meth:`factor` when the caller already has it (computed once per forward).
+        """
+        f = (self.factor() if factor is None else factor).to(eps.dtype)
         return torch.einsum("mh,...hnd->...mnd", f, eps)
 
 
@@ -97,10 +100,14 @@ class ImplicitSpectralDensity(nn.Module):
         return mu, log_sigma.clamp(-10.0, 5.0)
 
     def transform(self, z_tilde: Tensor) -> Tensor:
-        """``w = sign(z)·NN₂(|z|)`` for ``z = [z̃ ‖ −z̃]``: (..., R/2, d) -> (..., R, d)."""
-        z = torch.cat([z_tilde, -z_tilde], dim=-2)
-        a = z.abs()
-        return torch.sign(z) * (a * self.base_scale + self.nn2(a))
+        """``w = sign(z)·NN₂(|z|)`` for ``z = [z̃ ‖ −z̃]``: (..., R/2, d) -> (..., R, d).
+
+        ``|−z̃| = |z̃|`` and ``sign(−z̃) = −sign(z̃)``, so the mirror half is ``−w(z̃)``: the
+        networks run on the ``R/2`` base points only.
+        """
+        a = z_tilde.abs()
+        half = torch.sign(z_tilde) * (a * self.base_scale + self.nn2(a))
+        return torch.cat([half, -half], dim=-2)
 
     @staticmethod
     def gaussian_kl(mu: Tensor, log_sigma: Tensor) -> Tensor:
