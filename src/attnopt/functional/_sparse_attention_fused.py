@@ -1,20 +1,39 @@
 r"""Fused materialized sparsemax / α-entmax attention for short sequences (internal).
 
-sdpa-one-sided-eot Prop. 4.2–4.3. Scores ``S = (scale·Q)Kᵀ + M − β|i−j|`` are formed once,
-the row thresholds are found on them by the threshold search of
-:mod:`attnopt.functional.entmax` (Michelot/Newton, exact for α = 2 and 1.5), and
-``P = [(α−1)(S − max S) − θ]₊^{1/(α−1)}``, ``O = P V``. Against the blocked path this saves the
-per-block bookkeeping and, in the backward, the recomputation of ``S`` and ``P``.
+sdpa-one-sided-eot Prop. 4.2–4.3. Scores ``S = scale·QKᵀ + M − β|i−j|`` are formed once (for
+α = 1.5 directly in map units ``z = S/2``: the ½ rides in the matmul's ``alpha``), and the map
+``P = [z − θ]₊^{1/(α−1)}`` is found *in place* on them, row-wise, by an exact threshold search
+on the whole row block (no shift by the row max, no second score-sized buffer for sparsemax):
 
-(A sort-based exact threshold on the compacted candidates ``z > −1`` was tried: ``torch.sort``
-and the compaction ops are slower on CPU than the dense Newton passes at these sizes.)
+* α = 2 (sparsemax): Michelot's algorithm from the lower bound ``θ = max − 1`` — each step
+  ``θ ← θ + (Σ[z − θ]₊ − 1)/|S|`` on the support ``S = {z > θ}``; it stops when ``|S|`` does
+  not change, and then ``[z − θ]₊`` *is* ``P`` (exact).
+* α = 1.5: Newton on ``Σ[z − θ]₊² − 1`` from the same lower bound; at each step the closed-form
+  threshold ``τ`` of the current support (the quadratic of the sort-based algorithm) is
+  checked: ``τ`` is exact iff no support entry falls below it (a support that is too large gives
+  ``τ`` above the true threshold, so one of its extra entries falls below). Then
+  ``g = [z − τ]₊ = √P`` and ``P = g²`` (exact to rounding).
+* other α: the threshold search of :mod:`attnopt.functional.entmax`.
 
-Backward saves ``P`` (no recomputation): ``dP = dO Vᵀ``, ``dS = g ⊙ (dP − Σ g dP / Σ g)``
-with ``g = p^{2−α}`` (the support indicator for sparsemax), ``dQ = scale·dS K``,
-``dK = dSᵀ (scale·Q)``, ``dV = Pᵀ dO``, ``dβ = −Σ dS ⊙ |i − j|``.
+Rows longer than a cache-sized block are processed in row blocks, so the search's passes run
+in cache. Rows that are entirely masked give ``P = 0`` (and zero gradient).
+
+Backward (closed form, no recomputation; ``P`` and, for α ≠ 2, ``g = p^{2−α}`` are saved):
+``dP = dO Vᵀ``, ``dS = g ⊙ (dP − Σ g dP / Σ g)`` (``g`` = the support indicator for
+sparsemax, ``Σ g = |S|`` from the forward), ``dQ = scale·dS K``, ``dK = scale·dSᵀ Q``,
+``dV = Pᵀ dO``, ``dβ = −Σ dS ⊙ |i − j|``. ``dS`` is formed in place on ``dP``.
+
+Why the backward is dense-masked, not sparse: supports are small (sparsemax: ~4 of 64–512 keys,
+1.5-entmax: 10–17 of 64–512 on Gaussian scores), but at N ≤ 512 the four ``N×N×d`` products run
+as dense BLAS ``bmm`` faster than gathering the support's key/value rows (``gather`` /
+``index_add`` over ``nnz·d`` entries) or ``torch.sparse`` CSR products on the support; measured
+in this module's history (``attnopt bench --only small_n``, see the README of the bench). The
+support is used where it pays: ``dS`` is zero off the support by construction (``g = 0``
+there), with three in-place passes over ``dP``.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -24,60 +43,231 @@ from attnopt.functional.entmax import _default_tol, _entmax_backward, _threshold
 
 __all__ = ["fused_sparse_attention"]
 
+_ROW_BLOCK = 1 << 16  # entries per row block of the threshold search (fits the L2 cache)
+_MAX_ITER_SPARSEMAX = 1000
+_MAX_ITER_ENTMAX = 100
+_NEWTON_FIRST = 2  # unchecked Newton steps of the 1.5-entmax search (measured: 3-5 in all)
+
 
 def _distance(nq: int, nk: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     pos = torch.arange(nq, device=device)[:, None] - torch.arange(nk, device=device)[None, :]
     return pos.abs().to(dtype)
 
 
-def _scores(qs: Tensor, k: Tensor, mask: Tensor | None, beta: Tensor | None, causal: bool) -> Tensor:
-    s = torch.matmul(qs, k.transpose(-2, -1))
-    nq, nk = s.shape[-2], s.shape[-1]
+def _scores(
+    q: Tensor, k: Tensor, batch: tuple[int, ...], mult: float, mask: Tensor | None, beta: Tensor | None,
+    causal: bool, half: bool,
+) -> Tensor:
+    """``mult·QKᵀ + c·(M − β|i−j|)`` as a contiguous ``(*batch, Nq, Nk)`` tensor (``c = ½`` if ``half``)."""
+    nq, nk = q.shape[-2], k.shape[-2]
+    s = torch.bmm(q * mult, k.transpose(-2, -1)).view(*batch, nq, nk)
     if mask is not None:
-        s.add_(mask)
+        s.add_(mask, alpha=0.5 if half else 1.0)
     if beta is not None:
         dist = _distance(nq, nk, beta.dtype, s.device)
         bias = beta * dist if beta.dim() == 0 else beta.view(-1, 1, 1) * dist
-        s.sub_(bias.to(s.dtype))
+        s.sub_(bias.to(s.dtype), alpha=0.5 if half else 1.0)
     if causal:
         s.masked_fill_(torch.ones(nq, nk, dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
     return s
 
 
-def _sparse_map(s: Tensor, alpha: float) -> Tensor:
-    """``P`` from the scores ``s (…, Nq, Nk)`` (the threshold search of :mod:`.entmax`)."""
-    max_iter = 1000 if alpha == 2.0 else 100
-    return _threshold_map(s, alpha, -1, max_iter, _default_tol(s.dtype))[0]
+def _start(z: Tensor) -> Tensor:
+    """The lower bound ``max z − 1`` of every row's threshold (``−1`` on an all ``−inf`` row)."""
+    m = z.amax(dim=-1, keepdim=True)
+    if bool((torch.isnan(m) | torch.isposinf(m)).any()):
+        raise ValueError("attention scores must not contain NaN or +inf (use -inf to mask an entry)")
+    return m.masked_fill_(torch.isneginf(m), 0.0).sub_(1.0)
+
+
+def _warn(name: str, max_iter: int) -> None:
+    warnings.warn(f"{name} attention: threshold search did not converge in {max_iter} iterations",
+                  RuntimeWarning, stacklevel=5)
+
+
+def _count(t: Tensor, buf: Tensor) -> Tensor:
+    """Entries ``> 0`` per row of ``t ≥ 0`` as floats ``(R, 1)`` (``sign`` + ``sum``: a bool ``sum``
+    or ``count_nonzero`` is ~8x slower on CPU)."""
+    return torch.sign(t, out=buf).sum(dim=-1, keepdim=True)
+
+
+def _sparsemax_rows(t: Tensor, buf: Tensor) -> Tensor:
+    """Sparsemax of the rows of ``t (R, n)``, in place; returns the support sizes ``(R, 1)``.
+
+    Works on ``t = [z − θ]₊`` itself: ``θ`` only grows, so entries at 0 never return.
+    ``buf``: scratch of ``t``'s shape.
+    """
+    t.sub_(_start(t)).relu_()
+    count_prev: Tensor | None = None
+    for _ in range(_MAX_ITER_SPARSEMAX):
+        count = _count(t, buf)
+        if count_prev is not None and torch.equal(count, count_prev):
+            break
+        # Michelot: θ ← θ + (Σ_S (z − θ) − 1)/|S| (≥ 0 from a lower bound; 0 on empty rows)
+        t.sub_(t.sum(dim=-1, keepdim=True).sub_(1.0).div_(count.clamp_min(1.0)).clamp_min_(0.0)).relu_()
+        count_prev = count
+    else:
+        _warn("sparsemax", _MAX_ITER_SPARSEMAX)
+    return count
+
+
+def _newton15(t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """One Newton step on ``h(θ) = ‖[z − θ]₊‖ − 1`` (convex, decreasing: monotone from below),
+    in place on ``t = [z − θ]₊``; returns ``(Σt, ‖t‖, step)`` at the old ``θ``."""
+    s1 = t.sum(dim=-1, keepdim=True)
+    norm = torch.linalg.vector_norm(t, 2, dim=-1, keepdim=True)
+    step = (norm - 1.0).mul_(norm).div_(s1.clamp_min(torch.finfo(t.dtype).tiny)).clamp_min_(0.0)
+    t.sub_(step).relu_()
+    return s1, norm, step
+
+
+def _entmax15_rows(t: Tensor, g: Tensor, tol: float) -> Tensor:
+    """1.5-entmax of the rows of ``t (R, n)`` (map units): ``g = √p`` into ``g``, ``p`` into ``t``.
+
+    Returns ``Σ g`` per row ``(R, 1)`` (the backward's normalizer).
+    """
+    t.sub_(_start(t)).relu_()
+    for _ in range(_NEWTON_FIRST):  # from max − 1 the support is never right yet: no check
+        _newton15(t)
+    eps = torch.finfo(t.dtype).eps
+    for _ in range(_MAX_ITER_ENTMAX):
+        k = _count(t, g).clamp_min_(1.0)
+        s1 = t.sum(dim=-1, keepdim=True)
+        s2 = torch.linalg.vector_norm(t, 2, dim=-1, keepdim=True).square_()
+        # closed form on S = {z > θ}: Σ_S (t − δ)² = 1, smaller root; τ = θ + δ ≥ the threshold,
+        # = it iff S is the support (else an entry of S falls below τ and Σ[t − δ]₊² < 1)
+        disc = (s1 * s1).sub_(k.mul(s2.sub(1.0))).clamp_min_(0.0)
+        delta = (s1 - disc.sqrt_()).div_(k).clamp_min_(0.0)
+        torch.sub(t, delta, out=g).relu_()
+        err = torch.linalg.vector_norm(g, 2, dim=-1).square_().sub_(1.0).abs_().max()
+        if bool(err <= tol):
+            break
+        if bool(_newton15(t)[2].max() <= 2 * eps):
+            break  # Newton has converged to rounding: the closed form of this support is the answer
+    else:
+        _warn("entmax(alpha=1.5)", _MAX_ITER_ENTMAX)
+    torch.square(g, out=t)
+    return g.sum(dim=-1, keepdim=True)
+
+
+def _block_rows(n: int) -> int:
+    return max(1, _ROW_BLOCK // max(n, 1))
+
+
+def _by_blocks(rows: int, n: int, fn: Any) -> None:
+    """Call ``fn(i, j)`` on cache-sized row blocks ``[i, j)`` of ``rows`` rows of length ``n``."""
+    step = _block_rows(n)
+    if rows <= 2 * step:
+        fn(0, rows)
+        return
+    for i in range(0, rows, step):
+        fn(i, min(rows, i + step))
+
+
+def _ds_rows(dp: Tensor, g: Tensor | None, p: Tensor, gsum: Tensor) -> None:
+    """``dP ← g ⊙ (dP − Σ g dP / Σ g)`` in place on ``(R, n)`` rows (``g = 1[p > 0]`` if None)."""
+    rows, n = dp.shape
+    buf = torch.empty((min(rows, _block_rows(n) * 2), n), dtype=dp.dtype, device=dp.device) \
+        if g is None else None
+
+    def block(i: int, j: int) -> None:
+        w = torch.sign(p[i:j], out=buf[: j - i]) if buf is not None else g[i:j]  # type: ignore[index]
+        d = dp[i:j].mul_(w)
+        c = d.sum(dim=-1, keepdim=True).div_(gsum[i:j].clamp_min(torch.finfo(dp.dtype).tiny))
+        d.addcmul_(w, c, value=-1.0)
+
+    _by_blocks(rows, n, block)
 
 
 class _FusedSparseAttention(torch.autograd.Function):
+    """α ∈ {1.5, 2}: the in-place threshold search above, ``P`` (and ``√P``) saved."""
+
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, beta: Tensor | None, alpha: float,
-        scale: float, causal: bool,
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, batch: tuple[int, ...], mask: Tensor | None,
+        beta: Tensor | None, alpha: float, scale: float, causal: bool,
     ) -> Tensor:
-        qs = q * scale
+        entmax15 = alpha == 1.5
         b = beta.detach() if beta is not None else None
-        p = _sparse_map(_scores(qs, k, mask, b, causal), alpha)
-        ctx.alpha, ctx.scale = alpha, scale
-        ctx.save_for_backward(qs, k, v, p, beta)
-        return torch.matmul(p, v)
+        s = _scores(q, k, batch, scale * 0.5 if entmax15 else scale, mask, b, causal, entmax15)
+        nq, nk = s.shape[-2], s.shape[-1]
+        s2 = s.view(-1, nk)
+        rows = s2.shape[0]
+        tol = _default_tol(s.dtype)
+        gsum = torch.empty((rows, 1), dtype=s.dtype, device=s.device)
+        if entmax15:
+            g_full = torch.empty_like(s2)
+
+            def solve15(i: int, j: int) -> None:
+                gsum[i:j] = _entmax15_rows(s2[i:j], g_full[i:j], tol)
+            _by_blocks(rows, nk, solve15)
+            p, g = s, g_full.view(-1, nq, nk)
+        else:
+            buf = torch.empty((min(rows, _block_rows(nk) * 2), nk), dtype=s.dtype, device=s.device)
+
+            def solve2(i: int, j: int) -> None:
+                gsum[i:j] = _sparsemax_rows(s2[i:j], buf[: j - i])
+            _by_blocks(rows, nk, solve2)
+            p, g = s, None
+        p3 = p.view(-1, nq, nk)
+        ctx.scale, ctx.batch = scale, batch
+        ctx.save_for_backward(q, k, v, p3, g, gsum, beta)
+        return torch.bmm(p3, v)
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        qs, k, v, p, beta = ctx.saved_tensors
+        q, k, v, p, g, gsum, beta = ctx.saved_tensors
         dout = dout.to(v.dtype).contiguous()  # a stride-0 gradient (from .sum()) sends bmm to a slow path
-        dv = torch.matmul(p.transpose(-2, -1), dout)
-        ds = _entmax_backward(p, torch.matmul(dout, v.transpose(-2, -1)), ctx.alpha, -1)
-        dq = torch.matmul(ds, k).mul_(ctx.scale)
-        dk = torch.matmul(ds.transpose(-2, -1), qs)
-        dbeta = None
-        if beta is not None and ctx.needs_input_grad[4]:
-            dist = _distance(p.shape[-2], p.shape[-1], ds.dtype, ds.device)
-            per = -(ds * dist).sum((-2, -1))
+        nk = p.shape[-1]
+        ds = torch.bmm(dout, v.transpose(-2, -1))
+        _ds_rows(ds.view(-1, nk), None if g is None else g.view(-1, nk), p.view(-1, nk), gsum)
+        dq = dk = dv = dbeta = None
+        if ctx.needs_input_grad[0]:
+            dq = torch.bmm(ds, k).mul_(ctx.scale)
+        if ctx.needs_input_grad[1]:
+            dk = torch.bmm(ds.transpose(-2, -1), q).mul_(ctx.scale)
+        if ctx.needs_input_grad[2]:
+            dv = torch.bmm(p.transpose(-2, -1), dout)
+        if beta is not None and ctx.needs_input_grad[5]:
+            dist = _distance(p.shape[-2], nk, ds.dtype, ds.device)
+            per = -(ds.view(*ctx.batch, p.shape[-2], nk) * dist).sum((-2, -1))
             dbeta = per.sum() if beta.dim() == 0 else per.reshape(-1, beta.shape[0]).sum(0)
             dbeta = dbeta.to(beta.dtype)
-        return dq, dk, dv, None, dbeta, None, None, None
+        return dq, dk, dv, None, None, dbeta, None, None, None
+
+
+class _FusedEntmaxAttention(torch.autograd.Function):
+    """Any other float α > 1: the threshold search of :mod:`.entmax` on the scores, ``P`` saved."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, batch: tuple[int, ...], mask: Tensor | None,
+        beta: Tensor | None, alpha: float, scale: float, causal: bool,
+    ) -> Tensor:
+        b = beta.detach() if beta is not None else None
+        s = _scores(q, k, batch, scale, mask, b, causal, False)
+        max_iter = _MAX_ITER_SPARSEMAX if alpha == 2.0 else _MAX_ITER_ENTMAX
+        p = _threshold_map(s, alpha, -1, max_iter, _default_tol(s.dtype))[0].view(-1, *s.shape[-2:])
+        ctx.alpha, ctx.scale, ctx.batch = alpha, scale, batch
+        ctx.save_for_backward(q, k, v, p, beta)
+        return torch.bmm(p, v)
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        q, k, v, p, beta = ctx.saved_tensors
+        dout = dout.to(v.dtype).contiguous()
+        dv = torch.bmm(p.transpose(-2, -1), dout)
+        ds = _entmax_backward(p, torch.bmm(dout, v.transpose(-2, -1)), ctx.alpha, -1)
+        dq = torch.bmm(ds, k).mul_(ctx.scale)
+        dk = torch.bmm(ds.transpose(-2, -1), q).mul_(ctx.scale)
+        dbeta = None
+        if beta is not None and ctx.needs_input_grad[5]:
+            nq, nk = p.shape[-2], p.shape[-1]
+            dist = _distance(nq, nk, ds.dtype, ds.device)
+            per = -(ds.view(*ctx.batch, nq, nk) * dist).sum((-2, -1))
+            dbeta = per.sum() if beta.dim() == 0 else per.reshape(-1, beta.shape[0]).sum(0)
+            dbeta = dbeta.to(beta.dtype)
+        return dq, dk, dv, None, None, dbeta, None, None, None
 
 
 def fused_sparse_attention(
@@ -94,7 +284,10 @@ def fused_sparse_attention(
     qkv = []
     for x in (q, k, v):
         x = x.to(compute)
-        qkv.append(x if tuple(x.shape[:-2]) == batch else x.expand(*batch, *x.shape[-2:]))
+        if tuple(x.shape[:-2]) != batch:
+            x = x.expand(*batch, *x.shape[-2:])
+        qkv.append(x.reshape(-1, *x.shape[-2:]))
     m = None if mask is None else mask.detach().to(compute)
-    out: Tensor = _FusedSparseAttention.apply(*qkv, m, beta, alpha, scale, is_causal)
-    return out.to(orig)
+    fn = _FusedSparseAttention if alpha in (1.5, 2.0) else _FusedEntmaxAttention
+    out: Tensor = fn.apply(*qkv, batch, m, beta, alpha, scale, is_causal)
+    return out.view(*batch, *out.shape[-2:]).to(orig)
