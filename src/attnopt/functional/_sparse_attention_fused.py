@@ -34,11 +34,13 @@ there), with three in-place passes over ``dP``.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from attnopt._validation import broadcast_shapes
 from attnopt.functional.entmax import _default_tol, _entmax_backward, _threshold_map
 
 __all__ = ["fused_sparse_attention"]
@@ -75,7 +77,7 @@ def _scores(
 def _start(z: Tensor) -> Tensor:
     """The lower bound ``max z − 1`` of every row's threshold (``−1`` on an all ``−inf`` row)."""
     m = z.amax(dim=-1, keepdim=True)
-    if bool((torch.isnan(m) | torch.isposinf(m)).any()):
+    if not bool(m.max() < float("inf")):  # NaN or +inf somewhere (the max propagates NaN)
         raise ValueError("attention scores must not contain NaN or +inf (use -inf to mask an entry)")
     return m.masked_fill_(torch.isneginf(m), 0.0).sub_(1.0)
 
@@ -111,14 +113,12 @@ def _sparsemax_rows(t: Tensor, buf: Tensor) -> Tensor:
     return count
 
 
-def _newton15(t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """One Newton step on ``h(θ) = ‖[z − θ]₊‖ − 1`` (convex, decreasing: monotone from below),
-    in place on ``t = [z − θ]₊``; returns ``(Σt, ‖t‖, step)`` at the old ``θ``."""
-    s1 = t.sum(dim=-1, keepdim=True)
-    norm = torch.linalg.vector_norm(t, 2, dim=-1, keepdim=True)
+def _newton15(t: Tensor, s1: Tensor, norm: Tensor) -> Tensor:
+    """One Newton step on ``h(θ) = ‖[z − θ]₊‖ − 1`` (convex, decreasing: monotone from below)
+    in place on ``t = [z − θ]₊`` from its ``Σt`` and ``‖t‖``; returns the step."""
     step = (norm - 1.0).mul_(norm).div_(s1.clamp_min(torch.finfo(t.dtype).tiny)).clamp_min_(0.0)
     t.sub_(step).relu_()
-    return s1, norm, step
+    return step
 
 
 def _entmax15_rows(t: Tensor, g: Tensor, tol: float) -> Tensor:
@@ -128,22 +128,21 @@ def _entmax15_rows(t: Tensor, g: Tensor, tol: float) -> Tensor:
     """
     t.sub_(_start(t)).relu_()
     for _ in range(_NEWTON_FIRST):  # from max − 1 the support is never right yet: no check
-        _newton15(t)
+        _newton15(t, t.sum(dim=-1, keepdim=True), torch.linalg.vector_norm(t, 2, dim=-1, keepdim=True))
     eps = torch.finfo(t.dtype).eps
     for _ in range(_MAX_ITER_ENTMAX):
         k = _count(t, g).clamp_min_(1.0)
         s1 = t.sum(dim=-1, keepdim=True)
-        s2 = torch.linalg.vector_norm(t, 2, dim=-1, keepdim=True).square_()
+        norm = torch.linalg.vector_norm(t, 2, dim=-1, keepdim=True)
         # closed form on S = {z > θ}: Σ_S (t − δ)² = 1, smaller root; τ = θ + δ ≥ the threshold,
         # = it iff S is the support (else an entry of S falls below τ and Σ[t − δ]₊² < 1)
-        disc = (s1 * s1).sub_(k.mul(s2.sub(1.0))).clamp_min_(0.0)
+        disc = torch.addcmul(s1 * s1, k, norm * norm - 1.0, value=-1.0).clamp_min_(0.0)
         delta = (s1 - disc.sqrt_()).div_(k).clamp_min_(0.0)
         torch.sub(t, delta, out=g).relu_()
-        err = torch.linalg.vector_norm(g, 2, dim=-1).square_().sub_(1.0).abs_().max()
-        if bool(err <= tol):
+        if bool(torch.linalg.vector_norm(g, 2, dim=-1).square_().sub_(1.0).abs_().max() <= tol):
             break
-        if bool(_newton15(t)[2].max() <= 2 * eps):
-            break  # Newton has converged to rounding: the closed form of this support is the answer
+        if bool(_newton15(t, s1, norm).max() <= 2 * eps):
+            break  # Newton has converged to rounding: g (before the step) is this support's answer
     else:
         _warn("entmax(alpha=1.5)", _MAX_ITER_ENTMAX)
     torch.square(g, out=t)
@@ -162,6 +161,14 @@ def _by_blocks(rows: int, n: int, fn: Any) -> None:
         return
     for i in range(0, rows, step):
         fn(i, min(rows, i + step))
+
+
+def _per_row_blocks(fn: Callable[[int, int], Tensor], rows: int, n: int) -> Tensor:
+    """``fn(i, j) -> (j − i, 1)`` on cache-sized row blocks, concatenated (one call if few rows)."""
+    step = _block_rows(n)
+    if rows <= 2 * step:
+        return fn(0, rows)
+    return torch.cat([fn(i, min(rows, i + step)) for i in range(0, rows, step)])
 
 
 def _ds_rows(dp: Tensor, g: Tensor | None, p: Tensor, gsum: Tensor) -> None:
@@ -194,20 +201,13 @@ class _FusedSparseAttention(torch.autograd.Function):
         s2 = s.view(-1, nk)
         rows = s2.shape[0]
         tol = _default_tol(s.dtype)
-        gsum = torch.empty((rows, 1), dtype=s.dtype, device=s.device)
         if entmax15:
             g_full = torch.empty_like(s2)
-
-            def solve15(i: int, j: int) -> None:
-                gsum[i:j] = _entmax15_rows(s2[i:j], g_full[i:j], tol)
-            _by_blocks(rows, nk, solve15)
+            gsum = _per_row_blocks(lambda i, j: _entmax15_rows(s2[i:j], g_full[i:j], tol), rows, nk)
             p, g = s, g_full.view(-1, nq, nk)
         else:
             buf = torch.empty((min(rows, _block_rows(nk) * 2), nk), dtype=s.dtype, device=s.device)
-
-            def solve2(i: int, j: int) -> None:
-                gsum[i:j] = _sparsemax_rows(s2[i:j], buf[: j - i])
-            _by_blocks(rows, nk, solve2)
+            gsum = _per_row_blocks(lambda i, j: _sparsemax_rows(s2[i:j], buf[: j - i]), rows, nk)
             p, g = s, None
         p3 = p.view(-1, nq, nk)
         ctx.scale, ctx.batch = scale, batch
@@ -280,7 +280,7 @@ def fused_sparse_attention(
     """
     orig = q.dtype
     compute = torch.float32 if orig in (torch.float16, torch.bfloat16) else orig
-    batch = tuple(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+    batch = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     qkv = []
     for x in (q, k, v):
         x = x.to(compute)
