@@ -3,14 +3,16 @@ from __future__ import annotations
 
 import contextlib
 
+import entmax as entmax_pkg
 import pytest
 import torch
 
-from attnopt.functional import dispatch
+from attnopt.functional import _sparse_attention_fused, dispatch
 from attnopt.functional.doubly_normalized import doubly_normalized_attention, hybrid_normalized_attention
-from attnopt.functional.regularized import regularized_attention, regularized_attention_weights
+from attnopt.functional.regularized import regularized_attention
 from attnopt.functional.regularizers import SquaredL2, Tsallis
 from tests.reference.doubly_normalized import attention_ref, hybrid_ref
+from tests.reference.regularized import attention_reference, entmax_bisect_ref, sparsemax_sort
 
 
 @contextlib.contextmanager
@@ -123,25 +125,78 @@ def test_materialized_half_precision_finite(dtype):
     assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
 
 
+def _oracle_map(reg):
+    """The entmax package's float64 map (sort-based, exact gradient) with this repo's conventions:
+    ``-inf`` gets 0 and a row that is entirely ``-inf`` gives zeros (and zero gradient)."""
+    alpha = 2.0 if isinstance(reg, SquaredL2) else float(reg.alpha)
+
+    def weights(s):
+        empty = torch.isneginf(s).all(-1, keepdim=True)
+        finite = s.masked_fill(torch.isneginf(s), -1e4)  # far below any threshold: weight exactly 0
+        if alpha == 2.0:
+            p = entmax_pkg.sparsemax(finite, dim=-1)
+        elif alpha == 1.5:
+            p = entmax_pkg.entmax15(finite, dim=-1)
+        else:
+            p = entmax_pkg.entmax_bisect(finite, alpha, dim=-1, n_iter=100)
+        return p.masked_fill(empty, 0.0)
+
+    return weights
+
+
+def _check_sparse_against_oracle(reg, q, k, v, *, mask=None, causal=False, beta=None, rtol=1e-8, atol=1e-9,
+                                 bisection=True):
+    """Values against the float64 sort/bisection oracle of tests/reference (``bisection``) and the
+    entmax package's float64 map, gradients (q, k, v, β) against the latter under autograd."""
+    out = regularized_attention(q, k, v, regularizer=reg, attn_mask=mask, is_causal=causal, locality=beta)
+    h, nq, nk = q.shape[-3], q.shape[-2], k.shape[-2]
+    dist = (torch.arange(nq)[:, None] - torch.arange(nk)[None, :]).abs().to(q.dtype)
+    bias = None if beta is None else -(beta.view(h, 1, 1) * dist)
+    value_map = sparsemax_sort if isinstance(reg, SquaredL2) else (
+        lambda s: entmax_bisect_ref(s, float(reg.alpha)))
+    if bisection:
+        with torch.no_grad():
+            ref = attention_reference(q, k, v, value_map, mask=mask, bias=bias, causal=causal)
+        torch.testing.assert_close(out, ref, rtol=rtol, atol=atol)
+    oracle = attention_reference(q, k, v, _oracle_map(reg), mask=mask, bias=bias, causal=causal)
+    torch.testing.assert_close(out, oracle, rtol=rtol, atol=atol)
+    leaves = (q, k, v) if beta is None else (q, k, v, beta)
+    go = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, leaves, go), torch.autograd.grad(oracle, leaves, go)):
+        torch.testing.assert_close(a, b, rtol=rtol * 10, atol=atol * 10)
+    return out
+
+
 @pytest.mark.parametrize("reg", [SquaredL2(), Tsallis(1.5), Tsallis(1.3)], ids=["sparsemax", "1.5", "1.3"])
 def test_sparse_auto_dispatch_both_sides_match_reference(reg):
+    """Crossover at 2·3·6·6 entries: N = 6 materializes, 7 streams; values, gradients (q, k, v, β),
+    masks with a fully masked row, causal, against float64 oracles."""
     beta = torch.tensor([0.1, 0.2, 0.3], dtype=torch.float64, requires_grad=True)
     with crossover("sparse", 2 * 3 * 6 * 6):
         for n, expected in ((6, "materialized"), (7, "streaming")):
             for causal, use_mask, loc in ((False, False, None), (True, True, None), (False, True, beta)):
                 q, k, v = _qkv(n, n, seed=n)
                 mask = _full_mask(2, 3, n, n) if use_mask else None
-                out = regularized_attention(q, k, v, regularizer=reg, attn_mask=mask, is_causal=causal,
-                                            locality=loc)
+                out = _check_sparse_against_oracle(reg, q, k, v, mask=mask, causal=causal, beta=loc)
                 assert dispatch.last_dispatch["sparse"] == expected
-                ref = regularized_attention_weights(q, k, regularizer=reg, attn_mask=mask, is_causal=causal,
-                                                    locality=loc) @ v
-                leaves = (q, k, v) if loc is None else (q, k, v, beta)
-                torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-10)
-                go = torch.randn_like(out)
-                for a, b in zip(torch.autograd.grad(out, leaves, go), torch.autograd.grad(ref, leaves, go)):
-                    torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-9)
-    assert torch.equal(out[0, 0, 1], torch.zeros(5, dtype=torch.float64))  # the fully masked row
+                if use_mask:
+                    assert torch.equal(out[0, 0, 1], torch.zeros(5, dtype=torch.float64))  # fully masked row
+
+
+@pytest.mark.parametrize("reg", [SquaredL2(), Tsallis(1.5)], ids=["sparsemax", "1.5"])
+@pytest.mark.parametrize("spread", [0.02, 1.0, 30.0], ids=["dense-rows", "typical", "one-hot-rows"])
+def test_sparse_materialized_row_blocks_match_reference(reg, spread, monkeypatch):
+    """The in-place threshold search of the fused path over several row blocks (block shrunk to
+    64 entries: 5 blocks of 8 rows), at score spreads where the support is every key, a few, or one."""
+    monkeypatch.setattr(_sparse_attention_fused, "_ROW_BLOCK", 64)
+    q, k, v = _qkv(20, 8, b=1, h=2, d=4, dv=3, seed=11)
+    with torch.no_grad():
+        q.mul_(spread)
+    mask = torch.ones(20, 8, dtype=torch.bool)
+    mask[5] = False  # a fully masked row
+    out = _check_sparse_against_oracle(reg, q, k, v, mask=mask, causal=True)
+    assert dispatch.last_dispatch["sparse"] == "materialized"
+    assert torch.equal(out[:, :, 5], torch.zeros_like(out[:, :, 5]))
 
 
 def test_sparse_explicit_block_size_keeps_blocked_path_and_gradcheck():

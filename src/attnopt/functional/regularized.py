@@ -15,11 +15,11 @@ Dispatch of :func:`regularized_attention`:
   without a bias.
 * :class:`SquaredL2` and :class:`Tsallis` with a float α, below the size crossover of
   :mod:`attnopt.functional.dispatch` (``impl="auto"``, or ``impl="materialized"``) → the
-  fused materialized path (:mod:`attnopt.functional._sparse_attention_fused`: scores once,
-  ``P`` saved for the backward); above it (or ``impl="streaming"``) → a blocked implementation
-  (:mod:`attnopt.functional._blocked_sparse`): queries are processed in blocks, only the
-  per-query thresholds are kept, and the backward recomputes each block of weights from them,
-  so neither pass holds the ``Nq × Nk`` matrix.
+  fused materialized path (:mod:`attnopt.functional._sparse_attention_fused`: scores once, the
+  exact threshold search in place on them, ``P`` saved for a closed-form backward); above it
+  (or ``impl="streaming"``) → a blocked implementation (:mod:`attnopt.functional._blocked_sparse`):
+  queries are processed in blocks, only the per-query thresholds are kept, and the backward
+  recomputes each block of weights from them, so neither pass holds the ``Nq × Nk`` matrix.
 * anything else (a user regularizer, a tensor α, a mask that requires grad) → the
   materialized ``regularized_attention_weights(...) @ v`` (autograd through the map).
 """
@@ -203,8 +203,8 @@ def regularized_attention(
         block_size: queries per block in the blocked sparse path (default: about 2^22 scores
             per block).
         impl: for ``SquaredL2`` / float-α ``Tsallis``: ``"streaming"`` (the blocked path),
-            ``"materialized"`` (scores once, compact exact thresholds, ``P`` saved for the
-            backward; :mod:`._sparse_attention_fused`) or ``"auto"`` (by size,
+            ``"materialized"`` (scores once, exact thresholds found in place on them, ``P`` saved
+            for the backward; :mod:`._sparse_attention_fused`) or ``"auto"`` (by size,
             :func:`attnopt.functional.dispatch.choose_impl`, recorded in
             ``dispatch.last_dispatch["sparse"]``; an explicit ``block_size`` means blocked).
             Ignored by the other regularizers.
