@@ -37,7 +37,7 @@ CROSSOVERS: dict[str, dict[str, int]] = {
     "sinkhorn": {"float32": 1 << 24, "float64": 1 << 24, "half": 1 << 23},
     "hybrid_normalized": {"float32": 1 << 22, "float64": 1 << 22, "half": 1 << 21},
     "sparse": {"float32": 1 << 24, "float64": 1 << 24, "half": 1 << 23},
-    "generalized": {"float32": 1 << 24, "float64": 1 << 24, "half": 1 << 23},
+    "generalized": {"float32": 1 << 20, "float64": 1 << 20, "half": 1 << 20},
     "kernel": {"float32": 1 << 20, "float64": 1 << 20, "half": 1 << 20},
 }
 
