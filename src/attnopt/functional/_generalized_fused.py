@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from attnopt._validation import broadcast_shapes
 from attnopt.functional._denormal import flush_denormal
@@ -94,6 +95,7 @@ class _BiasedSoftmax(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # the backward writes into preallocated buffers: no double backward
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         qs, k, v, p, out = ctx.saved_tensors
         b, h, nq, d = qs.shape
@@ -149,6 +151,7 @@ class _FlashBias(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # the backward writes into preallocated buffers: no double backward
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         q, k, v, bias, out, lse = ctx.saved_tensors
         with flush_denormal():
