@@ -52,7 +52,8 @@ H, D = 8, 64
 Fn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # row name -> its key in dispatch.CROSSOVERS
 DISPATCHED = {"dnas K=1": "doubly_normalized", "sinkhorn K=3": "sinkhorn", "hnas K=1": "hybrid_normalized",
-              "sparsemax": "sparse", "entmax-1.5": "sparse"}
+              "sparsemax": "sparse", "entmax-1.5": "sparse", "generalized ALiBi": "generalized",
+              "generalized T5 (learned bias)": "generalized"}
 
 
 def _impls(device: str, impl: dispatch.Impl) -> dict[str, Fn]:
@@ -76,9 +77,9 @@ def _impls(device: str, impl: dispatch.Impl) -> dict[str, Fn]:
         "ika-s R=8": lambda q, k, v: kernel_attention(q, k, v, kernel=rff8),
         "ikan R=16 p=1.5": lambda q, k, v: kernel_attention(q, k, v, kernel=nsf16, magnitude_p=1.5),
         "generalized T5 (learned bias)": lambda q, k, v: generalized_attention(
-            q, k, v, log_preference=t5(q.shape[-2], k.shape[-2])),
+            q, k, v, log_preference=t5(q.shape[-2], k.shape[-2]), impl=impl),
         "generalized ALiBi": lambda q, k, v: generalized_attention(
-            q, k, v, log_preference=alibi(q.shape[-2], k.shape[-2])),
+            q, k, v, log_preference=alibi(q.shape[-2], k.shape[-2]), impl=impl),
     }
 
 
@@ -228,7 +229,8 @@ def _function_rows(ctx: BenchContext) -> Iterator[Measurement]:
                 if key is not None:
                     path = dispatch.last_dispatch.get(key, "?")
                     limit = dispatch.CROSSOVERS[key]["float32"]
-                    note = f"auto -> {path} (crossover B*H*N^2 <= {limit}); {note}"
+                    rule = "a learned bias: always" if "learned" in name else f"crossover B*H*N^2 <= {limit}"
+                    note = f"auto -> {path} ({rule}); {note}"
                     if not ctx.quick:
                         other: dispatch.Impl = "streaming" if path == "materialized" else "materialized"
                         if other == "streaming" or size <= 1 << 24:
@@ -240,5 +242,5 @@ def _function_rows(ctx: BenchContext) -> Iterator[Measurement]:
             for name, m in done.items():
                 peer = done.get(SAME_FUNCTION.get(name, ""))
                 if peer is not None:
-                    m.note = f"{m.seconds / peer.seconds:.2f}x the same-function SDPA row; {m.note}"
+                    m.note = f"{m.note}; {m.seconds / peer.seconds:.2f}x the same-function SDPA row"
                 yield m
