@@ -6,7 +6,8 @@ those *subnormal* numbers is ~100× slower on x86, and made PyTorch's fused CPU 
 backward 2.5× slower with an ALiBi mask than without (B·H = 8, N = 512, d = 64). Flushing
 them to zero (the CPU's FTZ/DAZ modes, :func:`torch.set_flush_denormal`) changes no sum at
 float precision — a weight below 1.2e-38 next to a row maximum of weight ≥ 1/Nk — and
-removes that cost.
+removes that cost. (Inside the block subnormal *inputs* also read as zero: entries of
+``q``, ``k``, ``v`` or of a gradient below 1.2e-38 in float32, 2.2e-308 in float64.)
 
 :func:`flush_denormal` turns the mode on for the calling thread only for the duration of
 the block and restores the previous mode (PyTorch has no getter: the mode is read by
