@@ -51,7 +51,10 @@ def broadcast_shapes(*shapes: Sequence[int]) -> tuple[int, ...]:
     Raises:
         RuntimeError: the shapes do not broadcast (as torch's).
     """
-    out = [1] * max((len(sh) for sh in shapes), default=0)
+    rank = 0
+    for sh in shapes:  # not max(..., default=0): torch.compile logs a warning per call site for it
+        rank = max(rank, len(sh))
+    out = [1] * rank
     for sh in shapes:
         offset = len(out) - len(sh)
         for i, n in enumerate(sh):

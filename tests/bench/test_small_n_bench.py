@@ -21,9 +21,17 @@ def test_suite_runs_and_notes_the_dispatch(monkeypatch):
         names = {r.impl for r in group}
         for name, key in small_n.DISPATCHED.items():
             auto = next(r for r in group if r.impl == name)
-            assert auto.note.startswith("auto -> materialized")  # 8·16² entries: below every crossover
-            assert f"{name} [streaming]" in names
-            assert str(dispatch.CROSSOVERS[key]["float32"]) in auto.note
+            # 8·16² entries: below every crossover; generalized attention streams without autograd
+            path = "streaming" if key == "generalized" and "fwd+bwd" not in case else "materialized"
+            assert auto.note.startswith(f"auto -> {path}")
+            other = "materialized" if path == "streaming" else "streaming"
+            assert f"{name} [{other}]" in names
+            if "learned" in name:  # a bias with a gradient always takes the materialized node
+                assert "a learned bias: always" in auto.note
+            else:
+                assert str(dispatch.CROSSOVERS[key]["float32"]) in auto.note
+        for name in small_n.SAME_FUNCTION:  # the ratio to the SDPA row computing the same function
+            assert "x the same-function SDPA row" in next(r for r in group if r.impl == name).note
 
 
 @pytest.mark.slow  # ~20 s: builds and trains every registry attention once

@@ -93,16 +93,24 @@ def test_fully_masked_rows_are_zero_with_finite_gradients():
 
 
 def test_key_only_preference_not_materialized(monkeypatch):
+    """The (B, H, 1, Nk) preference reaches the kernel as is (CPU flash kernel or SDPA)."""
+    from attnopt.functional import _generalized_fused as fused
+
     q, k, v, g = make(2, 3, 6, 7, 4, 4)
     u = torch.rand(2, 3, 1, 7, generator=g, dtype=torch.float64)
     seen = []
-    real = F.scaled_dot_product_attention
+    real_sdpa, real_flash = F.scaled_dot_product_attention, fused._fwd
 
     def spy(*args, **kwargs):
         seen.append(tuple(kwargs["attn_mask"].shape))
-        return real(*args, **kwargs)
+        return real_sdpa(*args, **kwargs)
+
+    def spy_flash(*args, **kwargs):
+        seen.append(tuple(kwargs["attn_mask"].shape))
+        return real_flash(*args, **kwargs)
 
     monkeypatch.setattr(gen_module.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(fused, "_fwd", spy_flash)
     attnopt.generalized_attention(q, k, v, preference=u)
     assert seen == [(2, 3, 1, 7)]
 

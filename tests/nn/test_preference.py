@@ -68,3 +68,27 @@ def test_bad_arguments():
         T5RelativePreference(0)
     with pytest.raises(ValueError, match="key"):
         KeyPreference(4, 2)(torch.randn(4, 4))
+
+
+@pytest.mark.parametrize("gather_limit", [0, 1 << 20])  # the strided Toeplitz route and the gather route
+@pytest.mark.parametrize("shape", [(1, 1), (4, 9), (9, 4), (33, 33)])
+def test_t5_bias_and_bucket_gradient_match_elementwise_lookup(monkeypatch, gather_limit, shape):
+    from attnopt.nn import preference as pref
+
+    monkeypatch.setattr(pref, "GATHER_LIMIT", gather_limit)
+    nq, nk = shape
+    t5 = pref.T5RelativePreference(3, num_buckets=8, max_distance=16).double()
+    rel = torch.arange(nk)[None, :] - torch.arange(nq)[:, None]
+    buckets = pref.relative_position_bucket(rel, num_buckets=8, max_distance=16)
+    w = t5.relative_attention_bias.weight
+    ref = w[buckets].permute(2, 0, 1).unsqueeze(0)  # (1, H, Nq, Nk), elementwise embedding lookup
+    out = t5(nq, nk)
+    assert out.is_contiguous() and torch.equal(out, ref)
+    assert (t5._buckets(nq, nk, w.device)[1] is None) == (nq * nk > gather_limit)
+    go = torch.randn(2, 3, nq, nk, dtype=torch.float64)  # a batch of 2 broadcast over the bias
+    (grad,) = torch.autograd.grad(out.expand(2, -1, -1, -1), w, go)
+    (grad_ref,) = torch.autograd.grad(ref.expand(2, -1, -1, -1), w, go)
+    torch.testing.assert_close(grad, grad_ref, rtol=1e-12, atol=1e-12)
+    cached = t5._buckets(nq, nk, w.device)
+    assert torch.autograd.gradcheck(lambda w_: pref._ToeplitzBias.apply(w_, *cached, nq, nk),
+                                    (w.detach().clone().requires_grad_(),))

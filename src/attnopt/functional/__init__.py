@@ -4,6 +4,7 @@ Conventions: ``q (B,H,Nq,d)``, ``k (B,H,Nk,d)``, ``v (B,H,Nk,dv)``, weights ``(B
 scores ``<q_i,k_j>*scale`` with ``scale = 1/sqrt(d)`` by default; boolean masks use SDPA's
 convention (``True`` = take part), float masks are added to the scores.
 """
+from attnopt.functional._compiled import compiled, cpu_compiler, inductor_available
 from attnopt.functional.doubly_normalized import (
     doubly_normalized_attention,
     doubly_normalized_weights,
@@ -25,6 +26,9 @@ from attnopt.functional.regularized import (
 from attnopt.functional.regularizers import Regularizer, Shannon, SquaredL2, Tsallis
 
 __all__ = [
+    "compiled",
+    "cpu_compiler",
+    "inductor_available",
     "entmax",
     "sparsemax",
     "entmax_loss",

@@ -37,7 +37,7 @@ CROSSOVERS: dict[str, dict[str, int]] = {
     "sinkhorn": {"float32": 1 << 24, "float64": 1 << 24, "half": 1 << 23},
     "hybrid_normalized": {"float32": 1 << 22, "float64": 1 << 22, "half": 1 << 21},
     "sparse": {"float32": 1 << 24, "float64": 1 << 24, "half": 1 << 23},
-    "generalized": {"float32": 1 << 24, "float64": 1 << 24, "half": 1 << 23},
+    "generalized": {"float32": 1 << 20, "float64": 1 << 20, "half": 1 << 20},
     # kernel: the fused Fourier node beat the chunked path fwd+bwd at every size measured up to
     # B·H·N² = 64·1024² (ikan R=16: 1.70× vs 2.88× SDPA there); 2^24 keeps the N = 64–512 range
     "kernel": {"float32": 1 << 24, "float64": 1 << 24, "half": 1 << 23},

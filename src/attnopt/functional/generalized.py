@@ -12,12 +12,15 @@ dot-product attention (eq. 16); ``u_ij ∝ exp(b_{j−i})`` is T5's relative pos
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from attnopt._validation import (
     additive_mask,
+    broadcast_shapes,
     causal_additive_mask,
     check_attention_inputs,
     check_broadcastable,
@@ -29,7 +32,11 @@ from attnopt._validation import (
     validate_attention,
 )
 from attnopt.functional import dispatch
-from attnopt.functional._generalized_fused import biased_softmax_attention
+from attnopt.functional._generalized_fused import (
+    biased_flash_attention,
+    biased_softmax_attention,
+    flash_bias_available,
+)
 from attnopt.functional._softmax import safe_softmax
 
 __all__ = ["generalized_attention", "generalized_weights", "preference_to_log", "score_bias"]
@@ -91,7 +98,7 @@ def score_bias(
     """
     nq, nk, _ = check_attention_inputs(q, k)
     dtype = q.dtype if dtype is None else dtype
-    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+    batch = broadcast_shapes(q.shape[:-2], k.shape[:-2])
     target = (*batch, nq, nk)
     log_u = preference_to_log(preference, log_preference, target, dtype)
     mask = additive_mask(attn_mask, target, dtype)
@@ -117,13 +124,21 @@ def generalized_attention(
     .. math:: \mathrm{out}_i = \sum_j \frac{u_{ij} \exp(\alpha\langle q_i,k_j\rangle + m_{ij})}
               {\sum_{j'} u_{ij'} \exp(\alpha\langle q_i,k_{j'}\rangle + m_{ij'})}\, v_j
 
-    Computed by :func:`torch.nn.functional.scaled_dot_product_attention` with the additive
-    mask ``log u + m``, so fused kernels and O(N) memory are kept. A key-only preference of
-    shape ``(B, H, 1, Nk)`` is passed through without materializing ``Nq × Nk``. A
-    preference (or mask) that requires grad (a learned T5 bias) is computed by one fused
-    materialized node with a closed-form backward (:mod:`._generalized_fused`; SDPA would use
-    its slower math kernel, same O(Nq·Nk) memory); ``dispatch.last_dispatch["generalized"]``
-    says which path ran. ``dropout_p > 0`` with such a bias uses SDPA's math kernel.
+    Computed as softmax attention with the additive bias ``log u + m`` (no ``Nq × Nk`` is
+    formed for a key-only preference of shape ``(B, H, 1, Nk)``) by one of three paths;
+    ``dispatch.last_dispatch["generalized"]`` says which class ran:
+
+    * ``"materialized"`` — one fused node (:mod:`._generalized_fused`) that works through
+      the batch·head dim in L2-sized chunks, with a closed-form backward; the only path with a
+      gradient for the bias (a learned T5 bias), O(Nq·Nk) memory as SDPA's math kernel;
+    * ``"streaming"`` — on CPU (float32/64, 4-D inputs, d = dv) PyTorch's fused flash kernel
+      with the bias as its float mask; elsewhere
+      :func:`torch.nn.functional.scaled_dot_product_attention`. O(N) memory beyond the bias.
+
+    Both fused CPU paths flush subnormal numbers to zero while they run (weights below
+    float32's 1.2e-38, e.g. far keys under ALiBi, whose subnormal arithmetic made SDPA's
+    backward with the same mask 2.5× slower); the result differs from exact arithmetic only
+    by such weights.
 
     Args:
         q: (B, H, Nq, d) queries — the evidence ``z``.
@@ -137,13 +152,12 @@ def generalized_attention(
         scale: the reliability ``α`` (default ``1/sqrt(d)``); must be > 0.
         is_causal: also apply SDPA's top-left causal mask.
         dropout_p: dropout probability on the weights (as in SDPA).
-        impl: with a bias under autograd: ``"materialized"`` (the fused node of
-            :mod:`._generalized_fused`), ``"streaming"`` (SDPA's kernels) or ``"auto"``
-            (materialized when the bias requires grad — SDPA would materialize anyway — or,
-            for a full ``(…, Nq, Nk)`` bias on CPU, when ``B·H·Nq·Nk`` is below
-            ``dispatch.CROSSOVERS["generalized"]``: the CPU SDPA backward with a float mask is
-            2–2.5× slower than without). Forward-only calls, a constant key-only bias and
-            ``dropout_p > 0`` always use SDPA.
+        impl: ``"materialized"``, ``"streaming"`` or ``"auto"``: materialized when the bias
+            requires grad, or, for a full ``(…, Nq, Nk)`` constant bias on CPU under autograd,
+            when ``B·H·Nq·Nk <= dispatch.CROSSOVERS["generalized"]`` (2^20: B·H = 64 at
+            N = 128; the chunked materialized path was 0.9–1.0× plain SDPA there, the flash
+            path 1.1–1.2×; above it they tie and streaming keeps O(N) memory); otherwise
+            streaming. Forward-only calls, a key-only bias and ``dropout_p > 0`` (SDPA) stream.
 
     Returns:
         (B, H, Nq, dv). A row whose preference/mask excludes every key is all zeros, with
@@ -172,30 +186,37 @@ def generalized_attention(
             q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=alpha
         )
     bias = score_bias(q, k, preference, log_preference, attn_mask, is_causal)
-    if _fused(q, k, v, bias, dropout_p, impl):
+    path = _path(q, k, v, bias, dropout_p, impl)
+    if path == "materialized":
         return biased_softmax_attention(q, k, v, bias, alpha)  # type: ignore[arg-type]
+    if path == "flash":
+        return biased_flash_attention(q, k, v, bias, alpha)  # type: ignore[arg-type]
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=alpha)
 
 
-def _fused(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, dropout_p: float, impl: str) -> bool:
-    """Whether the fused materialized node runs (see ``impl`` in :func:`generalized_attention`)."""
-    path = "streaming"
-    if bias is not None and dropout_p == 0.0 and torch.is_grad_enabled() and any(
-            t.requires_grad for t in (q, k, v, bias)):
-        full = bias.dim() >= 2 and bias.shape[-2] != 1
-        if impl != "auto":
-            path = impl
-        elif bias.requires_grad:
-            path = "materialized"
-        elif full and q.device.type == "cpu":
-            rows = 1
-            for n in torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], bias.shape[:-2]):
-                rows *= n
-            path = dispatch.choose_impl("generalized", nq=q.shape[-2], nk=k.shape[-2], batch=rows,
-                                        dtype=q.dtype)
-    return dispatch.record("generalized", path) == "materialized"
+def _path(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, dropout_p: float, impl: str) -> str:
+    """``"materialized"``, ``"flash"`` or ``"sdpa"`` (see ``impl`` in :func:`generalized_attention`).
+
+    Records ``"materialized"`` or ``"streaming"`` (flash or SDPA) in ``dispatch.last_dispatch``.
+    """
+    if bias is None or dropout_p > 0.0:
+        dispatch.record("generalized", "streaming")
+        return "sdpa"
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, bias))
+    if impl != "auto":
+        path = impl
+    elif bias.requires_grad and grad:
+        path = "materialized"  # the only path with a bias gradient
+    elif grad and bias.shape[-2] != 1 and q.device.type == "cpu":
+        rows = math.prod(broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], bias.shape[:-2]))
+        path = dispatch.choose_impl("generalized", nq=q.shape[-2], nk=k.shape[-2], batch=rows, dtype=q.dtype)
+    else:
+        path = "streaming"
+    if dispatch.record("generalized", path) == "materialized":
+        return "materialized"
+    return "flash" if flash_bias_available(q, k, v, bias) else "sdpa"
 
 
 def generalized_weights(

@@ -15,6 +15,7 @@ Every module implements ``log_preference(query, key)`` for inputs ``(B, Nq, E)``
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -76,8 +77,10 @@ class T5RelativePreference(PreferenceModule):
         bidirectional: encoder-style (True) or causal/decoder-style (False) buckets.
 
     Note:
-        A learned bias requires grad, so :func:`torch.nn.functional.scaled_dot_product_attention`
-        falls back to its materialized math kernel (O(Nq·Nk) memory) during training.
+        A learned bias requires grad: :func:`attnopt.generalized_attention` then runs its fused
+        materialized node (O(Nq·Nk) memory, as SDPA's math kernel would), whose gradient for
+        the bias reaches the ``num_buckets × H`` table through one diagonal-sum node.
+        The offset → bucket table is cached per (Nq, Nk, device).
     """
 
     def __init__(
@@ -97,25 +100,92 @@ class T5RelativePreference(PreferenceModule):
         nn.init.normal_(self.relative_attention_bias.weight, std=0.1)
 
     def forward(self, query_len: int, key_len: int) -> Tensor:
-        """``log u`` of shape ``(1, H, query_len, key_len)``."""
-        device = self.relative_attention_bias.weight.device
-        # the bias depends on j − i only: look up the Nq + Nk − 1 offsets once, then lay them out
-        # as a Toeplitz matrix (row i is the window starting at offset −i): the backward sums
-        # over diagonals instead of scattering Nq·Nk embedding rows (~4x faster fwd+bwd at N = 512)
+        """``log u`` of shape ``(1, H, query_len, key_len)`` (contiguous)."""
+        weight = self.relative_attention_bias.weight
         if query_len == 0 or key_len == 0:
-            return self.relative_attention_bias.weight.new_zeros(1, self.num_heads, query_len, key_len)
-        rel = torch.arange(-(query_len - 1), key_len, device=device)
-        buckets = relative_position_bucket(
-            rel,
-            bidirectional=self.bidirectional,
-            num_buckets=self.num_buckets,
-            max_distance=self.max_distance,
-        )
-        per_offset = self.relative_attention_bias(buckets).t()  # (H, Nq + Nk − 1)
-        return per_offset.unfold(-1, key_len, 1).flip(-2).unsqueeze(0)
+            return weight.new_zeros(1, self.num_heads, query_len, key_len)
+        # the bias depends on j − i only: one autograd node looks up the Nq + Nk − 1 offsets and
+        # lays them out as a Toeplitz matrix; its backward sums the gradient over diagonals and
+        # adds the sums into the buckets (instead of scattering Nq·Nk embedding rows)
+        buckets, index = self._buckets(query_len, key_len, weight.device)
+        return _ToeplitzBias.apply(weight, buckets, index, query_len, key_len)
+
+    def _buckets(self, query_len: int, key_len: int, device: torch.device) -> tuple[Tensor, Tensor | None]:
+        """Bucket of each offset ``j − i = −(Nq−1) … Nk−1`` and, up to :data:`GATHER_LIMIT`
+        entries, the flat offset index of the ``(Nq, Nk)`` grid; cached per (Nq, Nk, device)."""
+        key = (query_len, key_len, device)
+        cache: dict[tuple[int, int, torch.device], tuple[Tensor, Tensor | None]] = self.__dict__.setdefault(
+            "_bucket_cache", {})
+        if key not in cache:
+            if len(cache) >= 8:
+                cache.clear()
+            rel = torch.arange(-(query_len - 1), key_len, device=device)
+            buckets = relative_position_bucket(
+                rel, bidirectional=self.bidirectional, num_buckets=self.num_buckets,
+                max_distance=self.max_distance,
+            )
+            index = None
+            if query_len * key_len <= GATHER_LIMIT:
+                i = torch.arange(query_len, device=device)
+                j = torch.arange(key_len, device=device)
+                index = (j[None, :] - i[:, None] + (query_len - 1)).flatten()
+            cache[key] = (buckets, index)
+        return cache[key]
 
     def log_preference(self, query: Tensor, key: Tensor) -> Tensor:
         return self(query.shape[-2], key.shape[-2])
+
+
+def _toeplitz_view(buf: Tensor, nq: int, nk: int) -> Tensor:
+    """``(H, Nq, Nq + Nk − 1)`` buffer -> ``(H, Nq, Nk)`` view ``T[:, i, j] = buf[:, i, j − i + Nq − 1]``.
+
+    Row stride ``C − 1`` (``C = Nq + Nk − 1``) from offset ``Nq − 1`` shifts row ``i`` left by
+    ``i``; the rows stay contiguous, so reading or writing the view runs at memcpy speed.
+    """
+    h, _, c = buf.shape
+    return buf.as_strided((h, nq, nk), (nq * c, c - 1, 1), buf.storage_offset() + nq - 1)
+
+
+#: Largest ``Nq·Nk`` for which T5RelativePreference caches a flat ``(Nq·Nk,)`` offset index and
+#: gathers / index-adds through it (3–4x faster than the strided Toeplitz copy at N = 512);
+#: above it, the O(Nq + Nk) strided route keeps the cache small.
+GATHER_LIMIT = 1 << 20
+
+
+class _ToeplitzBias(torch.autograd.Function):
+    """``weight (num_buckets, H)``, ``buckets (Nq + Nk − 1,)`` -> contiguous ``(1, H, Nq, Nk)``.
+
+    Entry ``(h, i, j)`` is ``weight[buckets[j − i + Nq − 1], h]``; the backward sums the
+    gradient over each diagonal ``j − i`` and adds the sums into the buckets. ``index`` (the
+    flat offsets ``j − i + Nq − 1``, or ``None``) selects the gather route.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, weight: Tensor, buckets: Tensor, index: Tensor | None, nq: int, nk: int
+    ) -> Tensor:
+        ctx.save_for_backward(buckets, index)
+        ctx.num_buckets = weight.shape[0]
+        per_offset = weight.index_select(0, buckets).t().contiguous()  # (H, Nq + Nk − 1)
+        h = per_offset.shape[0]
+        if index is not None:
+            return per_offset.index_select(1, index).view(1, h, nq, nk)
+        rows = per_offset.unsqueeze(1).expand(-1, nq, -1).contiguous()
+        return _toeplitz_view(rows, nq, nk).contiguous().unsqueeze(0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        buckets, index = ctx.saved_tensors
+        g = grad[0] if grad.shape[0] == 1 else grad.sum(0)  # (H, Nq, Nk)
+        h, nq, nk = g.shape
+        if index is not None:
+            sums = g.new_zeros(h, nq + nk - 1).index_add_(1, index, g.reshape(h, -1))
+        else:
+            buf = g.new_zeros(h, nq, nq + nk - 1)
+            _toeplitz_view(buf, nq, nk).copy_(g)
+            sums = buf.sum(1)  # (H, Nq + Nk − 1): the diagonal sums, by offset j − i
+        out = sums.new_zeros(ctx.num_buckets, h).index_add_(0, buckets, sums.t())
+        return out, None, None, None, None
 
 
 def alibi_slopes(num_heads: int) -> Tensor:
@@ -161,7 +231,30 @@ class ALiBiPreference(PreferenceModule):
         self.register_buffer("slopes", slopes.to(torch.get_default_dtype()))
 
     def forward(self, query_len: int, key_len: int) -> Tensor:
-        """``log u`` of shape ``(1, H, query_len, key_len)``."""
+        """``log u`` of shape ``(1, H, query_len, key_len)``, contiguous, in the slopes' dtype.
+
+        Built once per (Nq, Nk, device, dtype, slopes) and cached: the returned tensor is
+        shared between calls (an in-place change of it, or of ``slopes``, is noticed by its
+        version counter and the bias is built anew).
+        """
+        return self._cached(query_len, key_len, self.slopes.dtype)
+
+    def _cached(self, query_len: int, key_len: int, dtype: torch.dtype) -> Tensor:
+        slopes = self.slopes
+        key = (query_len, key_len, slopes.device, dtype)
+        stamp = (slopes.data_ptr(), slopes._version)
+        cache: dict[tuple[object, ...], tuple[tuple[int, int], Tensor, int]] = self.__dict__.setdefault(
+            "_bias_cache", {})
+        hit = cache.get(key)
+        if hit is not None and hit[0] == stamp and hit[1]._version == hit[2]:
+            return hit[1]
+        if len(cache) >= 8:
+            cache.clear()
+        bias = self._build(query_len, key_len).to(dtype).contiguous()
+        cache[key] = (stamp, bias, bias._version)
+        return bias
+
+    def _build(self, query_len: int, key_len: int) -> Tensor:
         device = self.slopes.device
         # the same products per offset j − i, laid out as a Toeplitz matrix (as in T5RelativePreference)
         if query_len == 0 or key_len == 0:
@@ -171,7 +264,7 @@ class ALiBiPreference(PreferenceModule):
         return per_offset.unfold(-1, key_len, 1).flip(-2).unsqueeze(0)
 
     def log_preference(self, query: Tensor, key: Tensor) -> Tensor:
-        return self(query.shape[-2], key.shape[-2]).to(query.dtype)
+        return self._cached(query.shape[-2], key.shape[-2], query.dtype)
 
 
 class KeyPreference(PreferenceModule):
