@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["fused_dnas1"]
+__all__ = ["fused_sinkhorn"]
 
 
 def _scores(qs: Tensor, k: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
@@ -99,78 +99,114 @@ def _part(x: Tensor | None, bs: slice, hs: slice) -> Tensor | None:
 
 
 def _forward_chunk(
-    q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, causal: bool, scale: float
-) -> tuple[Tensor, tuple[Tensor, ...]] | None:
-    """``(out, state for the backward)`` of one chunk, or ``None`` when a row sum underflows."""
+    q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, causal: bool, scale: float,
+    iterations: int,
+) -> tuple[Tensor, tuple[Any, ...]] | None:
+    """``(out, state for the backward)`` of one chunk, or ``None`` when a normalizer underflows."""
     qs = q * scale
     e = _scores(qs, k, mask, causal)
     masked = mask is not None or causal
     m_raw = e.amax(-2, keepdim=True)  # (…, 1, Nk); -inf for a key no query sees
     m = torch.where(torch.isfinite(m_raw), m_raw, torch.zeros_like(m_raw)) if masked else m_raw
     e.sub_(m).exp_()
-    zc = _inv(e.sum(-2, keepdim=True)).transpose(-2, -1)  # (…, Nk, 1): 1/z, 0 for a dead key
+    thr = torch.finfo(e.dtype).tiny * 2.0**40
     dv = v.shape[-1]
+    z = e.sum(-2, keepdim=True).transpose(-2, -1)  # (…, Nk, 1), >= 1 for a live key, 0 for a dead one
+    alphas = [torch.ones_like(e[..., :1])]  # α_0 = 1, then α_t = 1 / (E β_t)
+    betas = [_inv(z)]  # β_1 = 1/z, then β_t = 1 / (Eᵀ α_{t-1})
+    valid: Tensor | None | bool = False  # rows with an admissible key, computed when first needed
+
+    def underflow(den: Tensor, live: Tensor | None) -> bool:
+        nonlocal valid
+        low = den < thr
+        if not bool(low.any()):
+            return False
+        if live is None:  # rows
+            if valid is False:
+                valid = _row_valid(mask, causal, q.shape[-2], k.shape[-2], q.device)
+            live = valid if isinstance(valid, Tensor) else None
+        return live is None or bool((low & live).any())
+
+    for _ in range(iterations - 1):
+        r = torch.matmul(e, betas[-1])
+        if underflow(r, None):
+            return None
+        alphas.append(_inv(r))
+        c = torch.matmul(e.transpose(-2, -1), alphas[-1])
+        if underflow(c, z > 0):
+            return None
+        betas.append(_inv(c))
+    beta = betas[-1]
+    uc = None
     if w is None:
-        t = torch.matmul(e, torch.cat([v * zc, zc], -1))
+        t = torch.matmul(e, torch.cat([v * beta, beta], -1))
         dens = t[..., dv:]
     else:
         mu = m_raw.amax(-1, keepdim=True)
         mu = torch.where(torch.isfinite(mu), mu, torch.zeros_like(mu))
         uc = torch.exp(m_raw - mu).transpose(-2, -1)  # (…, Nk, 1), <= 1; 0 for a dead key
-        t = torch.matmul(e, torch.cat([v * zc, zc, v * uc, uc], -1))
+        t = torch.matmul(e, torch.cat([v * beta, beta, v * uc, uc], -1))
         dens = torch.cat([t[..., dv : dv + 1], t[..., 2 * dv + 1 :]], -1)
-    low = dens < torch.finfo(e.dtype).tiny * 2.0**40
-    if bool(low.any()):
-        valid = _row_valid(mask, causal, q.shape[-2], k.shape[-2], q.device)
-        if valid is None or bool((low & valid).any()):
-            return None
-    ainv = _inv(t[..., dv : dv + 1])
-    od = t[..., :dv] * ainv
+    if underflow(dens, None):
+        return None
+    alphas.append(_inv(t[..., dv : dv + 1]))
+    od = t[..., :dv] * alphas[-1]
     if w is None:
-        return od, (qs, k, v, e, zc, ainv, od)
+        return od, (qs, k, v, e, alphas, betas, od, None)
     binv = _inv(t[..., 2 * dv + 1 :])
     ol = t[..., dv + 1 : 2 * dv + 1] * binv
-    return torch.lerp(ol, od, w), (qs, k, v, e, zc, ainv, od, w, uc, binv, ol)
+    return torch.lerp(ol, od, w), (qs, k, v, e, alphas, betas, od, (w, uc, binv, ol))
 
 
 def _backward_chunk(
-    state: tuple[Tensor, ...], dout: Tensor, scale: float, need_qk: bool, need_w: bool
+    state: tuple[Any, ...], dout: Tensor, scale: float, need_qk: bool, need_w: bool
 ) -> tuple[Tensor | None, Tensor | None, Tensor, Tensor | None]:
-    """``(dq, dk, dv, ∂L/∂w per row (…, Nq, 1))`` of one chunk."""
-    qs, k, v, e, zc, ainv, od, *hyb = state
+    """``(dq, dk, dv, ∂L/∂w per row (…, Nq, 1))`` of one chunk (see the module docstring)."""
+    qs, k, v, e, alphas, betas, od, hyb = state
     dv_ = v.shape[-1]
+    et = e.transpose(-2, -1)
     drow = None
-    if not hyb:
-        a_do = dout * ainv
-        a_dd = (a_do * od).sum(-1, keepdim=True)  # a·δ^D
-        mt = torch.matmul(e.transpose(-2, -1), torch.cat([a_do, a_dd], -1))
-        ya, yd = mt[..., :dv_], mt[..., dv_:]
-        dv = ya * zc
-        if not need_qk:
-            return None, None, dv, None
-        gz = zc * zc * ((v * ya).sum(-1, keepdim=True) - yd)  # γ_j / z_j
-        left = torch.cat([a_do, -a_dd, torch.ones_like(a_dd)], -1)
-        right = torch.cat([v * zc, zc, -gz], -1)
-    else:
+    g = dout if hyb is None else dout * hyb[0]  # ∂L/∂out^D
+    a_g = g * alphas[-1]
+    cx = -(a_g * od).sum(-1, keepdim=True)  # −gα_K α_K² with gα_K = <g, out^D>/α_K
+    thin = [a_g, cx]
+    if hyb is not None:
         w, uc, binv, ol = hyb
-        a_do, b_do = dout * (ainv * w), dout * (binv * (1 - w))
-        a_dd = (a_do * od).sum(-1, keepdim=True)
-        b_dl = (b_do * ol).sum(-1, keepdim=True)
-        mt = torch.matmul(e.transpose(-2, -1), torch.cat([a_do, b_do, a_dd], -1))
-        ya, yb, yd = mt[..., :dv_], mt[..., dv_ : 2 * dv_], mt[..., 2 * dv_ :]
-        dv = ya * zc + yb * uc
+        b_do = dout * (binv * (1 - w))
+        thin.insert(1, b_do)
         if need_w:
             drow = (dout * (od - ol)).sum(-1, keepdim=True)
-        if not need_qk:
-            return None, None, dv, drow
-        gz = zc * zc * ((v * ya).sum(-1, keepdim=True) - yd)
-        left = torch.cat([a_do, b_do, -a_dd, -b_dl, torch.ones_like(a_dd)], -1)
-        right = torch.cat([v * zc, v * uc, zc, uc, -gz], -1)
-    ds = torch.matmul(left, right.transpose(-2, -1)).mul_(e)
+    mt = torch.matmul(et, torch.cat(thin, -1))
+    ya = mt[..., :dv_]
+    dv = ya * betas[-1]
+    if hyb is not None:
+        dv = dv + mt[..., dv_ : 2 * dv_] * uc
+    if not need_qk:
+        return None, None, dv, drow
+    # reverse through the normalizations: row step t (α_t = 1/(E β_t)), column step t (β_t = 1/(Eᵀ α_{t-1}))
+    gb = (v * ya).sum(-1, keepdim=True) + mt[..., -1:]
+    lefts, rights = [a_g], [v * betas[-1]]
+    iterations = len(betas)
+    for t in range(iterations, 0, -1):
+        if t < iterations:  # row step t: α_t = 1/(E β_t)
+            cx = -ga * alphas[t] * alphas[t]
+            gb = torch.matmul(et, cx)
+        lefts.append(cx)
+        rights.append(betas[t - 1])
+        cy = -gb * betas[t - 1] * betas[t - 1]  # column step t
+        lefts.append(alphas[t - 1])
+        rights.append(cy)
+        if t > 1:
+            ga = torch.matmul(e, cy)
+    if hyb is not None:
+        b_dl = (b_do * ol).sum(-1, keepdim=True)
+        lefts += [b_do, -b_dl]
+        rights += [v * uc, uc]
+    ds = torch.matmul(torch.cat(lefts, -1), torch.cat(rights, -1).transpose(-2, -1)).mul_(e)
     return torch.matmul(ds, k).mul_(scale), torch.matmul(ds.transpose(-2, -1), qs), dv, drow
 
 
-class _FusedDnas1(torch.autograd.Function):
+class _FusedSinkhorn(torch.autograd.Function):
     """DNAS (``w is None``) or HNAS on 4-D ``(B, H, N, ·)`` inputs, chunked over (B, H).
 
     Sets ``info[0] = False`` (and returns an empty tensor) when a row sum underflows. The
@@ -180,7 +216,7 @@ class _FusedDnas1(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, causal: bool,
-        scale: float, info: list[bool],
+        scale: float, iterations: int, info: list[bool],
     ) -> Tensor:
         b, h, nq, _ = q.shape
         parts = _chunks(b, h, nq * k.shape[-2])
@@ -188,7 +224,7 @@ class _FusedDnas1(torch.autograd.Function):
         states = []
         for bs, hs in parts:
             res = _forward_chunk(q[bs, hs], k[bs, hs], v[bs, hs], _part(w, bs, hs), _part(mask, bs, hs),
-                                 causal, scale)
+                                 causal, scale, iterations)
             if res is None:
                 info[0] = False
                 return q.new_empty(0)
@@ -210,7 +246,7 @@ class _FusedDnas1(torch.autograd.Function):
         if len(parts) == 1:
             dq, dk, dv, drow = _backward_chunk(states[0], dout, ctx.scale, need_qk, need_w)
             dw = None if drow is None else _reduce_to(drow, ctx.w_shape)
-            return dq, dk, dv, dw, None, None, None, None
+            return dq, dk, dv, dw, None, None, None, None, None
         b, h, nq, dv_ = dout.shape
         dq = dout.new_empty(b, h, nq, ctx.shape_k[-1]) if need_qk else None
         dk = dout.new_empty(ctx.shape_k) if need_qk else None
@@ -225,11 +261,12 @@ class _FusedDnas1(torch.autograd.Function):
                 wpart = _part(dw, bs, hs)
                 assert wpart is not None
                 wpart += _reduce_to(drow, wpart.shape)
-        return dq, dk, dv, dw, None, None, None, None
+        return dq, dk, dv, dw, None, None, None, None, None
 
 
-def fused_dnas1(
-    q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, causal: bool, scale: float
+def fused_sinkhorn(
+    q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, causal: bool, scale: float,
+    iterations: int,
 ) -> Tensor | None:
     """DNAS (``w=None``) or HNAS output on ``(B, H, N, ·)`` inputs of one dtype; ``None`` on underflow.
 
@@ -238,5 +275,5 @@ def fused_dnas1(
     ``Nq, Nk >= 1``.
     """
     info = [True]
-    out: Tensor = _FusedDnas1.apply(q, k, v, w, mask, causal, scale, info)
+    out: Tensor = _FusedSinkhorn.apply(q, k, v, w, mask, causal, scale, iterations, info)
     return out if info[0] else None

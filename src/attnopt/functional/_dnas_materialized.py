@@ -34,7 +34,7 @@ from torch import Tensor
 
 from attnopt._validation import additive_mask
 from attnopt.functional import dispatch
-from attnopt.functional._dnas_fused import fused_dnas1
+from attnopt.functional._dnas_fused import fused_sinkhorn
 
 __all__ = ["materialized_sinkhorn_attention", "dispatched_sinkhorn"]
 
@@ -201,8 +201,8 @@ def materialized_sinkhorn_attention(
         qkv.append(x if tuple(x.shape[:-2]) == batch else x.expand(*batch, *x.shape[-2:]))
     m = None if mask is None else mask.detach().to(compute)
     wc = None if weight is None else weight.to(compute)
-    if iterations == 1:
-        fused = _fused_4d(qkv, wc, m, is_causal, scale, batch)
+    if iterations >= 1:
+        fused = _fused_4d(qkv, wc, m, is_causal, scale, batch, iterations)
         if fused is not None:
             return fused.to(orig)
     out: Tensor = _MaterializedSinkhorn.apply(*qkv, wc, m, is_causal, scale, iterations)
@@ -210,9 +210,10 @@ def materialized_sinkhorn_attention(
 
 
 def _fused_4d(
-    qkv: list[Tensor], w: Tensor | None, mask: Tensor | None, causal: bool, scale: float, batch: tuple[int, ...]
+    qkv: list[Tensor], w: Tensor | None, mask: Tensor | None, causal: bool, scale: float, batch: tuple[int, ...],
+    iterations: int,
 ) -> Tensor | None:
-    """:func:`fused_dnas1` on ``(B, H, N, ·)`` views of batch-expanded inputs (``None`` on underflow)."""
+    """:func:`fused_sinkhorn` on ``(B, H, N, ·)`` views of batch-expanded inputs (``None`` on underflow)."""
     nq, nk = qkv[0].shape[-2], qkv[1].shape[-2]
     if len(batch) == 2:
         lead: tuple[int, ...] = batch
@@ -228,7 +229,7 @@ def _fused_4d(
             mask = mask.reshape(*(1,) * (4 - mask.dim()), *mask.shape)
     if w is not None:  # () or one per head (…, H, 1, 1) with H the last batch dim
         w = w.reshape(*(1,) * (4 - w.dim()), *w.shape)
-    out = fused_dnas1(q, k, v, w, mask, causal, scale)
+    out = fused_sinkhorn(q, k, v, w, mask, causal, scale, iterations)
     return None if out is None else out.reshape(*batch, nq, v.shape[-1])
 
 
