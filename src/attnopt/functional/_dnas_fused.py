@@ -40,8 +40,13 @@ from torch import Tensor
 __all__ = ["fused_sinkhorn"]
 
 
-def _scores(qs: Tensor, k: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
-    s = torch.matmul(qs, k.transpose(-2, -1))
+def _scores(qs: Tensor, k: Tensor, mask: Tensor | None, causal: bool, work: Tensor) -> Tensor:
+    """``S = qs kᵀ + M`` (causal ``-inf``) written into the front of the flat buffer ``work``."""
+    shape = (*qs.shape[:-1], k.shape[-2])
+    n = 1
+    for x in shape:
+        n *= x
+    s = torch.matmul(qs, k.transpose(-2, -1), out=work[:n].view(shape))
     if mask is not None:
         s.add_(mask)
     if causal:
@@ -80,15 +85,20 @@ def _reduce_to(g: Tensor, shape: torch.Size) -> Tensor:
 CHUNK_ENTRIES = 1 << 20
 
 
+def _split(n: int, parts: int) -> list[slice]:
+    """``range(n)`` cut into ``parts`` slices of near-equal length."""
+    edges = [n * i // parts for i in range(parts + 1)]
+    return [slice(lo, hi) for lo, hi in zip(edges[:-1], edges[1:], strict=True) if hi > lo]
+
+
 def _chunks(b: int, h: int, per_head: int) -> list[tuple[slice, slice]]:
-    """(batch slice, head slice) pairs covering ``(b, h)`` with about :data:`CHUNK_ENTRIES` each."""
+    """(batch slice, head slice) pairs covering ``(b, h)``, about :data:`CHUNK_ENTRIES` entries each."""
     heads = max(1, CHUNK_ENTRIES // max(per_head, 1))
     if b * h <= heads:
         return [(slice(None), slice(None))]
     if h <= heads:
-        nb = heads // h
-        return [(slice(i, min(i + nb, b)), slice(None)) for i in range(0, b, nb)]
-    return [(slice(i, i + 1), slice(j, min(j + heads, h))) for i in range(b) for j in range(0, h, heads)]
+        return [(bs, slice(None)) for bs in _split(b, -(-b * h // heads))]
+    return [(slice(i, i + 1), hs) for i in range(b) for hs in _split(h, -(-h // heads))]
 
 
 def _part(x: Tensor | None, bs: slice, hs: slice) -> Tensor | None:
@@ -100,11 +110,15 @@ def _part(x: Tensor | None, bs: slice, hs: slice) -> Tensor | None:
 
 def _forward_chunk(
     q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, causal: bool, scale: float,
-    iterations: int,
+    iterations: int, work: Tensor,
 ) -> tuple[Tensor, tuple[Any, ...]] | None:
-    """``(out, state for the backward)`` of one chunk, or ``None`` when a normalizer underflows."""
+    """``(out, state for the backward)`` of one chunk, or ``None`` when a normalizer underflows.
+
+    ``E`` lives in ``work`` (reused by the next chunk); the backward recomputes it from the
+    column maxima ``m`` kept in the state (bitwise the same ops).
+    """
     qs = q * scale
-    e = _scores(qs, k, mask, causal)
+    e = _scores(qs, k, mask, causal, work)
     masked = mask is not None or causal
     m_raw = e.amax(-2, keepdim=True)  # (…, 1, Nk); -inf for a key no query sees
     m = torch.where(torch.isfinite(m_raw), m_raw, torch.zeros_like(m_raw)) if masked else m_raw
@@ -152,17 +166,19 @@ def _forward_chunk(
     alphas.append(_inv(t[..., dv : dv + 1]))
     od = t[..., :dv] * alphas[-1]
     if w is None:
-        return od, (qs, k, v, e, alphas, betas, od, None)
+        return od, (qs, k, v, (m, mask, causal), alphas, betas, od, None)
     binv = _inv(t[..., 2 * dv + 1 :])
     ol = t[..., dv + 1 : 2 * dv + 1] * binv
-    return torch.lerp(ol, od, w), (qs, k, v, e, alphas, betas, od, (w, uc, binv, ol))
+    return torch.lerp(ol, od, w), (qs, k, v, (m, mask, causal), alphas, betas, od, (w, uc, binv, ol))
 
 
 def _backward_chunk(
-    state: tuple[Any, ...], dout: Tensor, scale: float, need_qk: bool, need_w: bool
+    state: tuple[Any, ...], dout: Tensor, scale: float, need_qk: bool, need_w: bool, work: Tensor,
+    work2: Tensor,
 ) -> tuple[Tensor | None, Tensor | None, Tensor, Tensor | None]:
     """``(dq, dk, dv, ∂L/∂w per row (…, Nq, 1))`` of one chunk (see the module docstring)."""
-    qs, k, v, e, alphas, betas, od, hyb = state
+    qs, k, v, (m, mask, causal), alphas, betas, od, hyb = state
+    e = _scores(qs, k, mask, causal, work).sub_(m).exp_()
     dv_ = v.shape[-1]
     et = e.transpose(-2, -1)
     drow = None
@@ -202,15 +218,18 @@ def _backward_chunk(
         b_dl = (b_do * ol).sum(-1, keepdim=True)
         lefts += [b_do, -b_dl]
         rights += [v * uc, uc]
-    ds = torch.matmul(torch.cat(lefts, -1), torch.cat(rights, -1).transpose(-2, -1)).mul_(e)
+    ds = torch.matmul(torch.cat(lefts, -1), torch.cat(rights, -1).transpose(-2, -1), out=work2[: e.numel()].view(e.shape))
+    ds.mul_(e)
     return torch.matmul(ds, k).mul_(scale), torch.matmul(ds.transpose(-2, -1), qs), dv, drow
 
 
 class _FusedSinkhorn(torch.autograd.Function):
-    """DNAS (``w is None``) or HNAS on 4-D ``(B, H, N, ·)`` inputs, chunked over (B, H).
+    """DNAS / Sinkhorn-K (``w is None``) or HNAS on 4-D ``(B, H, N, ·)`` inputs, chunked over (B, H).
 
-    Sets ``info[0] = False`` (and returns an empty tensor) when a row sum underflows. The
-    per-chunk intermediates live on ``ctx`` (one node, no per-chunk autograd overhead).
+    Sets ``info[0] = False`` (and returns an empty tensor) when a normalizer underflows. Only
+    O(N) per-chunk state is kept (``E`` is recomputed in the backward), on ``ctx``: one
+    autograd node, no per-chunk overhead; one ``N × N`` workspace per call is reused by every
+    chunk (fresh allocations per chunk cost page faults).
     """
 
     @staticmethod
@@ -219,12 +238,14 @@ class _FusedSinkhorn(torch.autograd.Function):
         scale: float, iterations: int, info: list[bool],
     ) -> Tensor:
         b, h, nq, _ = q.shape
-        parts = _chunks(b, h, nq * k.shape[-2])
+        nk = k.shape[-2]
+        parts = _chunks(b, h, nq * nk)
+        work = q.new_empty(_largest(parts, b, h) * nq * nk)
         out = q.new_empty(b, h, nq, v.shape[-1]) if len(parts) > 1 else None
         states = []
         for bs, hs in parts:
             res = _forward_chunk(q[bs, hs], k[bs, hs], v[bs, hs], _part(w, bs, hs), _part(mask, bs, hs),
-                                 causal, scale, iterations)
+                                 causal, scale, iterations, work)
             if res is None:
                 info[0] = False
                 return q.new_empty(0)
@@ -243,17 +264,19 @@ class _FusedSinkhorn(torch.autograd.Function):
         need_qk = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         need_w = ctx.w_shape is not None and ctx.needs_input_grad[3]
         states, parts = ctx.states, ctx.parts
+        b, h, nq, dv_ = dout.shape
+        n = _largest(parts, b, h) * nq * ctx.shape_k[-2]
+        work, work2 = dout.new_empty(n), dout.new_empty(n if need_qk else 0)
         if len(parts) == 1:
-            dq, dk, dv, drow = _backward_chunk(states[0], dout, ctx.scale, need_qk, need_w)
+            dq, dk, dv, drow = _backward_chunk(states[0], dout, ctx.scale, need_qk, need_w, work, work2)
             dw = None if drow is None else _reduce_to(drow, ctx.w_shape)
             return dq, dk, dv, dw, None, None, None, None, None
-        b, h, nq, dv_ = dout.shape
         dq = dout.new_empty(b, h, nq, ctx.shape_k[-1]) if need_qk else None
         dk = dout.new_empty(ctx.shape_k) if need_qk else None
         dv = dout.new_empty(b, h, ctx.shape_k[-2], dv_)
         dw = dout.new_zeros(ctx.w_shape) if need_w else None
         for (bs, hs), state in zip(parts, states, strict=True):
-            cq, ck, cv, drow = _backward_chunk(state, dout[bs, hs], ctx.scale, need_qk, need_w)
+            cq, ck, cv, drow = _backward_chunk(state, dout[bs, hs], ctx.scale, need_qk, need_w, work, work2)
             dv[bs, hs] = cv
             if dq is not None and dk is not None:
                 dq[bs, hs], dk[bs, hs] = cq, ck
@@ -262,6 +285,11 @@ class _FusedSinkhorn(torch.autograd.Function):
                 assert wpart is not None
                 wpart += _reduce_to(drow, wpart.shape)
         return dq, dk, dv, dw, None, None, None, None, None
+
+
+def _largest(parts: list[tuple[slice, slice]], b: int, h: int) -> int:
+    """The most (batch × head) slices in one chunk."""
+    return max(len(range(b)[bs]) * len(range(h)[hs]) for bs, hs in parts)
 
 
 def fused_sinkhorn(

@@ -33,9 +33,9 @@ Impl = Literal["auto", "materialized", "streaming"]
 #: Largest ``B·H·Nq·Nk`` at which ``auto`` materializes, per mechanism and dtype
 #: (``"half"`` = float16/bfloat16, computed in float32 by the materialized path).
 CROSSOVERS: dict[str, dict[str, int]] = {
-    "doubly_normalized": {"float32": 1 << 22, "float64": 1 << 22, "half": 1 << 21},
-    "sinkhorn": {"float32": 1 << 24, "float64": 1 << 24, "half": 1 << 23},
-    "hybrid_normalized": {"float32": 1 << 22, "float64": 1 << 22, "half": 1 << 21},
+    "doubly_normalized": {"float32": 1 << 26, "float64": 1 << 25, "half": 1 << 25},
+    "sinkhorn": {"float32": 1 << 26, "float64": 1 << 25, "half": 1 << 25},
+    "hybrid_normalized": {"float32": 1 << 26, "float64": 1 << 25, "half": 1 << 25},
     "sparse": {"float32": 1 << 24, "float64": 1 << 24, "half": 1 << 23},
     "generalized": {"float32": 1 << 24, "float64": 1 << 24, "half": 1 << 23},
     "kernel": {"float32": 1 << 20, "float64": 1 << 20, "half": 1 << 20},
