@@ -203,6 +203,7 @@ def _backward_chunk(
     gb = (v * ya).sum(-1, keepdim=True) + mt[..., -1:]
     lefts, rights = [a_g], [v * betas[-1]]
     iterations = len(betas)
+    ga = gb  # ∂L/∂α_t, set by each column step before the row step below reads it
     for t in range(iterations, 0, -1):
         if t < iterations:  # row step t: α_t = 1/(E β_t)
             cx = -ga * alphas[t] * alphas[t]
@@ -218,8 +219,8 @@ def _backward_chunk(
         b_dl = (b_do * ol).sum(-1, keepdim=True)
         lefts += [b_do, -b_dl]
         rights += [v * uc, uc]
-    ds = torch.matmul(torch.cat(lefts, -1), torch.cat(rights, -1).transpose(-2, -1), out=work2[: e.numel()].view(e.shape))
-    ds.mul_(e)
+    ds = work2[: e.numel()].view(e.shape)
+    torch.matmul(torch.cat(lefts, -1), torch.cat(rights, -1).transpose(-2, -1), out=ds).mul_(e)
     return torch.matmul(ds, k).mul_(scale), torch.matmul(ds.transpose(-2, -1), qs), dv, drow
 
 
@@ -278,7 +279,7 @@ class _FusedSinkhorn(torch.autograd.Function):
         for (bs, hs), state in zip(parts, states, strict=True):
             cq, ck, cv, drow = _backward_chunk(state, dout[bs, hs], ctx.scale, need_qk, need_w, work, work2)
             dv[bs, hs] = cv
-            if dq is not None and dk is not None:
+            if dq is not None and dk is not None and cq is not None and ck is not None:
                 dq[bs, hs], dk[bs, hs] = cq, ck
             if dw is not None and drow is not None:
                 wpart = _part(dw, bs, hs)

@@ -210,8 +210,8 @@ def materialized_sinkhorn_attention(
 
 
 def _fused_4d(
-    qkv: list[Tensor], w: Tensor | None, mask: Tensor | None, causal: bool, scale: float, batch: tuple[int, ...],
-    iterations: int,
+    qkv: list[Tensor], w: Tensor | None, mask: Tensor | None, causal: bool, scale: float,
+    batch: tuple[int, ...], iterations: int,
 ) -> Tensor | None:
     """:func:`fused_sinkhorn` on ``(B, H, N, ·)`` views of batch-expanded inputs (``None`` on underflow)."""
     nq, nk = qkv[0].shape[-2], qkv[1].shape[-2]
@@ -221,7 +221,7 @@ def _fused_4d(
         lead = (*(1,) * (2 - len(batch)), *batch)
     else:
         lead = (-1, batch[-1])
-    q, k, v = (x.reshape(*lead, *x.shape[-2:]) for x in qkv)
+    q, k, v = (x.reshape(*lead, *x.shape[-2:]).contiguous() for x in qkv)  # one O(N·d) copy of a view
     if mask is not None:  # rank len(batch) + 2 (additive_mask)
         if len(batch) > 2:
             mask = mask.expand(*batch, nq, nk).reshape(*lead, nq, nk)
