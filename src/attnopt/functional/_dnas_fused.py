@@ -1,34 +1,42 @@
-r"""Fused materialized DNAS (K = 1) and HNAS: one exponential, the rest in two matmuls (internal).
+r"""Fused materialized DNAS, Sinkhorn-K and HNAS in scaling form: one exponential (internal).
 
-doubly-normalized-attention eq. (6)–(8) and Sec. 6 (design.md §3). Scores ``S = scale·QKᵀ + M``
-(``-inf`` = dropped) are exponentiated once, shifted by their *column* maxima:
+doubly-normalized-attention eq. (6)–(8), (10) and Sec. 6 (design.md §3). Scores
+``S = scale·QKᵀ + M`` (``-inf`` = dropped) are exponentiated once, shifted by their *column*
+maxima, and never divided elementwise:
 
-.. math:: E_{ij} = e^{S_{ij} - m_j},\quad m_j = \max_i S_{ij},\quad z_j = \sum_i E_{ij} \;(\ge 1)
+.. math:: E_{ij} = e^{S_{ij} - m_j},\quad m_j = \max_i S_{ij},\qquad
+          \pi = \mathrm{diag}(α_K)\, E\, \mathrm{diag}(β_K)
 
-DNAS: ``ξ_ij = E_ij / z_j``, ``σ_i = Σ_j ξ_ij``, ``π_ij = ξ_ij / σ_i``, so the output
-``out_i = (Σ_j E_ij v_j / z_j) / σ_i`` and ``σ`` come out of *one* matmul ``E @ [V/z | 1/z]``:
-no ``Nq × Nk`` division, no second softmax.
+Sinkhorn in scaling form: ``α_0 = 1``, ``β_t = 1/(Eᵀ α_{t−1})`` (column step; ``β_1 = 1/z``,
+``z_j = Σ_i E_ij ≥ 1``), ``α_t = 1/(E β_t)`` (row step). DNAS (K = 1) needs no matvec: its
+output ``out_i = α_i Σ_j E_ij β_j v_j`` and the last row sums come out of *one* matmul
+``E @ [β⊙V | β]``; Sinkhorn-K adds ``2K − 2`` matvecs.
 
-LNAS shares the same ``E``: with ``u_j = e^{m_j - μ}``, ``μ = max_j m_j``,
+LNAS shares the same ``E``: with ``u_j = e^{m_j − μ}``, ``μ = max_j m_j``,
 ``softmax_j(S)_ij = E_ij u_j / ρ_i``, ``ρ_i = Σ_j E_ij u_j``, so HNAS
-``out = w·out^D + (1 − w)·out^L`` is one matmul ``E @ [V/z | 1/z | V u | u]``.
+``out = w·out^D + (1 − w)·out^L`` is one matmul ``E @ [β⊙V | β | u⊙V | u]``.
 
-Backward, closed form (``a_i = w/σ_i``, ``b_i = (1 − w)/ρ_i``; DNAS: ``w = 1``, ``b = 0``;
-``dP = dO Vᵀ``, ``δ^D_i = <dO_i, out^D_i>``, ``δ^L_i = <dO_i, out^L_i>``):
+Backward, closed form. ``∂L/∂S = E ⊙ ∂L/∂E`` (the column shift ``m`` cancels); with
+``g = w·dO`` (DNAS: ``dO``) the direct term is ``diag(α_K) g Vᵀ diag(β_K)``, and each
+normalization step adds a rank-one term: reversing the row step ``α_t = 1/(E β_t)`` gives
+``c_t ⊗ β_t`` with ``c_t = −(∂L/∂α_t) α_t²`` and ``∂L/∂β_t = Eᵀ c_t``; reversing the column step
+gives ``α_{t−1} ⊗ d_t`` with ``d_t = −(∂L/∂β_t) β_t²`` and ``∂L/∂α_{t−1} = E d_t``
+(``∂L/∂α_K = <g, out^D>/α_K``). The LNAS share adds ``b_i u_j (dP_ij − δ^L_i)`` with
+``b = (1 − w)/ρ``, ``dP = dO Vᵀ``, ``δ^L_i = <dO_i, out^L_i>``. So ``dS = E ⊙ (L Rᵀ)`` with
+one matmul of inner width ``dv + 2K`` (HNAS ``2·dv + 2K + 1``); ``dV`` and ``∂L/∂β_K`` come from
+one thin matmul ``Eᵀ [α_K⊙g | b⊙dO | c_K]``; ``∂L/∂w = Σ_i <dO_i, out^D_i − out^L_i>`` costs
+O(N·dv). For K = 1 this is ``dS_ij = E_ij[(α_i β_j)(dP_ij − δ^D_i) − γ_j β_j]``.
 
-.. math:: \partial L/\partial S_{ij} = E_{ij}\Big[\tfrac{a_i}{z_j}(dP_{ij} - δ^D_i) - \tfrac{γ_j}{z_j}
-          + b_i u_j (dP_{ij} - δ^L_i)\Big], \quad
-          γ_j = \tfrac{1}{z_j}\sum_i E_{ij} a_i (dP_{ij} - δ^D_i)
+Memory and speed. The batch × heads are processed in chunks of about :data:`CHUNK_ENTRIES`
+score entries, so that the ``Nq × Nk`` temporaries stay in cache; one workspace per call is
+reused by every chunk; the backward recomputes ``E`` of a chunk from its saved column maxima
+(bitwise the same ops), so only O(N) state per head is kept between forward and backward.
 
-(the second term is the column normalization's). ``γ`` and ``dV`` come from one thin matmul
-``Eᵀ [a·dO | b·dO | a·δ^D]``; the bracket is one matmul of inner width ``2·dv + 3``
-(``dv + 2`` for DNAS); one elementwise product with ``E`` gives ``dS``; then ``dQ``, ``dK``.
-``∂L/∂w = Σ_i <dO_i, out^D_i − out^L_i>`` costs O(N·dv).
-
-Underflow. ``z_j ≥ 1``, but ``σ_i`` (a row dominated by other rows in every column) and ``ρ_i``
-(a row whose best score is far below the head's best) can underflow. When an admissible row
-gets ``σ_i`` or ``ρ_i < tiny·2^40`` the caller recomputes with the log-domain path of
-:mod:`._dnas_materialized` (rare, never silent). A row with no admissible key gets zeros.
+Underflow. ``z_j ≥ 1``, but a later normalizer can underflow: ``σ_i`` for a row dominated by
+other rows in every column, ``ρ_i`` for a row whose best score is far below the head's best.
+When a normalizer of an admissible row or key falls below ``tiny·2^40`` the caller recomputes
+with the log-domain path of :mod:`._dnas_materialized` (rare, never silent). A row with no
+admissible key gets zeros, a key no query sees weight 0.
 """
 from __future__ import annotations
 

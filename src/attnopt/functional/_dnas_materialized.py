@@ -1,4 +1,9 @@
-r"""Fused materialized DNAS / Sinkhorn-K / HNAS for short sequences (internal).
+r"""Materialized DNAS / Sinkhorn-K / HNAS (internal): the dispatcher and the probability-domain fallback.
+
+:func:`materialized_sinkhorn_attention` runs the fused scaling-form kernel of :mod:`._dnas_fused`
+(one exponential, chunked over batch × heads, O(N) saved state); when that kernel reports an
+underflowing normalizer it falls back to :class:`_MaterializedSinkhorn` below, which handles a
+dominated row by recomputing in the log domain.
 
 doubly-normalized-attention eq. (6)–(8), (10), Sec. 6. Scores ``S = scale·QKᵀ + M`` are formed
 once; the normalizations run in place in the probability domain:
