@@ -1,9 +1,11 @@
 r"""Materialized DNAS / Sinkhorn-K / HNAS (internal): the dispatcher and the probability-domain fallback.
 
 :func:`materialized_sinkhorn_attention` runs the fused scaling-form kernel of :mod:`._dnas_fused`
-(one exponential, chunked over batch × heads, O(N) saved state); when that kernel reports an
-underflowing normalizer it falls back to :class:`_MaterializedSinkhorn` below, which handles a
-dominated row by recomputing in the log domain.
+(one exponential, chunked over batch × heads, O(N) saved state) when the scores exceed one
+cache-sized chunk (``B·H·Nq·Nk > _dnas_fused.CHUNK_ENTRIES``). Smaller problems, and any call
+where that kernel reports an underflowing normalizer, run :class:`_MaterializedSinkhorn` below
+(it saves the weights instead of recomputing, which wins while everything fits in cache —
+measured at d = 64, N = 64–256 — and handles a dominated row in the log domain).
 
 doubly-normalized-attention eq. (6)–(8), (10), Sec. 6. Scores ``S = scale·QKᵀ + M`` are formed
 once; the normalizations run in place in the probability domain:
@@ -38,7 +40,7 @@ import torch
 from torch import Tensor
 
 from attnopt._validation import additive_mask
-from attnopt.functional import dispatch
+from attnopt.functional import _dnas_fused, dispatch
 from attnopt.functional._dnas_fused import fused_sinkhorn
 
 __all__ = ["materialized_sinkhorn_attention", "dispatched_sinkhorn"]
@@ -206,7 +208,10 @@ def materialized_sinkhorn_attention(
         qkv.append(x if tuple(x.shape[:-2]) == batch else x.expand(*batch, *x.shape[-2:]))
     m = None if mask is None else mask.detach().to(compute)
     wc = None if weight is None else weight.to(compute)
-    if iterations >= 1:
+    entries = nq * nk
+    for n in batch:
+        entries *= n
+    if entries > _dnas_fused.CHUNK_ENTRIES:  # more than one cache-sized chunk: the scaling-form kernel
         fused = _fused_4d(qkv, wc, m, is_causal, scale, batch, iterations)
         if fused is not None:
             return fused.to(orig)
