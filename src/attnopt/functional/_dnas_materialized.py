@@ -2,7 +2,7 @@ r"""Materialized DNAS / Sinkhorn-K / HNAS (internal): the dispatcher and the pro
 
 :func:`materialized_sinkhorn_attention` runs the fused scaling-form kernel of :mod:`._dnas_fused`
 (one exponential, chunked over batch × heads, O(N) saved state) when the scores exceed one
-cache-sized chunk (``B·H·Nq·Nk > _dnas_fused.CHUNK_ENTRIES``). Smaller problems, and any call
+cache-sized chunk (``B·H·Nq·Nk >`` :data:`FUSED_MIN_ENTRIES`). Smaller problems, and any call
 where that kernel reports an underflowing normalizer, run :class:`_MaterializedSinkhorn` below
 (it saves the weights instead of recomputing, which wins while everything fits in cache —
 measured at d = 64, N = 64–256 — and handles a dominated row in the log domain).
@@ -44,6 +44,10 @@ from attnopt.functional import _dnas_fused, dispatch
 from attnopt.functional._dnas_fused import fused_sinkhorn
 
 __all__ = ["materialized_sinkhorn_attention", "dispatched_sinkhorn"]
+
+#: Above this many score entries (``B·H·Nq·Nk``) the scaling-form kernel of :mod:`._dnas_fused`
+#: runs; at or below it the probability-domain kernel below (one cache-sized chunk).
+FUSED_MIN_ENTRIES = _dnas_fused.CHUNK_ENTRIES
 
 
 def _scores(qs: Tensor, k: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
@@ -211,7 +215,7 @@ def materialized_sinkhorn_attention(
     entries = nq * nk
     for n in batch:
         entries *= n
-    if entries > _dnas_fused.CHUNK_ENTRIES:  # more than one cache-sized chunk: the scaling-form kernel
+    if entries > FUSED_MIN_ENTRIES:  # more than one cache-sized chunk: the scaling-form kernel
         fused = _fused_4d(qkv, wc, m, is_causal, scale, batch, iterations)
         if fused is not None:
             return fused.to(orig)
