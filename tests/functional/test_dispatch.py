@@ -47,8 +47,8 @@ def test_choose_impl_both_sides_of_default_crossovers():
             assert dispatch.choose_impl(mech, nq=n + 1, nk=n + 1, batch=1, dtype=dtype) == "streaming"
             assert dispatch.choose_impl(mech, nq=n, nk=n, batch=2, dtype=dtype) == "streaming"
             assert dispatch.choose_impl(mech, nq=n + 1, nk=n + 1, impl="materialized") == "materialized"
-    assert dispatch.choose_impl("doubly_normalized", nq=512, nk=512, batch=8) == "materialized"
-    assert dispatch.choose_impl("doubly_normalized", nq=1024, nk=1024, batch=8) == "streaming"
+    assert dispatch.choose_impl("doubly_normalized", nq=1024, nk=1024, batch=64) == "materialized"
+    assert dispatch.choose_impl("doubly_normalized", nq=1024, nk=1024, batch=128) == "streaming"
     with pytest.raises(ValueError, match="impl"):
         dispatch.choose_impl("sparse", nq=4, nk=4, impl="fast")
     with pytest.raises(ValueError, match="mechanism"):

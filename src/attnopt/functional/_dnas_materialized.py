@@ -1,4 +1,11 @@
-r"""Fused materialized DNAS / Sinkhorn-K / HNAS for short sequences (internal).
+r"""Materialized DNAS / Sinkhorn-K / HNAS (internal): the dispatcher and the probability-domain fallback.
+
+:func:`materialized_sinkhorn_attention` runs the fused scaling-form kernel of :mod:`._dnas_fused`
+(one exponential, chunked over batch × heads, O(N) saved state) when the scores exceed one
+cache-sized chunk (``B·H·Nq·Nk >`` :data:`FUSED_MIN_ENTRIES`). Smaller problems, and any call
+where that kernel reports an underflowing normalizer, run :class:`_MaterializedSinkhorn` below
+(it saves the weights instead of recomputing, which wins while everything fits in cache —
+measured at d = 64, N = 64–256 — and handles a dominated row in the log domain).
 
 doubly-normalized-attention eq. (6)–(8), (10), Sec. 6. Scores ``S = scale·QKᵀ + M`` are formed
 once; the normalizations run in place in the probability domain:
@@ -33,9 +40,14 @@ import torch
 from torch import Tensor
 
 from attnopt._validation import additive_mask
-from attnopt.functional import dispatch
+from attnopt.functional import _dnas_fused, dispatch
+from attnopt.functional._dnas_fused import fused_sinkhorn
 
 __all__ = ["materialized_sinkhorn_attention", "dispatched_sinkhorn"]
+
+#: Above this many score entries (``B·H·Nq·Nk``) the scaling-form kernel of :mod:`._dnas_fused`
+#: runs; at or below it the probability-domain kernel below (one cache-sized chunk).
+FUSED_MIN_ENTRIES = _dnas_fused.CHUNK_ENTRIES
 
 
 def _scores(qs: Tensor, k: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
@@ -200,8 +212,39 @@ def materialized_sinkhorn_attention(
         qkv.append(x if tuple(x.shape[:-2]) == batch else x.expand(*batch, *x.shape[-2:]))
     m = None if mask is None else mask.detach().to(compute)
     wc = None if weight is None else weight.to(compute)
+    entries = nq * nk
+    for n in batch:
+        entries *= n
+    if entries > FUSED_MIN_ENTRIES:  # more than one cache-sized chunk: the scaling-form kernel
+        fused = _fused_4d(qkv, wc, m, is_causal, scale, batch, iterations)
+        if fused is not None:
+            return fused.to(orig)
     out: Tensor = _MaterializedSinkhorn.apply(*qkv, wc, m, is_causal, scale, iterations)
     return out.to(orig)
+
+
+def _fused_4d(
+    qkv: list[Tensor], w: Tensor | None, mask: Tensor | None, causal: bool, scale: float,
+    batch: tuple[int, ...], iterations: int,
+) -> Tensor | None:
+    """:func:`fused_sinkhorn` on ``(B, H, N, ·)`` views of batch-expanded inputs (``None`` on underflow)."""
+    nq, nk = qkv[0].shape[-2], qkv[1].shape[-2]
+    if len(batch) == 2:
+        lead: tuple[int, ...] = batch
+    elif len(batch) < 2:
+        lead = (*(1,) * (2 - len(batch)), *batch)
+    else:
+        lead = (-1, batch[-1])
+    q, k, v = (x.reshape(*lead, *x.shape[-2:]).contiguous() for x in qkv)  # one O(N·d) copy of a view
+    if mask is not None:  # rank len(batch) + 2 (additive_mask)
+        if len(batch) > 2:
+            mask = mask.expand(*batch, nq, nk).reshape(*lead, nq, nk)
+        else:
+            mask = mask.reshape(*(1,) * (4 - mask.dim()), *mask.shape)
+    if w is not None:  # () or one per head (…, H, 1, 1) with H the last batch dim
+        w = w.reshape(*(1,) * (4 - w.dim()), *w.shape)
+    out = fused_sinkhorn(q, k, v, w, mask, causal, scale, iterations)
+    return None if out is None else out.reshape(*batch, nq, v.shape[-1])
 
 
 def batch_shape(*xs: Tensor) -> tuple[int, ...]:

@@ -9,13 +9,17 @@ Every mechanism with two implementations takes ``impl="auto" | "materialized" | 
 * ``"auto"`` picks ``"materialized"`` when :func:`choose_impl` says so:
   ``B·H·Nq·Nk <= CROSSOVERS[mechanism][dtype]`` (the size of one score matrix).
 
-The crossover is a number of score entries, not a length: measured forward+backward (d = 64,
-float32, one CPU thread, ``attnopt bench --only small_n``), the materialized path stopped
-winning at the same ``B·H·N²`` for B·H = 8 and 64 (DNAS K = 1: faster at 8·512² and 64·256²,
-even at 8·768², slower at 8·1024² and 64·512²). For B·H = 8 the defaults mean N <= 724
-(DNAS, HNAS, sparse) and N <= 1448 (Sinkhorn K >= 2). Same values on every device (no GPU
-was measured). Both paths compute the same function up to float rounding; both are tested
-against the float64 reference.
+The crossover is a number of score entries, not a length. DNAS / Sinkhorn / HNAS (the fused
+kernel of :mod:`._dnas_fused`: chunked over batch × heads, ``E`` recomputed in the backward,
+O(N) saved state) measured forward+backward against the O(N) streaming path (d = 64, float32,
+one CPU thread, ``attnopt bench --only small_n``, loaded 2-core machine): fused 1.27× / 1.26×
+SDPA vs streaming 1.92× / 1.96× (DNAS, B·H = 64 and 8 at N = 512), and still 1.39× vs 1.80× at
+B·H·N² = 2^26 (B·H = 64, N = 1024); at d = 16 (B·H = 128, N = 513) 1.8× vs 2.2×. Its memory is
+one chunk's workspace plus O(N) per head, so the default 2^26 is where measuring stopped:
+larger problems stream. Sparse / generalized: the materialized path stopped winning at the same ``B·H·N²``
+for B·H = 8 and 64 (faster at 8·512² and 64·256², slower at 8·1024² and 64·512²). Same values on
+every device (no GPU was measured). Both paths compute the same function up to float
+rounding; both are tested against the float64 reference.
 
 The choice of the last call is observable: :data:`last_dispatch` maps a mechanism name to
 ``"materialized"`` or ``"streaming"``.
@@ -33,9 +37,9 @@ Impl = Literal["auto", "materialized", "streaming"]
 #: Largest ``B·H·Nq·Nk`` at which ``auto`` materializes, per mechanism and dtype
 #: (``"half"`` = float16/bfloat16, computed in float32 by the materialized path).
 CROSSOVERS: dict[str, dict[str, int]] = {
-    "doubly_normalized": {"float32": 1 << 22, "float64": 1 << 22, "half": 1 << 21},
-    "sinkhorn": {"float32": 1 << 24, "float64": 1 << 24, "half": 1 << 23},
-    "hybrid_normalized": {"float32": 1 << 22, "float64": 1 << 22, "half": 1 << 21},
+    "doubly_normalized": {"float32": 1 << 26, "float64": 1 << 25, "half": 1 << 25},
+    "sinkhorn": {"float32": 1 << 26, "float64": 1 << 25, "half": 1 << 25},
+    "hybrid_normalized": {"float32": 1 << 26, "float64": 1 << 25, "half": 1 << 25},
     "sparse": {"float32": 1 << 24, "float64": 1 << 24, "half": 1 << 23},
     "generalized": {"float32": 1 << 20, "float64": 1 << 20, "half": 1 << 20},
     # kernel: the fused Fourier node beat the chunked path fwd+bwd at every size measured up to

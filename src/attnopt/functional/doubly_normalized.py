@@ -13,8 +13,10 @@ doubly-normalized-attention eq. (6)–(8), (10) and Sec. 6 (design.md §3). With
 * HNAS: ``π = w π^DNAS + (1 − w) π^LNAS``.
 
 Size dispatch (``impl``). Below a measured crossover (:mod:`attnopt.functional.dispatch`)
-``impl="auto"`` runs the fused materialized path of :mod:`._dnas_materialized` (faster at
-short sequences); ``impl="streaming"`` (and ``auto`` above the crossover) is the O(N) path below.
+``impl="auto"`` runs the fused materialized path of :mod:`._dnas_materialized` /
+:mod:`._dnas_fused` (one exponential in scaling form, chunked over batch × heads so the
+``N × N`` temporaries stay in cache, O(N) state saved for the backward);
+``impl="streaming"`` (and ``auto`` above the crossover) is the flash-kernel O(N) path below.
 
 Memory (streaming). The attention functions never form the ``Nq × Nk`` matrix, in forward or
 backward, for no mask, ``is_causal`` and key-only masks ``(B, H, 1, Nk)`` (key padding). A mask of

@@ -1,0 +1,117 @@
+"""The fused materialized DNAS / Sinkhorn-K / HNAS path (``_dnas_fused``): chunking, fallbacks, float64."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnopt.functional._dnas_fused as fused
+from attnopt.functional import dispatch
+from attnopt.functional.doubly_normalized import doubly_normalized_attention, hybrid_normalized_attention
+from tests.reference.doubly_normalized import attention_ref, hybrid_ref
+
+
+@pytest.fixture
+def tiny_chunks(monkeypatch):
+    """Chunks of one or two (batch, head) slices: every split of ``_chunks`` is exercised."""
+    monkeypatch.setattr(fused, "CHUNK_ENTRIES", 60)
+
+
+def _qkv(shape, nq, nk, d=3, dv=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, n, e, generator=g, dtype=torch.float64).requires_grad_()
+            for n, e in ((nq, d), (nk, d), (nk, dv))]
+
+
+def _mask(kind, shape, nq, nk):
+    g = torch.Generator().manual_seed(3)
+    if kind is None:
+        return None
+    if kind == "key":  # key padding; the first batch entry sees no key at all
+        m = torch.rand(*shape[:1], *[1] * (len(shape) - 1), 1, nk, generator=g) > 0.3
+        m[0] = False
+        return m
+    m = torch.rand(*shape, nq, nk, generator=g) > 0.3  # full, with an empty row and an unseen key
+    m[..., 1, :] = False
+    m[..., :, 0] = False
+    return m
+
+
+def _check(out, ref, leaves):
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    go = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, leaves, go), torch.autograd.grad(ref, leaves, go), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize(("shape", "kind", "iterations"), [
+    ((3, 4), None, 1), ((3, 4), "key", 3), ((5,), "full", 1), ((2, 2, 3), "full", 2), ((2, 2, 3), "key", 1),
+])
+def test_chunked_matches_float64_reference(tiny_chunks, shape, kind, iterations):
+    for causal in (False, True):
+        nq, nk = (5, 5) if causal else (5, 6)
+        q, k, v = _qkv(shape, nq, nk)
+        mask = _mask(kind, shape, nq, nk)
+        out = doubly_normalized_attention(q, k, v, iterations=iterations, attn_mask=mask, is_causal=causal,
+                                          impl="materialized")
+        _check(out, attention_ref(q, k, v, iterations, mask=mask, is_causal=causal), (q, k, v))
+        for w in (torch.tensor(0.3, dtype=torch.float64),
+                  torch.linspace(0.0, 1.0, shape[-1], dtype=torch.float64)):
+            w.requires_grad_()
+            out = hybrid_normalized_attention(q, k, v, w, iterations=iterations, attn_mask=mask,
+                                              is_causal=causal, impl="materialized")
+            _check(out, hybrid_ref(q, k, v, w, iterations, mask=mask, is_causal=causal), (q, k, v, w))
+
+
+def test_chunks_cover_every_slice_once():
+    for b, h, per in ((7, 3, 10), (2, 9, 25), (1, 1, 10**9), (4, 4, 1)):
+        for limit in (1, 30, 64, 1000):
+            fused.CHUNK_ENTRIES, saved = limit, fused.CHUNK_ENTRIES
+            try:
+                parts = fused._chunks(b, h, per)
+            finally:
+                fused.CHUNK_ENTRIES = saved
+            seen = torch.zeros(b, h, dtype=torch.long)
+            for bs, hs in parts:
+                seen[bs, hs] += 1
+            assert torch.equal(seen, torch.ones(b, h, dtype=torch.long)), (b, h, per, limit)
+
+
+@pytest.mark.parametrize("iterations", [1, 2])
+def test_chunked_gradcheck_hybrid_with_mask(tiny_chunks, iterations):
+    q, k, v = _qkv((2, 2), 4, 5, seed=5)
+    w = torch.tensor([0.25, 0.7], dtype=torch.float64, requires_grad=True)
+    mask = _mask("full", (2, 2), 4, 5)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v, w: hybrid_normalized_attention(q, k, v, w, iterations=iterations, attn_mask=mask,
+                                                       impl="materialized"), (q, k, v, w), fast_mode=True)
+
+
+def test_fused_path_taken_and_inference_matches_training():
+    q, k, v = _qkv((2, 3), 6, 6)
+    with torch.no_grad():
+        inf = doubly_normalized_attention(q, k, v, iterations=2, impl="auto")
+    assert dispatch.last_dispatch["sinkhorn"] == "materialized"
+    torch.testing.assert_close(inf, doubly_normalized_attention(q, k, v, iterations=2), rtol=0, atol=0)
+    out = fused.fused_sinkhorn(q, k, v, None, None, False, 0.5, 1)
+    assert out is not None  # the fused kernel itself, not its log-domain fallback
+    torch.testing.assert_close(out, attention_ref(q, k, v, 1, scale=0.5))
+
+
+@pytest.mark.parametrize("iterations", [1, 3])
+def test_underflow_detected_for_each_normalizer_and_falls_back(iterations):
+    """float32: a row ~200 below the rest underflows σ (DNAS) and ρ (the LNAS share of HNAS)."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 6, 3, generator=g) for _ in range(3))
+    bias = torch.zeros(1, 1, 6, 6)
+    bias[..., 2, :] = -200.0
+    w = torch.tensor(0.4)
+    assert fused.fused_sinkhorn(q, k, v, None, bias, False, 0.5, iterations) is None
+    assert fused.fused_sinkhorn(q, k, v, w.view(1, 1, 1, 1), bias, False, 0.5, iterations) is None
+    out = hybrid_normalized_attention(q, k, v, w, iterations=iterations, attn_mask=bias, impl="materialized")
+    ref = hybrid_ref(q.double(), k.double(), v.double(), w.double(), iterations, mask=bias.double())
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
+    # an admissible row is never mistaken for an empty one: a fully masked row is not an underflow
+    empty = torch.zeros(1, 1, 6, 6)
+    empty[..., 2, :] = float("-inf")
+    assert fused.fused_sinkhorn(q, k, v, w.view(1, 1, 1, 1), empty, False, 0.5, iterations) is not None
