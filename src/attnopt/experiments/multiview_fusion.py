@@ -37,6 +37,8 @@ __all__ = ["FusionClassifier", "MultiviewFusionTask", "TASK"]
 
 # Table 1 (VQA v2.0 test-dev accuracy, %); the paper reports HNAS only through Fig. 3
 PAPER_TABLE1 = {"single-view": 68.33, "concat": 68.79, "lnas": 69.14, "dnas": 69.70}
+# Table 1's test-std column (the single-detector baseline has none)
+PAPER_TABLE1_STD = {"concat": 69.22, "lnas": 69.50, "dnas": 70.01}
 NPZ_FILE = "multiview_features.npz"
 
 
