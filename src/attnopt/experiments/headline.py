@@ -29,6 +29,18 @@ Choices where the paper is silent (documented, ours):
   every HNAS weight at ``lr``. ``pretrained_layers`` keeps the first MiniLM layers only (tests).
   These arms are too slow for ``--quick`` (a 22M-parameter encoder) and run in full mode only.
 
+Runtime (full mode, 4 arms × 5 seeds, 39 steps per epoch): ≈ 49 CPU-minutes. ``lnas-random``
+0.13 s and ``hnas-random`` 0.16 s per step × 12 epochs; ``lnas-pretrained`` 1.7 s and ``hnas-
+pretrained`` 1.9 s per step × 3 epochs (``pretrained_epochs``); greedy ROUGE evaluation of the
+192 test pairs ≈ 20 s per MiniLM run. Measured on this 2-core machine while other jobs loaded it
+(load average 8–14), one torch thread, median of 8 training steps, evaluation timed on its first
+batches and scaled; the full-mode time is extrapolated (steps per epoch × epochs × seeds ×
+arms), not a completed run. CPU time at one thread is what a quiet machine needs in wall time
+(``attnopt train ... --threads 1``); under that load the wall time was 5–7× larger. The previous
+full config (d=128 × 3 layers, 128/32 source/target pieces, 30 epochs for every arm)
+extrapolated to ≈ 1,045 CPU-minutes, hence the reduction (d=64 × 2 layers, 64/24 pieces, 12
+epochs; MiniLM rows: a 1-layer decoder, 3 epochs, 192 test pairs).
+
 ``--data-dir`` with dataset ``tsv`` reads ``headline_{train,val,test}.tsv`` (``article<TAB>headline``
 per line, e.g. the Gigaword release of Rush et al. 2015 converted to TSV).
 """

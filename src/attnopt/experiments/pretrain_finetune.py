@@ -17,6 +17,16 @@ records' text (``max_train`` of them), the downstream sets are built from all tr
 records and from the test records. Reported per arm:
 the MLM loss on the test records (mask drawn with a fixed seed), the two downstream
 accuracies, and (Fig. 4) the HNAS weight of every layer after pretraining (``hnas_w/<layer>``).
+
+Runtime (full mode, 2 arms × 5 seeds): ≈ 40 CPU-minutes. Pretraining 0.20 s (LNAS) / 0.23 s
+(HNAS) per step × 72 steps × 12 epochs; fine-tuning 0.12 / 0.15 s per step × (27 + 40) steps × 5
+epochs. Measured on this 2-core machine while other jobs loaded it (load average 8–14), one
+torch thread, median of 8 training steps, evaluation timed on its first batches and scaled; the
+full-mode time is extrapolated (steps per epoch × epochs × seeds × arms), not a completed run.
+CPU time at one thread is what a quiet machine needs in wall time (``attnopt train ... --threads
+1``); under that load the wall time was 5–7× larger. The previous full config (d=128, 128
+pieces, 40 + 10 epochs) extrapolated to ≈ 500 CPU-minutes, hence the reduction (d=64 × 4 layers
+— depth kept for Fig. 4 —, 64 pieces, 12 + 5 epochs).
 """
 from __future__ import annotations
 
