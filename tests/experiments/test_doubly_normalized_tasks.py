@@ -275,3 +275,15 @@ def test_headline_pretrained_one_step_and_decoding(arm: str, out_dir: Path) -> N
         assert any(abs(w - 0.5) > 0 for w in ws.values())
     else:
         assert ws == {}
+
+
+def test_headline_quick_arms_leave_out_the_minilm_rows(tmp_path: Path) -> None:
+    from attnopt.experiments._engine import plan_runs
+    from attnopt.experiments.headline import TASK
+
+    quick = {c.arm for c in plan_runs(TASK, quick=True, out_dir=tmp_path)}
+    full = {c.arm for c in plan_runs(TASK, quick=False, out_dir=tmp_path)}
+    assert quick == {"lnas-random", "hnas-random"}
+    assert full == quick | {"lnas-pretrained", "hnas-pretrained"}
+    assert {c.arm for c in plan_runs(TASK, quick=True, arms=["hnas-pretrained"], out_dir=tmp_path)} == {
+        "hnas-pretrained"}
