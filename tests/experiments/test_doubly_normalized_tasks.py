@@ -197,3 +197,93 @@ def test_figures_from_records(tmp_path: Path) -> None:
     assert len(PF.figures(recs, tmp_path)) == 2
     empty = [{"arm": "concat", "seed": 0, "history": [{"epoch": 0}], "metrics": {}}]
     assert MV.figures(empty, tmp_path) == []
+
+
+# ---- headline: the MiniLM-initialized arms (Table 2's BERT rows) ----------------------------
+PRETRAINED_SIZES = {**HEADLINE_SIZES, "pretrained_layers": 1, "pretrained_decoder_layers": 1}
+
+
+def test_minilm_lnas_swap_reproduces_minilm(out_dir: Path) -> None:
+    """The swapped encoder (attnopt_lnas, compact vocabulary) gives MiniLM's own hidden states:
+    the pretrained weights are really used; HNAS at u = 0.5 does not."""
+    from attnopt.analysis.pretrained import load_model
+    from attnopt.experiments._pretrained_seq2seq import minilm_encoder
+    from attnopt.experiments.headline import TASK
+
+    data = TASK.build_data(_cfg(TASK, "lnas-pretrained", out_dir, **HEADLINE_SIZES))
+    orig = torch.tensor(data.info["orig_ids"])
+    by_len = sorted(range(len(data.train)), key=lambda i: len(data.train[i][0]))
+    batch = data.collate_fn([data.train[i] for i in by_len[:2] + by_len[-2:]])
+    ids, pad = batch["src"], batch["src_mask"]
+    assert pad.any()
+    reference, _ = load_model()  # the bundled MiniLM, eager softmax attention
+    with torch.no_grad():
+        ref = reference(input_ids=orig[ids], attention_mask=(~pad).long()).last_hidden_state
+        outs = {}
+        for attention in ("lnas", "hnas"):
+            enc = minilm_encoder(attention, orig_ids=data.info["orig_ids"]).eval()
+            outs[attention] = enc(input_ids=ids, attention_mask=(~pad).long()).last_hidden_state
+    real = ~pad
+    torch.testing.assert_close(outs["lnas"][real], ref[real], atol=2e-5, rtol=1e-4)
+    assert (outs["hnas"][real] - ref[real]).abs().max() > 1e-2
+    with pytest.raises(ValueError, match="attention"):
+        minilm_encoder("dnas")
+
+
+@pytest.mark.parametrize("arm", ["lnas-pretrained", "hnas-pretrained"])
+def test_headline_pretrained_one_step_and_decoding(arm: str, out_dir: Path) -> None:
+    from torch.utils.data import DataLoader
+
+    from attnopt.experiments._diagnostics import hnas_weights
+    from attnopt.experiments.headline import TASK
+
+    cfg = _cfg(TASK, arm, out_dir, **PRETRAINED_SIZES)
+    data = TASK.build_data(cfg)
+    model = TASK.build_model(arm, cfg, data)
+    assert model.d_model == 384 and len(model.pretrained.encoder.layer) == 1 and len(model.decoder) == 1
+    enc_w = [p for n, p in model.named_parameters() if n.endswith("attnopt_hnas_weight.weight_logit")]
+    assert len(enc_w) == (1 if arm == "hnas-pretrained" else 0)
+    by_len = sorted(range(len(data.train)), key=lambda i: len(data.train[i][0]))
+    batch = data.collate_fn([data.train[i] for i in by_len[:3] + by_len[-3:]])
+    assert batch["src_mask"].any() and batch["tgt_in_mask"].any()
+    # one engine-style step with the task's optimizer (decoder lr/6, encoder lr/60, HNAS weights lr)
+    model.train()
+    opt = TASK.configure_optimizers(model, cfg, 3e-3, 1)
+    lrs = sorted(g["lr"] for g in opt.param_groups)  # every HNAS weight (HF encoder, cross) at lr
+    assert lrs == pytest.approx([5e-5, 5e-4, 3e-3] if arm == "hnas-pretrained" else [5e-5, 5e-4])
+    before = [p.detach().clone() for p in enc_w]
+    loss = TASK.training_loss(model, batch, cfg)
+    assert torch.isfinite(loss)
+    loss.backward()
+    for p in enc_w:  # the encoder's HNAS weight is a trained parameter
+        assert p.grad is not None and float(p.grad.abs()) > 0
+    opt.step()
+    assert all(not torch.equal(p.detach(), b) for p, b in zip(enc_w, before))
+    model.eval()
+    with torch.no_grad():
+        logits = model(batch["src"], batch["tgt_in"], src_padding_mask=batch["src_mask"],
+                       tgt_padding_mask=batch["tgt_in_mask"])
+        assert torch.isfinite(logits).all()  # masked positions never give NaN scores
+        beams = model.beam_decode(batch["src"][:2], bos_id=2, eos_id=3, max_len=4,
+                                  src_padding_mask=batch["src_mask"][:2], beam_size=2)
+    assert beams.shape[0] == 2
+    metrics = TASK.evaluate(model, DataLoader(data.test, batch_size=8, collate_fn=data.collate_fn), data, cfg)
+    assert all(0.0 <= metrics[k] <= 100.0 for k in ("rouge1", "rouge2", "rougeL"))
+    ws = hnas_weights(model)
+    if arm == "hnas-pretrained":  # encoder layer (learned, HF) + decoder cross-attention
+        assert len(ws) == 2 and all(0.0 < w < 1.0 for w in ws.values())
+        assert any(abs(w - 0.5) > 0 for w in ws.values())
+    else:
+        assert ws == {}
+
+
+def test_headline_quick_arms_leave_out_the_minilm_rows(tmp_path: Path) -> None:
+    from attnopt.experiments._engine import plan_runs
+    from attnopt.experiments.headline import TASK
+
+    quick = {c.arm for c in plan_runs(TASK, quick=True, out_dir=tmp_path)}
+    full = {c.arm for c in plan_runs(TASK, quick=False, out_dir=tmp_path)}
+    assert quick == {"lnas-random", "hnas-random"}
+    assert full == quick | {"lnas-pretrained", "hnas-pretrained"}
+    assert {c.arm for c in plan_runs(TASK, quick=True, arms=["hnas-pretrained"], out_dir=tmp_path)} == {
+        "hnas-pretrained"}

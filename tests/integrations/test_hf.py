@@ -114,3 +114,47 @@ def test_hf_names_are_registry_names() -> None:
     reg = set(attention_names())
     for name in NAMES:
         assert name == "attnopt_generalized" or name.removeprefix("attnopt_") in reg, name
+
+
+def test_learned_hnas_weight_per_layer(registered):
+    """add_hnas_weights: one trained u_l per layer, equal to the fixed-weight HNAS at the same u."""
+    from attnopt.experiments._diagnostics import hnas_weights
+
+    model = tiny_bert(init_range=0.2, layers=3)
+    ids, mask = padded_batch()
+    real = mask.bool()
+    ws = hf.add_hnas_weights(model, init_weight=0.3)
+    assert len(ws) == 3 and model.config._attn_implementation == "attnopt_hnas"
+    assert all(abs(float(w.mixing_weight) - 0.3) < 1e-6 for w in ws)
+    assert sum(k.endswith("attnopt_hnas_weight.weight_logit") for k in model.state_dict()) == 3
+    learned = _hidden(model, ids, mask)
+    fixed = _hidden(model, ids, mask, attnopt_weight=0.3)
+    torch.testing.assert_close(learned[real], fixed[real])  # with u attached the layer's u is used
+    with torch.no_grad():  # a different u per layer really changes the output
+        ws[1].weight_logit.fill_(3.0)
+    assert (_hidden(model, ids, mask)[real] - learned[real]).abs().max() > 1e-3
+    # trained with the model: every u gets a gradient and moves after one optimizer step
+    model.train()
+    for _, m in hf.attention_modules(model):
+        m.dropout.p = 0.0  # attnopt_hnas has no attention dropout
+    params = [p for n, p in model.named_parameters() if n.endswith("weight_logit")]
+    assert len(params) == 3
+    before = [float(p.detach()) for p in params]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = model(input_ids=ids, attention_mask=mask).last_hidden_state[real]
+    target = torch.randn(out.shape, generator=torch.Generator().manual_seed(0))
+    ((out - target) ** 2).sum().backward()
+    assert all(p.grad is not None and float(p.grad.abs()) > 0 for p in params)
+    opt.step()
+    after = hnas_weights(model)
+    assert list(after) == ["hnas_w/0", "hnas_w/1", "hnas_w/2"]
+    assert all(0 < v < 1 for v in after.values())
+    assert all(float(p.detach()) != b for p, b in zip(params, before))
+    assert hf.add_hnas_weights(model) == ws  # idempotent: the trained weights are kept
+
+
+def test_add_hnas_weights_bad_input():
+    with pytest.raises(ValueError, match="no attention modules"):
+        hf.add_hnas_weights(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="init_weight"):
+        hf.HNASWeight(1.0)

@@ -142,11 +142,20 @@ def _pm(t: tuple[float, float], digits: int = 2) -> str:
 
 
 def _arm_table(
-    recs: Sequence[dict], arms: Sequence[str], metrics: Sequence[str], paper: dict[str, Any]
+    recs: Sequence[dict],
+    arms: Sequence[str],
+    metrics: Sequence[str],
+    paper: dict[str, Any],
+    *,
+    show_missing: bool = False,
 ) -> str:
+    """Mean ± CI per arm and metric, the paper's number beside it; ``show_missing``: arms without
+    records get a "not run" row (so the paper's number still appears)."""
     rows = []
     for arm in arms:
         if not any(r["arm"] == arm for r in recs):
+            if show_missing:
+                rows.append([arm, *["not run"] * len(metrics), 0, paper.get(arm, "")])
             continue
         cells = [_pm(_mean_ci(list(_values(recs, arm, m).values()))) for m in metrics]
         rows.append([arm, *cells, len(_values(recs, arm, metrics[0])), paper.get(arm, "")])
@@ -171,7 +180,7 @@ def _phrase(v: str) -> str:
 # ---- Table 1 ---------------------------------------------------------------------------------
 def judge_table1(recs: Sequence[dict]) -> ClaimResult:
     """DNAS fusion ≥ LNAS fusion (and HNAS ≥ LNAS) in accuracy; context: single view, concat."""
-    from attnopt.experiments.multiview_fusion import PAPER_TABLE1
+    from attnopt.experiments.multiview_fusion import PAPER_TABLE1, PAPER_TABLE1_STD
 
     cmps = {
         arm: compare(recs, arm, "lnas", "accuracy")
@@ -205,8 +214,18 @@ def judge_table1(recs: Sequence[dict]) -> ClaimResult:
         ),
         figures=figures,
         details=_arm_table(
-            recs, ("single-view", "concat", "lnas", "dnas", "hnas"), ["accuracy"], PAPER_TABLE1
-        ),
+            recs,
+            ("single-view", "concat", "lnas", "dnas", "hnas"),
+            ["accuracy"],
+            {
+                **{
+                    a: f"{v} (test-std {PAPER_TABLE1_STD[a]})" if a in PAPER_TABLE1_STD else f"{v}"
+                    for a, v in PAPER_TABLE1.items()
+                },
+                "hnas": "— (Table 1 has no HNAS row; Fig. 3: w → 1)",
+            },
+        )
+        + "\n\nPaper: VQA v2.0 test-dev accuracy (test-std in brackets).",
     )
 
 
@@ -365,34 +384,59 @@ def fig1_training(ctx: ClaimContext) -> ClaimResult:
 
 # ---- Table 2 ---------------------------------------------------------------------------------
 def judge_table2(recs: Sequence[dict]) -> ClaimResult:
-    """HNAS ≥ LNAS in ROUGE-L (random initialization); not reproduced when neither arm beats
-    the copy-the-body baseline (a trivial run)."""
+    """HNAS ≥ LNAS in ROUGE-L, random initialization and (when run: full mode) MiniLM
+    initialization; not reproduced when no arm beats the copy-the-body baseline (a trivial run).
+
+    Every comparison that has records must hold (paired per-seed difference ≥ 0 for
+    "partially", its 95 % CI above 0 for "reproduced").
+    """
     from attnopt.experiments.headline import PAPER_TABLE2
 
+    arms = ("lnas-random", "hnas-random", "lnas-pretrained", "hnas-pretrained")
+    ran = [a for a in arms if any(r["arm"] == a for r in recs)]
     c = compare(recs, "hnas-random", "lnas-random", "rougeL")
+    cmps = [c]
+    cp = None
+    if {"lnas-pretrained", "hnas-pretrained"} <= set(ran):
+        cp = compare(recs, "hnas-pretrained", "lnas-pretrained", "rougeL")
+        cmps.append(cp)
     copy = _mean_ci(list(_values(recs, "lnas-random", "copy_rougeL").values()))
-    best = max(c["better"][0], c["base"][0])
-    trivial = not math.isnan(copy[0]) and best <= copy[0]
-    v = "not reproduced" if trivial else _direction_verdict([c])
+    best = max(_mean_ci(list(_values(recs, a, "rougeL").values()))[0] for a in ran) if ran else math.nan
+    trivial = not math.isnan(copy[0]) and not best > copy[0]
+    v = "not reproduced" if trivial else _direction_verdict(cmps)
     paper = {a: f"{p['rouge1']}/{p['rouge2']}/{p['rougeL']}" for a, p in PAPER_TABLE2.items()}
+    pre = (
+        f"; MiniLM-initialized: HNAS {_pm(cp['better'])} vs LNAS {_pm(cp['base'])}, paired difference "
+        f"{_pm(cp['diff'])} ({cp['n']} seeds; paper ⟨BERT, BERT⟩ 36.51 vs 36.24, +0.27)"
+        if cp is not None
+        else "; the MiniLM-initialized rows were not run (full mode only)"
+    )
+    figures: dict[str, Any] = {
+        "hnas_rougeL": round(c["better"][0], 3),
+        "lnas_rougeL": round(c["base"][0], 3),
+        "diff": round(c["diff"][0], 3),
+        "copy_rougeL": round(copy[0], 3),
+        "beats_copy": not trivial,
+    }
+    if cp is not None:
+        figures |= {
+            "hnas_pretrained_rougeL": round(cp["better"][0], 3),
+            "lnas_pretrained_rougeL": round(cp["base"][0], 3),
+            "pretrained_diff": round(cp["diff"][0], 3),
+        }
     return ClaimResult(
         verdict=v,  # type: ignore[arg-type]
         summary=(
-            f"Docstring headlines: ROUGE-L HNAS {_pm(c['better'])} vs LNAS {_pm(c['base'])}, paired "
-            f"difference {_pm(c['diff'])} ({c['n']} seeds); copy-the-body baseline {copy[0]:.2f}"
-            f"{' (the models do not beat it at this scale)' if trivial else ''}. Paper (Gigaword): "
-            f"35.71 vs 35.23 (+0.48). {_phrase(v)}."
+            f"Docstring headlines, random initialization: ROUGE-L HNAS {_pm(c['better'])} vs LNAS "
+            f"{_pm(c['base'])}, paired difference {_pm(c['diff'])} ({c['n']} seeds; paper (Gigaword) "
+            f"35.71 vs 35.23, +0.48){pre}; copy-the-body baseline {copy[0]:.2f}"
+            f"{' (the models do not beat it at this scale)' if trivial else ''}. {_phrase(v)}."
         ),
-        figures={
-            "hnas_rougeL": round(c["better"][0], 3),
-            "lnas_rougeL": round(c["base"][0], 3),
-            "diff": round(c["diff"][0], 3),
-            "copy_rougeL": round(copy[0], 3),
-            "beats_copy": not trivial,
-        },
+        figures=figures,
         details=_arm_table(
-            recs, ("lnas-random", "hnas-random"), ["rouge1", "rouge2", "rougeL", "copy_rougeL"], paper
-        ),
+            recs, arms, ["rouge1", "rouge2", "rougeL", "copy_rougeL"], paper, show_missing=True
+        )
+        + "\n\nPaper column: Gigaword ROUGE-1/2/L F1 (Table 2; the pretrained rows are ⟨BERT, BERT⟩).",
     )
 
 
@@ -413,8 +457,13 @@ def table2(ctx: ClaimContext) -> ClaimResult:
         res.details
         + _scale(
             ctx,
-            "stdlib docstrings body → first sentence, split by module, "
-            "MiniLM word-pieces; the BERT-initialized rows are not run",
+            "stdlib docstrings body → first sentence, split by module, MiniLM word-pieces; "
+            + (
+                "quick mode runs lnas-random and hnas-random only (the MiniLM-initialized rows "
+                "run in full mode)"
+                if ctx.quick
+                else "all four rows; the BERT rows start the encoder from the bundled MiniLM"
+            ),
         ),
     )
 
@@ -442,7 +491,8 @@ def judge_table3(recs: Sequence[dict]) -> ClaimResult:
         for m, c in cmps.items()
     )
     paper = {
-        a: f"SQuAD1.1 {p['squad1_f1']}, SQuAD2.0 {p['squad2_f1']}, MNLI {p['mnli']}"
+        a: f"SQuAD1.1 {p['squad1_f1']}/{p['squad1_em']}, SQuAD2.0 {p['squad2_f1']}/{p['squad2_em']}, "
+        f"MNLI {p['mnli']}"
         for a, p in PAPER_TABLE3.items()
     }
     return ClaimResult(
@@ -457,7 +507,8 @@ def judge_table3(recs: Sequence[dict]) -> ClaimResult:
             "mlm_loss_hnas": round(mlm["better"][0], 4),
             "mlm_loss_lnas": round(mlm["base"][0], 4),
         },
-        details=_arm_table(recs, ("lnas", "hnas"), ["mlm_loss", "cls_accuracy", "pair_accuracy"], paper),
+        details=_arm_table(recs, ("lnas", "hnas"), ["mlm_loss", "cls_accuracy", "pair_accuracy"], paper)
+        + f"\n\nPaper (SQuAD F1/EM, MNLI accuracy): BERT-base reference row {paper['bert-base']}.",
     )
 
 

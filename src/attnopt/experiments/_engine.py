@@ -468,7 +468,8 @@ def plan_runs(
 ) -> list[RunConfig]:
     """The :class:`RunConfig` of every run (validated: unknown arm/dataset, bad numbers -> ValueError)."""
     scale = task.scale(quick)
-    arm_list = list(task.default_arms or task.arms) if arms is None else list(arms)
+    defaults = task.quick_arms if quick and task.quick_arms else task.default_arms
+    arm_list = list(defaults or task.arms) if arms is None else list(arms)
     if not arm_list:
         raise ValueError("no arms given")
     for a in arm_list:
@@ -548,7 +549,7 @@ def run_task(
 
     Args:
         task: a :class:`~attnopt.experiments.Task` or its name.
-        arms: arms to run (default: ``task.default_arms``).
+        arms: arms to run (default: ``task.default_arms``; at quick scale ``task.quick_arms`` when set).
         seeds: number of seeds ``0..n-1`` or explicit seeds (default: the scale's).
         lrs: learning rates (default: ``task.lr_grid``).
         epochs, batch_size: override the scale's.

@@ -115,6 +115,8 @@ class Task:
     higher_is_better: bool = True
     arms: Mapping[str, Mapping[str, Any]] = {}
     default_arms: tuple[str, ...] = ()
+    #: default arms at quick scale when some default arms are too slow for it (None: ``default_arms``)
+    quick_arms: tuple[str, ...] | None = None
     lr_grid: tuple[float, ...] = (1e-3,)
     datasets: tuple[str, ...] = ("default",)
     paper_results: Mapping[str, Mapping[str, float]] = {}

@@ -17,7 +17,32 @@ Choices where the paper is silent (documented, ours):
 * Metric: ROUGE-1/2/L F1 (``rouge-score``, Porter stemming) of greedy decodes against the
   (word-piece normalized, lower-cased) first sentence. ``copy_*`` is the extractive baseline
   "the first words of the body, as many as the reference has".
-* The BERT-initialized rows (``lnas-pretrained``/``hnas-pretrained``) are not implemented.
+* The BERT-initialized rows (``lnas-pretrained``/``hnas-pretrained``): the encoder is the
+  bundled pretrained MiniLM (6 layers, width 384, 12 heads; offline) with its attention swapped
+  through :mod:`attnopt.integrations.hf` — ``attnopt_lnas``, or ``attnopt_hnas`` with a learned
+  weight ``u_l`` per layer (initial 0.5) — and its word-piece embeddings sliced to the task's
+  compact vocabulary; the decoder is random, 384 wide with 12 heads, ``pretrained_decoder_layers``
+  deep (default: ``layers``), with cross-attention to the MiniLM states
+  (:mod:`attnopt.experiments._pretrained_seq2seq`). The paper's ⟨BERT, BERT⟩ also starts the
+  decoder from BERT; ours is ⟨BERT, random⟩. The 384-wide decoder trains at
+  ``lr × pretrained_decoder_lr_ratio`` (default 1/6: 5e-4 at the grid's 3e-3), the pretrained
+  encoder at ``lr × pretrained_lr_ratio`` (default 1/60: 5e-5; the paper fine-tunes BERT at 2e-5)
+  and every HNAS weight at ``lr``. At the grid's 3e-3 for the whole model, a 1-seed check (480
+  training pairs, 2 epochs) decoded one constant headline (ROUGE-L 12.8 < copy baseline 15.7);
+  at 5e-4 / 5e-5 it gave 17.9. ``pretrained_layers`` keeps the first MiniLM layers only (tests).
+  These arms are too slow for ``--quick`` (a 22M-parameter encoder) and run in full mode only.
+
+Runtime (full mode, 4 arms × 5 seeds, 39 steps per epoch): ≈ 49 CPU-minutes. ``lnas-random``
+0.13 s and ``hnas-random`` 0.16 s per step × 12 epochs; ``lnas-pretrained`` 1.7 s and ``hnas-
+pretrained`` 1.9 s per step × 3 epochs (``pretrained_epochs``); greedy ROUGE evaluation of the
+192 test pairs ≈ 20 s per MiniLM run. Measured on this 2-core machine while other jobs loaded it
+(load average 8–14), one torch thread, median of 8 training steps, evaluation timed on its first
+batches and scaled; the full-mode time is extrapolated (steps per epoch × epochs × seeds ×
+arms), not a completed run. CPU time at one thread is what a quiet machine needs in wall time
+(``attnopt train ... --threads 1``); under that load the wall time was 5–7× larger. The previous
+full config (d=128 × 3 layers, 128/32 source/target pieces, 30 epochs for every arm)
+extrapolated to ≈ 1,045 CPU-minutes, hence the reduction (d=64 × 2 layers, 64/24 pieces, 12
+epochs; MiniLM rows: a 1-layer decoder, 3 epochs, 192 test pairs).
 
 ``--data-dir`` with dataset ``tsv`` reads ``headline_{train,val,test}.tsv`` (``article<TAB>headline``
 per line, e.g. the Gigaword release of Rush et al. 2015 converted to TSV).
@@ -125,8 +150,11 @@ class HeadlineTask(Task):
     arms = {
         "lnas-random": {"encoder": "lnas", "cross": "lnas", "decoder": "lnas"},
         "hnas-random": {"encoder": "hnas", "cross": "hnas", "decoder": "lnas"},
+        "lnas-pretrained": {"encoder": "lnas", "cross": "lnas", "decoder": "lnas", "pretrained": True},
+        "hnas-pretrained": {"encoder": "hnas", "cross": "hnas", "decoder": "lnas", "pretrained": True},
     }
-    default_arms = ("lnas-random", "hnas-random")
+    default_arms = ("lnas-random", "hnas-random", "lnas-pretrained", "hnas-pretrained")
+    quick_arms = ("lnas-random", "hnas-random")  # the MiniLM-initialized arms run in full mode only
     lr_grid = (3e-3,)
     datasets = ("docstrings", "tsv")
     paper_results = {"docstrings": {a: v["rougeL"] for a, v in PAPER_TABLE2.items()},
@@ -134,8 +162,11 @@ class HeadlineTask(Task):
     quick = Scale(epochs=4, seeds=3, batch_size=32,
                   sizes={"d_model": 32, "num_heads": 2, "layers": 1, "src_len": 40, "tgt_len": 16,
                          "max_train": 900, "max_test": 160})
-    full = Scale(epochs=30, seeds=5, batch_size=32,
-                 sizes={"d_model": 128, "num_heads": 4, "layers": 3, "src_len": 128, "tgt_len": 32})
+    # full: sized so that the whole task (4 arms x 5 seeds) fits an hour on a quiet 2-core CPU
+    # (module docstring, "Runtime"); the paper's 12 x 768 Transformer on Gigaword is far beyond it
+    full = Scale(epochs=12, seeds=5, batch_size=32,
+                 sizes={"d_model": 64, "num_heads": 4, "layers": 2, "src_len": 64, "tgt_len": 24,
+                        "max_test": 192, "pretrained_decoder_layers": 1, "pretrained_epochs": 3})
 
     def build_data(self, cfg: RunConfig) -> DataBundle:
         dataset = cfg.dataset or self.datasets[0]
@@ -164,6 +195,8 @@ class HeadlineTask(Task):
             raise ValueError(f"arm must be one of {list(self.arms)}, got {arm!r}")
         a, s = self.arms[arm], cfg.sizes
         layers = int(s.get("layers", 1))
+        if a.get("pretrained"):
+            return self._pretrained_model(a, cfg, data)
         return EncoderDecoder(
             src_vocab_size=data.info["vocab_size"], tgt_vocab_size=data.info["vocab_size"],
             d_model=int(s.get("d_model", 32)), num_heads=int(s.get("num_heads", 2)),
@@ -171,6 +204,47 @@ class HeadlineTask(Task):
             decoder_attention=a["decoder"], cross_attention=a["cross"], dropout=0.1,
             max_len=max(int(s.get("src_len", 48)), int(s.get("tgt_len", 20))) + 1, pad_id=0,
         )
+
+    def run(self, cfg: RunConfig, fit: Any) -> dict[str, Any]:
+        """One fit; a pretrained arm trains ``min(cfg.epochs, pretrained_epochs)`` epochs (when set)."""
+        data = self.build_data(cfg)
+        model = self.build_model(cfg.arm, cfg, data)
+        cap = cfg.sizes.get("pretrained_epochs")
+        if self.arms[cfg.arm].get("pretrained") and cap is not None:
+            return fit(model, data, cfg, epochs=min(cfg.epochs, int(cap)))  # type: ignore[no-any-return]
+        return fit(model, data, cfg)  # type: ignore[no-any-return]
+
+    def _pretrained_model(self, a: dict[str, Any], cfg: RunConfig, data: DataBundle) -> nn.Module:
+        from attnopt.experiments._pretrained_seq2seq import PretrainedEncoderDecoder, minilm_encoder
+
+        s = cfg.sizes
+        src_len = int(s.get("src_len", 48))
+        if src_len > 512:
+            raise ValueError(f"src_len must be <= 512 (MiniLM positions) for pretrained arms, got {src_len}")
+        n_enc = s.get("pretrained_layers")
+        encoder = minilm_encoder(a["encoder"], orig_ids=data.info["orig_ids"],
+                                 num_layers=None if n_enc is None else int(n_enc))
+        return PretrainedEncoderDecoder(
+            encoder, tgt_vocab_size=data.info["vocab_size"],
+            num_decoder_layers=int(s.get("pretrained_decoder_layers", s.get("layers", 1))),
+            decoder_attention=a["decoder"], cross_attention=a["cross"], dropout=0.1,
+            max_len=max(src_len, int(s.get("tgt_len", 20))) + 1, pad_id=0)
+
+    def configure_optimizers(self, model: nn.Module, cfg: RunConfig, lr: float, epochs: int) -> Any:  # noqa: ARG002
+        """AdamW(lr). A pretrained arm: the decoder at ``lr × pretrained_decoder_lr_ratio`` (default 1/6),
+        the MiniLM encoder at ``lr × pretrained_lr_ratio`` (default 1/60), every HNAS weight at ``lr``."""
+        encoder = getattr(model, "pretrained", None)
+        if encoder is None:
+            return torch.optim.AdamW(model.parameters(), lr=lr)
+        enc = {id(p) for p in encoder.parameters()}
+        groups: dict[str, list[nn.Parameter]] = {"hnas": [], "encoder": [], "decoder": []}
+        for name, p in model.named_parameters():
+            kind = "hnas" if name.endswith("weight_logit") else "encoder" if id(p) in enc else "decoder"
+            groups[kind].append(p)
+        ratio = {"hnas": 1.0, "encoder": float(cfg.sizes.get("pretrained_lr_ratio", 1 / 60)),
+                 "decoder": float(cfg.sizes.get("pretrained_decoder_lr_ratio", 1 / 6))}
+        return torch.optim.AdamW(
+            [{"params": ps, "lr": lr * ratio[k]} for k, ps in groups.items() if ps], lr=lr)
 
     def training_loss(self, model: nn.Module, batch: dict[str, Tensor], cfg: RunConfig) -> Tensor:  # noqa: ARG002
         logits = model(batch["src"], batch["tgt_in"], src_padding_mask=batch["src_mask"],

@@ -18,6 +18,13 @@ The classifier after fusion (the stand-in for the paper's Pythia backbone) is th
 every arm: layer norm, the region features side by side (flattened), a one-hidden-layer MLP.
 Per epoch the task logs the fusion layer's explaining-away statistics (minimum column mass,
 fraction of keys below 1/(10·Nk), on a fixed 512-example training subset) and the HNAS weight.
+
+Runtime (full mode, 5 arms × 5 seeds × 40 epochs × 20 steps): ≈ 4.5 CPU-minutes (4–12 ms per
+step, one torch thread). Measured on this 2-core machine while other jobs loaded it (load
+average 8–14), one torch thread, median of 10 training steps, evaluation timed on its first
+batches and scaled; the full-mode time is extrapolated (steps per epoch × epochs × seeds ×
+arms), not a completed run. CPU time at one thread is what a quiet machine needs in wall time
+(``attnopt train ... --threads 1``); under that load the wall time was 5–7× larger.
 """
 from __future__ import annotations
 
@@ -37,6 +44,8 @@ __all__ = ["FusionClassifier", "MultiviewFusionTask", "TASK"]
 
 # Table 1 (VQA v2.0 test-dev accuracy, %); the paper reports HNAS only through Fig. 3
 PAPER_TABLE1 = {"single-view": 68.33, "concat": 68.79, "lnas": 69.14, "dnas": 69.70}
+# Table 1's test-std column (the single-detector baseline has none)
+PAPER_TABLE1_STD = {"concat": 69.22, "lnas": 69.50, "dnas": 70.01}
 NPZ_FILE = "multiview_features.npz"
 
 

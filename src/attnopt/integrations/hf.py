@@ -23,10 +23,25 @@ attnopt_lnas,          a model's own position bias, e.g. T5's, is its ``log u``)
 attnopt_t5
 attnopt_dnas           :func:`attnopt.doubly_normalized_attention` (``attnopt_iterations``, 1)
 attnopt_sinkhorn       the same with ``attnopt_iterations`` Sinkhorn steps (default 3)
-attnopt_hnas           :func:`attnopt.hybrid_normalized_attention` with fixed ``attnopt_weight``
+attnopt_hnas           :func:`attnopt.hybrid_normalized_attention` with fixed ``attnopt_weight``,
+                       or the layer's learned weight after :func:`add_hnas_weights`
 attnopt_sparsemax      :func:`attnopt.regularized_attention` with ``SquaredL2()``
 attnopt_entmax         the same with ``Tsallis(attnopt_alpha)`` (default 1.5)
 =====================  ==================================================================
+
+**Learned HNAS weight** (the paper's Sec. 6: a trainable ``u_l ∈ [0, 1]`` per layer
+``l``, trained jointly with the model): :func:`add_hnas_weights` attaches an
+:class:`HNASWeight` (``w = sigmoid(θ)``, one scalar per attention layer, initial ``w = 0.5``
+by default — the paper gives no initial value; 0.5 starts from the equal mixture, as
+:class:`attnopt.nn.HybridNormalizedMultiheadAttention`) to every attention module of a model
+and switches it to ``attnopt_hnas``, which then uses that module's weight instead of the fixed
+one. The parameters are ordinary ``nn.Parameter`` s of the model (``model.parameters()`` and
+the optimizer see them); ``HNASWeight.mixing_weight`` is the detached ``w`` that
+:func:`attnopt.experiments._diagnostics.hnas_weights` reads for the Fig. 3 / Fig. 4 plots::
+
+    hf.register()
+    weights = hf.add_hnas_weights(model)      # list, one per layer, in module order
+    [float(w.mixing_weight) for w in weights]
 
 Names are ``attnopt_`` + the registry name (:func:`attnopt.nn.make_attention`) of the same
 mechanism; ``attnopt_generalized`` is kept as an alias. The list is data
@@ -37,14 +52,21 @@ only; the others raise in training mode with dropout > 0.
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["MECHANISMS", "Mechanism", "RegisterReport", "register", "registered_names", "embedding_shift"]
+__all__ = [
+    "MECHANISMS", "Mechanism", "RegisterReport", "HNASWeight", "add_hnas_weights", "attention_modules",
+    "register", "registered_names", "embedding_shift",
+]
+
+#: attribute name of the :class:`HNASWeight` submodule that :func:`add_hnas_weights` attaches
+HNAS_ATTRIBUTE = "attnopt_hnas_weight"
 
 
 @dataclass(frozen=True)
@@ -158,7 +180,11 @@ def _make(mech: Mechanism, fn: Callable[..., Tensor], defaults: dict[str, Any]) 
             out = fn(query, key, value, iterations=int(opts["iterations"]),
                      attn_mask=_additive(keep, bias, query.dtype), scale=scaling)
         elif mech.name == "attnopt_hnas":
-            w = torch.as_tensor(float(opts["weight"]), dtype=query.dtype, device=query.device)
+            learned = getattr(module, HNAS_ATTRIBUTE, None)
+            if isinstance(learned, HNASWeight):
+                w = learned().to(query.dtype)  # differentiable: the layer's trained u_l
+            else:
+                w = torch.as_tensor(float(opts["weight"]), dtype=query.dtype, device=query.device)
             out = fn(query, key, value, w, iterations=int(opts["iterations"]),
                      attn_mask=_additive(keep, bias, query.dtype), scale=scaling)
         else:
@@ -170,6 +196,97 @@ def _make(mech: Mechanism, fn: Callable[..., Tensor], defaults: dict[str, Any]) 
     attention.__name__ = mech.name
     attention.__doc__ = f"Hugging Face attention function {mech.name} ({mech.target})."
     return attention
+
+
+class HNASWeight(nn.Module):
+    r"""The learned HNAS mixing weight of one attention layer, :math:`u_l = \sigma(\theta_l)`.
+
+    .. math:: \pi_{ij} = u_l\, \pi^{\mathrm{DNAS}}_{ij} + (1 - u_l)\, \pi^{\mathrm{LNAS}}_{ij}
+
+    (doubly-normalized-attention Sec. 6). The sigmoid keeps ``u`` in (0, 1) for any ``θ``.
+
+    Args:
+        init_weight: initial ``u`` in (0, 1) (default 0.5, the equal mixture).
+
+    Raises:
+        ValueError: ``init_weight`` not in (0, 1).
+    """
+
+    def __init__(self, init_weight: float = 0.5) -> None:
+        super().__init__()
+        if not 0.0 < float(init_weight) < 1.0:
+            raise ValueError(f"init_weight must lie in (0, 1), got {init_weight}")
+        self.weight_logit = nn.Parameter(torch.tensor(math.log(init_weight / (1.0 - init_weight))))
+
+    def forward(self) -> Tensor:
+        """``u`` as a differentiable 0-d tensor."""
+        return torch.sigmoid(self.weight_logit)
+
+    @property
+    def mixing_weight(self) -> Tensor:
+        """The current ``u`` (detached), for logging and plots."""
+        return torch.sigmoid(self.weight_logit.detach())
+
+    def extra_repr(self) -> str:
+        return f"u={float(self.mixing_weight):.4f}"
+
+
+def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules of a transformers model that call the attention interface, in module order.
+
+    A module counts when it has the attributes the interface functions of transformers read
+    (``config`` and ``scaling``, or ``is_causal`` and ``num_key_value_groups``) and the query
+    projection (``query`` or ``q_proj``): BERT-family ``*SelfAttention``, Llama-style ``*Attention``.
+    """
+    out = []
+    for name, m in model.named_modules():
+        has_proj = hasattr(m, "query") or hasattr(m, "q_proj")
+        has_attrs = (hasattr(m, "config") and hasattr(m, "scaling")) or (
+            hasattr(m, "is_causal") and hasattr(m, "num_key_value_groups"))
+        if has_proj and has_attrs and not isinstance(m, HNASWeight):
+            out.append((name, m))
+    return out
+
+
+def add_hnas_weights(model: nn.Module, *, init_weight: float = 0.5, switch: bool = True) -> list[HNASWeight]:
+    """Attach a learned :class:`HNASWeight` to every attention layer of a transformers model.
+
+    Each attention module (:func:`attention_modules`) gets the submodule ``attnopt_hnas_weight``
+    (so its parameter is part of ``model.parameters()`` and of the state dict); ``attnopt_hnas``
+    then mixes with it. A module that already has one keeps it.
+
+    Args:
+        model: a transformers ``PreTrainedModel`` (or any module containing one).
+        init_weight: initial ``u`` of every layer.
+        switch: also call ``model.set_attn_implementation("attnopt_hnas")`` (registering the
+            attnopt mechanisms first when needed).
+
+    Returns:
+        the weights, one per attention layer, in module order.
+
+    Raises:
+        ValueError: the model has no attention module that calls the interface, or a bad ``init_weight``.
+    """
+    mods = attention_modules(model)
+    if not mods:
+        raise ValueError(f"no attention modules found in {type(model).__name__}")
+    out = []
+    for _, m in mods:
+        w = getattr(m, HNAS_ATTRIBUTE, None)
+        if not isinstance(w, HNASWeight):
+            w = HNASWeight(init_weight)
+            ref = next(m.parameters(), None)
+            if ref is not None:
+                w = w.to(device=ref.device)
+            m.add_module(HNAS_ATTRIBUTE, w)
+        out.append(w)
+    if switch:
+        from transformers import AttentionInterface
+
+        if "attnopt_hnas" not in AttentionInterface._global_mapping:
+            register()
+        model.set_attn_implementation("attnopt_hnas")  # type: ignore[operator]
+    return out
 
 
 def register(
