@@ -129,15 +129,24 @@ def test_fig3_fig4_fig5_judges(ctx):
     flat4 = sparse("mikan-p0.25", [0.5, 0.5]) + sparse("mikan-p2", [0.5, 0.5])
     assert tr.judge_fig4(flat4, ctx).verdict == "not reproduced"
 
-    def heads(arm, vals):
-        return [{"arm": arm, "seed": 0, "fold": i, "metrics": {"head_std": v}} for i, v in enumerate(vals)]
+    def heads(arm, vals, p=(0.01, 0.02)):
+        spectral = arm != "gat"
+        return [
+            {"arm": arm, "seed": 0, "fold": i,
+             "metrics": {"head_std": v} | ({"spectral_mmd2": 0.01, "spectral_mmd_p": pv} if spectral else {})}
+            for i, (v, pv) in enumerate(zip(vals, p))
+        ]
 
+    res = tr.judge_fig5(heads("gat", [0.01, 0.012]) + heads("mikan", [0.05, 0.052]), ctx)
+    assert res.verdict == "reproduced" and res.figures["mikan_runs_differing_from_gaussian"] == 2
+    assert "5a-c" in res.details and "2 of 2 runs" in res.summary
+    gaussian = heads("gat", [0.01, 0.012]) + heads("mikan", [0.05, 0.052], p=(0.4, 0.7))
+    assert tr.judge_fig5(gaussian, ctx).verdict == "partially reproduced"  # 5d holds, 5a-c does not
+    assert tr.judge_fig5_spectral(gaussian)[0] == "not reproduced"
+    assert tr.judge_fig5_spectral(heads("mikan", [0.1, 0.1], p=(0.01, 0.3)))[0] == "partially reproduced"
+    assert tr.judge_fig5_spectral(heads("gat", [0.1]))[0] == "not reproduced"  # no MIKAN test at all
     assert (
-        tr.judge_fig5(heads("gat", [0.01, 0.012]) + heads("mikan", [0.05, 0.052]), ctx).verdict
-        == "reproduced"
-    )
-    assert (
-        tr.judge_fig5(heads("gat", [0.01, 0.012]) + heads("mikan", [0.01, 0.012]), ctx).verdict
+        tr.judge_fig5(heads("gat", [0.01, 0.012]) + heads("mikan", [0.01, 0.012], p=(0.5, 0.5)), ctx).verdict
         == "not reproduced"
     )
 
