@@ -188,8 +188,13 @@ def table2(ctx: ClaimContext) -> ClaimResult:
     return result
 
 
+# the paper's Table 2 column beside each stand-in: many classes ~ TREC, binary ~ SUBJ
+_PAPER_TEXT_COLUMN = {"docstring-module": "TREC", "docstring-kind": "SUBJ"}
+
+
 def judge_table2(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
     from attnopt.experiments.ika_sentence_classification import PAPER as P2
+    from attnopt.experiments.ika_sentence_classification import PAPER_PARAMS_M as P2_PARAMS
 
     datasets = sorted({r.get("dataset") or "docstring-module" for r in recs})
     verdicts, parts, figs, details = [], [], {}, []
@@ -202,14 +207,18 @@ def judge_table2(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
             baseline="transformer",
             fixed=("rbf-only", "expsin", "linear"),
             ika=("ika-s", "ika-ns", "ikan", "ikan-direct", "mikan"),
-            paper=P2["TREC"],
+            paper=P2[_PAPER_TEXT_COLUMN.get(ds, "TREC")],
             scale=100.0,
         )
         verdicts.append(v)
         parts.append(f"{ds}: {s}")
         figs.update({f"{ds}:{k}": val for k, val in f.items()})
         params = {r["arm"]: r.get("n_params") for r in sub}
-        details.append(f"**{ds}** (paper column: TREC, accuracy %)\n\n{t}\n\nparameters per arm: {params}")
+        column = _PAPER_TEXT_COLUMN.get(ds, "TREC")
+        details.append(
+            f"**{ds}** (paper column: {column}, accuracy %)\n\n{t}\n\nparameters per arm: {params} "
+            f"(paper, MR, millions: {P2_PARAMS})"
+        )
     return ClaimResult(
         verdict=_combine(verdicts),
         summary="; ".join(parts),
@@ -242,7 +251,13 @@ def table3(ctx: ClaimContext) -> ClaimResult:
 
 def judge_table3(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
     v, s, f, t = judge_ranking(
-        recs, metric="bleu", higher=True, baseline="transformer", fixed=(), ika=("ikan-direct", "mikan")
+        recs,
+        metric="bleu",
+        higher=True,
+        baseline="transformer",
+        fixed=(),
+        ika=("ikan-direct", "mikan"),
+        paper=dict.fromkeys(("transformer", "ikan-direct", "mikan"), "n/a"),
     )
     exact = {a: _stats(recs, a, "exact_match")[0] for a in ("transformer", "ikan-direct", "mikan")}
     return ClaimResult(
@@ -250,7 +265,10 @@ def judge_table3(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
         summary=f"German→English number words, sacrebleu BLEU: {s}",
         figures={**f, **{f"{a}_exact_match": round(x, 4) for a, x in exact.items()}},
         details=t
-        + "\n\nThe paper's Table 3 numbers (IWSLT14) are missing from the extracted text."
+        + "\n\nPaper column: the paper's Table 3 (IWSLT14 De-En BLEU, three runs) survives in our copy "
+        "of the paper only as its caption; its numbers are not in the extracted text nor in any source "
+        "we could read offline, so none are shown rather than guessed. The paper's claim is the ranking: "
+        "IKAN-direct and MIKAN above Transformer."
         + _scale_note(ctx, "1+1-layer d=32 encoder-decoder, numbers < 1000, greedy decoding"),
     )
 
@@ -325,6 +343,11 @@ def table4(ctx: ClaimContext) -> ClaimResult:
     return result
 
 
+# the paper's Table 4 column beside each data set (as the task's paper_results): CO2 is the
+# paper's own series; sunspots stands beside its other series (Passenger); diabetes has none
+_PAPER_REGRESSION_COLUMN = {"co2": "CO2", "sunspots": "Passenger"}
+
+
 def judge_table4(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
     from attnopt.experiments.ika_regression import PAPER as P4
 
@@ -339,12 +362,16 @@ def judge_table4(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
             baseline="transformer",
             fixed=(),
             ika=("ikan-direct", "mikan"),
-            paper=P4["CO2"] if ds == "co2" else None,
+            paper=P4[_PAPER_REGRESSION_COLUMN[ds]] if ds in _PAPER_REGRESSION_COLUMN else None,
         )
         verdicts.append(v)
         parts.append(f"{ds}: {s}")
         figs.update({f"{ds}:{k}": val for k, val in f.items()})
-        details.append(f"**{ds}** (CV folds; RMSE of the standardized target)\n\n{t}")
+        column = _PAPER_REGRESSION_COLUMN.get(ds)
+        source = (
+            f"paper column: {column}" if column else "no paper column: the paper has no counterpart data set"
+        )
+        details.append(f"**{ds}** (CV folds; RMSE of the standardized target; {source})\n\n{t}")
     return ClaimResult(
         verdict=_combine(verdicts),
         summary="; ".join(parts),
@@ -424,6 +451,8 @@ def table5(ctx: ClaimContext) -> ClaimResult:
 
 
 def judge_table5(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
+    from attnopt.experiments.ika_node_classification import PAPER as P5
+
     v, s, f, t = judge_ranking(
         recs,
         metric="accuracy",
@@ -431,6 +460,7 @@ def judge_table5(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
         baseline="gat",
         fixed=(),
         ika=("ikan-direct", "mikan"),
+        paper=P5["Cora"],
         scale=100.0,
     )
     return ClaimResult(
@@ -438,7 +468,8 @@ def judge_table5(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
         summary=f"planted-partition graph, CV accuracy %: {s}",
         figures=f,
         details=t
-        + "\n\nPaper (Cora): GAT 83.0, IKAN-direct 83.3, MIKAN 83.4."
+        + "\n\nPaper column: Cora (the paper's Citeseer: GAT 72.5, IKAN-direct 72.8, MIKAN 72.9; "
+        "Pubmed: 79.0, 79.2, 79.1). Ours is a planted-partition graph, not Cora."
         + _scale_note(ctx, "2-layer, 4 heads × 8 features, 3 of 10 folds"),
     )
 
