@@ -185,6 +185,9 @@ def test_module_sentences_never_name_their_label():
         assert not any(label in t for t in toks), toks
         stem = re.compile(rf"{label[:-3]}(\d+|s)?") if label.endswith("lib") else None  # IMAP4, diffs
         assert stem is None or not any(stem.fullmatch(t) for t in toks), toks
+    kind = text.text_classification("docstring-kind")
+    kind_tokens = kind.train_tokens + kind.test_tokens
+    assert not any(c in t for toks in kind_tokens for t in toks for c in kind.classes)  # "class", "function"
     kept = docstrings.without_own_module_name(recs)
     assert 0 < len(kept) < len(recs)
     assert not any(p in r.docstring.lower() for r in kept for p in r.module.split(".") if len(p) >= 4)
