@@ -172,7 +172,7 @@ def spectral_points(
         if sampler.copula is not None:
             noise = sampler.copula.correlate(noise)
         draws.append(dens.transform(mu.unsqueeze(-2) + log_sigma.exp().unsqueeze(-2) * noise)[:, :, 0])
-    j = torch.arange(n)
+    j = torch.arange(n, device=summary.device)
     heads = (j // n_sets) % n_heads
     w = torch.stack(draws)[j % n_sets, j, heads]  # (n, D)
     return w.detach(), heads, float(sampler.densities[0].base_scale)
@@ -279,8 +279,8 @@ class NodeClassification(Task):
         if getattr(conv, "spectral_points", None) is None and getattr(conv, "sampler", None) is None:
             return {}  # no learned spectral density in this layer
         gen = torch.Generator().manual_seed(10_000 + 100 * cfg.seed + cfg.fold)
-        pts, heads, scale = spectral_points(model, x.cpu(), generator=gen)
-        pts = pts.double()
+        pts, heads, scale = spectral_points(model, x, generator=gen)  # the noise is drawn on the CPU
+        pts, heads = pts.double().cpu(), heads.cpu()
         ref = torch.randn(SPECTRAL_POINTS, pts.shape[1], generator=gen, dtype=torch.float64) * scale
         mmd2, p_value, _ = mmd_test(pts, ref, permutations=200, generator=gen)
         out = {"spectral_mmd2": mmd2, "spectral_mmd_p": p_value}
