@@ -29,7 +29,11 @@ edges (``head_std`` in the metrics): larger means more diverse heads.
 Runtime (``full``, this 2-core machine, ``--threads 1``; CPU time of 3 epochs of every arm at
 full size, one seed/fold, extrapolated to the full epochs × seeds/folds — the shared machine was
 loaded, so its wall clock ran ~3× longer): about 6 min for ``sbm`` (3 arms × 10 folds × 200 epochs;
-per epoch 0.02 s GAT, 0.07–0.08 s IKAN-direct / MIKAN).
+per epoch 0.02 s GAT, 0.07–0.08 s IKAN-direct / MIKAN). A full run on the loaded machine took
+about 35 min of wall clock (``--threads 1``); it gave: MIKAN's spectral points differ from the
+Gaussian in 10 of 10 folds (MMD² 0.068 ± 0.018; IKAN-direct's learned points in none), the
+copula stays near ``C = I`` (largest off-diagonal 0.02), head std MIKAN 0.126 vs GAT 0.021 —
+but accuracy GAT 83.5 ± 3.4 % vs IKAN-direct / MIKAN far lower (MIKAN 42.0 ± 7.4 %).
 """
 
 from __future__ import annotations
