@@ -6,7 +6,8 @@ and breaks what the claim is about; the verdict must then not be "reproduced":
 * the IKA arms silently run SDPA (GAT for graphs): every arm trains the same model, so no IKA
   arm can beat the baseline (Tables 2–5) and no arm's magnitude is more stable (Fig. 3);
 * ``p`` is dropped when an arm is built: MIKAN at every p is the same model (Fig. 4);
-* MIKAN's graph layers are GAT's: its heads cannot be more diverse than GAT's (Fig. 5).
+* MIKAN's graph layers are GAT's: its heads cannot be more diverse than GAT's and it has no
+  learned spectral density to test against GAT's Gaussian (Fig. 5a-d).
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Offline data builders of the implicit-kernel experiments: disjoint splits, determinism, formats."""
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -151,3 +152,56 @@ def test_text_sets_are_deterministic_and_split_by_docstring():
     assert ids.shape == (2, 2) and pad.tolist() == [[False, False], [False, True]] and ids[1, 0] == 3
     with pytest.raises(ValueError, match="dataset"):
         text.text_classification("mr")
+
+
+def test_names_module_rule():
+    from attnopt.experiments._data.docstrings import names_module
+
+    named = [("Module difflib -- helpers", "difflib"), ("unified diffs", "difflib"), ("IMAP4_SSL", "imaplib"),
+             ("class RawTurtle", "turtle"), ("raises StatisticsError", "statistics"),
+             ("see threading.settrace()", "threading"), ("use re.compile", "re"), ("os.path.join", "os.path")]
+    unnamed = [("a different sequence", "difflib"), ("return the value", "re"),
+               ("a Handler", "logging.handlers"), ("positional", "os.path"), ("imagine", "imaplib")]
+    assert all(names_module(t, m) for t, m in named)
+    assert not any(names_module(t, m) for t, m in unnamed)
+    with pytest.raises(ValueError, match="module"):
+        names_module("x", "")
+
+
+def test_module_sentences_never_name_their_label():
+    """The docstring-module set must not be solvable by copying the module name (label leak)."""
+    from attnopt.experiments._data import docstrings, text
+
+    recs = docstrings.load_records()
+    raw = [(s, r.module) for r in recs if r.module in text.MODULE_CLASSES
+           for s in text.sentences(r.docstring)]
+    assert sum(m in s.lower() for s, m in raw) > 20  # the corpus has the leak the builder must remove
+    split = text.text_classification("docstring-module")
+    for sent, y in zip(split.test_text, split.test_labels):
+        label = split.classes[y]
+        assert label not in sent.lower() and not docstrings.names_module(sent, label), sent
+    for toks, y in [*zip(split.train_tokens, split.train_labels), *zip(split.test_tokens, split.test_labels)]:
+        label = split.classes[y]
+        assert not any(label in t for t in toks), toks
+        stem = re.compile(rf"{label[:-3]}(\d+|s)?") if label.endswith("lib") else None  # IMAP4, diffs
+        assert stem is None or not any(stem.fullmatch(t) for t in toks), toks
+    kind = text.text_classification("docstring-kind")
+    kind_tokens = kind.train_tokens + kind.test_tokens
+    assert not any(c in t for toks in kind_tokens for t in toks for c in kind.classes)  # "class", "function"
+    kept = docstrings.without_own_module_name(recs)
+    assert 0 < len(kept) < len(recs)
+    assert not any(p in r.docstring.lower() for r in kept for p in r.module.split(".") if len(p) >= 4)
+
+
+@pytest.mark.slow
+def test_pretrain_module_classification_never_names_its_module(tmp_path):
+    """pretrain-finetune's ``cls`` examples (word-pieces) do not spell their module (same leak)."""
+    from attnopt.experiments._data.wordpiece import minilm_tokenizer
+    from attnopt.experiments.pretrain_finetune import _build
+
+    d = _build({"seq_len": 40, "n_modules": 6, "max_train": 200}, tmp_path)
+    tok, orig = minilm_tokenizer(), d["orig_ids"]
+    assert len(d["modules"]) == 6 and len(d["cls_train"]) > 100
+    for ids, y in d["cls_train"] + d["cls_test"]:
+        text = tok.decode([orig[i] for i in ids.tolist()]).lower().replace(" ", "")
+        assert not any(p in text for p in d["modules"][y].split(".") if len(p) >= 4), text

@@ -15,6 +15,12 @@ sentence (``out_dir/attention/``); :meth:`SentenceClassification.figures` draws 
 per-word attention (mean over heads and queries) and the first four heads' matrices.
 Scale: the paper's model has 27.9M parameters and ten-fold CV; ``full`` here is a 2-layer,
 d = 64 model over 5 seeds on a fixed split, ``quick`` a 1-layer d = 32 model.
+
+Runtime (``full``, this 2-core machine, ``--threads 1``; CPU time of 3 epochs of every arm at
+full size, one seed/fold, extrapolated to the full epochs × seeds/folds — the shared machine was
+loaded, so its wall clock ran ~3× longer): about 23 min for ``docstring-module`` (9 arms × 5 seeds
+× 20 epochs; per epoch ~1 s SDPA / RBF, 1.2–1.3 s linear / expsin, 1.6–2.1 s the IKA arms),
+about as much again for ``docstring-kind``.
 """
 
 from __future__ import annotations

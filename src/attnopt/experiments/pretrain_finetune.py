@@ -6,7 +6,10 @@ A small BERT-style encoder is pretrained by masked-language modelling with n-gra
 layer, then fine-tuned (all weights) on two downstream tasks:
 
 * ``cls`` — single-text classification: which module a docstring comes from (the K modules
-  with the most docstrings; the stand-in for a GLUE single-sentence task);
+  with the most docstrings; the stand-in for a GLUE single-sentence task). Docstrings that
+  name their own module (``docstrings.names_module``: "turtle", "RawTurtle", "IMAP4", ...)
+  are left out of this task — the label could be copied from the text — and the K modules
+  are counted among the rest;
 * ``pair`` — sentence pair: does this first sentence belong to this body? (positives: the
   docstring's own pair; negatives: the first sentence of another docstring; balanced; the
   entailment-style stand-in for MNLI).
@@ -120,7 +123,7 @@ class _List(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
 
 def _build(sizes: dict[str, Any], cache_dir: Path) -> dict[str, Any]:
-    from attnopt.experiments._data.docstrings import load_records, split_by_record
+    from attnopt.experiments._data.docstrings import load_records, split_by_record, without_own_module_name
     from attnopt.experiments._data.wordpiece import CompactVocab, wordpiece_ids
 
     seq_len, k = int(sizes.get("seq_len", 48)), int(sizes.get("n_modules", 8))
@@ -137,11 +140,12 @@ def _build(sizes: dict[str, Any], cache_dir: Path) -> dict[str, Any]:
     out["mlm_train"] = [torch.tensor(vocab.encode(s)) for s in mlm_train]
     mlm_test = wordpiece_ids([r.docstring for r in parts["test"]], seq_len)
     out["mlm_test"] = [torch.tensor(vocab.encode(s)) for s in mlm_test]
-    top = [m for m, _ in sorted(Counter(r.module for r in records).items(), key=lambda t: (-t[1], t[0]))[:k]]
+    unnamed = without_own_module_name(records)  # no label leak: the text must not name its module
+    top = [m for m, _ in sorted(Counter(r.module for r in unnamed).items(), key=lambda t: (-t[1], t[0]))[:k]]
     out["modules"] = top
     rng = random.Random(0)
     for part, recs in (("train", parts["train"]), ("test", parts["test"])):
-        cls = [r for r in recs if r.module in top]
+        cls = [r for r in without_own_module_name(recs) if r.module in top]
         ids = wordpiece_ids([r.docstring for r in cls], seq_len)
         out[f"cls_{part}"] = [(torch.tensor(vocab.encode(s)), top.index(r.module)) for s, r in zip(ids, cls)]
         paired = [r for r in recs if len(r.body.split()) >= 4]
@@ -213,7 +217,7 @@ class PretrainFinetuneTask(Task):
     # ---- data ---------------------------------------------------------------------------
     def _corpus(self, cfg: RunConfig) -> dict[str, Any]:
         keys = ("seq_len", "n_modules", "max_train")
-        key = hashlib.sha256(json.dumps(["v2"] + [cfg.sizes.get(k) for k in keys]).encode()).hexdigest()[:12]
+        key = hashlib.sha256(json.dumps(["v3"] + [cfg.sizes.get(k) for k in keys]).encode()).hexdigest()[:12]
         cache_dir = Path(cfg.out_dir) / "data"
         return cached(cache_dir / f"pretrain-{key}.pt", lambda: _build(dict(cfg.sizes), cache_dir))
 

@@ -10,7 +10,8 @@ directory.
 Verdicts compare means over seeds/folds with their 95 % CI (Student t). The paper's
 direction: an IKA variant beats SDPA and the fixed kernels (Tables 2–5); SDPA's magnitude
 term grows during training while the IKA arms' stays stable (Fig. 3); MIKAN's weights get
-sparser as ``p → 0`` (Fig. 4); MIKAN's heads differ more than GAT's (Fig. 5d).
+sparser as ``p → 0`` (Fig. 4); MIKAN's spectral points differ from GAT's fixed Gaussian (an
+MMD test, Fig. 5a–c) and its heads differ more than GAT's (Fig. 5d).
 """
 
 from __future__ import annotations
@@ -99,10 +100,10 @@ def records(ctx: ClaimContext, task: str) -> list[dict]:
 
 
 def _stats(recs: Sequence[dict], arm: str, metric: str) -> tuple[float, float, int]:
-    """(mean, 95 % CI half-width, n) of ``metric`` over the records of ``arm``."""
+    """(mean, 95 % CI half-width, n) of ``metric`` over the records of ``arm`` that have it."""
     from attnopt.experiments._stats import mean_ci
 
-    vals = [float(r["metrics"][metric]) for r in recs if r["arm"] == arm]
+    vals = [float(r["metrics"][metric]) for r in recs if r["arm"] == arm and metric in r.get("metrics", {})]
     if not vals:
         return math.nan, math.nan, 0
     m, h = mean_ci(vals)
@@ -187,8 +188,13 @@ def table2(ctx: ClaimContext) -> ClaimResult:
     return result
 
 
+# the paper's Table 2 column beside each stand-in: many classes ~ TREC, binary ~ SUBJ
+_PAPER_TEXT_COLUMN = {"docstring-module": "TREC", "docstring-kind": "SUBJ"}
+
+
 def judge_table2(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
     from attnopt.experiments.ika_sentence_classification import PAPER as P2
+    from attnopt.experiments.ika_sentence_classification import PAPER_PARAMS_M as P2_PARAMS
 
     datasets = sorted({r.get("dataset") or "docstring-module" for r in recs})
     verdicts, parts, figs, details = [], [], {}, []
@@ -201,14 +207,18 @@ def judge_table2(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
             baseline="transformer",
             fixed=("rbf-only", "expsin", "linear"),
             ika=("ika-s", "ika-ns", "ikan", "ikan-direct", "mikan"),
-            paper=P2["TREC"],
+            paper=P2[_PAPER_TEXT_COLUMN.get(ds, "TREC")],
             scale=100.0,
         )
         verdicts.append(v)
         parts.append(f"{ds}: {s}")
         figs.update({f"{ds}:{k}": val for k, val in f.items()})
         params = {r["arm"]: r.get("n_params") for r in sub}
-        details.append(f"**{ds}** (paper column: TREC, accuracy %)\n\n{t}\n\nparameters per arm: {params}")
+        column = _PAPER_TEXT_COLUMN.get(ds, "TREC")
+        details.append(
+            f"**{ds}** (paper column: {column}, accuracy %)\n\n{t}\n\nparameters per arm: {params} "
+            f"(paper, MR, millions: {P2_PARAMS})"
+        )
     return ClaimResult(
         verdict=_combine(verdicts),
         summary="; ".join(parts),
@@ -241,7 +251,13 @@ def table3(ctx: ClaimContext) -> ClaimResult:
 
 def judge_table3(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
     v, s, f, t = judge_ranking(
-        recs, metric="bleu", higher=True, baseline="transformer", fixed=(), ika=("ikan-direct", "mikan")
+        recs,
+        metric="bleu",
+        higher=True,
+        baseline="transformer",
+        fixed=(),
+        ika=("ikan-direct", "mikan"),
+        paper=dict.fromkeys(("transformer", "ikan-direct", "mikan"), "n/a"),
     )
     exact = {a: _stats(recs, a, "exact_match")[0] for a in ("transformer", "ikan-direct", "mikan")}
     return ClaimResult(
@@ -249,7 +265,10 @@ def judge_table3(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
         summary=f"German→English number words, sacrebleu BLEU: {s}",
         figures={**f, **{f"{a}_exact_match": round(x, 4) for a, x in exact.items()}},
         details=t
-        + "\n\nThe paper's Table 3 numbers (IWSLT14) are missing from the extracted text."
+        + "\n\nPaper column: the paper's Table 3 (IWSLT14 De-En BLEU, three runs) survives in our copy "
+        "of the paper only as its caption; its numbers are not in the extracted text nor in any source "
+        "we could read offline, so none are shown rather than guessed. The paper's claim is the ranking: "
+        "IKAN-direct and MIKAN above Transformer."
         + _scale_note(ctx, "1+1-layer d=32 encoder-decoder, numbers < 1000, greedy decoding"),
     )
 
@@ -324,6 +343,11 @@ def table4(ctx: ClaimContext) -> ClaimResult:
     return result
 
 
+# the paper's Table 4 column beside each data set (as the task's paper_results): CO2 is the
+# paper's own series; sunspots stands beside its other series (Passenger); diabetes has none
+_PAPER_REGRESSION_COLUMN = {"co2": "CO2", "sunspots": "Passenger"}
+
+
 def judge_table4(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
     from attnopt.experiments.ika_regression import PAPER as P4
 
@@ -338,12 +362,16 @@ def judge_table4(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
             baseline="transformer",
             fixed=(),
             ika=("ikan-direct", "mikan"),
-            paper=P4["CO2"] if ds == "co2" else None,
+            paper=P4[_PAPER_REGRESSION_COLUMN[ds]] if ds in _PAPER_REGRESSION_COLUMN else None,
         )
         verdicts.append(v)
         parts.append(f"{ds}: {s}")
         figs.update({f"{ds}:{k}": val for k, val in f.items()})
-        details.append(f"**{ds}** (CV folds; RMSE of the standardized target)\n\n{t}")
+        column = _PAPER_REGRESSION_COLUMN.get(ds)
+        source = (
+            f"paper column: {column}" if column else "no paper column: the paper has no counterpart data set"
+        )
+        details.append(f"**{ds}** (CV folds; RMSE of the standardized target; {source})\n\n{t}")
     return ClaimResult(
         verdict=_combine(verdicts),
         summary="; ".join(parts),
@@ -423,6 +451,8 @@ def table5(ctx: ClaimContext) -> ClaimResult:
 
 
 def judge_table5(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
+    from attnopt.experiments.ika_node_classification import PAPER as P5
+
     v, s, f, t = judge_ranking(
         recs,
         metric="accuracy",
@@ -430,6 +460,7 @@ def judge_table5(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
         baseline="gat",
         fixed=(),
         ika=("ikan-direct", "mikan"),
+        paper=P5["Cora"],
         scale=100.0,
     )
     return ClaimResult(
@@ -437,7 +468,8 @@ def judge_table5(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
         summary=f"planted-partition graph, CV accuracy %: {s}",
         figures=f,
         details=t
-        + "\n\nPaper (Cora): GAT 83.0, IKAN-direct 83.3, MIKAN 83.4."
+        + "\n\nPaper column: Cora (the paper's Citeseer: GAT 72.5, IKAN-direct 72.8, MIKAN 72.9; "
+        "Pubmed: 79.0, 79.2, 79.1). Ours is a planted-partition graph, not Cora."
         + _scale_note(ctx, "2-layer, 4 heads × 8 features, 3 of 10 folds"),
     )
 
@@ -445,31 +477,80 @@ def judge_table5(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
 @claim(
     paper=PAPER,
     key="fig5",
-    title="MIKAN's attention heads are more diverse than GAT's",
+    title="MIKAN learns a spectral density other than GAT's Gaussian; its heads are more diverse than GAT's",
     requires=("plots", "train", "graph"),
-    reference="Fig. 5d",
+    reference="Fig. 5a-d",
 )
 def fig5(ctx: ClaimContext) -> ClaimResult:
-    """Fig. 5d: spread of attention weights across heads, MIKAN vs GAT (the Table 5 runs)."""
+    """Fig. 5: MIKAN's spectral points vs GAT's Gaussian (a-c) and head diversity (d) (the Table 5 runs)."""
     result = judge_fig5(records(ctx, "node-classification"), ctx)
-    _show(ctx, "node-classification", "fig5d_head_std.png")
+    _show(ctx, "node-classification", "fig5abc_spectral_*.png", "fig5d_head_std.png")
     return result
 
 
+def judge_fig5_spectral(recs: Sequence[dict]) -> tuple[str, str, dict[str, Any], str]:
+    """Fig. 5a–c: does MIKAN's learned spectral density differ from GAT's fixed Gaussian?
+
+    Per run, an MMD permutation test of MIKAN's first-layer spectral points against a sample
+    of ``N(0, I/2)`` (``spectral_mmd2``, ``spectral_mmd_p``; see the task). Reproduced: every
+    MIKAN run differs at the 5 % level; partially: some run does; not reproduced: none does
+    (under the null each run has a 5 % chance). IKAN-direct's learned points are shown beside.
+    """
+    runs = [r for r in recs if r["arm"] == "mikan" and "spectral_mmd_p" in r.get("metrics", {})]
+    if not runs:
+        return "not reproduced", "no MIKAN spectral-point test in the records", {}, ""
+    sig = sum(r["metrics"]["spectral_mmd_p"] < 0.05 for r in runs)
+    st = {a: _stats(recs, a, "spectral_mmd2") for a in ("ikan-direct", "mikan")}
+    p_runs = {
+        a: sorted(r["metrics"]["spectral_mmd_p"] for r in recs
+                  if r["arm"] == a and "spectral_mmd_p" in r["metrics"])
+        for a in ("ikan-direct", "mikan")
+    }
+    off = _stats(recs, "mikan", "copula_max_offdiag")
+    rows = [
+        (a, _fmt(*st[a][:2], digits=4), ", ".join(f"{p:.3f}" for p in p_runs[a]), st[a][2])
+        for a in st
+        if st[a][2]
+    ]
+    head = ("arm", "MMD² vs N(0, I/2) (mean ± 95% CI)", "permutation p per run", "runs")
+    table = markdown_table(head, rows)
+    summary = (
+        f"MIKAN's first-layer spectral points differ from GAT's fixed Gaussian (MMD permutation test, 5 %) "
+        f"in {sig} of {len(runs)} runs (MMD² {_fmt(*st['mikan'][:2], digits=4)}); its copula's largest "
+        f"off-diagonal correlation {off[0]:.3f}"
+    )
+    figures = {
+        "mikan_spectral_mmd2": round(st["mikan"][0], 5),
+        "mikan_runs_differing_from_gaussian": sig,
+        "mikan_runs": len(runs),
+        "mikan_copula_max_offdiag": round(off[0], 4),
+    }
+    if st["ikan-direct"][2]:
+        figures["ikan-direct_spectral_mmd2"] = round(st["ikan-direct"][0], 5)
+    return verdict(sig == len(runs), partial=sig > 0), summary, figures, table
+
+
 def judge_fig5(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
+    """Fig. 5a–c (:func:`judge_fig5_spectral`) and 5d (MIKAN's heads vs GAT's), combined."""
     st = {a: _stats(recs, a, "head_std") for a in ("gat", "ikan-direct", "mikan")}
     g, m = st["gat"], st["mikan"]
     more = m[0] > g[0]
     separated = m[0] - g[0] > m[1] + g[1]
+    v_d = verdict(more and separated, partial=more)
+    v_abc, s_abc, f_abc, t_abc = judge_fig5_spectral(recs)
     rows = [(a, _fmt(*st[a][:2], digits=4)) for a in st]
     return ClaimResult(
-        verdict=verdict(more and separated, partial=more),
+        verdict=_combine([v_abc, v_d]),
         summary=(
-            f"std of first-layer edge weights across heads: MIKAN {_fmt(*m[:2], digits=4)} vs GAT "
-            f"{_fmt(*g[:2], digits=4)} ({'larger' if more else 'not larger'}, "
-            f"{'beyond' if separated else 'within'} the CIs)"
+            f"Fig. 5a-c: {s_abc} ({v_abc}). Fig. 5d: std of first-layer edge weights across heads: "
+            f"MIKAN {_fmt(*m[:2], digits=4)} vs GAT {_fmt(*g[:2], digits=4)} "
+            f"({'larger' if more else 'not larger'}, {'beyond' if separated else 'within'} the CIs; {v_d})"
         ),
-        figures={f"{a}_head_std": round(st[a][0], 5) for a in st},
-        details=markdown_table(("arm", "head std (mean ± 95% CI)"), rows)
+        figures={f"{a}_head_std": round(st[a][0], 5) for a in st} | f_abc,
+        details="**Fig. 5a-c** (spectral points of the first layer; GAT's RBF has the fixed density "
+        "N(0, I/2))\n\n"
+        + t_abc
+        + "\n\n**Fig. 5d**\n\n"
+        + markdown_table(("arm", "head std (mean ± 95% CI)"), rows)
         + _scale_note(ctx, "the Table 5 runs"),
     )

@@ -18,9 +18,16 @@ Python version (it is cached under the run's output directory keyed by that vers
 :func:`load_records`); site-packages are never read, so the corpus does not depend on what
 happens to be installed. :func:`split_by_module` gives a fixed train/val/test split in which
 the test modules are unseen in training.
+
+Label leak: a task whose label is the module (module classification) must not see text that
+names its own module, or it is solved by copying the name ("Module difflib -- helpers ...",
+"RawTurtle", "IMAP4 client"). :func:`names_module` is the rule (see there) and
+:func:`without_own_module_name` drops such records; the text tasks apply it to their
+module-labelled examples.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import inspect
@@ -41,8 +48,11 @@ __all__ = [
     "docstring_records",
     "first_sentence_split",
     "load_records",
+    "module_name_pattern",
+    "names_module",
     "split_by_module",
     "split_by_record",
+    "without_own_module_name",
 ]
 
 CORPUS_MODULES: tuple[str, ...] = (
@@ -212,6 +222,45 @@ def load_records(cache_dir: str | os.PathLike[str] | None = None,
         json.dump({"sha256": _digest(rows), "records": rows}, fh)
     os.replace(tmp, path)
     return records
+
+
+@functools.cache
+def module_name_pattern(module: str) -> re.Pattern[str]:
+    """The compiled rule of :func:`names_module` for ``module`` (case-insensitive).
+
+    Raises:
+        ValueError: empty ``module``.
+    """
+    parts = [p for p in module.lower().split(".") if p]
+    if not parts:
+        raise ValueError(f"module must be a non-empty module name, got {module!r}")
+    alts = []
+    for p in parts:
+        if len(p) >= 4:
+            alts.append(re.escape(p))  # anywhere: "rawturtle", "statisticserror", "threading.settrace"
+        else:
+            alts.append(rf"(?<![a-z0-9]){re.escape(p)}(?![a-z0-9])")  # "re", "os": whole words only
+        if p.endswith("lib") and len(p) >= 6:  # imaplib -> IMAP, IMAP4, imap4_ssl; difflib -> diff(s)
+            alts.append(rf"(?<![a-z]){re.escape(p[:-3])}(?:\d+|s)?(?![a-z])")
+    return re.compile("|".join(alts), re.IGNORECASE)
+
+
+def names_module(text: str, module: str) -> bool:
+    """Does ``text`` name ``module`` (the label-leak rule of the module-classification tasks)?
+
+    Case-insensitive. It names the module when it contains any dotted part of the name — as a
+    substring for parts of 4+ characters (so identifiers built on it count: ``RawTurtle``,
+    ``StatisticsError``, ``logging.handlers``), as a whole word for shorter parts (``re``,
+    ``os``, so ``return`` does not) — or, for a part ``<stem>lib`` (``imaplib``, ``difflib``),
+    the stem as a word with optional digits or plural ``s`` (``IMAP4``, ``imap4_ssl``,
+    ``diffs``; not ``different``).
+    """
+    return module_name_pattern(module).search(text) is not None
+
+
+def without_own_module_name(records: Sequence[DocRecord]) -> list[DocRecord]:
+    """The records whose docstring does not name their own module (:func:`names_module`)."""
+    return [r for r in records if not names_module(r.docstring, r.module)]
 
 
 def _fractions(val: float, test: float) -> None:
