@@ -94,6 +94,21 @@ def test_node_classification_mikan_kl_enters_and_accuracy_matches_sklearn(tmp_pa
     assert TASK.figures([{"arm": "mikan", "metrics": metrics}], tmp_path)[0].exists()
 
 
+def test_node_classification_features_are_row_normalized(tmp_path):
+    """Regression (issue 12): raw sbm features (‖x‖² ≈ 16) made the kernel arms' magnitude
+    exp(‖Wh_j‖²/2) swamp their random-feature kernel (MC noise ~1/R): near-chance accuracy."""
+    from attnopt.experiments._data.graphs import normalize_features
+    from attnopt.experiments.ika_node_classification import TASK
+
+    x = TASK.build_data(_cfg(TASK, "gat", tmp_path, dataset="sbm")).train[0][0]
+    torch.testing.assert_close(x.norm(dim=-1), torch.ones(len(x)))
+    bag = torch.tensor([[0.0, 2.0, 2.0], [0.0, 0.0, 0.0], [1.0, 0.0, 3.0]])
+    want = torch.tensor([[0, 0.5, 0.5], [0, 0, 0], [0.25, 0, 0.75]])
+    torch.testing.assert_close(normalize_features(bag), want)
+    signed = torch.tensor([[3.0, -4.0]])
+    torch.testing.assert_close(normalize_features(signed), torch.tensor([[0.6, -0.8]]))
+
+
 def test_node_classification_reads_planetoid_files_from_data_dir(tmp_path):
     from dataclasses import replace
 
@@ -104,6 +119,9 @@ def test_node_classification_reads_planetoid_files_from_data_dir(tmp_path):
     cfg = replace(_cfg(TASK, "ikan-direct", tmp_path, dataset="cora", sizes={"folds": 3}), data_dir=tmp_path)
     data = TASK.build_data(cfg)
     assert data.info["num_features"] == 4 and data.info["num_classes"] <= 3
+    x = data.train[0][0]
+    live = x.abs().sum(-1) > 0
+    torch.testing.assert_close(x[live].sum(-1), torch.ones(int(live.sum())))  # GAT's row sums of 1
     _one_step(TASK, "ikan-direct", cfg, data, data.collate_fn([data.train[0]]))
     with pytest.raises(FileNotFoundError, match="ind.citeseer"):
         TASK.build_data(replace(cfg, dataset="citeseer"))

@@ -54,7 +54,9 @@ class KernelGATConv(MessagePassing):
         heads: ``H``.
         kernel: ``"rbf"`` (exact RBF, ``l = 1``: GAT itself when ``p = 2``), ``"direct"``
             (IKAN-direct: learned non-stationary spectral points, ``num_samples`` per head,
-            initialized from ``N(0, I/2)`` so ``f²`` starts near the ``l = 1`` RBF),
+            both sets drawn independently from ``N(0, I/2)``, so ``E f = ½[k(x − y) +
+            k(x)k(y)]`` with ``k(u) = exp(−‖u‖²/4)``: the ``l = 1`` RBF of ``f²`` only for
+            inputs near 0 — the magnitude still cancels in expectation, not per draw),
             ``"ikan"`` / ``"mikan"`` (non-stationary points from two implicit spectral
             densities, copula-coupled heads for ``"mikan"``; they also start at ``N(0, I/2)``),
             or any :class:`~attnopt.kernels.Kernel` on ``2F``-dimensional inputs (spectral

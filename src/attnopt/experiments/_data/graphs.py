@@ -30,6 +30,7 @@ __all__ = [
     "read_planetoid",
     "node_folds",
     "load_graph",
+    "normalize_features",
 ]
 
 GRAPH_DATASETS = ("sbm", "karate", "cora", "citeseer", "pubmed")
@@ -128,6 +129,19 @@ def load_graph(name: str, *, data_dir: str | Path | None = None, seed: int = 0, 
             raise ValueError(f"dataset {name!r} needs --data-dir with Planetoid's raw files ind.{name}.*")
         return read_planetoid(data_dir, name)
     raise ValueError(f"dataset must be one of {GRAPH_DATASETS}, got {name!r}")
+
+
+def normalize_features(x: torch.Tensor) -> torch.Tensor:
+    """Rows scaled to norm 1: ``x_i/‖x_i‖₁`` for non-negative features (GAT's preprocessing of
+    Planetoid's bag-of-words), else ``x_i/‖x_i‖₂`` (``sbm``'s Gaussian features); zero rows stay 0.
+
+    The kernel graph attention needs it: its magnitude ``exp(‖Wh_j‖²/2)`` (eq. 10) is cancelled
+    only by an exact RBF; the random-feature kernel's Monte-Carlo noise floor (``~1/R``) cannot
+    cancel it once ``‖Wh_j‖² ≫ log R``, so attention then follows the neighbours' norms.
+    """
+    p = 1 if bool((x >= 0).all()) else 2
+    norm = x.norm(p=p, dim=-1, keepdim=True)
+    return x / torch.where(norm > 0, norm, torch.ones_like(norm))
 
 
 def node_folds(y: torch.Tensor, *, folds: int, fold: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
