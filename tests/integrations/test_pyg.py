@@ -87,6 +87,38 @@ def test_gradcheck_direct():
     assert torch.autograd.gradcheck(lambda t: conv(t, ei), (x.requires_grad_(),), fast_mode=True)
 
 
+@pytest.mark.parametrize("kernel", ["direct", "mikan"])
+def test_gradcheck_every_parameter(kernel):
+    """float64 gradcheck w.r.t. every parameter (projection, a, spectral points / densities)."""
+    from torch.func import functional_call
+
+    x, ei = _graph(4, n=5, e=8, f=3)
+    conv = KernelGATConv(3, 2, heads=2, kernel=kernel, num_samples=2, hidden=3, seed=0).double().eval()
+    with torch.no_grad():  # densities' last layers start at 0: move them so their inputs get gradients
+        for name, prm in conv.named_parameters():
+            if "sampler" in name:
+                prm.add_(0.3 * torch.randn_like(prm))
+    names, vals = zip(*[(n, p.detach().clone().requires_grad_()) for n, p in conv.named_parameters()])
+
+    def out(*ps):
+        return functional_call(conv, dict(zip(names, ps)), (x, ei))
+
+    assert torch.autograd.gradcheck(out, vals, fast_mode=True)
+
+
+def test_direct_kernel_converges_to_its_expectation():
+    """Independent w1, w2 ~ N(0, I/2): E f(x, y) = ½[e^{-‖x−y‖²/4} + e^{-(‖x‖²+‖y‖²)/4}] (docstring)."""
+    from attnopt.kernels import NonStationaryFourier
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(2, 6, 4, generator=g, dtype=torch.float64) * 0.8
+    kern = NonStationaryFourier.gaussian(200_000, 4, 2**-0.5, 2**-0.5, generator=g, dtype=torch.float64)
+    want = 0.5 * (torch.exp(-(x - y).square().sum(-1) / 4) + torch.exp(-(x.square() + y.square()).sum(-1) / 4))
+    torch.testing.assert_close(kern.paired(x, y), want, atol=1e-2, rtol=0)
+    rbf = torch.exp(-(x - y).square().sum(-1) / 4)
+    assert (kern.paired(x, y) - rbf).abs().max() > 0.03  # not the RBF unless w1 = w2
+
+
 def test_small_p_makes_edges_sparse():
     x, ei = _graph(4, n=8, e=40)
     ei = coalesce(ei)  # duplicate edges would tie
