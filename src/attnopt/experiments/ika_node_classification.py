@@ -20,7 +20,8 @@ eq. 10 the magnitude ``exp(‖Wh_j‖²/2)`` is cancelled only by the exact RBF 
 Monte-Carlo noise floor (``~1/R``), so once ``‖Wh_j‖² ≫ log R`` the score follows the
 neighbours' norms, not their content. With raw ``sbm`` features (``‖x‖² ≈ 16``,
 ``‖Wh‖² ≈ 3.4`` per head at init and ×2.5 under input dropout 0.6) the full-scale kernel arms
-stayed near chance (10 folds: GAT 83.5 ± 3.4 %, IKAN-direct 37.0 ± 5.6 %, MIKAN 42.0 ± 7.4 %).
+stayed near chance (10 folds: GAT 83.5 ± 3.4 %, IKAN-direct 37.0 ± 5.6 %, MIKAN 42.0 ± 7.4 %);
+normalized: GAT 79.5 ± 4.3 %, IKAN-direct 81.0 ± 5.0 %, MIKAN 82.0 ± 4.5 % (95 % CI).
 
 Fig. 5a–c: GAT's kernel is the RBF, whose spectral density is the fixed Gaussian
 ``N(0, I/2)`` (the ``l = 1`` RBF of ``f²``, the kernel layers' initialization). Each kernel
