@@ -79,6 +79,7 @@ def _inv(x: Tensor) -> Tensor:
 
 
 def _reduce_to(g: Tensor, shape: torch.Size) -> Tensor:
+    """Sum a broadcast gradient ``g`` back to ``shape`` (leading dims dropped, size-1 dims kept)."""
     while g.dim() > len(shape):
         g = g.sum(0)
     for i, n in enumerate(shape):

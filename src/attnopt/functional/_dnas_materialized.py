@@ -41,7 +41,7 @@ from torch import Tensor
 
 from attnopt._validation import additive_mask
 from attnopt.functional import _dnas_fused, dispatch
-from attnopt.functional._dnas_fused import fused_sinkhorn
+from attnopt.functional._dnas_fused import _reduce_to, fused_sinkhorn
 
 __all__ = ["materialized_sinkhorn_attention", "dispatched_sinkhorn"]
 
@@ -121,15 +121,6 @@ def _sinkhorn_backward(g: Tensor, p: Tensor, sigma: Tensor, mids: list[Tensor], 
         dim = -2 if idx % 2 == 0 else -1
         e = mids[idx] if mids else p * sigma
         g.addcmul_(e, g.sum(dim, keepdim=True), value=-1.0)
-    return g
-
-
-def _reduce_to(g: Tensor, shape: torch.Size) -> Tensor:
-    while g.dim() > len(shape):
-        g = g.sum(0)
-    for i, n in enumerate(shape):
-        if n == 1 and g.shape[i] != 1:
-            g = g.sum(i, keepdim=True)
     return g
 
 
