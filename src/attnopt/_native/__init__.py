@@ -1,0 +1,166 @@
+r"""Small C kernels, compiled on first use with the system C compiler and called through ctypes.
+
+Some CPU loops of attnopt are a dozen streaming passes when written with PyTorch ops, and one
+pass over cache-resident data when written in C (e.g. the 1.5-entmax threshold search: per
+row, a handful of sweeps over a few kB). Such a kernel lives here as a plain C file beside this
+module (no PyTorch headers: it compiles in well under a second) and is built the first time it
+is needed:
+
+* the compiler is ``$CC`` or the first of ``cc``, ``gcc``, ``clang`` found on ``PATH``; the
+  flags are :data:`FLAGS` (``-O3 -march=native``, ``#pragma omp simd`` loops vectorized with
+  ``-fopenmp-simd``, no OpenMP runtime and no fast-math: IEEE ``inf``/``NaN`` semantics are
+  kept);
+* the shared library is cached in ``$ATTNOPT_CACHE_DIR`` (default
+  ``$XDG_CACHE_HOME/attnopt/native``, i.e. ``~/.cache/attnopt/native``; the system temporary
+  folder if that is not writable), under a name hashed from the source, the flags, the
+  compiler's version and this CPU's model and flags, written to a temporary file and renamed
+  into place (safe for concurrent test workers);
+* with no compiler, with ``ATTNOPT_NATIVE=0`` in the environment, or on a compile error
+  (a :class:`RuntimeWarning`, once), :func:`library` returns ``None`` and the caller runs its
+  PyTorch path — the same result to rounding, only slower.
+
+:func:`parallel_rows` splits a row range over ``torch.get_num_threads()`` Python threads;
+ctypes releases the GIL during the foreign call, so the threads run in parallel.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+__all__ = ["FLAGS", "compiler", "enabled", "library", "parallel_rows"]
+
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11")
+_HERE = Path(__file__).resolve().parent
+_LOCK = threading.Lock()
+_LIBS: dict[str, ctypes.CDLL | None] = {}
+_POOL: ThreadPoolExecutor | None = None
+_POOL_SIZE = 0
+_MIN_PARALLEL = 1 << 16  # entries below which one thread does the whole call
+
+
+def enabled() -> bool:
+    """Whether native kernels may be used: ``ATTNOPT_NATIVE`` is not ``0`` and a compiler exists."""
+    return os.environ.get("ATTNOPT_NATIVE", "1") != "0" and compiler() is not None
+
+
+def compiler() -> str | None:
+    """Path of the C compiler: ``$CC``, else the first of ``cc``, ``gcc``, ``clang`` on ``PATH``."""
+    names = [os.environ["CC"]] if os.environ.get("CC") else ["cc", "gcc", "clang"]
+    for name in names:
+        path = shutil.which(name)
+        if path is not None:
+            return path
+    return None
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("ATTNOPT_CACHE_DIR")
+    if root:
+        base = Path(root)
+    else:
+        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        base = Path(xdg) / "attnopt" / "native"
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        if os.access(base, os.W_OK):
+            return base
+    except OSError:
+        pass
+    fallback = Path(tempfile.gettempdir()) / f"attnopt-native-{os.getuid() if hasattr(os, 'getuid') else 0}"
+    fallback.mkdir(parents=True, exist_ok=True)
+    return fallback
+
+
+def _cpu_signature() -> str:
+    """The CPU model and feature flags (``-march=native`` code must not run on another CPU)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine() + platform.processor()
+    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags", "Features"))]
+    return platform.machine() + "\n".join(sorted(set(keep)))
+
+
+def _version(cc: str) -> str:
+    try:
+        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _build(name: str, cc: str) -> ctypes.CDLL:
+    source = (_HERE / f"{name}.c").read_bytes()
+    key = hashlib.sha256(
+        b"\0".join([source, " ".join(FLAGS).encode(), _version(cc).encode(), _cpu_signature().encode()])
+    ).hexdigest()[:20]
+    target = _cache_dir() / f"{name}-{key}.so"
+    if not target.exists():
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            cmd = [cc, *FLAGS, "-o", tmp, str(_HERE / f"{name}.c"), "-lm"]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if done.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return ctypes.CDLL(str(target))
+
+
+def library(name: str) -> ctypes.CDLL | None:
+    """The compiled ``_native/{name}.c``, or ``None`` where native kernels cannot be used."""
+    if not enabled():
+        return None
+    with _LOCK:
+        if name not in _LIBS:
+            cc = compiler()
+            try:
+                _LIBS[name] = _build(name, cc) if cc is not None else None
+            except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+                warnings.warn(f"attnopt: the native {name!r} kernel did not build, using the PyTorch path "
+                              f"({err})", RuntimeWarning, stacklevel=3)
+                _LIBS[name] = None
+        return _LIBS[name]
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    global _POOL, _POOL_SIZE
+    with _LOCK:
+        if _POOL is None or _POOL_SIZE < workers:
+            if _POOL is not None:
+                _POOL.shutdown(wait=False)
+            _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="attnopt-native")
+            _POOL_SIZE = workers
+        return _POOL
+
+
+def parallel_rows(call: Callable[[int, int], None], rows: int, row_len: int) -> None:
+    """Run ``call(r0, r1)`` on contiguous row ranges covering ``[0, rows)``, one per thread.
+
+    Uses ``torch.get_num_threads()`` threads when there are at least 2¹⁶ entries, else one
+    call. ``call`` must release the GIL (a ctypes foreign call does) and write disjoint rows.
+    """
+    threads = min(torch.get_num_threads(), rows)
+    if threads <= 1 or rows * row_len < _MIN_PARALLEL:
+        call(0, rows)
+        return
+    bounds = [rows * i // threads for i in range(threads + 1)]
+    pool = _pool(threads)
+    futures = [pool.submit(call, bounds[i], bounds[i + 1]) for i in range(1, threads)]
+    call(bounds[0], bounds[1])
+    for fut in futures:
+        fut.result()
