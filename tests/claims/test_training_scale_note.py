@@ -34,7 +34,8 @@ def _fake_records(task_name: str, *, quick: bool, metric: str = "accuracy", **pl
 
 def test_describe_runs_counts_seeds_and_folds_and_lists_what_differs():
     cfgs = [
-        {"seed": s, "fold": f, "epochs": e, "batch_size": 32, "dataset": "co2", "sizes": {"d_model": 64, "p": p}}
+        {"seed": s, "fold": f, "epochs": e, "batch_size": 32, "dataset": "co2",
+         "sizes": {"d_model": 64, "p": p}}
         for s in (0, 1)
         for f in range(3)
         for e, p in ((12, 2), (3, 1))

@@ -176,9 +176,9 @@ def judge_ranking(
 
 def _scale_note(ctx: ClaimContext, recs: Sequence[dict], task: str, what: str) -> str:
     """The scale the records of ``task`` ran at (:func:`~attnopt.claims._training_common.scale_note`)."""
-    from attnopt.experiments._engine import plan_runs
-
     def planned() -> list[dict[str, Any]]:
+        from attnopt.experiments._engine import plan_runs
+
         the_task, kwargs = _run_args(ctx, task)
         return [c.to_json() for c in plan_runs(the_task, **kwargs)]
 
