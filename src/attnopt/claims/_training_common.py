@@ -1,18 +1,134 @@
-"""What the trained claims share: the scale note read from the run records.
+"""What the trained claims share: their runs (cached), per-arm statistics, the mean ± CI
+table and the scale note read from the run records.
 
 A record is what :func:`attnopt.experiments._engine.run_task` returns for one run: ``arm``,
 ``seed``, ``fold``, ``dataset``, ``metrics`` (name -> number), ``history`` and ``config``
-(the run's :meth:`~attnopt.experiments.RunConfig.to_json`).
+(the run's :meth:`~attnopt.experiments.RunConfig.to_json`). Statistics are the mean and the
+95 % Student-t CI half-width (:func:`attnopt.experiments._stats.mean_ci`) over the runs that
+have the metric; no run gives ``(nan, nan)``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from attnopt.claims import ClaimContext
+from attnopt.claims import ClaimContext, Verdict
 
-__all__ = ["describe_runs", "scale_note"]
+__all__ = [
+    "RunArgs",
+    "run_records",
+    "planned_configs",
+    "mean_ci_or_nan",
+    "arm_values",
+    "arm_stats",
+    "combine_verdicts",
+    "fmt_ci",
+    "mean_ci_table",
+    "describe_runs",
+    "scale_note",
+]
+
+#: ``(task object or name, run_task keywords)`` of a claim's runs of a task at the context's scale
+RunArgs = Callable[[ClaimContext, str], tuple[Any, dict[str, Any]]]
+
+
+# ---- the runs ----------------------------------------------------------------------------------
+def run_records(
+    cache: dict[tuple[Any, ...], list[dict]], ctx: ClaimContext, task: str, run_args: RunArgs
+) -> list[dict]:
+    """The engine's records of ``task`` at the context's scale, run once per (task, scale,
+    out_dir, seed) and kept in ``cache`` (claims that judge the same runs share them)."""
+    key = (task, ctx.quick, str(ctx.out_dir), ctx.seed)
+    if key not in cache:
+        from attnopt.experiments._engine import run_task
+
+        the_task, kwargs = run_args(ctx, task)
+        # the report needs records, not trained weights
+        cache[key] = run_task(the_task, **kwargs, progress=False, keep_checkpoints=0)
+    return cache[key]
+
+
+def planned_configs(ctx: ClaimContext, task: str, run_args: RunArgs) -> list[dict[str, Any]]:
+    """The configs (``RunConfig.to_json()``) :func:`run_records` would run; nothing is trained."""
+    from attnopt.experiments import get_task
+    from attnopt.experiments._engine import plan_runs
+
+    the_task, kwargs = run_args(ctx, task)
+    the_task = get_task(the_task) if isinstance(the_task, str) else the_task
+    return [c.to_json() for c in plan_runs(the_task, **kwargs)]
+
+
+# ---- statistics --------------------------------------------------------------------------------
+def mean_ci_or_nan(values: Iterable[float]) -> tuple[float, float]:
+    """(mean, 95 % CI half-width) of ``values``; ``(nan, nan)`` when there are none."""
+    from attnopt.experiments._stats import mean_ci
+
+    xs = [float(v) for v in values]
+    if not xs:
+        return math.nan, math.nan
+    m, h = mean_ci(xs)
+    return float(m), float(h)
+
+
+def arm_values(recs: Sequence[Mapping[str, Any]], arm: str, metric: str) -> list[float]:
+    """``metric`` of every record of ``arm`` that has it, in record order."""
+    return [float(r["metrics"][metric]) for r in recs if r["arm"] == arm and metric in r.get("metrics", {})]
+
+
+def arm_stats(recs: Sequence[Mapping[str, Any]], arm: str, metric: str) -> tuple[float, float, int]:
+    """(mean, 95 % CI half-width, number of runs) of ``metric`` over the records of ``arm``."""
+    vals = arm_values(recs, arm, metric)
+    return (*mean_ci_or_nan(vals), len(vals))
+
+
+def combine_verdicts(verdicts: Sequence[str]) -> Verdict:
+    """Reproduced when every verdict is; not reproduced when none is even partially; else partially."""
+    if verdicts and all(v == "reproduced" for v in verdicts):
+        return "reproduced"
+    if any(v != "not reproduced" for v in verdicts):
+        return "partially reproduced"
+    return "not reproduced"
+
+
+def fmt_ci(m: float, h: float, *, digits: int = 2, scale: float = 1.0) -> str:
+    """``"mean ± half-width"`` (both times ``scale``) with ``digits`` decimals."""
+    return f"{m * scale:.{digits}f} ± {h * scale:.{digits}f}"
+
+
+def mean_ci_table(
+    recs: Sequence[Mapping[str, Any]],
+    arms: Sequence[str],
+    metrics: Sequence[str],
+    paper: Mapping[str, Any] | None,
+    *,
+    count: str = "runs",
+    digits: int = 2,
+    scale: float = 1.0,
+    show_missing: bool = False,
+) -> str:
+    """A Markdown table: per arm, each metric's mean ± 95 % CI, the number of runs of the first
+    metric (column ``count``) and the paper's number beside it (``paper[arm]``, blank if none).
+
+    Arms without records are left out, or with ``show_missing`` get a "not run" row (so the
+    paper's number still appears).
+    """
+    from attnopt.report import markdown_table
+
+    paper = paper or {}
+    rows = []
+    for arm in arms:
+        if not any(r["arm"] == arm for r in recs):
+            if show_missing:
+                rows.append([arm, *["not run"] * len(metrics), 0, paper.get(arm, "")])
+            continue
+        cells = [fmt_ci(*arm_stats(recs, arm, m)[:2], digits=digits, scale=scale) for m in metrics]
+        rows.append([arm, *cells, arm_stats(recs, arm, metrics[0])[2], paper.get(arm, "")])
+    return markdown_table(["arm", *[f"{m} (mean ± 95% CI)" for m in metrics], count, "paper"], rows)
+
+
+
 
 
 # ---- the scale note ----------------------------------------------------------------------------

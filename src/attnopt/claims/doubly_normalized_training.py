@@ -20,13 +20,21 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from attnopt.claims import ClaimContext, ClaimResult, claim, verdict
-from attnopt.claims._training_common import scale_note
+from attnopt.claims._training_common import (
+    fmt_ci,
+    mean_ci_or_nan,
+    mean_ci_table,
+    planned_configs,
+    run_records,
+    scale_note,
+)
 from attnopt.report import markdown_table
 
 PAPER = "doubly_normalized"
@@ -63,9 +71,9 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _run_args(ctx: ClaimContext, task: str) -> dict[str, Any]:
-    """The :func:`~attnopt.experiments._engine.run_task` keywords of the claim's runs of ``task``
-    at the context's scale (:func:`records` runs them, the scale note plans them)."""
+def _run_args(ctx: ClaimContext, task: str) -> tuple[str, dict[str, Any]]:
+    """The task and :func:`~attnopt.experiments._engine.run_task` keywords of the claim's runs of
+    ``task`` at the context's scale (:func:`records` runs them, the scale note plans them)."""
     kwargs: dict[str, Any] = {"quick": ctx.quick, "out_dir": Path(ctx.out_dir) / "train" / task}
     if ctx.quick:
         plan = QUICK[task]
@@ -78,19 +86,13 @@ def _run_args(ctx: ClaimContext, task: str) -> dict[str, Any]:
             kwargs["epochs"] = plan["epochs"]
         if plan.get("seeds"):
             kwargs["seeds"] = list(plan["seeds"])
-    return kwargs
+    return task, kwargs
 
 
 def records(ctx: ClaimContext, task: str) -> list[dict]:
     """The engine's records of ``task`` at the context's scale (cached per process and out_dir)."""
-    from attnopt.experiments._engine import run_task
-
-    key = (task, ctx.quick, str(ctx.out_dir))
-    if key not in _CACHE:
-        with _one_thread():
-            # the report needs records, not trained weights
-            _CACHE[key] = run_task(task, **_run_args(ctx, task), progress=False, keep_checkpoints=0)
-    return _CACHE[key]
+    with _one_thread():
+        return run_records(_CACHE, ctx, task, _run_args)
 
 
 # ---- statistics ------------------------------------------------------------------------------
@@ -100,15 +102,6 @@ def _values(recs: Sequence[dict], arm: str, metric: str) -> dict[int, float]:
         for r in recs
         if r["arm"] == arm and metric in r.get("metrics", {})
     }
-
-
-def _mean_ci(values: Sequence[float]) -> tuple[float, float]:
-    from attnopt.experiments._stats import mean_ci
-
-    if not values:
-        return math.nan, math.nan
-    m, h = mean_ci(list(values))
-    return float(m), float(h)
 
 
 def compare(
@@ -122,10 +115,10 @@ def compare(
     seeds = sorted(set(a) & set(b))
     sign = 1.0 if higher else -1.0
     diffs = [sign * (a[s] - b[s]) for s in seeds]
-    dm, dh = _mean_ci(diffs)
+    dm, dh = mean_ci_or_nan(diffs)
     return {
-        "better": _mean_ci(list(a.values())),
-        "base": _mean_ci(list(b.values())),
+        "better": mean_ci_or_nan(a.values()),
+        "base": mean_ci_or_nan(b.values()),
         "diff": (dm, dh),
         "n": len(seeds),
         "holds": bool(seeds) and dm >= 0,
@@ -140,41 +133,24 @@ def _direction_verdict(cmps: Sequence[dict[str, Any]]) -> str:
     return verdict(all(c["significant"] for c in cmps), partial=all(c["holds"] for c in cmps))
 
 
-def _pm(t: tuple[float, float], digits: int = 2) -> str:
-    return f"{t[0]:.{digits}f} ± {t[1]:.{digits}f}"
-
-
-def _arm_table(
-    recs: Sequence[dict],
-    arms: Sequence[str],
-    metrics: Sequence[str],
-    paper: dict[str, Any],
-    *,
-    show_missing: bool = False,
-) -> str:
-    """Mean ± CI per arm and metric, the paper's number beside it; ``show_missing``: arms without
-    records get a "not run" row (so the paper's number still appears)."""
-    rows = []
-    for arm in arms:
-        if not any(r["arm"] == arm for r in recs):
-            if show_missing:
-                rows.append([arm, *["not run"] * len(metrics), 0, paper.get(arm, "")])
-            continue
-        cells = [_pm(_mean_ci(list(_values(recs, arm, m).values()))) for m in metrics]
-        rows.append([arm, *cells, len(_values(recs, arm, metrics[0])), paper.get(arm, "")])
-    return markdown_table(["arm", *[f"{m} (mean ± 95% CI)" for m in metrics], "seeds", "paper"], rows)
-
-
 def _scale(ctx: ClaimContext, recs: Sequence[dict], task: str, what: str) -> str:
     """The scale the records of ``task`` ran at (:func:`~attnopt.claims._training_common.scale_note`)."""
+    return scale_note(ctx, recs, what, planned=lambda: planned_configs(ctx, task, _run_args))
 
-    def planned() -> list[dict[str, Any]]:
-        from attnopt.experiments import get_task
-        from attnopt.experiments._engine import plan_runs
 
-        return [c.to_json() for c in plan_runs(get_task(task), **_run_args(ctx, task))]
-
-    return scale_note(ctx, recs, what, planned=planned)
+def _finish(
+    ctx: ClaimContext,
+    res: ClaimResult,
+    recs: Sequence[dict],
+    task: str,
+    what: str,
+    figure: Path | None = None,
+) -> ClaimResult:
+    """``res`` with the scale note of ``task``'s runs appended to its details; ``figure`` (when
+    drawn) joins the claim's images."""
+    if figure is not None:
+        ctx.images.append(figure)
+    return replace(res, details=res.details + _scale(ctx, recs, task, what))
 
 
 def _phrase(v: str) -> str:
@@ -196,18 +172,18 @@ def judge_table1(recs: Sequence[dict]) -> ClaimResult:
         if any(r["arm"] == arm for r in recs)
     }
     v = _direction_verdict([cmps["dnas"]] if "dnas" in cmps else [])
-    single = _mean_ci(list(_values(recs, "single-view", "accuracy").values()))
+    single = mean_ci_or_nan(_values(recs, "single-view", "accuracy").values())
     parts = [
-        f"DNAS − LNAS accuracy {_pm(cmps['dnas']['diff'])} pts (paired, {cmps['dnas']['n']} seeds)"
+        f"DNAS − LNAS accuracy {fmt_ci(*cmps['dnas']['diff'])} pts (paired, {cmps['dnas']['n']} seeds)"
         if "dnas" in cmps
         else "no DNAS/LNAS records"
     ]
     if "hnas" in cmps:
-        parts.append(f"HNAS − LNAS {_pm(cmps['hnas']['diff'])}")
+        parts.append(f"HNAS − LNAS {fmt_ci(*cmps['hnas']['diff'])}")
     if not math.isnan(single[0]):
-        parts.append(f"single view {_pm(single)} % (chance 10 %)")
+        parts.append(f"single view {fmt_ci(*single)} % (chance 10 %)")
     figures: dict[str, Any] = {
-        f"{a}_accuracy": round(_mean_ci(list(_values(recs, a, "accuracy").values()))[0], 2)
+        f"{a}_accuracy": round(mean_ci_or_nan(_values(recs, a, "accuracy").values())[0], 2)
         for a in ("single-view", "concat", "lnas", "dnas", "hnas")
         if any(r["arm"] == a for r in recs)
     }
@@ -221,7 +197,7 @@ def judge_table1(recs: Sequence[dict]) -> ClaimResult:
             f"DNAS 69.70 vs LNAS 69.14 (+0.56). {_phrase(v)}."
         ),
         figures=figures,
-        details=_arm_table(
+        details=mean_ci_table(
             recs,
             ("single-view", "concat", "lnas", "dnas", "hnas"),
             ["accuracy"],
@@ -232,6 +208,7 @@ def judge_table1(recs: Sequence[dict]) -> ClaimResult:
                 },
                 "hnas": "— (Table 1 has no HNAS row; Fig. 3: w → 1)",
             },
+            count="seeds",
         )
         + "\n\nPaper: VQA v2.0 test-dev accuracy (test-std in brackets).",
     )
@@ -247,13 +224,7 @@ def judge_table1(recs: Sequence[dict]) -> ClaimResult:
 def table1(ctx: ClaimContext) -> ClaimResult:
     """Table 1: train the fusion arms on the digit views; judge DNAS (and HNAS) vs LNAS accuracy."""
     recs = records(ctx, "multiview-fusion")
-    res = judge_table1(recs)
-    return ClaimResult(
-        res.verdict,
-        res.summary,
-        res.figures,
-        res.details + _scale(ctx, recs, "multiview-fusion", "8×8 digits, three region extractors"),
-    )
+    return _finish(ctx, judge_table1(recs), recs, "multiview-fusion", "8×8 digits, three region extractors")
 
 
 # ---- Fig. 3 ----------------------------------------------------------------------------------
@@ -282,13 +253,14 @@ def judge_fig3(recs: Sequence[dict], *, arm: str = "hnas", init: float = 0.5) ->
     )
     if not finals:
         return ClaimResult("not reproduced", f"no HNAS weight logged for arm {arm!r}", {})
-    m, h = _mean_ci(finals)
+    m, h = mean_ci_or_nan(finals)
     v = verdict(bounded and m >= 0.9, partial=bounded and m - h > init)
     return ClaimResult(
         verdict=v,  # type: ignore[arg-type]
         summary=(
-            f"HNAS fusion weight w (1 = DNAS): after epoch 1 {_pm(_mean_ci(firsts), 3)}, at the end "
-            f"{_pm((m, h), 3)} over {len(finals)} seeds (init {init}; all logged w in (0, 1): {bounded}). "
+            f"HNAS fusion weight w (1 = DNAS): after epoch 1 {fmt_ci(*mean_ci_or_nan(firsts), digits=3)}, "
+            f"at the end {fmt_ci(m, h, digits=3)} over {len(finals)} seeds (init {init}; all logged w in "
+            f"(0, 1): {bounded}). "
             f"Paper Fig. 3: w converges to 1. {_phrase(v)}."
         ),
         figures={"hnas_w_final": round(m, 4), "ci_half_width": round(h, 4), "weights_in_0_1": bounded},
@@ -308,19 +280,12 @@ def judge_fig3(recs: Sequence[dict], *, arm: str = "hnas", init: float = 0.5) ->
 )
 def fig3(ctx: ClaimContext) -> ClaimResult:
     """Fig. 3: the fusion layer's HNAS weight over training (the multi-view runs)."""
-    recs = records(ctx, "multiview-fusion")
-    res = judge_fig3(recs)
     from attnopt.experiments._dn_figures import hnas_weight_figure
 
+    recs = records(ctx, "multiview-fusion")
     path = hnas_weight_figure(list(recs), ctx.out_dir / "figures", name=f"{ctx.prefix}_hnas_weight")
-    if path is not None:
-        ctx.images.append(path)
-    return ClaimResult(
-        res.verdict,
-        res.summary,
-        res.figures,
-        res.details + _scale(ctx, recs, "multiview-fusion", "one fusion layer, weight logged per epoch"),
-    )
+    what = "one fusion layer, weight logged per epoch"
+    return _finish(ctx, judge_fig3(recs), recs, "multiview-fusion", what, path)
 
 
 # ---- Fig. 1 during training --------------------------------------------------------------------
@@ -375,25 +340,12 @@ def judge_fig1(recs: Sequence[dict], *, lnas: str = "lnas", dnas: str = "dnas") 
 )
 def fig1_training(ctx: ClaimContext) -> ClaimResult:
     """Fig. 1: the fusion layer's minimum column mass per epoch, LNAS vs DNAS (the multi-view runs)."""
-    recs = records(ctx, "multiview-fusion")
-    res = judge_fig1(recs)
     from attnopt.experiments._dn_figures import column_mass_figure
 
+    recs = records(ctx, "multiview-fusion")
     path = column_mass_figure(list(recs), ctx.out_dir / "figures", name=f"{ctx.prefix}_column_mass")
-    if path is not None:
-        ctx.images.append(path)
-    return ClaimResult(
-        res.verdict,
-        res.summary,
-        res.figures,
-        res.details
-        + _scale(
-            ctx,
-            recs,
-            "multiview-fusion",
-            "the fusion layer (16 queries, 25 keys), measured per epoch on 512 training examples",
-        ),
-    )
+    what = "the fusion layer (16 queries, 25 keys), measured per epoch on 512 training examples"
+    return _finish(ctx, judge_fig1(recs), recs, "multiview-fusion", what, path)
 
 
 # ---- Table 2 ---------------------------------------------------------------------------------
@@ -414,14 +366,14 @@ def judge_table2(recs: Sequence[dict]) -> ClaimResult:
     if {"lnas-pretrained", "hnas-pretrained"} <= set(ran):
         cp = compare(recs, "hnas-pretrained", "lnas-pretrained", "rougeL")
         cmps.append(cp)
-    copy = _mean_ci(list(_values(recs, "lnas-random", "copy_rougeL").values()))
-    best = max(_mean_ci(list(_values(recs, a, "rougeL").values()))[0] for a in ran) if ran else math.nan
+    copy = mean_ci_or_nan(_values(recs, "lnas-random", "copy_rougeL").values())
+    best = max(mean_ci_or_nan(_values(recs, a, "rougeL").values())[0] for a in ran) if ran else math.nan
     trivial = not math.isnan(copy[0]) and not best > copy[0]
     v = "not reproduced" if trivial else _direction_verdict(cmps)
     paper = {a: f"{p['rouge1']}/{p['rouge2']}/{p['rougeL']}" for a, p in PAPER_TABLE2.items()}
     pre = (
-        f"; MiniLM-initialized: HNAS {_pm(cp['better'])} vs LNAS {_pm(cp['base'])}, paired difference "
-        f"{_pm(cp['diff'])} ({cp['n']} seeds; paper ⟨BERT, BERT⟩ 36.51 vs 36.24, +0.27)"
+        f"; MiniLM-initialized: HNAS {fmt_ci(*cp['better'])} vs LNAS {fmt_ci(*cp['base'])}, paired "
+        f"difference {fmt_ci(*cp['diff'])} ({cp['n']} seeds; paper ⟨BERT, BERT⟩ 36.51 vs 36.24, +0.27)"
         if cp is not None
         else "; the MiniLM-initialized rows were not run (full mode only)"
     )
@@ -441,14 +393,14 @@ def judge_table2(recs: Sequence[dict]) -> ClaimResult:
     return ClaimResult(
         verdict=v,  # type: ignore[arg-type]
         summary=(
-            f"Docstring headlines, random initialization: ROUGE-L HNAS {_pm(c['better'])} vs LNAS "
-            f"{_pm(c['base'])}, paired difference {_pm(c['diff'])} ({c['n']} seeds; paper (Gigaword) "
+            f"Docstring headlines, random initialization: ROUGE-L HNAS {fmt_ci(*c['better'])} vs LNAS "
+            f"{fmt_ci(*c['base'])}, paired difference {fmt_ci(*c['diff'])} ({c['n']} seeds; paper (Gigaword) "
             f"35.71 vs 35.23, +0.48){pre}; copy-the-body baseline {copy[0]:.2f}"
             f"{' (the models do not beat it at this scale)' if trivial else ''}. {_phrase(v)}."
         ),
         figures=figures,
-        details=_arm_table(
-            recs, arms, ["rouge1", "rouge2", "rougeL", "copy_rougeL"], paper, show_missing=True
+        details=mean_ci_table(
+            recs, arms, ["rouge1", "rouge2", "rougeL", "copy_rougeL"], paper, count="seeds", show_missing=True
         )
         + "\n\nPaper column: Gigaword ROUGE-1/2/L F1 (Table 2; the pretrained rows are ⟨BERT, BERT⟩).",
     )
@@ -464,26 +416,14 @@ def judge_table2(recs: Sequence[dict]) -> ClaimResult:
 def table2(ctx: ClaimContext) -> ClaimResult:
     """Table 2: train the headline arms; judge HNAS vs LNAS ROUGE-L against the copy baseline."""
     recs = records(ctx, "headline")
-    res = judge_table2(recs)
-    return ClaimResult(
-        res.verdict,
-        res.summary,
-        res.figures,
-        res.details
-        + _scale(
-            ctx,
-            recs,
-            "headline",
-            "stdlib docstrings body → first sentence, split by module, MiniLM word-pieces; "
-            + (
-                "the MiniLM-initialized rows start from the bundled MiniLM encoder (6 layers, width "
-                "384) with a random 384-wide decoder of pretrained_decoder_layers layers, trained "
-                "min(epochs, pretrained_epochs) epochs"
-                if any(r["arm"].endswith("-pretrained") for r in recs)
-                else "the MiniLM-initialized rows did not run (full mode only)"
-            ),
-        ),
+    what = "stdlib docstrings body → first sentence, split by module, MiniLM word-pieces; " + (
+        "the MiniLM-initialized rows start from the bundled MiniLM encoder (6 layers, width "
+        "384) with a random 384-wide decoder of pretrained_decoder_layers layers, trained "
+        "min(epochs, pretrained_epochs) epochs"
+        if any(r["arm"].endswith("-pretrained") for r in recs)
+        else "the MiniLM-initialized rows did not run (full mode only)"
     )
+    return _finish(ctx, judge_table2(recs), recs, "headline", what)
 
 
 # ---- Table 3 / Fig. 4 ------------------------------------------------------------------------
@@ -498,13 +438,13 @@ def judge_table3(recs: Sequence[dict]) -> ClaimResult:
     cmps = {m: compare(recs, "hnas", "lnas", m) for m in ("cls_accuracy", "pair_accuracy")}
     mlm = compare(recs, "hnas", "lnas", "mlm_loss", higher=False)
     maj = {
-        m: _mean_ci(list(_values(recs, "lnas", m.replace("accuracy", "majority")).values()))[0] for m in cmps
+        m: mean_ci_or_nan(_values(recs, "lnas", m.replace("accuracy", "majority")).values())[0] for m in cmps
     }
     # a comparison counts only where some arm learned more than the majority class
     informative = [c for m, c in cmps.items() if max(c["better"][0], c["base"][0]) > maj[m] + 0.5]
     v = _direction_verdict(informative) if informative else "not reproduced"
     txt = "; ".join(
-        f"{m}: HNAS {_pm(c['better'])} vs LNAS {_pm(c['base'])} (diff {_pm(c['diff'])}, "
+        f"{m}: HNAS {fmt_ci(*c['better'])} vs LNAS {fmt_ci(*c['base'])} (diff {fmt_ci(*c['diff'])}, "
         f"majority class {maj[m]:.1f})"
         for m, c in cmps.items()
     )
@@ -517,15 +457,17 @@ def judge_table3(recs: Sequence[dict]) -> ClaimResult:
         verdict=v,  # type: ignore[arg-type]
         summary=(
             f"After MLM pretraining (n-gram masking) and fine-tuning: {txt}; test MLM loss HNAS "
-            f"{_pm(mlm['better'], 3)} vs LNAS {_pm(mlm['base'], 3)}. Paper: HNAS ≥ LNAS on SQuAD 1.1/2.0 "
-            f"and MNLI (84.7 vs 84.3). {_phrase(v)}."
+            f"{fmt_ci(*mlm['better'], digits=3)} vs LNAS {fmt_ci(*mlm['base'], digits=3)}. Paper: HNAS ≥ "
+            f"LNAS on SQuAD 1.1/2.0 and MNLI (84.7 vs 84.3). {_phrase(v)}."
         ),
         figures={
             **{f"{m}_diff": round(c["diff"][0], 3) for m, c in cmps.items()},
             "mlm_loss_hnas": round(mlm["better"][0], 4),
             "mlm_loss_lnas": round(mlm["base"][0], 4),
         },
-        details=_arm_table(recs, ("lnas", "hnas"), ["mlm_loss", "cls_accuracy", "pair_accuracy"], paper)
+        details=mean_ci_table(
+            recs, ("lnas", "hnas"), ["mlm_loss", "cls_accuracy", "pair_accuracy"], paper, count="seeds"
+        )
         + f"\n\nPaper (SQuAD F1/EM, MNLI accuracy): BERT-base reference row {paper['bert-base']}.",
     )
 
@@ -540,19 +482,8 @@ def judge_table3(recs: Sequence[dict]) -> ClaimResult:
 def table3(ctx: ClaimContext) -> ClaimResult:
     """Table 3: pretrain (MLM) and fine-tune both arms; judge HNAS vs LNAS downstream accuracy."""
     recs = records(ctx, "pretrain-finetune")
-    res = judge_table3(recs)
-    return ClaimResult(
-        res.verdict,
-        res.summary,
-        res.figures,
-        res.details
-        + _scale(
-            ctx,
-            recs,
-            "pretrain-finetune",
-            "docstring corpus; module classification and headline/body pairs stand in for SQuAD/MNLI",
-        ),
-    )
+    what = "docstring corpus; module classification and headline/body pairs stand in for SQuAD/MNLI"
+    return _finish(ctx, judge_table3(recs), recs, "pretrain-finetune", what)
 
 
 def layer_weights(recs: Sequence[dict], arm: str = "hnas") -> list[list[float]]:
@@ -579,7 +510,7 @@ def judge_fig4(recs: Sequence[dict]) -> ClaimResult:
     if not per_seed:
         return ClaimResult("not reproduced", "no HNAS layer weights recorded", {})
     n = min(len(s) for s in per_seed)
-    means = [_mean_ci([s[i] for s in per_seed]) for i in range(n)]
+    means = [mean_ci_or_nan([s[i] for s in per_seed]) for i in range(n)]
     all_dnas = all(m >= 0.5 for m, _ in means)
     decreasing = n > 1 and means[-1][0] < means[0][0]
     bounded = all(0.0 < w < 1.0 for s in per_seed for w in s)
@@ -588,7 +519,7 @@ def judge_fig4(recs: Sequence[dict]) -> ClaimResult:
         verdict=v,  # type: ignore[arg-type]
         summary=(
             f"HNAS weight per layer after pretraining (layer 1 → {n}): "
-            + ", ".join(_pm(m, 3) for m in means)
+            + ", ".join(fmt_ci(*m, digits=3) for m in means)
             + f" over {len(per_seed)} seeds; all ≥ 0.5: {all_dnas}; last < first: {decreasing}; "
             f"in (0, 1): {bounded}. Paper Fig. 4: all ≥ 0.5, LNAS gains weight towards the output. "
             f"{_phrase(v)}."
@@ -610,18 +541,11 @@ def judge_fig4(recs: Sequence[dict]) -> ClaimResult:
 )
 def fig4(ctx: ClaimContext) -> ClaimResult:
     """Fig. 4: the HNAS weight of every layer after pretraining (the Table 3 runs)."""
-    recs = records(ctx, "pretrain-finetune")
-    res = judge_fig4(recs)
     from attnopt.experiments._dn_figures import hnas_layer_figure
 
+    recs = records(ctx, "pretrain-finetune")
     path = hnas_layer_figure(
         {"hnas": layer_weights(recs)}, ctx.out_dir / "figures", name=f"{ctx.prefix}_layers"
     )
-    if path is not None:
-        ctx.images.append(path)
-    return ClaimResult(
-        res.verdict,
-        res.summary,
-        res.figures,
-        res.details + _scale(ctx, recs, "pretrain-finetune", "one HNAS weight per layer (sizes: layers)"),
-    )
+    what = "one HNAS weight per layer (sizes: layers)"
+    return _finish(ctx, judge_fig4(recs), recs, "pretrain-finetune", what, path)

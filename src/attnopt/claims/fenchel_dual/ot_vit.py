@@ -15,41 +15,29 @@ from pathlib import Path
 from typing import Any
 
 from attnopt.claims import ClaimContext, ClaimResult, claim, verdict
-from attnopt.claims._training_common import scale_note
+from attnopt.claims._training_common import combine_verdicts, planned_configs, run_records, scale_note
 
 PAPER = "fenchel_dual"
-_CACHE: dict[tuple[str, bool, int], list[dict[str, Any]]] = {}
+_CACHE: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
 
 
-def _run_args(ctx: ClaimContext) -> dict[str, Any]:
-    """The ``run_task`` keywords of the claims' runs at the context's scale."""
+def _run_args(ctx: ClaimContext, task: str) -> tuple[str, dict[str, Any]]:
+    """The task and ``run_task`` keywords of the claims' runs at the context's scale."""
     from attnopt.experiments import get_task
 
-    seeds = [ctx.seed + i for i in range(get_task("ot-vit").scale(ctx.quick).seeds)]
-    return {"quick": ctx.quick, "seeds": seeds, "out_dir": Path(ctx.out_dir) / "train" / "ot-vit"}
+    seeds = [ctx.seed + i for i in range(get_task(task).scale(ctx.quick).seeds)]
+    return task, {"quick": ctx.quick, "seeds": seeds, "out_dir": Path(ctx.out_dir) / "train" / task}
 
 
 def measure(ctx: ClaimContext) -> list[dict[str, Any]]:
     """The records of every (arm, lr, seed) run; computed once per report (both claims share them)."""
-    out = Path(ctx.out_dir) / "train" / "ot-vit"
-    key = (str(out), ctx.quick, ctx.seed)
-    if key not in _CACHE:
-        from attnopt.experiments._engine import run_task
-
-        _CACHE[key] = run_task("ot-vit", **_run_args(ctx), progress=False, keep_checkpoints=0)
-    return _CACHE[key]
+    return run_records(_CACHE, ctx, "ot-vit", _run_args)
 
 
 def _with_scale(ctx: ClaimContext, records: list[dict[str, Any]], result: ClaimResult) -> ClaimResult:
     """``result`` with the scale note of the runs appended to its details."""
-
-    def planned() -> list[dict[str, Any]]:
-        from attnopt.experiments import get_task
-        from attnopt.experiments._engine import plan_runs
-
-        return [c.to_json() for c in plan_runs(get_task("ot-vit"), **_run_args(ctx))]
-
-    note = scale_note(ctx, records, "ViT and OT-ViT over the LR grid", planned=planned)
+    what = "ViT and OT-ViT over the LR grid"
+    note = scale_note(ctx, records, what, planned=lambda: planned_configs(ctx, "ot-vit", _run_args))
     return replace(result, details=result.details + note)
 
 
@@ -150,15 +138,8 @@ def judge_table2(records: list[dict[str, Any]]) -> ClaimResult:
         figs[f"{ds}_ot_vit"], figs[f"{ds}_vit"] = round(ot["mean"], 4), round(vit["mean"], 4)
     if not verdicts:
         raise ValueError("no data set has both arms")
-    overall = (
-        "reproduced"
-        if all(v == "reproduced" for v in verdicts)
-        else "not reproduced"
-        if all(v == "not reproduced" for v in verdicts)
-        else "partially reproduced"
-    )
     return ClaimResult(
-        verdict=overall,  # type: ignore[arg-type]
+        verdict=combine_verdicts(verdicts),
         summary="; ".join(parts)
         + " (paper: 0.937/0.928 Fashion-MNIST, 0.772/0.751 CIFAR-10, 0.491/0.463 CIFAR-100)",
         figures=figs,

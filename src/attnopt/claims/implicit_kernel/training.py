@@ -17,12 +17,20 @@ MMD test, Fig. 5a–c) and its heads differ more than GAT's (Fig. 5d).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from attnopt.claims import ClaimContext, ClaimResult, claim, verdict
-from attnopt.claims._training_common import scale_note
+from attnopt.claims._training_common import (
+    arm_stats,
+    combine_verdicts,
+    fmt_ci,
+    mean_ci_table,
+    planned_configs,
+    run_records,
+    scale_note,
+)
 from attnopt.report import markdown_table
 
 PAPER = "implicit_kernel"
@@ -97,29 +105,7 @@ def records(ctx: ClaimContext, task: str) -> list[dict]:
     runs that many cross-validation folds (a copy of the task with ``folds`` set, and the
     data builder told the same through ``sizes``).
     """
-    from attnopt.experiments._engine import run_task
-
-    key = (task, ctx.quick, str(ctx.out_dir))
-    if key not in _CACHE:
-        the_task, kwargs = _run_args(ctx, task)
-        # the report needs records, not trained weights
-        _CACHE[key] = run_task(the_task, **kwargs, progress=False, keep_checkpoints=0)
-    return _CACHE[key]
-
-
-def _stats(recs: Sequence[dict], arm: str, metric: str) -> tuple[float, float, int]:
-    """(mean, 95 % CI half-width, n) of ``metric`` over the records of ``arm`` that have it."""
-    from attnopt.experiments._stats import mean_ci
-
-    vals = [float(r["metrics"][metric]) for r in recs if r["arm"] == arm and metric in r.get("metrics", {})]
-    if not vals:
-        return math.nan, math.nan, 0
-    m, h = mean_ci(vals)
-    return float(m), float(h), len(vals)
-
-
-def _fmt(m: float, h: float, scale: float = 1.0, digits: int = 3) -> str:
-    return f"{m * scale:.{digits}f} ± {h * scale:.{digits}f}"
+    return run_records(_CACHE, ctx, task, _run_args)
 
 
 def judge_ranking(
@@ -142,7 +128,7 @@ def judge_ranking(
     reproduced otherwise.
     """
     sign = 1.0 if higher else -1.0
-    stats = {a: _stats(recs, a, metric) for a in (baseline, *fixed, *ika)}
+    stats = {a: arm_stats(recs, a, metric) for a in (baseline, *fixed, *ika)}
     present = {a: s for a, s in stats.items() if s[2] > 0}
     ika_p = [a for a in ika if a in present]
     fixed_p = [a for a in fixed if a in present]
@@ -157,14 +143,10 @@ def judge_ranking(
     best_better = sign * (bi_m - best_ref[1]) > 0
     separated = sign * (bi_m - best_ref[1]) > bi_h + best_ref[2]
     v = verdict(all_better and separated, partial=best_better)
-    rows = [
-        (a, _fmt(*present[a][:2], scale=scale), present[a][2], "" if paper is None else paper.get(a, ""))
-        for a in (baseline, *fixed_p, *ika_p)
-    ]
-    table = markdown_table(("arm", f"{metric} (mean ± 95% CI)", "runs", "paper"), rows)
+    table = mean_ci_table(recs, (baseline, *fixed_p, *ika_p), [metric], paper, digits=3, scale=scale)
     summary = (
-        f"best IKA arm {best_ika} {metric} {_fmt(bi_m, bi_h, scale)} vs best of SDPA/fixed kernels "
-        f"{best_ref[0]} {_fmt(best_ref[1], best_ref[2], scale)}: "
+        f"best IKA arm {best_ika} {metric} {fmt_ci(bi_m, bi_h, digits=3, scale=scale)} vs best of "
+        f"SDPA/fixed kernels {best_ref[0]} {fmt_ci(best_ref[1], best_ref[2], digits=3, scale=scale)}: "
         f"{'better' if best_better else 'not better'}"
         f"{' beyond the CIs' if separated else (' within the CIs' if best_better else '')}; "
         f"{'every' if all_better else 'not every'} IKA arm beats SDPA and every fixed kernel"
@@ -176,13 +158,7 @@ def judge_ranking(
 
 def _scale_note(ctx: ClaimContext, recs: Sequence[dict], task: str, what: str) -> str:
     """The scale the records of ``task`` ran at (:func:`~attnopt.claims._training_common.scale_note`)."""
-    def planned() -> list[dict[str, Any]]:
-        from attnopt.experiments._engine import plan_runs
-
-        the_task, kwargs = _run_args(ctx, task)
-        return [c.to_json() for c in plan_runs(the_task, **kwargs)]
-
-    return scale_note(ctx, recs, what, planned=planned)
+    return scale_note(ctx, recs, what, planned=lambda: planned_configs(ctx, task, _run_args))
 
 
 @claim(
@@ -204,15 +180,41 @@ def table2(ctx: ClaimContext) -> ClaimResult:
 _PAPER_TEXT_COLUMN = {"docstring-module": "TREC", "docstring-kind": "SUBJ"}
 
 
+def _by_dataset(
+    ctx: ClaimContext,
+    recs: list[dict],
+    task: str,
+    default: str,
+    judge: Callable[[str, list[dict]], tuple[str, str, dict[str, Any], str]],
+    detail: Callable[[str, list[dict], str], str],
+    what: str,
+) -> ClaimResult:
+    """Judge each data set's records apart (``judge(ds, records)`` -> verdict, summary, figures,
+    table; records without a data set belong to ``default``) and combine them: the verdicts by
+    :func:`combine_verdicts`, the summaries joined, the figures prefixed ``"<ds>:"``, the details
+    the paragraphs ``detail(ds, records, table)`` and the scale note of ``task`` (``what``)."""
+    verdicts, parts, figs, details = [], [], {}, []
+    for ds in sorted({r.get("dataset") or default for r in recs}):
+        sub = [r for r in recs if (r.get("dataset") or default) == ds]
+        v, s, f, t = judge(ds, sub)
+        verdicts.append(v)
+        parts.append(f"{ds}: {s}")
+        figs.update({f"{ds}:{k}": val for k, val in f.items()})
+        details.append(detail(ds, sub, t))
+    return ClaimResult(
+        verdict=combine_verdicts(verdicts),
+        summary="; ".join(parts),
+        figures=figs,
+        details="\n\n".join(details) + _scale_note(ctx, recs, task, what),
+    )
+
+
 def judge_table2(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
     from attnopt.experiments.ika_sentence_classification import PAPER as P2
     from attnopt.experiments.ika_sentence_classification import PAPER_PARAMS_M as P2_PARAMS
 
-    datasets = sorted({r.get("dataset") or "docstring-module" for r in recs})
-    verdicts, parts, figs, details = [], [], {}, []
-    for ds in datasets:
-        sub = [r for r in recs if (r.get("dataset") or "docstring-module") == ds]
-        v, s, f, t = judge_ranking(
+    def judge(ds: str, sub: list[dict]) -> tuple[str, str, dict[str, Any], str]:
+        return judge_ranking(
             sub,
             metric="accuracy",
             higher=True,
@@ -222,31 +224,17 @@ def judge_table2(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
             paper=P2[_PAPER_TEXT_COLUMN.get(ds, "TREC")],
             scale=100.0,
         )
-        verdicts.append(v)
-        parts.append(f"{ds}: {s}")
-        figs.update({f"{ds}:{k}": val for k, val in f.items()})
+
+    def detail(ds: str, sub: list[dict], table: str) -> str:
         params = {r["arm"]: r.get("n_params") for r in sub}
         column = _PAPER_TEXT_COLUMN.get(ds, "TREC")
-        details.append(
-            f"**{ds}** (paper column: {column}, accuracy %)\n\n{t}\n\nparameters per arm: {params} "
+        return (
+            f"**{ds}** (paper column: {column}, accuracy %)\n\n{table}\n\nparameters per arm: {params} "
             f"(paper, MR, millions: {P2_PARAMS})"
         )
-    return ClaimResult(
-        verdict=_combine(verdicts),
-        summary="; ".join(parts),
-        figures=figs,
-        details="\n\n".join(details) + _scale_note(
-            ctx, recs, "sentence-classification", "a Transformer encoder classifier (mean-pooled)"
-        ),
-    )
 
-
-def _combine(verdicts: Sequence[str]) -> Any:
-    if verdicts and all(v == "reproduced" for v in verdicts):
-        return "reproduced"
-    if any(v != "not reproduced" for v in verdicts):
-        return "partially reproduced"
-    return "not reproduced"
+    what = "a Transformer encoder classifier (mean-pooled)"
+    return _by_dataset(ctx, recs, "sentence-classification", "docstring-module", judge, detail, what)
 
 
 @claim(
@@ -273,7 +261,7 @@ def judge_table3(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
         ika=("ikan-direct", "mikan"),
         paper=dict.fromkeys(("transformer", "ikan-direct", "mikan"), "n/a"),
     )
-    exact = {a: _stats(recs, a, "exact_match")[0] for a in ("transformer", "ikan-direct", "mikan")}
+    exact = {a: arm_stats(recs, a, "exact_match")[0] for a in ("transformer", "ikan-direct", "mikan")}
     return ClaimResult(
         verdict=v,
         summary=f"German→English number words, sacrebleu BLEU: {s}",
@@ -368,11 +356,8 @@ _PAPER_REGRESSION_COLUMN = {"co2": "CO2", "sunspots": "Passenger"}
 def judge_table4(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
     from attnopt.experiments.ika_regression import PAPER as P4
 
-    datasets = sorted({r.get("dataset") or "co2" for r in recs})
-    verdicts, parts, figs, details = [], [], {}, []
-    for ds in datasets:
-        sub = [r for r in recs if (r.get("dataset") or "co2") == ds]
-        v, s, f, t = judge_ranking(
+    def judge(ds: str, sub: list[dict]) -> tuple[str, str, dict[str, Any], str]:
+        return judge_ranking(
             sub,
             metric="rmse",
             higher=False,
@@ -381,22 +366,16 @@ def judge_table4(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
             ika=("ikan-direct", "mikan"),
             paper=P4[_PAPER_REGRESSION_COLUMN[ds]] if ds in _PAPER_REGRESSION_COLUMN else None,
         )
-        verdicts.append(v)
-        parts.append(f"{ds}: {s}")
-        figs.update({f"{ds}:{k}": val for k, val in f.items()})
+
+    def detail(ds: str, sub: list[dict], table: str) -> str:  # noqa: ARG001
         column = _PAPER_REGRESSION_COLUMN.get(ds)
         source = (
             f"paper column: {column}" if column else "no paper column: the paper has no counterpart data set"
         )
-        details.append(f"**{ds}** (CV folds; RMSE of the standardized target; {source})\n\n{t}")
-    return ClaimResult(
-        verdict=_combine(verdicts),
-        summary="; ".join(parts),
-        figures=figs,
-        details="\n\n".join(details) + _scale_note(
-            ctx, recs, "regression", "a Transformer encoder regressor, cross-validated"
-        ),
-    )
+        return f"**{ds}** (CV folds; RMSE of the standardized target; {source})\n\n{table}"
+
+    what = "a Transformer encoder regressor, cross-validated"
+    return _by_dataset(ctx, recs, "regression", "co2", judge, detail, what)
 
 
 @claim(
@@ -425,8 +404,8 @@ def judge_fig4(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
     ps = sorted(by_p)
     if len(ps) < 2:
         return ClaimResult(verdict="not reproduced", summary="fewer than two values of p were trained")
-    stats = {p: _stats(recs, by_p[p], "mean_max_weight") for p in ps}
-    rmse = {p: _stats(recs, by_p[p], "rmse") for p in ps}
+    stats = {p: arm_stats(recs, by_p[p], "mean_max_weight") for p in ps}
+    rmse = {p: arm_stats(recs, by_p[p], "rmse") for p in ps}
     means = [stats[p][0] for p in ps]
     monotone = all(a > b for a, b in zip(means, means[1:]))  # p ascending: max weight descending
     ends = means[0] > means[-1]
@@ -434,17 +413,17 @@ def judge_fig4(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
     rows = [
         (
             f"{p:g}",
-            _fmt(*stats[p][:2]),
-            _fmt(*rmse[p][:2]),
-            f"{_stats(recs, by_p[p], 'share_above_0.99')[0]:.3f}",
+            fmt_ci(*stats[p][:2], digits=3),
+            fmt_ci(*rmse[p][:2], digits=3),
+            f"{arm_stats(recs, by_p[p], 'share_above_0.99')[0]:.3f}",
         )
         for p in ps
     ]
     return ClaimResult(
         verdict=verdict(monotone and separated, partial=ends),
         summary=(
-            f"MIKAN's mean max attention weight is {_fmt(*stats[ps[0]][:2])} at p={ps[0]:g} vs "
-            f"{_fmt(*stats[ps[-1]][:2])} at p={ps[-1]:g} "
+            f"MIKAN's mean max attention weight is {fmt_ci(*stats[ps[0]][:2], digits=3)} at p={ps[0]:g} vs "
+            f"{fmt_ci(*stats[ps[-1]][:2], digits=3)} at p={ps[-1]:g} "
             f"({'monotone' if monotone else 'not monotone'} in p, "
             f"{'beyond' if separated else 'within'} the CIs)"
         ),
@@ -521,15 +500,15 @@ def judge_fig5_spectral(recs: Sequence[dict]) -> tuple[str, str, dict[str, Any],
     if not runs:
         return "not reproduced", "no MIKAN spectral-point test in the records", {}, ""
     sig = sum(r["metrics"]["spectral_mmd_p"] < 0.05 for r in runs)
-    st = {a: _stats(recs, a, "spectral_mmd2") for a in ("ikan-direct", "mikan")}
+    st = {a: arm_stats(recs, a, "spectral_mmd2") for a in ("ikan-direct", "mikan")}
     p_runs = {
         a: sorted(r["metrics"]["spectral_mmd_p"] for r in recs
                   if r["arm"] == a and "spectral_mmd_p" in r["metrics"])
         for a in ("ikan-direct", "mikan")
     }
-    off = _stats(recs, "mikan", "copula_max_offdiag")
+    off = arm_stats(recs, "mikan", "copula_max_offdiag")
     rows = [
-        (a, _fmt(*st[a][:2], digits=4), ", ".join(f"{p:.3f}" for p in p_runs[a]), st[a][2])
+        (a, fmt_ci(*st[a][:2], digits=4), ", ".join(f"{p:.3f}" for p in p_runs[a]), st[a][2])
         for a in st
         if st[a][2]
     ]
@@ -537,7 +516,7 @@ def judge_fig5_spectral(recs: Sequence[dict]) -> tuple[str, str, dict[str, Any],
     table = markdown_table(head, rows)
     summary = (
         f"MIKAN's first-layer spectral points differ from GAT's fixed Gaussian (MMD permutation test, 5 %) "
-        f"in {sig} of {len(runs)} runs (MMD² {_fmt(*st['mikan'][:2], digits=4)}); its copula's largest "
+        f"in {sig} of {len(runs)} runs (MMD² {fmt_ci(*st['mikan'][:2], digits=4)}); its copula's largest "
         f"off-diagonal correlation {off[0]:.3f}"
     )
     figures = {
@@ -553,18 +532,18 @@ def judge_fig5_spectral(recs: Sequence[dict]) -> tuple[str, str, dict[str, Any],
 
 def judge_fig5(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
     """Fig. 5a–c (:func:`judge_fig5_spectral`) and 5d (MIKAN's heads vs GAT's), combined."""
-    st = {a: _stats(recs, a, "head_std") for a in ("gat", "ikan-direct", "mikan")}
+    st = {a: arm_stats(recs, a, "head_std") for a in ("gat", "ikan-direct", "mikan")}
     g, m = st["gat"], st["mikan"]
     more = m[0] > g[0]
     separated = m[0] - g[0] > m[1] + g[1]
     v_d = verdict(more and separated, partial=more)
     v_abc, s_abc, f_abc, t_abc = judge_fig5_spectral(recs)
-    rows = [(a, _fmt(*st[a][:2], digits=4)) for a in st]
+    rows = [(a, fmt_ci(*st[a][:2], digits=4)) for a in st]
     return ClaimResult(
-        verdict=_combine([v_abc, v_d]),
+        verdict=combine_verdicts([v_abc, v_d]),
         summary=(
             f"Fig. 5a-c: {s_abc} ({v_abc}). Fig. 5d: std of first-layer edge weights across heads: "
-            f"MIKAN {_fmt(*m[:2], digits=4)} vs GAT {_fmt(*g[:2], digits=4)} "
+            f"MIKAN {fmt_ci(*m[:2], digits=4)} vs GAT {fmt_ci(*g[:2], digits=4)} "
             f"({'larger' if more else 'not larger'}, {'beyond' if separated else 'within'} the CIs; {v_d})"
         ),
         figures={f"{a}_head_std": round(st[a][0], 5) for a in st} | f_abc,

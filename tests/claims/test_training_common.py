@@ -1,4 +1,5 @@
-"""The trained claims' scale note names the scale that ran (full sizes in full mode), from the records."""
+"""What the trained claims share: statistics, the mean ± CI table, verdict combination, and the
+scale note that names the scale that ran (full sizes in full mode), read from the records."""
 
 from __future__ import annotations
 
@@ -7,7 +8,14 @@ from pathlib import Path
 import pytest
 
 from attnopt.claims import ClaimContext, ClaimResult
-from attnopt.claims._training_common import describe_runs, scale_note
+from attnopt.claims._training_common import (
+    arm_stats,
+    combine_verdicts,
+    describe_runs,
+    mean_ci_or_nan,
+    mean_ci_table,
+    scale_note,
+)
 
 pytest.importorskip("attnopt.experiments._stats")
 
@@ -30,6 +38,19 @@ def _fake_records(task_name: str, *, quick: bool, metric: str = "accuracy", **pl
         }
         for i, c in enumerate(configs)
     ]
+
+
+def test_statistics_table_and_verdicts():
+    recs = [{"arm": "a", "metrics": {"x": v}} for v in (1.0, 2.0, 3.0)] + [{"arm": "b", "metrics": {}}]
+    m, h, n = arm_stats(recs, "a", "x")
+    assert (m, n) == (2.0, 3) and h == pytest.approx(4.302653 / 3**0.5, rel=1e-6)  # t(0.975, 2) · s / √n
+    assert all(x != x for x in mean_ci_or_nan([])) and arm_stats(recs, "b", "x")[2] == 0  # nan, no runs
+    table = mean_ci_table(recs, ["a", "c"], ["x"], {"a": 9, "c": 8}, count="seeds", show_missing=True)
+    assert "| a | 2.00 ± 2.48 | 3 | 9 |" in table and "| c | not run | 0 | 8 |" in table
+    assert "| c |" not in mean_ci_table(recs, ["a", "c"], ["x"], None)
+    assert combine_verdicts(["reproduced", "reproduced"]) == "reproduced"
+    assert combine_verdicts(["reproduced", "not reproduced"]) == "partially reproduced"
+    assert combine_verdicts(["not reproduced"]) == combine_verdicts([]) == "not reproduced"
 
 
 def test_describe_runs_counts_seeds_and_folds_and_lists_what_differs():
@@ -112,3 +133,21 @@ def test_ot_vit_full_mode_note(tmp_path: Path):
     recs = _fake_records("ot-vit", quick=False)
     details = ot_vit._with_scale(ctx, recs, ClaimResult("reproduced", "s")).details
     assert f"{full.seeds} seeds, {full.epochs} epochs" in details and "num_layers=4" in details
+
+
+def test_every_doubly_normalized_claim_ends_with_its_scale_note(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+):
+    from attnopt.claims import doubly_normalized_training as dn
+    from tests.claims.test_training_judges_golden import _DN_ARMS, _records
+
+    recs = _records(_DN_ARMS, seed=1, sign=1.0)
+    monkeypatch.setattr(dn, "records", lambda ctx, task: recs)  # noqa: ARG005
+    for key in ("table1", "fig3", "fig1_training", "table2", "table3", "fig4"):
+        ctx = ClaimContext(quick=True, out_dir=tmp_path, prefix=key)
+        res = getattr(dn, key)(ctx)
+        assert "Scale (quick)" in res.details
+        assert res.details.endswith("see the task's docstring for the stand-in.")
+        assert res.verdict == dn.__dict__[f"judge_{key.removesuffix('_training')}"](recs).verdict
+        if key.startswith("fig"):
+            assert len(ctx.images) == 1 and ctx.images[0].is_file()  # the figure joins the claim
