@@ -46,6 +46,8 @@ class _FusedFeatureKernel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        if torch.is_grad_enabled():  # create_graph=True: differentiate the plain ops (exact double backward)
+            return (*_plain_backward(ctx, dout), None)
         pq, pk, mt, v, f, den, ok, out = ctx.saved_tensors
         g = torch.where(ok, dout / den, torch.zeros_like(den))
         delta = (g * out).sum(-1, keepdim=True)
@@ -59,6 +61,21 @@ class _FusedFeatureKernel(torch.autograd.Function):
         dpq = torch.matmul(df, pk)
         dpk = torch.matmul(df.transpose(-2, -1), pq)
         return dpq, dpk, dm, dv, None
+
+
+def _plain_backward(ctx: Any, dout: Tensor) -> list[Tensor | None]:
+    """The gradients of :class:`_FusedFeatureKernel` from the same function in plain autograd ops,
+    with a graph (for ``create_graph=True``: the closed form uses untracked intermediates)."""
+    xs = ctx.saved_tensors[:4]  # pq, pk, mt, v: the inputs, tracked
+    need = [x for x, n in zip(xs, ctx.needs_input_grad[:4]) if n]
+    with torch.enable_grad():
+        f = torch.matmul(xs[0], xs[1].transpose(-2, -1))
+        num = torch.matmul(f * f + ctx.eps, torch.cat([xs[3] * xs[2], xs[2]], dim=-1))
+        den = num[..., -1:]
+        ok = den > 0
+        out = torch.where(ok, num[..., :-1] / torch.where(ok, den, torch.ones_like(den)), 0.0)
+    grads = iter(torch.autograd.grad(out, need, dout, create_graph=True, allow_unused=True))
+    return [next(grads) if n else None for n in ctx.needs_input_grad[:4]]
 
 
 def fused_feature_kernel_attention(
@@ -114,6 +131,10 @@ class _FusedFourier(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        if torch.is_grad_enabled():  # the closed form below uses untracked intermediates
+            raise RuntimeError(
+                "kernel_attention's fused Fourier-feature node has no double backward (create_graph=True)"
+            )
         # With A_ij = W_ij m_j, g = dO/den, δ_i = <g_i, O_i>, dA_ij = <g_i, v_j> − δ_i:
         # dW_ij = <[g_i, −δ_i], [m_j v_j, m_j]> (one matmul), T = Wᵀ[g, −δ] gives
         # dv_j = m_j T_j[:dv] and dm_j = <v_j, T_j[:dv]> + T_j[dv]: one pass over Nq×Nk (dW ⊙ f).

@@ -112,6 +112,10 @@ class _LpHalfSquare(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, None, None]:  # type: ignore[override]
         x, pw, total, live = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: recompute with tracked ops (exact double backward)
+            ax = x.abs()
+            pw = _abs_pow(ax, ctx.p - 1.0)
+            total = (ax * pw).sum(-1)
         coef = torch.where(live, g * ctx.scale * total.pow(2.0 / ctx.p - 1.0), 0.0)
         return pw * x.sign() * coef.unsqueeze(-1), None, None
 
