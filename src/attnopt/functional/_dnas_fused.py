@@ -45,6 +45,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnopt.functional import _dnas_native
+
 __all__ = ["fused_sinkhorn"]
 
 
@@ -312,6 +314,9 @@ def fused_sinkhorn(
     ``w`` broadcastable to ``(B, H, 1, 1)``, both 4-D with batch / head dims of size 1 or full;
     ``Nq, Nk >= 1``.
     """
+    lib = _dnas_native.library(q, iterations)
+    if lib is not None:  # K = 1, float32, CPU: the C passes of _native/dnas.c
+        return _dnas_native.native_sinkhorn(lib, q, k, v, w, mask, causal, scale)
     info = [True]
     out: Tensor = _FusedSinkhorn.apply(q, k, v, w, mask, causal, scale, iterations, info)
     return out if info[0] else None

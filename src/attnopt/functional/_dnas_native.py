@@ -1,0 +1,189 @@
+r"""Native (C) DNAS / HNAS, one Sinkhorn step, float32 on CPU (internal; ``_native/dnas.c``).
+
+Same math as :mod:`._dnas_fused` (scaling form ``E = e^{S − m}`` with column maxima ``m``,
+doubly-normalized-attention eq. (6)–(8) and Sec. 6), with all ``Nq × Nk`` elementwise work of
+each direction in one C call per chunk of heads, so that every matmul has the inner width of
+the head (``d`` or ``dv``) instead of ``2·dv + 2`` and no elementwise pass leaves the cache:
+
+* forward: ``S = (scale·Q) Kᵀ``; in C, per head: column maxima; ``E`` and its column sums ``z``
+  (``β = 1/z``); per row ``r_i = Σ_j E_ij β_j`` (and ``ρ_i = Σ_j E_ij u_j``), then ``E`` is
+  overwritten by the weights ``P = E ⊙ (w α_i β_j + (1 − w) u_j / ρ_i)`` (``α = 1/r``;
+  DNAS: ``w = 1``); ``out = P V``. Saved: O(N) per head (``m, β, u, α, 1/ρ``).
+* backward: ``S`` again and ``dP = dO Vᵀ``; in C, pass A rebuilds ``E`` (bitwise as in the
+  forward) with the row terms ``δ^D_i = <dO_i, out^D_i> = α_i Σ_j E_ij β_j dP_ij``,
+  ``δ^L_i = <dO_i, out^L_i>`` and the column sums ``γ_j = Σ_i E_ij (w α_i dP_ij + c_i)``,
+  ``c_i = −w α_i δ^D_i``; pass B writes
+  ``dS_ij = E_ij [dP_ij f_ij + c_i β_j − β_j² γ_j − (1 − w) δ^L_i u_j / ρ_i]``,
+  ``f_ij = w α_i β_j + (1 − w) u_j / ρ_i``, and ``P = E ⊙ f``; then ``dV = Pᵀ dO``,
+  ``dQ = scale·dS K``, ``dK = dSᵀ (scale·Q)``, ``∂L/∂w = Σ_i (δ^D_i − δ^L_i)``.
+
+That is the closed form of :mod:`._dnas_fused` for K = 1 with its rank-one terms applied
+elementwise. Masks: a key-only mask ``(…, 1, Nk)`` is never added to ``S`` — a finite key bias
+cancels in ``E`` (it shifts ``S_·j`` and ``m_j`` alike) and enters only the LNAS factor
+``u_j = e^{m_j + b_j − μ}``; a dropped key gets ``m_j = +∞`` (``E_·j = 0``). ``is_causal`` is
+applied inside the passes (no mask tensor, the hidden half is skipped); a full
+``(…, Nq, Nk)`` mask is added to ``S``.
+
+The C exponential is a polynomial (about 1.4 ulp; 0 below ``e^{−87}``); results agree with the
+PyTorch path of :mod:`._dnas_fused` to float32 rounding. A chunk holds about
+:data:`CHUNK_ENTRIES` scores per thread (``S`` and ``dP`` stay in a 2 MiB L2 cache); its heads
+are split over ``torch.get_num_threads()`` threads (:func:`attnopt._native.parallel_rows`).
+Underflow of a row normalizer of an admissible row returns ``None`` (the caller recomputes in
+the log domain), as in :mod:`._dnas_fused`.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnopt import _native
+
+__all__ = ["library", "native_sinkhorn", "CHUNK_ENTRIES"]
+
+#: Score entries per thread in one chunk (1 MiB of float32: ``S`` and ``dP`` of the backward fit a
+#: 2 MiB L2 together; measured at N = 512, d = 16: 2^18 ran faster than 2^20).
+CHUNK_ENTRIES = 1 << 18
+
+_I64, _INT = ctypes.c_int64, ctypes.c_int
+
+
+def library(q: Tensor, iterations: int) -> ctypes.CDLL | None:
+    """The compiled ``dnas.c`` when the native path applies (K = 1, float32, CPU), else ``None``."""
+    if iterations != 1 or q.dtype != torch.float32 or q.device.type != "cpu":
+        return None
+    return _native.library("dnas")
+
+
+def _p(x: Tensor | None) -> ctypes.c_void_p | None:
+    return None if x is None else ctypes.c_void_p(x.data_ptr())
+
+
+def _chunks(g: int, per_head: int) -> list[tuple[int, int]]:
+    """Head ranges ``[h0, h1)`` of about ``CHUNK_ENTRIES`` scores per thread."""
+    step = max(1, CHUNK_ENTRIES * max(1, torch.get_num_threads()) // max(per_head, 1))
+    return [(h, min(h + step, g)) for h in range(0, g, step)]
+
+
+def _heads(call: Any, h0: int, h1: int, per_head: int) -> None:
+    """``call(a, b)`` over the absolute heads ``[h0, h1)``, split over threads."""
+    _native.parallel_rows(lambda a, b: call(h0 + a, h0 + b), h1 - h0, per_head)
+
+
+def _flat(x: Tensor | None, b: int, h: int, tail: tuple[int, ...]) -> Tensor | None:
+    """``x`` broadcast to ``(b, h, *tail)`` as a contiguous ``(b·h, *tail)`` float32 tensor."""
+    if x is None:
+        return None
+    return x.expand(b, h, *tail).reshape(b * h, *tail).contiguous()
+
+
+def _add_mask(s: Tensor, full: Tensor, h: int, h0: int, h1: int) -> None:
+    """``s += mask`` for the flat heads ``[h0, h1)`` (``mask`` 4-D, batch / head dims 1 or full)."""
+    for bi in range(h0 // h, (h1 - 1) // h + 1):
+        lo, hi = max(h0, bi * h), min(h1, (bi + 1) * h)
+        mb = full[bi if full.shape[0] > 1 else 0]
+        s[lo - h0 : hi - h0].add_(mb[lo - bi * h : hi - bi * h] if mb.shape[0] > 1 else mb)
+
+
+class _NativeSinkhorn(torch.autograd.Function):
+    """DNAS (``w is None``) or HNAS, K = 1, on contiguous 4-D ``(B, H, N, ·)`` float32 inputs."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, causal: bool,
+        scale: float, lib: ctypes.CDLL, info: list[bool],
+    ) -> Tensor:
+        b, h, nq, _ = q.shape
+        nk, dv = k.shape[-2], v.shape[-1]
+        g = b * h
+        qs = (q * scale).reshape(g, nq, -1)
+        k3, v3 = k.reshape(g, nk, -1), v.reshape(g, nk, dv)
+        key_only = mask is not None and mask.shape[-2] == 1
+        kbias = _flat(mask, b, h, (1, nk)) if key_only else None
+        full = mask if mask is not None and not key_only else None
+        wv = _flat(w, b, h, (1, 1))
+        m, beta = q.new_empty(g, nk), q.new_empty(g, nk)
+        u = q.new_empty(g, nk) if w is not None else None
+        alpha, rs = q.new_empty(g, nq), q.new_empty(g, nq)
+        binv, rho = (q.new_empty(g, nq), q.new_empty(g, nq)) if w is not None else (None, None)
+        out = q.new_empty(g, nq, dv)
+        parts = _chunks(g, nq * nk)
+        work = q.new_empty((parts[0][1] - parts[0][0]) * nq * nk)
+        c = _INT(int(causal))
+        for h0, h1 in parts:
+            ws = work[: (h1 - h0) * nq * nk].view(-1, nq, nk)
+            s = torch.bmm(qs[h0:h1], k3[h0:h1].transpose(-2, -1), out=ws)
+            if full is not None:
+                _add_mask(s, full, h, h0, h1)
+            _heads(lambda a, e, s=s, h0=h0: lib.dn_fwd(
+                _p(s), _I64(h0), _p(kbias), _p(wv), _p(m), _p(beta), _p(u), _p(alpha), _p(binv), _p(rs),
+                _p(rho), _I64(a), _I64(e), _I64(nq), _I64(nk), c), h0, h1, nq * nk)
+            torch.bmm(s, v3[h0:h1], out=out[h0:h1])
+        thr = torch.finfo(torch.float32).tiny * 2.0**40
+        dens = rs if rho is None else torch.minimum(rs, rho)
+        low = dens < thr
+        if bool(low.any()):
+            fin = torch.ones(g, nq, nk, dtype=torch.bool)
+            if full is not None:
+                fin = fin & torch.isfinite(full).expand(b, h, nq, nk).reshape(g, nq, nk)
+            if kbias is not None:
+                fin = fin & torch.isfinite(kbias)
+            if causal:
+                fin = fin & torch.ones(nq, nk, dtype=torch.bool).tril_()
+            if bool((low & fin.any(-1)).any()):
+                info[0] = False
+                return q.new_empty(0)
+        ctx.save_for_backward(qs, k3, v3, wv, full, m, beta, u, alpha, binv)
+        ctx.shape = (b, h, nq, nk, causal, scale, lib, w is not None and w.requires_grad)
+        ctx.w_shape = None if w is None else w.shape
+        return out.view(b, h, nq, dv)
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        qs, k3, v3, wv, full, m, beta, u, alpha, binv = ctx.saved_tensors
+        b, h, nq, nk, causal, scale, lib, _ = ctx.shape
+        g, dv_ = b * h, v3.shape[-1]
+        need_w = ctx.w_shape is not None and ctx.needs_input_grad[3]
+        d3 = dout.reshape(g, nq, dv_).contiguous()
+        dq, dk, dvv = torch.empty_like(qs), torch.empty_like(k3), torch.empty_like(v3)
+        drow = qs.new_empty(g, nq) if need_w else None
+        parts = _chunks(g, nq * nk)
+        n = (parts[0][1] - parts[0][0]) * nq * nk
+        work, work2 = qs.new_empty(n), qs.new_empty(n)
+        c = _INT(int(causal))
+        for h0, h1 in parts:
+            size = (h1 - h0) * nq * nk
+            s = torch.bmm(qs[h0:h1], k3[h0:h1].transpose(-2, -1), out=work[:size].view(-1, nq, nk))
+            if full is not None:
+                _add_mask(s, full, h, h0, h1)
+            dp = torch.bmm(d3[h0:h1], v3[h0:h1].transpose(-2, -1), out=work2[:size].view(-1, nq, nk))
+            _heads(lambda a, e, s=s, dp=dp, h0=h0: lib.dn_bwd(
+                _p(s), _p(dp), _I64(h0), _p(wv), _p(m), _p(beta), _p(u), _p(alpha), _p(binv), _p(drow),
+                _I64(a), _I64(e), _I64(nq), _I64(nk), c), h0, h1, nq * nk)
+            torch.bmm(s.transpose(-2, -1), d3[h0:h1], out=dvv[h0:h1])
+            torch.bmm(dp, k3[h0:h1], out=dq[h0:h1])
+            torch.bmm(dp.transpose(-2, -1), qs[h0:h1], out=dk[h0:h1])
+        dq.mul_(scale)
+        dw = None
+        if drow is not None:
+            from attnopt.functional._dnas_fused import _reduce_to
+
+            dw = _reduce_to(drow.view(b, h, nq, 1), ctx.w_shape)
+        return (dq.view(b, h, nq, -1), dk.view(b, h, nk, -1), dvv.view(b, h, nk, dv_), dw,
+                None, None, None, None, None)
+
+
+def native_sinkhorn(
+    lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, causal: bool,
+    scale: float,
+) -> Tensor | None:
+    """DNAS (``w=None``) or HNAS (K = 1) on contiguous ``(B, H, N, ·)`` float32; ``None`` on underflow.
+
+    Arguments as :func:`attnopt.functional._dnas_fused.fused_sinkhorn`.
+    """
+    info = [True]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out: Tensor = _NativeSinkhorn.apply(q, k, v, w, mask, causal, scale, lib, info)
+    return out if info[0] else None
