@@ -32,6 +32,10 @@ score entries, so that the ``Nq × Nk`` temporaries stay in cache; one workspace
 reused by every chunk; the backward recomputes ``E`` of a chunk from its saved column maxima
 (bitwise the same ops), so only O(N) state per head is kept between forward and backward.
 
+Native passes. For K = 1 in float32 on CPU, :func:`fused_sinkhorn` hands the call to
+:mod:`._dnas_native` (the same math with the elementwise work of each direction in C, every
+matmul at head width) when ``attnopt._native`` can build it; this module is its fallback.
+
 Underflow. ``z_j ≥ 1``, but a later normalizer can underflow: ``σ_i`` for a row dominated by
 other rows in every column, ``ρ_i`` for a row whose best score is far below the head's best.
 When a normalizer of an admissible row or key falls below ``tiny·2^40`` the caller recomputes

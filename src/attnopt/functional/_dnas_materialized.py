@@ -2,10 +2,12 @@ r"""Materialized DNAS / Sinkhorn-K / HNAS (internal): the dispatcher and the pro
 
 :func:`materialized_sinkhorn_attention` runs the fused scaling-form kernel of :mod:`._dnas_fused`
 (one exponential, chunked over batch × heads, O(N) saved state) when the scores exceed one
-cache-sized chunk (``B·H·Nq·Nk >`` :data:`FUSED_MIN_ENTRIES`). Smaller problems, and any call
-where that kernel reports an underflowing normalizer, run :class:`_MaterializedSinkhorn` below
-(it saves the weights instead of recomputing, which wins while everything fits in cache —
-measured at d = 64, N = 64–256 — and handles a dominated row in the log domain).
+cache-sized chunk (``B·H·Nq·Nk >`` :data:`FUSED_MIN_ENTRIES`), or, where its native C passes
+apply (K = 1, float32, CPU: :mod:`._dnas_native`), from :data:`NATIVE_MIN_ENTRIES`. Smaller
+problems, and any call where that kernel reports an underflowing normalizer, run
+:class:`_MaterializedSinkhorn` below (it saves the weights instead of recomputing, which wins
+while everything fits in cache — measured at d = 64, N = 64–256 — and handles a dominated row
+in the log domain).
 
 doubly-normalized-attention eq. (6)–(8), (10), Sec. 6. Scores ``S = scale·QKᵀ + M`` are formed
 once; the normalizations run in place in the probability domain:
@@ -40,7 +42,7 @@ import torch
 from torch import Tensor
 
 from attnopt._validation import additive_mask
-from attnopt.functional import _dnas_fused, dispatch
+from attnopt.functional import _dnas_fused, _dnas_native, dispatch
 from attnopt.functional._dnas_fused import _reduce_to, fused_sinkhorn
 
 __all__ = ["materialized_sinkhorn_attention", "dispatched_sinkhorn"]
@@ -48,6 +50,11 @@ __all__ = ["materialized_sinkhorn_attention", "dispatched_sinkhorn"]
 #: Above this many score entries (``B·H·Nq·Nk``) the scaling-form kernel of :mod:`._dnas_fused`
 #: runs; at or below it the probability-domain kernel below (one cache-sized chunk).
 FUSED_MIN_ENTRIES = _dnas_fused.CHUNK_ENTRIES
+
+#: With the native passes (:mod:`._dnas_native`: K = 1, float32, CPU) the fused kernel runs from
+#: this many score entries on (measured fwd+bwd, d = 64, 1 thread: at B·H·N² = 8·256² HNAS 1.30×
+#: SDPA vs 1.77× here, DNAS 1.27× vs 1.30×; at 64·64² equal for DNAS; below, the kernel here wins).
+NATIVE_MIN_ENTRIES = 1 << 18
 
 
 def _scores(qs: Tensor, k: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
@@ -206,7 +213,8 @@ def materialized_sinkhorn_attention(
     entries = nq * nk
     for n in batch:
         entries *= n
-    if entries > FUSED_MIN_ENTRIES:  # more than one cache-sized chunk: the scaling-form kernel
+    native = entries >= NATIVE_MIN_ENTRIES and _dnas_native.library(qkv[0], iterations) is not None
+    if entries > FUSED_MIN_ENTRIES or native:  # more than one cache-sized chunk, or the C passes
         fused = _fused_4d(qkv, wc, m, is_causal, scale, batch, iterations)
         if fused is not None:
             return fused.to(orig)
