@@ -16,7 +16,10 @@ one CPU thread, ``attnopt bench --only small_n``, loaded 2-core machine): fused 
 SDPA vs streaming 1.92× / 1.96× (DNAS, B·H = 64 and 8 at N = 512), and still 1.39× vs 1.80× at
 B·H·N² = 2^26 (B·H = 64, N = 1024); at d = 16 (B·H = 128, N = 513) 1.8× vs 2.2×. Its memory is
 one chunk's workspace plus O(N) per head, so the default 2^26 is where measuring stopped:
-larger problems stream. Sparse / generalized: the materialized path stopped winning at the same ``B·H·N²``
+larger problems stream. With the native C passes (:mod:`._dnas_native`: K = 1, float32, CPU) the
+fused kernel runs from B·H·N² = 2^18 and measured 1.08× (DNAS) / 1.10× (HNAS) SDPA at B·H = 8,
+N = 512 and 0.8× at N = 256 (PyTorch path: 1.57× / 2.25×, 1.62× / 1.86×). Sparse / generalized:
+the materialized path stopped winning at the same ``B·H·N²``
 for B·H = 8 and 64 (faster at 8·512² and 64·256², slower at 8·1024² and 64·512²). Same values on
 every device (no GPU was measured). Both paths compute the same function up to float
 rounding; both are tested against the float64 reference.
