@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from attnopt import _native
 
@@ -141,6 +142,7 @@ class _NativeSinkhorn(torch.autograd.Function):
         return out.view(b, h, nq, dv)
 
     @staticmethod
+    @once_differentiable  # the C passes build no graph: a second derivative raises instead of lying
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         qs, k3, v3, wv, full, m, beta, u, alpha, binv = ctx.saved_tensors
         b, h, nq, nk, causal, scale, lib, _ = ctx.shape
