@@ -1,4 +1,8 @@
-"""The CPU candidate-group forward and the row-block backward agree with the dense algorithm."""
+"""The CPU candidate-group forward and the row-block backward agree with the dense algorithm.
+
+These are the PyTorch paths, the fallback of the C kernels (tests/functional/test_sparse_native.py):
+every test here runs with ``ATTNOPT_NATIVE=0``.
+"""
 from __future__ import annotations
 
 import importlib
@@ -10,6 +14,12 @@ from attnopt.functional import _entmax15_passes, _sparse_groups, entmax, sparsem
 from tests.reference.regularized import entmax15_sort
 
 entmax_mod = importlib.import_module("attnopt.functional.entmax")  # the module, not the function
+
+
+@pytest.fixture(autouse=True)
+def _pytorch_path(monkeypatch):
+    """Force the PyTorch fallback of the native kernels."""
+    monkeypatch.setenv("ATTNOPT_NATIVE", "0")
 
 
 def _map(alpha):

@@ -22,6 +22,10 @@ How it is computed (no fixed iteration count hiding error):
   Large contiguous CPU inputs (last dim) take :mod:`attnopt.functional._entmax15_passes`
   instead: the same closed form from a group-max guess, verified in a second pass, with reruns
   and this dense search for the rows it rejects — two streaming passes per cache block.
+* α = 1.5 and 2 along the last dim of float32/float64 CPU tensors: the C kernels of
+  :mod:`attnopt.functional._sparse_native` (same closed forms, same acceptance of the support,
+  a few sweeps per row in the L1 cache; forward and backward), when a C compiler is available
+  and ``ATTNOPT_NATIVE`` is not ``0``; the PyTorch paths above are their fallback.
 
 Backward (closed form, only the output is saved): with ``g = p^{2−α}`` on the support,
 ``∂L/∂s = g ⊙ (d − (Σ g d)/(Σ g))`` for the incoming gradient ``d`` (every α > 0); for a
@@ -44,6 +48,7 @@ from torch import Tensor
 
 from attnopt._validation import check_tensor
 from attnopt.functional import _sparse_groups as _groups
+from attnopt.functional import _sparse_native as _native_maps
 from attnopt.functional._entmax15_passes import entmax15_passes
 
 __all__ = ["sparsemax", "entmax"]
@@ -240,8 +245,11 @@ def _chunked(
 def _threshold_map(x: Tensor, alpha: float, dim: int, max_iter: int, tol: float) -> tuple[Tensor, Tensor]:
     """Forward of the float-α map returning ``(p, θ)``; :func:`_map_from_threshold` recomputes ``p``.
 
-    Large CPU inputs (last dim) go through the exact candidate-group path of
-    :mod:`attnopt.functional._sparse_groups` when their rows are sparse, else the dense search.
+    Sparsemax and 1.5-entmax along the last dim of a float32/float64 CPU tensor run
+    the C kernels of :mod:`attnopt.functional._sparse_native` when they are built (the
+    PyTorch paths below are the fallback). Otherwise large CPU inputs (last dim) go through
+    the exact candidate-group path of :mod:`attnopt.functional._sparse_groups` when their rows
+    are sparse, else the dense search.
     """
     core: Callable[[Tensor, int], tuple[Tensor, Tensor]]
     solve: _groups.Solver
@@ -261,6 +269,14 @@ def _threshold_map(x: Tensor, alpha: float, dim: int, max_iter: int, tol: float)
 
         def solve(t: Tensor, th0: Tensor | None, cap: int | None) -> tuple[Tensor, Tensor]:
             return _entmax_general_forward(t, a, -1, tol, cap or max_iter, th0, warn=cap is None)
+    if alpha in (1.5, 2.0) and _native_maps.usable(x, dim):
+        p, theta, redo = _native_maps.forward(x, alpha, tol, max_iter)
+        if redo.numel():  # rows the C search did not settle: the PyTorch search (warns if it fails too)
+            n = x.shape[-1]
+            p_redo, theta_redo = core(x.view(-1, n).index_select(0, redo), -1)
+            p.view(-1, n).index_copy_(0, redo, p_redo)
+            theta.view(-1, 1).index_copy_(0, redo, theta_redo)
+        return p, theta
     if alpha == 1.5 and _groups.usable(x, dim):
 
         def dense(z: Tensor, c0: Tensor) -> tuple[Tensor, Tensor]:  # z: shifted rows, c0: a lower bound
@@ -336,6 +352,9 @@ def _backward_rows(p: Tensor, grad: Tensor, alpha: float) -> Tensor:
 
 def _entmax_backward(p: Tensor, grad: Tensor, alpha: Tensor | float, dim: int) -> Tensor:
     """``g ⊙ (d − Σ g d / Σ g)`` with ``g = p^{2−α}`` on the support (few large temporaries)."""
+    if (isinstance(alpha, float) and alpha in (1.5, 2.0) and grad.shape == p.shape
+            and _native_maps.usable(p, dim)):
+        return _native_maps.backward(p, grad, alpha)
     if (isinstance(alpha, float) and 1.0 < alpha <= 2.0 and _groups.usable(p, dim)
             and grad.shape == p.shape and grad.dtype == p.dtype):
         return _backward_rows(p, grad, alpha)

@@ -1,0 +1,107 @@
+r"""Native (C) forward and backward of sparsemax and 1.5-entmax on contiguous CPU rows (internal).
+
+sdpa-one-sided-eot Prop. 4.2–4.3. The kernels are ``attnopt/_native/sparse_maps.c``, built
+on first use by :mod:`attnopt._native`; rows are split over ``torch.get_num_threads()``
+threads. Each row is a handful of vectorized sweeps over a few kB that stay in the L1 cache,
+where the PyTorch-op search (:mod:`attnopt.functional._entmax15_passes`,
+:mod:`attnopt.functional._sparse_groups`) pays a dozen streaming ops per cache block and a
+thread barrier after each. Per row, with ``z = x − max x`` (written once into the output):
+
+* **1.5-entmax**, ``p = ([z − c]₊/2)²`` with ``‖[z − c]₊‖² = 4``, ``c ∈ [−2, 0]``: every sweep
+  evaluates ``k = |S|``, ``s₁ = Σ_S v``, ``s₂ = Σ_S v²`` (``v = z − c``, ``S = {z > c}``) at a
+  trial ``c``. The next trial is the sort algorithm's closed form on ``S`` (Peters et al.,
+  2019), ``c + (s₂ − 4)/(s₁ + √(s₁² − k(s₂ − 4)))`` (the smaller root, written without
+  cancellation), else Newton's ``c + (‖v‖ − 2)‖v‖/s₁``, else bisection, always strictly inside
+  the bracket of the root that the signs of ``s₂ − 4`` give. A trial is accepted when its
+  support has the size of the support its closed form was computed on — the sets are nested,
+  so they are equal, and ``c`` is the exact threshold — (with ``|s₂/4 − 1| ≤ 4096 ε`` as a
+  guard), or when ``|s₂/4 − 1| ≤ tol`` (entries tied at the threshold, which carry ``p = 0``).
+  Then ``p = v²/s₂``.
+* **sparsemax**, ``p = [z − t]₊`` with ``Σ p = 1``: Michelot's algorithm from the lower bound
+  ``t = −1`` (``t ← t + (s₁ − 1)/k``, the closed form on ``S``); exact once ``k`` stops changing.
+
+Sums are vectorized in the input precision over blocks of 256 entries and carried in double.
+A row whose search does not settle within ``max_iter`` sweeps is reported, and the caller
+reruns it on the PyTorch path (never a silent wrong row).
+
+Backward (the closed forms of :func:`attnopt.functional.entmax._entmax_backward`):
+``∂L/∂x = s ⊙ (g − ⟨s, g⟩/⟨s, 1⟩)`` with ``s = √p`` (1.5-entmax) or ``s = 1_{p>0}`` (sparsemax).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import Tensor
+
+from attnopt import _native
+
+__all__ = ["backward", "forward", "usable"]
+
+_LIB = "sparse_maps"
+_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+
+
+def usable(x: Tensor, dim: int) -> bool:
+    """A float32/float64 CPU tensor reduced along its last dim (copied if not contiguous), and
+    the kernel built."""
+    return (x.device.type == "cpu" and x.dtype in _SUFFIX and x.dim() >= 1 and dim % x.dim() == x.dim() - 1
+            and x.numel() > 0 and _native.library(_LIB) is not None)
+
+
+def _ptr(t: Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def forward(x: Tensor, alpha: float, tol: float, max_iter: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(p, θ, redo)`` of sparsemax (``alpha = 2``) or 1.5-entmax along the last dim of ``x``.
+
+    ``θ`` (shape ``(..., 1)``) is the threshold of :func:`attnopt.functional.entmax._map_from_threshold`:
+    ``p = [(α−1)(x − max x) − θ]₊^{1/(α−1)}``. ``redo`` holds the flat indices of the rows whose
+    search did not settle (their ``p`` and ``θ`` are to be recomputed by the caller).
+
+    Raises:
+        ValueError: NaN or ``+inf`` in ``x``.
+    """
+    lib = _native.library(_LIB)
+    assert lib is not None and x.dtype in _SUFFIX
+    x = x.contiguous()
+    n = x.shape[-1]
+    rows = x.numel() // n
+    p = torch.empty_like(x)
+    theta = torch.empty((*x.shape[:-1], 1), dtype=x.dtype)
+    status = torch.empty(rows, dtype=torch.int8)
+    args = (_ptr(x), _ptr(p), _ptr(theta), _ptr(status))
+    if alpha == 2.0:
+        fn = getattr(lib, f"sparsemax_fwd_{_SUFFIX[x.dtype]}")
+        tail: tuple[ctypes.c_int64 | ctypes.c_double, ...] = (ctypes.c_int64(n), ctypes.c_int64(max_iter))
+    else:
+        fn = getattr(lib, f"entmax15_fwd_{_SUFFIX[x.dtype]}")
+        tail = (ctypes.c_int64(n), ctypes.c_double(tol), ctypes.c_int64(max_iter))
+
+    def call(r0: int, r1: int) -> None:
+        fn(*args, ctypes.c_int64(r0), ctypes.c_int64(r1), *tail)
+
+    _native.parallel_rows(call, rows, n)
+    if bool((status == 2).any()):
+        raise ValueError("scores must not contain NaN or +inf (use -inf to mask an entry)")
+    return p, theta, (status == 1).nonzero().view(-1)
+
+
+def backward(p: Tensor, grad: Tensor, alpha: float) -> Tensor:
+    """``s ⊙ (g − ⟨s, g⟩/⟨s, 1⟩)`` along the last dim (``s = √p``, or ``1_{p>0}`` for ``alpha = 2``)."""
+    lib = _native.library(_LIB)
+    assert lib is not None and p.dtype in _SUFFIX
+    p = p.contiguous()
+    g = grad.to(p.dtype).contiguous()
+    n = p.shape[-1]
+    out = torch.empty_like(p)
+    name = "sparsemax_bwd" if alpha == 2.0 else "entmax15_bwd"
+    fn = getattr(lib, f"{name}_{_SUFFIX[p.dtype]}")
+    args = (_ptr(p), _ptr(g), _ptr(out))
+
+    def call(r0: int, r1: int) -> None:
+        fn(*args, ctypes.c_int64(r0), ctypes.c_int64(r1), ctypes.c_int64(n))
+
+    _native.parallel_rows(call, p.numel() // n, n)
+    return out
