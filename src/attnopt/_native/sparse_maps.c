@@ -1,13 +1,14 @@
 /* Exact CPU forward and backward of sparsemax and 1.5-entmax along contiguous rows.
  *
  * Python side: attnopt/functional/_sparse_native.py (which documents the algorithm).
- * Entry points, for T = float (suffix f32) and T = double (suffix f64), rows [r0, r1) of
- * row length n:
+ * Entry points, for T = float (suffix f32) and T = double (suffix f64), on `rows` contiguous
+ * rows of length n; every thread of a call runs the same call and claims runs of rows from the
+ * shared counter *next (0 at the start):
  *
- *   entmax15_fwd_S(x, p, theta, status, r0, r1, n, tol, max_iter)
- *   sparsemax_fwd_S(x, p, theta, status, r0, r1, n, max_iter)
- *   entmax15_bwd_S(p, g, out, r0, r1, n)      out = s (g - <s, g>/<s, 1>),  s = sqrt(p)
- *   sparsemax_bwd_S(p, g, out, r0, r1, n)     out = 1_S (g - mean_S g),     S = {p > 0}
+ *   entmax15_fwd_S(x, p, theta, status, next, rows, n, tol, max_iter)
+ *   sparsemax_fwd_S(x, p, theta, status, next, rows, n, max_iter)
+ *   entmax15_bwd_S(p, g, out, next, rows, n)      out = s (g - <s, g>/<s, 1>),  s = sqrt(p)
+ *   sparsemax_bwd_S(p, g, out, next, rows, n)     out = 1_S (g - mean_S g),     S = {p > 0}
  *
  * theta is the row's threshold relative to the row max m (sparsemax: p = [x - m - theta]+;
  * 1.5-entmax: p = [(x - m)/2 - theta]+^2). status[r]: 0 done, 1 the search did not settle
@@ -23,7 +24,18 @@
 #include <stdint.h>
 
 #define BLK 256
+#define CHUNK 16384 /* entries per claimed run of rows */
 #define CAT2(a, b) a##_##b
+
+/* Claim the next run of rows [r0, *r1) from the shared counter (returns r0; >= rows: none left).
+ * Every thread of a call loops on it: a thread that is descheduled on a busy machine does not
+ * hold the others up, and each row's result does not depend on which thread computed it. */
+static inline int64_t claim(int64_t *next, int64_t rows, int64_t n, int64_t *r1) {
+  int64_t step = n < CHUNK ? CHUNK / n : 1;
+  int64_t r0 = __atomic_fetch_add(next, step, __ATOMIC_RELAXED);
+  *r1 = r0 + step < rows ? r0 + step : rows;
+  return r0;
+}
 #define CAT(a, b) CAT2(a, b)
 
 #define SM_T float
@@ -213,17 +225,22 @@ static int FN(sparsemax_row)(const T *x, T *p, T *theta, int64_t n, int64_t max_
   return 1;
 }
 
-void FN(entmax15_fwd)(const T *x, T *p, T *theta, int8_t *status, int64_t r0, int64_t r1, int64_t n,
+void FN(entmax15_fwd)(const T *x, T *p, T *theta, int8_t *status, int64_t *next, int64_t rows, int64_t n,
                       double tol, int64_t max_iter) {
-  for (int64_t r = r0; r < r1; ++r) status[r] = (int8_t)FN(entmax15_row)(x + r * n, p + r * n, theta + r, n, tol, max_iter);
+  for (int64_t r0, r1; (r0 = claim(next, rows, n, &r1)) < rows;)
+    for (int64_t r = r0; r < r1; ++r)
+      status[r] = (int8_t)FN(entmax15_row)(x + r * n, p + r * n, theta + r, n, tol, max_iter);
 }
 
-void FN(sparsemax_fwd)(const T *x, T *p, T *theta, int8_t *status, int64_t r0, int64_t r1, int64_t n,
+void FN(sparsemax_fwd)(const T *x, T *p, T *theta, int8_t *status, int64_t *next, int64_t rows, int64_t n,
                        int64_t max_iter) {
-  for (int64_t r = r0; r < r1; ++r) status[r] = (int8_t)FN(sparsemax_row)(x + r * n, p + r * n, theta + r, n, max_iter);
+  for (int64_t r0, r1; (r0 = claim(next, rows, n, &r1)) < rows;)
+    for (int64_t r = r0; r < r1; ++r)
+      status[r] = (int8_t)FN(sparsemax_row)(x + r * n, p + r * n, theta + r, n, max_iter);
 }
 
-void FN(entmax15_bwd)(const T *p, const T *g, T *out, int64_t r0, int64_t r1, int64_t n) {
+void FN(entmax15_bwd)(const T *p, const T *g, T *out, int64_t *next, int64_t rows, int64_t n) {
+  for (int64_t r0, r1; (r0 = claim(next, rows, n, &r1)) < rows;)
   for (int64_t r = r0; r < r1; ++r) {
     const T *pr = p + r * n, *gr = g + r * n;
     T *o = out + r * n;
@@ -249,7 +266,8 @@ void FN(entmax15_bwd)(const T *p, const T *g, T *out, int64_t r0, int64_t r1, in
   }
 }
 
-void FN(sparsemax_bwd)(const T *p, const T *g, T *out, int64_t r0, int64_t r1, int64_t n) {
+void FN(sparsemax_bwd)(const T *p, const T *g, T *out, int64_t *next, int64_t rows, int64_t n) {
+  for (int64_t r0, r1; (r0 = claim(next, rows, n, &r1)) < rows;)
   for (int64_t r = r0; r < r1; ++r) {
     const T *pr = p + r * n, *gr = g + r * n;
     T *o = out + r * n;

@@ -1,11 +1,13 @@
 r"""Native (C) forward and backward of sparsemax and 1.5-entmax on contiguous CPU rows (internal).
 
 sdpa-one-sided-eot Prop. 4.2–4.3. The kernels are ``attnopt/_native/sparse_maps.c``, built
-on first use by :mod:`attnopt._native`; rows are split over ``torch.get_num_threads()``
-threads. Each row is a handful of vectorized sweeps over a few kB that stay in the L1 cache,
-where the PyTorch-op search (:mod:`attnopt.functional._entmax15_passes`,
-:mod:`attnopt.functional._sparse_groups`) pays a dozen streaming ops per cache block and a
-thread barrier after each. Per row, with ``z = x − max x`` (written once into the output):
+on first use by :mod:`attnopt._native`; ``torch.get_num_threads()`` threads
+(:func:`attnopt._native.parallel_rows`) claim runs of rows from a shared counter, so a thread
+that a loaded machine deschedules does not hold up the call. Each row is a handful of
+vectorized sweeps over a few kB that stay in the L1 cache, where the PyTorch-op search
+(:mod:`attnopt.functional._entmax15_passes`, :mod:`attnopt.functional._sparse_groups`) pays a
+dozen streaming ops per cache block and a thread barrier after each. Per row, with
+``z = x − max x`` (written once into the output):
 
 * **1.5-entmax**, ``p = ([z − c]₊/2)²`` with ``‖[z − c]₊‖² = 4``, ``c ∈ [−2, 0]``: every sweep
   evaluates ``k = |S|``, ``s₁ = Σ_S v``, ``s₂ = Σ_S v²`` (``v = z − c``, ``S = {z > c}``) at a
@@ -71,7 +73,8 @@ def forward(x: Tensor, alpha: float, tol: float, max_iter: int) -> tuple[Tensor,
     p = torch.empty_like(x)
     theta = torch.empty((*x.shape[:-1], 1), dtype=x.dtype)
     status = torch.empty(rows, dtype=torch.int8)
-    args = (_ptr(x), _ptr(p), _ptr(theta), _ptr(status))
+    counter = torch.zeros(1, dtype=torch.int64)
+    args = (_ptr(x), _ptr(p), _ptr(theta), _ptr(status), _ptr(counter), ctypes.c_int64(rows))
     if alpha == 2.0:
         fn = getattr(lib, f"sparsemax_fwd_{_SUFFIX[x.dtype]}")
         tail: tuple[ctypes.c_int64 | ctypes.c_double, ...] = (ctypes.c_int64(n), ctypes.c_int64(max_iter))
@@ -79,8 +82,8 @@ def forward(x: Tensor, alpha: float, tol: float, max_iter: int) -> tuple[Tensor,
         fn = getattr(lib, f"entmax15_fwd_{_SUFFIX[x.dtype]}")
         tail = (ctypes.c_int64(n), ctypes.c_double(tol), ctypes.c_int64(max_iter))
 
-    def call(r0: int, r1: int) -> None:
-        fn(*args, ctypes.c_int64(r0), ctypes.c_int64(r1), *tail)
+    def call(_r0: int, _r1: int) -> None:  # every thread claims rows from the shared counter
+        fn(*args, *tail)
 
     _native.parallel_rows(call, rows, n)
     if bool((status == 2).any()):
@@ -98,10 +101,12 @@ def backward(p: Tensor, grad: Tensor, alpha: float) -> Tensor:
     out = torch.empty_like(p)
     name = "sparsemax_bwd" if alpha == 2.0 else "entmax15_bwd"
     fn = getattr(lib, f"{name}_{_SUFFIX[p.dtype]}")
-    args = (_ptr(p), _ptr(g), _ptr(out))
+    rows = p.numel() // n
+    counter = torch.zeros(1, dtype=torch.int64)
+    args = (_ptr(p), _ptr(g), _ptr(out), _ptr(counter), ctypes.c_int64(rows), ctypes.c_int64(n))
 
-    def call(r0: int, r1: int) -> None:
-        fn(*args, ctypes.c_int64(r0), ctypes.c_int64(r1), ctypes.c_int64(n))
+    def call(_r0: int, _r1: int) -> None:  # every thread claims rows from the shared counter
+        fn(*args)
 
-    _native.parallel_rows(call, p.numel() // n, n)
+    _native.parallel_rows(call, rows, n)
     return out
