@@ -5,7 +5,7 @@
  * rows of length n; every thread of a call runs the same call and claims runs of rows from the
  * shared counter *next (0 at the start):
  *
- *   entmax15_fwd_S(x, p, theta, status, next, rows, n, tol, max_iter)
+ *   entmax15_fwd_S(x, p, theta, status, next, rows, n, max_iter)
  *   sparsemax_fwd_S(x, p, theta, status, next, rows, n, max_iter)
  *   entmax15_bwd_S(p, g, out, next, rows, n)      out = s (g - <s, g>/<s, 1>),  s = sqrt(p)
  *   sparsemax_bwd_S(p, g, out, next, rows, n)     out = 1_S (g - mean_S g),     S = {p > 0}
@@ -25,6 +25,7 @@
 
 #define BLK 256
 #define CHUNK 16384 /* entries per claimed run of rows */
+#define GUARD_ULPS 4096 /* 1.5-entmax: |sum p - 1| allowed to an exact threshold, in units of eps */
 #define CAT2(a, b) a##_##b
 
 /* Claim the next run of rows [r0, *r1) from the shared counter (returns r0; >= rows: none left).
@@ -127,11 +128,13 @@ static inline void FN(zero_row)(T *p, int64_t n) {
 }
 
 /* 1.5-entmax of one row, in z = x - m units: p = ([z - c]+ / 2)^2, c the root of
- * ||[z - c]+||^2 = 4 in [-2, 0]. Every pass evaluates (k, s1, s2) at a trial c; c is accepted
- * when its support is the one its closed form was computed on (exact), or when
- * |s2/4 - 1| <= tol (ties at the threshold). Trials: the closed form on the current support,
- * else Newton, else bisection, always strictly inside the bracket [lo, hi] of the root. */
-static int FN(entmax15_row)(const T *x, T *p, T *theta, int64_t n, double tol, int64_t max_iter) {
+ * ||[z - c]+||^2 = 4 in [-2, 0]. Every pass evaluates (k, s1, s2) at a trial c and the closed
+ * form c_S on its support S = {z > c}. c is exact, and accepted, when it is the closed form of
+ * its own support: c was computed as the closed form of a support of the same size (the two
+ * sets are nested, so they are equal), or c_S rounds to c (entries tied at the threshold);
+ * |s2/4 - 1| <= GUARD rejects a closed form spoilt by rounding. The next trial is c_S, else
+ * Newton's step, else bisection, always strictly inside the bracket [lo, hi] of the root. */
+static int FN(entmax15_row)(const T *x, T *p, T *theta, int64_t n, int64_t max_iter) {
   int has_nan;
   T m = FN(row_max)(x, n, &has_nan);
   if (has_nan || m == INFINITY) return 2;
@@ -140,45 +143,44 @@ static int FN(entmax15_row)(const T *x, T *p, T *theta, int64_t n, double tol, i
     *theta = 0;
     return 0;
   }
-  const double guard = tol > 4096 * SM_EPS ? tol : 4096 * SM_EPS;
   double k, s1, s2;
   T c = -2;
   FN(shift_stats)(x, p, n, m, c, &k, &s1, &s2);
   double lo = -2, hi = 0;  /* F(-2) >= 2 (the max entry alone), F(0) = 0 */
-  double k_from = -1;      /* support size the current c was computed from (closed form), or -1 */
+  double k_from = -1;      /* size of the support c is the closed form of, or -1 */
   for (int64_t it = 0; it < max_iter; ++it) {
+    /* k >= 1: c < 0 and the max entry has z = 0 */
     double r = s2 * 0.25 - 1;
-    int accept = fabs(r) <= tol || (k == k_from && fabs(r) <= guard);
-    if (accept && k > 0) {
-      T inv = (T)(1.0 / s2);
+    double disc = s1 * s1 - k * (s2 - 4);
+    double d = (s2 - 4) / (s1 + sqrt(disc > 0 ? disc : 0)); /* c_S - c: smaller root, no cancellation */
+    double cs = c + d;
+    if (fabs(r) <= GUARD_ULPS * SM_EPS && (k == k_from || (T)cs == c)) {
+      /* the threshold is c + d, d at rounding level (s2 = 4 up to rounding), kept apart from c:
+       * c alone is a T, too coarse for the normalization once the support is large */
+      T dt = (T)d;
+      T inv = (T)(1.0 / (s2 - 2 * d * s1 + k * d * d)); /* sum over S of (v - d)^2, = 4 to rounding */
 #pragma omp simd
       for (int64_t j = 0; j < n; ++j) {
-        T v = p[j] - c;
-        v = v > 0 ? v : (T)0;
+        T u = p[j] - c;
+        T v = u - dt;
+        v = u > 0 && v > 0 ? v : (T)0; /* the support stays S */
         p[j] = v * v * inv;
       }
-      *theta = c * (T)0.5;
+      *theta = (T)(cs * 0.5);
       return 0;
     }
     if (r > 0) lo = c > lo ? c : lo;
     else hi = c < hi ? c : hi;
-    double next = NAN;
-    k_from = -1;
-    if (k > 0) {
-      double disc = s1 * s1 - k * (s2 - 4);
-      double cand = c + (s2 - 4) / (s1 + sqrt(disc > 0 ? disc : 0)); /* smaller root, no cancellation */
-      if ((T)cand > lo && (T)cand < hi && (T)cand != c) {
-        next = cand;
-        k_from = k;
-      } else {
-        double nrm = sqrt(s2);
-        cand = c + (nrm - 2) * nrm / s1;
-        if ((T)cand > lo && (T)cand < hi && (T)cand != c) next = cand;
+    double next = cs;
+    k_from = k;
+    if (!((T)next > lo && (T)next < hi && (T)next != c)) {
+      double nrm = sqrt(s2);
+      next = c + (nrm - 2) * nrm / s1;
+      k_from = -1;
+      if (!((T)next > lo && (T)next < hi && (T)next != c)) {
+        next = 0.5 * (lo + hi);
+        if (!((T)next > lo && (T)next < hi)) return 1; /* the bracket has no T inside it */
       }
-    }
-    if (next != next) {
-      next = 0.5 * (lo + hi);
-      if (!((T)next > lo && (T)next < hi)) return 1; /* the bracket has no T inside it */
     }
     c = (T)next;
     FN(stats)(p, n, c, &k, &s1, &s2);
@@ -210,13 +212,16 @@ static int FN(sparsemax_row)(const T *x, T *p, T *theta, int64_t n, int64_t max_
     } else {
       FN(stats)(p, n, next, &k2, &s1, &s2);
     }
-    if (k2 == k) {
+    if (k2 == k) { /* exact: the threshold is next + (s1 - 1)/k, the correction at rounding level */
+      double d = (s1 - 1) / k;
+      T dt = (T)d;
 #pragma omp simd
       for (int64_t j = 0; j < n; ++j) {
-        T v = p[j] - next;
-        p[j] = v > 0 ? v : (T)0;
+        T u = p[j] - next;
+        T v = u - dt;
+        p[j] = u > 0 && v > 0 ? v : (T)0;
       }
-      *theta = next;
+      *theta = (T)(next + d);
       return 0;
     }
     t = next;
@@ -226,10 +231,10 @@ static int FN(sparsemax_row)(const T *x, T *p, T *theta, int64_t n, int64_t max_
 }
 
 void FN(entmax15_fwd)(const T *x, T *p, T *theta, int8_t *status, int64_t *next, int64_t rows, int64_t n,
-                      double tol, int64_t max_iter) {
+                      int64_t max_iter) {
   for (int64_t r0, r1; (r0 = claim(next, rows, n, &r1)) < rows;)
     for (int64_t r = r0; r < r1; ++r)
-      status[r] = (int8_t)FN(entmax15_row)(x + r * n, p + r * n, theta + r, n, tol, max_iter);
+      status[r] = (int8_t)FN(entmax15_row)(x + r * n, p + r * n, theta + r, n, max_iter);
 }
 
 void FN(sparsemax_fwd)(const T *x, T *p, T *theta, int8_t *status, int64_t *next, int64_t rows, int64_t n,

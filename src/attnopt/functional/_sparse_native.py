@@ -11,14 +11,15 @@ dozen streaming ops per cache block and a thread barrier after each. Per row, wi
 
 * **1.5-entmax**, ``p = ([z − c]₊/2)²`` with ``‖[z − c]₊‖² = 4``, ``c ∈ [−2, 0]``: every sweep
   evaluates ``k = |S|``, ``s₁ = Σ_S v``, ``s₂ = Σ_S v²`` (``v = z − c``, ``S = {z > c}``) at a
-  trial ``c``. The next trial is the sort algorithm's closed form on ``S`` (Peters et al.,
-  2019), ``c + (s₂ − 4)/(s₁ + √(s₁² − k(s₂ − 4)))`` (the smaller root, written without
-  cancellation), else Newton's ``c + (‖v‖ − 2)‖v‖/s₁``, else bisection, always strictly inside
-  the bracket of the root that the signs of ``s₂ − 4`` give. A trial is accepted when its
-  support has the size of the support its closed form was computed on — the sets are nested,
-  so they are equal, and ``c`` is the exact threshold — (with ``|s₂/4 − 1| ≤ 4096 ε`` as a
-  guard), or when ``|s₂/4 − 1| ≤ tol`` (entries tied at the threshold, which carry ``p = 0``).
-  Then ``p = v²/s₂``.
+  trial ``c``, and with them the sort algorithm's closed form on ``S`` (Peters et al., 2019),
+  ``c_S = c + (s₂ − 4)/(s₁ + √(s₁² − k(s₂ − 4)))`` (the smaller root, written without
+  cancellation). ``c`` is exact, and accepted, when it is the closed form of its own support:
+  it was computed as the closed form of a support of the same size (the two sets are nested,
+  so they are equal), or ``c_S`` rounds to ``c`` (entries tied at the threshold); a guard
+  ``|s₂/4 − 1| ≤ 4096 ε`` rejects a closed form spoilt by rounding. Then ``p = v²/s₂``. The
+  next trial is ``c_S``, else Newton's ``c + (‖v‖ − 2)‖v‖/s₁``, else bisection, always strictly
+  inside the bracket of the root given by the signs of ``s₂ − 4``. No tolerance is involved
+  (``entmax(..., tol)`` is not used here): the result is the exact map to rounding.
 * **sparsemax**, ``p = [z − t]₊`` with ``Σ p = 1``: Michelot's algorithm from the lower bound
   ``t = −1`` (``t ← t + (s₁ − 1)/k``, the closed form on ``S``); exact once ``k`` stops changing.
 
@@ -55,7 +56,7 @@ def _ptr(t: Tensor) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr())
 
 
-def forward(x: Tensor, alpha: float, tol: float, max_iter: int) -> tuple[Tensor, Tensor, Tensor]:
+def forward(x: Tensor, alpha: float, max_iter: int) -> tuple[Tensor, Tensor, Tensor]:
     """``(p, θ, redo)`` of sparsemax (``alpha = 2``) or 1.5-entmax along the last dim of ``x``.
 
     ``θ`` (shape ``(..., 1)``) is the threshold of :func:`attnopt.functional.entmax._map_from_threshold`:
@@ -77,13 +78,11 @@ def forward(x: Tensor, alpha: float, tol: float, max_iter: int) -> tuple[Tensor,
     args = (_ptr(x), _ptr(p), _ptr(theta), _ptr(status), _ptr(counter), ctypes.c_int64(rows))
     if alpha == 2.0:
         fn = getattr(lib, f"sparsemax_fwd_{_SUFFIX[x.dtype]}")
-        tail: tuple[ctypes.c_int64 | ctypes.c_double, ...] = (ctypes.c_int64(n), ctypes.c_int64(max_iter))
     else:
         fn = getattr(lib, f"entmax15_fwd_{_SUFFIX[x.dtype]}")
-        tail = (ctypes.c_int64(n), ctypes.c_double(tol), ctypes.c_int64(max_iter))
 
     def call(_r0: int, _r1: int) -> None:  # every thread claims rows from the shared counter
-        fn(*args, *tail)
+        fn(*args, ctypes.c_int64(n), ctypes.c_int64(max_iter))
 
     _native.parallel_rows(call, rows, n)
     if bool((status == 2).any()):

@@ -270,7 +270,7 @@ def _threshold_map(x: Tensor, alpha: float, dim: int, max_iter: int, tol: float)
         def solve(t: Tensor, th0: Tensor | None, cap: int | None) -> tuple[Tensor, Tensor]:
             return _entmax_general_forward(t, a, -1, tol, cap or max_iter, th0, warn=cap is None)
     if alpha in (1.5, 2.0) and _native_maps.usable(x, dim):
-        p, theta, redo = _native_maps.forward(x, alpha, tol, max_iter)
+        p, theta, redo = _native_maps.forward(x, alpha, max_iter)
         if redo.numel():  # rows the C search did not settle: the PyTorch search (warns if it fails too)
             n = x.shape[-1]
             p_redo, theta_redo = core(x.view(-1, n).index_select(0, redo), -1)
