@@ -17,6 +17,11 @@ def test_suite_runs_tiny(monkeypatch):
                                     "entmax.sparsemax (package)", "entmax.entmax15 (package)"}
     ours = [r for r in vs if r.impl.startswith("attnopt")]
     assert all(r.extra["package_speedup"] > 0 and r.extra["vs_softmax"] > 0 for r in ours)
+    # the path that ran is reported: the C kernels where a compiler exists, else the PyTorch ops
+    from attnopt import _native
+
+    assert all(r.extra["native"] == float(_native.library("sparse_maps") is not None) for r in ours)
+    assert all(("C kernel" in r.note) == bool(r.extra["native"]) for r in ours)
     for case in groups:
         assert sum(r.baseline for r in rows if r.case == case) == 1
     errs = {r.impl: r.extra["max_err"] for r in rows if "max_err" in r.extra}

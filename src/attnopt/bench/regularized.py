@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from attnopt.bench._harness import BenchContext, Measurement, bench_suite, peak_memory_mb, time_call
+from attnopt.functional import _sparse_native
 from attnopt.functional.entmax import entmax, sparsemax
 from attnopt.functional.regularized import regularized_attention, regularized_attention_weights
 from attnopt.functional.regularizers import SquaredL2, Tsallis
@@ -43,6 +44,15 @@ def _map_impls(kind: str) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
                 "attnopt.entmax(1.3)": lambda x: entmax(x, 1.3)}
     return {"entmax.sparsemax": pkg.sparsemax, "attnopt.sparsemax": sparsemax,
             "torch.softmax (scale)": lambda x: torch.softmax(x, -1)}
+
+
+def _path(impl: str, x: torch.Tensor) -> str:
+    """Which forward/backward an attnopt sparsemax / entmax(1.5) row ran: the C kernels of
+    :mod:`attnopt.functional._sparse_native`, or the PyTorch ops (no compiler, ``ATTNOPT_NATIVE=0``,
+    a GPU tensor); empty for other rows."""
+    if not impl.startswith(("attnopt.sparsemax", "attnopt.entmax(1.5)")):
+        return ""
+    return "C kernel" if _sparse_native.usable(x, -1) else "PyTorch ops"
 
 
 def _reference(kind: str, x: torch.Tensor) -> torch.Tensor:
@@ -128,9 +138,11 @@ def _maps(ctx: BenchContext, repeat: int) -> Iterator[Measurement]:
                     args = {"kind": kind, "impl": name, "n": n, "batch": batch, "device": ctx.device}
                     mem = peak_memory_mb(f"{__name__}:map_memory_factory", args, device=ctx.device)
                 where = "1 thread" if ctx.device == "cpu" else ctx.device
+                path = _path(name, x)
                 yield Measurement(suite="regularized", case=f"map {kind} ({batch},{n},{n}) fwd+bwd {where}",
                                   impl=name, seconds=sec, peak_mb=mem, baseline=i == 0,
-                                  note=f"max err vs float64 {err:.1e}", extra={"max_err": err})
+                                  note=f"max err vs float64 {err:.1e}" + (f"; {path}" if path else ""),
+                                  extra={"max_err": err})
     finally:
         torch.set_num_threads(threads)
 
@@ -185,7 +197,8 @@ def _vs_softmax(ctx: BenchContext, repeat: int) -> Iterator[Measurement]:
                     note = f"min of {rounds} interleaved rounds; cpu {cpu[name] * 1e3:.0f} ms"
                     if name in package:
                         extra["package_speedup"] = pkg_time[name][0] / wall[name]
-                        note += (f"; {wall[name] / wall['torch.softmax']:.2f}x softmax, "
+                        extra["native"] = float(_path(name, x) == "C kernel")
+                        note += (f"; {_path(name, x)}; {wall[name] / wall['torch.softmax']:.2f}x softmax, "
                                  f"{extra['package_speedup']:.0f}x faster than {package[name][0]}")
                     yield Measurement(suite="regularized", case=case, impl=name, seconds=wall[name],
                                       baseline=name == "torch.softmax", note=note, extra=extra)
