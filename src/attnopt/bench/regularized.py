@@ -10,7 +10,12 @@
   three are interleaved and each keeps its fastest of several rounds (target: ≤ 1.5x softmax).
   The package's ``entmax.sparsemax`` / ``entmax.entmax15`` run once each in the same setting;
   the attnopt rows note both ratios (``extra``: ``vs_softmax``, ``package_speedup``; target ≥ 5x
-  at 2048). Process CPU time is recorded beside wall time.
+  at 2048). Process CPU time is recorded beside wall time. The attnopt rows say which path ran
+  (``C kernel``: :mod:`attnopt.functional._sparse_native`; ``PyTorch ops``: no compiler or
+  ``ATTNOPT_NATIVE=0``). Measured with the C kernels (2-core machine shared with other jobs,
+  load 4-8, so wall ≈ 2x CPU time): 0.98-1.24x softmax wall, 1.03-1.23x CPU, at 1024 and 2048,
+  one and two threads, 12-16x faster than the package; the PyTorch ops in the same conditions:
+  1.2-2.0x softmax at one thread, 2.5-7.3x at two (each op pays a thread barrier per block).
 * ``attention``: ``regularized_attention`` with ``SquaredL2`` / ``Tsallis(1.5)`` (blocked, keeps
   only per-query thresholds) vs the materialized ``weights @ v`` (baseline), time and peak
   memory; SDPA (softmax) is shown for scale.

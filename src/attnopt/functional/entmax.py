@@ -273,7 +273,7 @@ def _threshold_map(x: Tensor, alpha: float, dim: int, max_iter: int, tol: float)
         p, theta, redo = _native_maps.forward(x, alpha, max_iter)
         if redo.numel():  # rows the C search did not settle: the PyTorch search (warns if it fails too)
             n = x.shape[-1]
-            p_redo, theta_redo = core(x.view(-1, n).index_select(0, redo), -1)
+            p_redo, theta_redo = core(x.reshape(-1, n).index_select(0, redo), -1)
             p.view(-1, n).index_copy_(0, redo, p_redo)
             theta.view(-1, 1).index_copy_(0, redo, theta_redo)
         return p, theta
