@@ -69,6 +69,20 @@ class Kernel:
         """
         return None
 
+    def fourier_stack(self) -> tuple[Tensor, int, float] | None:
+        """``(W, S, c)``: :meth:`fourier_sets` stacked, ``W (…, S·R, d)`` (set ``s`` = rows ``[sR, (s+1)R)``).
+
+        Kernels built from points that are already stacked return them without a copy.
+        """
+        fs = self.fourier_sets()
+        if fs is None:
+            return None
+        sets, coef = fs
+        if len(sets) == 1:
+            return sets[0], 1, coef
+        shape = torch.broadcast_shapes(*(w.shape for w in sets))
+        return torch.cat([w.expand(shape) for w in sets], dim=-2), len(sets), coef
+
     def paired(self, x: Tensor, y: Tensor) -> Tensor:
         """``f(x_n, y_n)`` for matching rows (..., d) x (..., d) -> (...)."""
         return self(x.unsqueeze(-2), y.unsqueeze(-2)).squeeze(-1).squeeze(-1)
