@@ -323,7 +323,8 @@ def _fused_fourier(
         return None
     if magnitude_p is not None and not 1.0 <= float(magnitude_p) <= 2.0:
         return None
-    if attn_mask is not None and (attn_mask.requires_grad or (attn_mask.dim() >= 2 and attn_mask.shape[-2] != 1)):
+    query_dependent = attn_mask is not None and attn_mask.dim() >= 2 and attn_mask.shape[-2] != 1
+    if attn_mask is not None and (attn_mask.requires_grad or query_dependent):
         return None
     stack = kernel.fourier_stack()
     if stack is None:

@@ -34,6 +34,8 @@ class NonStationaryFourier(Kernel):
     has_features = True
     bounded = True  # |f| ≤ 1: a mean of cosines
 
+    _stacked: Tensor | None = None  # w1 and w2 as one (..., 2R, d) tensor (see stacked())
+
     def __init__(self, w1: Tensor, w2: Tensor) -> None:
         self.w1 = check_spectral_points("w1", w1)
         self.w2 = check_spectral_points("w2", w2)
@@ -58,10 +60,9 @@ class NonStationaryFourier(Kernel):
         return out
 
     def fourier_stack(self) -> tuple[Tensor, int, float] | None:
-        stacked = getattr(self, "_stacked", None)
-        if stacked is None:
+        if self._stacked is None:
             return super().fourier_stack()
-        return stacked, 2, 1.0 / (2 * math.sqrt(self.num_samples))
+        return self._stacked, 2, 1.0 / (2 * math.sqrt(self.num_samples))
 
     @property
     def num_samples(self) -> int:
