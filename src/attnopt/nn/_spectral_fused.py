@@ -22,7 +22,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = ["fusable", "sample_spectral_points"]
@@ -31,11 +30,12 @@ _PER_SET = 8  # W_1a, b_1a, W_1b, b_1b, W_2a, b_2a, W_2b, b_2b
 _LS_MIN, _LS_MAX = -10.0, 5.0
 
 
-def _mlp_params(net: nn.Module) -> list[Tensor] | None:
-    if not (isinstance(net, nn.Sequential) and len(net) == 3):
+def _mlp_params(net: object) -> list[Tensor] | None:
+    mods = getattr(net, "_modules", None)  # Sequential's dict: indexing a Sequential costs ~1 µs
+    if type(net) is not nn.Sequential or mods is None or len(mods) != 3:
         return None
-    a, t, b = net[0], net[1], net[2]
-    if not (isinstance(a, nn.Linear) and type(t) is nn.Tanh and isinstance(b, nn.Linear)):
+    a, t, b = mods.values()
+    if type(a) is not nn.Linear or type(t) is not nn.Tanh or type(b) is not nn.Linear:
         return None
     if a.bias is None or b.bias is None:
         return None
@@ -45,92 +45,101 @@ def _mlp_params(net: nn.Module) -> list[Tensor] | None:
 def fusable(densities: nn.ModuleList) -> list[Tensor] | None:
     """The densities' parameters in the node's order, or None when a network is not the stock MLP."""
     out: list[Tensor] = []
-    for dens in densities:
-        for net in (getattr(dens, "nn1", None), getattr(dens, "nn2", None)):
-            p = None if net is None else _mlp_params(net)
+    for dens in densities._modules.values():
+        mods = dens._modules if dens is not None else {}
+        for name in ("nn1", "nn2"):
+            p = _mlp_params(mods.get(name))
             if p is None:
                 return None
             out.extend(p)
     return out
 
 
-def _rows(x: Tensor) -> Tensor:
-    return x.reshape(-1, x.shape[-1])
+def _stack(params: tuple[Tensor, ...], i: int, n_sets: int, transpose: bool) -> Tensor:
+    """Parameter ``i`` of every set stacked: (S, …); weights transposed to (S, in, out)."""
+    ts = [params[s * _PER_SET + i] for s in range(n_sets)]
+    if transpose:
+        return torch.stack([t.t() for t in ts])
+    return torch.stack(ts).unsqueeze(1)  # bias (S, 1, out)
 
 
 class _SpectralSample(torch.autograd.Function):
+    """Every set at once: the S networks as batched matmuls over a leading set axis."""
+
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, h: Tensor, noise: Tensor, scales: tuple[float, ...], *params: Tensor
     ) -> tuple[Tensor, Tensor]:
         n_sets = len(scales)
         half, d = noise.shape[-2], noise.shape[-1]
-        batch = torch.broadcast_shapes(h.shape[:-1], noise.shape[1:-2])  # (..., H)
-        pts = h.new_empty(*batch, n_sets * 2 * half, d)
-        kl = h.new_zeros(batch[:-1])
-        saved: list[Tensor] = []
-        for s in range(n_sets):
-            w1a, b1a, w1b, b1b, w2a, b2a, w2b, b2b = params[s * _PER_SET : (s + 1) * _PER_SET]
-            t1 = torch.tanh(F.linear(h, w1a, b1a))
-            o1 = F.linear(t1, w1b, b1b)
-            mu, rho = o1[..., :d], o1[..., d:]
-            ls = rho.clamp(_LS_MIN, _LS_MAX)
-            sig = ls.exp()
-            z = torch.addcmul(mu.unsqueeze(-2), sig.unsqueeze(-2), noise[s])
-            a = z.abs()
-            sg = z.sign()
-            t2 = torch.tanh(F.linear(a, w2a, b2a))
-            inner = F.linear(t2, w2b, b2b).add_(a, alpha=scales[s])
-            base = s * 2 * half
-            torch.mul(sg, inner, out=pts[..., base : base + half, :])
-            torch.neg(pts[..., base : base + half, :], out=pts[..., base + half : base + 2 * half, :])
-            kl_s = (sig * sig).add_(mu * mu).sub_(1.0).sub_(ls, alpha=2.0).sum((-2, -1))
-            kl.add_(kl_s, alpha=0.5 * half)
-            saved += [t1, mu, ls, (rho >= _LS_MIN) & (rho <= _LS_MAX), sig, a, sg, t2]
-        ctx.scales, ctx.half = scales, half
-        ctx.save_for_backward(h, noise, *params, *saved)
+        lead = h.shape[:-1]  # (..., H)
+        rows = h.reshape(1, -1, d).expand(n_sets, -1, d)  # (S, M, d), M = prod(lead)
+        m = rows.shape[1]
+        w1a, b1a, w1b, b1b, w2a, b2a, w2b, b2b = (
+            _stack(params, i, n_sets, transpose=i % 2 == 0) for i in range(_PER_SET)
+        )
+        t1 = torch.baddbmm(b1a, rows, w1a).tanh_()  # (S, M, hid)
+        o1 = torch.baddbmm(b1b, t1, w1b)  # (S, M, 2d)
+        mu, rho = o1[..., :d], o1[..., d:]
+        ls = rho.clamp(_LS_MIN, _LS_MAX)
+        sig = ls.exp()
+        e = noise.expand(n_sets, *lead, half, d).reshape(n_sets, m, half, d)
+        z = torch.addcmul(mu.unsqueeze(-2), sig.unsqueeze(-2), e)  # (S, M, n, d)
+        a = z.abs().reshape(n_sets, m * half, d)
+        sg = z.sign()
+        t2 = torch.baddbmm(b2a, a, w2a).tanh_()
+        inner = torch.baddbmm(b2b, t2, w2b)
+        if len(set(scales)) == 1:
+            inner.add_(a, alpha=scales[0])
+        else:
+            inner.addcmul_(a, torch.tensor(scales, dtype=a.dtype, device=a.device).view(-1, 1, 1))
+        hp = (sg * inner.view_as(sg)).transpose(0, 1)  # (M, S, n, d)
+        pts = torch.cat([hp, -hp], dim=2).view(*lead, n_sets * 2 * half, d)
+        kl_terms = (sig * sig).add_(mu * mu).sub_(1.0).sub_(ls, alpha=2.0)  # (S, M, d)
+        kl = kl_terms.view(n_sets, *lead, d).sum(0).flatten(-2).sum(-1).mul_(0.5 * half)
+        live = (rho >= _LS_MIN) & (rho <= _LS_MAX)
+        ctx.scales, ctx.half, ctx.lead = scales, half, lead
+        ctx.save_for_backward(h, noise, e, w1a, w1b, w2a, w2b, t1, mu, ls, live, sig, a, sg, t2)
         return pts, kl
 
     @staticmethod
     def backward(ctx: Any, gpts: Tensor, gkl: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        n_sets, half = len(ctx.scales), ctx.half
-        h, noise, *rest = ctx.saved_tensors
-        params, saved = rest[: n_sets * _PER_SET], rest[n_sets * _PER_SET :]
-        need_h, need_e = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dh = torch.zeros_like(h) if need_h else None
-        de = torch.zeros_like(noise) if need_e else None
-        gk = (gkl * half).unsqueeze(-1).unsqueeze(-1)  # (..., 1, 1) against (..., H, d)
-        dparams: list[Tensor | None] = []
+        h, noise, e, w1a, w1b, w2a, w2b, t1, mu, ls, live, sig, a, sg, t2 = ctx.saved_tensors
+        n_sets, half, lead = len(ctx.scales), ctx.half, ctx.lead
+        d = h.shape[-1]
+        m = t1.shape[1]
+        g = gpts.reshape(m, n_sets, 2, half, d)
+        gi = (g[:, :, 0] - g[:, :, 1]).transpose(0, 1).mul_(sg)  # d inner (S, M, n, d)
+        gi_r = gi.reshape(n_sets, m * half, d)
+        dw2b, db2b = torch.bmm(t2.transpose(1, 2), gi_r), gi_r.sum(1)  # (S, hid, d)
+        du2 = torch.bmm(gi_r, w2b.transpose(1, 2)).mul_(1.0 - t2 * t2)
+        dw2a, db2a = torch.bmm(a.transpose(1, 2), du2), du2.sum(1)
+        da = torch.bmm(du2, w2a.transpose(1, 2))
+        if len(set(ctx.scales)) == 1:
+            da.add_(gi_r, alpha=ctx.scales[0])
+        else:
+            da.addcmul_(gi_r, torch.tensor(ctx.scales, dtype=da.dtype, device=da.device).view(-1, 1, 1))
+        dz = da.view_as(sg).mul_(sg)  # (S, M, n, d)
+        gk = (gkl * half).reshape(1, -1, 1).expand(n_sets, -1, len(lead) and lead[-1]).reshape(n_sets, m, 1)
+        dmu = dz.sum(-2).addcmul_(gk, mu)
+        dls = (dz * e).sum(-2).mul_(sig).addcmul_(gk, sig * sig - 1.0).mul_(live)
+        de = None
+        if ctx.needs_input_grad[1]:
+            de = (dz * sig.unsqueeze(-2)).view(n_sets, *lead, half, d).sum_to_size(noise.shape)
+        do1 = torch.cat([dmu, dls], dim=-1)  # (S, M, 2d)
+        dw1b, db1b = torch.bmm(t1.transpose(1, 2), do1), do1.sum(1)
+        du1 = torch.bmm(do1, w1b.transpose(1, 2)).mul_(1.0 - t1 * t1)
+        rows = h.reshape(1, m, d).expand(n_sets, m, d)
+        dw1a, db1a = torch.bmm(rows.transpose(1, 2), du1), du1.sum(1)
+        dh = None
+        if ctx.needs_input_grad[0]:
+            dh = torch.bmm(du1, w1a.transpose(1, 2)).sum(0).view_as(h)
+        grads = (dw1a, db1a, dw1b, db1b, dw2a, db2a, dw2b, db2b)  # (S, in, out) / (S, out)
+        dparams: list[Tensor] = []
         for s in range(n_sets):
-            w1a, b1a, w1b, b1b, w2a, b2a, w2b, b2b = params[s * _PER_SET : (s + 1) * _PER_SET]
-            t1, mu, ls, live, sig, a, sg, t2 = saved[s * 8 : (s + 1) * 8]
-            base = s * 2 * half
-            g = gpts[..., base : base + half, :] - gpts[..., base + half : base + 2 * half, :]
-            gi = g * sg  # d inner
-            gi_r, t2_r = _rows(gi), _rows(t2)
-            dw2b, db2b = gi_r.t() @ t2_r, gi_r.sum(0)
-            du2 = (gi @ w2b).mul_(1.0 - t2 * t2)
-            du2_r = _rows(du2)
-            dw2a, db2a = du2_r.t() @ _rows(a), du2_r.sum(0)
-            dz = (du2 @ w2a).add_(gi, alpha=ctx.scales[s]).mul_(sg)
-            dmu = dz.sum(-2).add_(gk * mu)
-            dls = (dz * noise[s]).sum(-2).mul_(sig).add_(gk * (sig * sig - 1.0)).mul_(live)
-            if de is not None:
-                de[s] = _reduce_like(dz * sig.unsqueeze(-2), noise[s])
-            do1 = torch.cat([dmu, dls], dim=-1)
-            do1_r, t1_r = _rows(do1), _rows(t1)
-            dw1b, db1b = do1_r.t() @ t1_r, do1_r.sum(0)
-            du1 = (do1 @ w1b).mul_(1.0 - t1 * t1)
-            du1_r = _rows(du1)
-            dw1a, db1a = du1_r.t() @ _rows(h), du1_r.sum(0)
-            if dh is not None:
-                dh = dh + _reduce_like(du1 @ w1a, h)
-            dparams += [dw1a, db1a, dw1b, db1b, dw2a, db2a, dw2b, db2b]
+            for i, gr in enumerate(grads):
+                dparams.append(gr[s].t() if i % 2 == 0 else gr[s])
         return (dh, de, None, *dparams)
-
-
-def _reduce_like(g: Tensor, like: Tensor) -> Tensor:
-    return g if g.shape == like.shape else g.sum_to_size(like.shape)
 
 
 def sample_spectral_points(
