@@ -111,9 +111,9 @@ class _SpectralSample(torch.autograd.Function):
         g = gpts.reshape(m, n_sets, 2, half, d)
         gi = (g[:, :, 0] - g[:, :, 1]).transpose(0, 1).mul_(sg)  # d inner (S, M, n, d)
         gi_r = gi.reshape(n_sets, m * half, d)
-        dw2b, db2b = torch.bmm(t2.transpose(1, 2), gi_r), gi_r.sum(1)  # (S, hid, d)
+        dw2b, db2b = torch.bmm(gi_r.transpose(1, 2), t2), gi_r.sum(1)  # weight grads as (S, out, in)
         du2 = torch.bmm(gi_r, w2b.transpose(1, 2)).mul_(1.0 - t2 * t2)
-        dw2a, db2a = torch.bmm(a.transpose(1, 2), du2), du2.sum(1)
+        dw2a, db2a = torch.bmm(du2.transpose(1, 2), a), du2.sum(1)
         da = torch.bmm(du2, w2a.transpose(1, 2))
         if len(set(ctx.scales)) == 1:
             da.add_(gi_r, alpha=ctx.scales[0])
@@ -127,19 +127,15 @@ class _SpectralSample(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             de = (dz * sig.unsqueeze(-2)).view(n_sets, *lead, half, d).sum_to_size(noise.shape)
         do1 = torch.cat([dmu, dls], dim=-1)  # (S, M, 2d)
-        dw1b, db1b = torch.bmm(t1.transpose(1, 2), do1), do1.sum(1)
+        dw1b, db1b = torch.bmm(do1.transpose(1, 2), t1), do1.sum(1)
         du1 = torch.bmm(do1, w1b.transpose(1, 2)).mul_(1.0 - t1 * t1)
         rows = h.reshape(1, m, d).expand(n_sets, m, d)
-        dw1a, db1a = torch.bmm(rows.transpose(1, 2), du1), du1.sum(1)
+        dw1a, db1a = torch.bmm(du1.transpose(1, 2), rows), du1.sum(1)
         dh = None
         if ctx.needs_input_grad[0]:
             dh = torch.bmm(du1, w1a.transpose(1, 2)).sum(0).view_as(h)
-        grads = (dw1a, db1a, dw1b, db1b, dw2a, db2a, dw2b, db2b)  # (S, in, out) / (S, out)
-        dparams: list[Tensor] = []
-        for s in range(n_sets):
-            for i, gr in enumerate(grads):
-                dparams.append(gr[s].t() if i % 2 == 0 else gr[s])
-        return (dh, de, None, *dparams)
+        per_set = [gr.unbind(0) for gr in (dw1a, db1a, dw1b, db1b, dw2a, db2a, dw2b, db2b)]
+        return (dh, de, None, *(gr for s in range(n_sets) for gr in (g[s] for g in per_set)))
 
 
 def sample_spectral_points(
