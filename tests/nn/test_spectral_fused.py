@@ -108,3 +108,29 @@ def test_module_fused_equals_unfused_same_random_stream(variant, training, monke
         assert (a is None) == (b is None)
         if a is not None:
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("copula", [False, True])
+@pytest.mark.parametrize("training", [True, False])
+def test_spectral_points_module_fused_equals_unfused(copula, training, monkeypatch):
+    """ImplicitSpectralPoints (the graph layers' sampler): same draws and values with and without fusion."""
+    from attnopt.nn.spectral import ImplicitSpectralPoints
+
+    def run(fused):
+        torch.manual_seed(0)
+        sp = ImplicitSpectralPoints(3, 2, 4, copula=copula, seed=5).double().train(training)
+        with torch.no_grad():
+            for prm in sp.parameters():
+                prm.normal_(0, 0.5, generator=torch.Generator().manual_seed(prm.numel()))
+        if not fused:
+            monkeypatch.setattr("attnopt.nn.spectral.fusable", lambda _: None)
+        h = torch.randn(4, 2, 3, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+        sets, kl = sp(h)
+        loss = sum((s * torch.arange(s.numel(), dtype=s.dtype).view_as(s)).sum() for s in sets) + kl.sum()
+        grads = torch.autograd.grad(loss, list(sp.parameters()))
+        monkeypatch.undo()
+        return sets, kl, grads
+
+    (s1, k1, g1), (s2, k2, g2) = run(True), run(False)
+    for a, b in zip((*s1, k1, *g1), (*s2, k2, *g2), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
