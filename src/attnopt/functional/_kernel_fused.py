@@ -13,8 +13,12 @@ backward with ``A_ij = W_ij m_j``, ``g_i = dO_i / den_i``, ``δ_i = <g_i, O_i>``
           dV = m \odot (W^\top g),\quad dF = 2F \odot dA \odot m,\quad
           d\phi(Q) = dF\,\phi(K),\ d\phi(K) = dF^\top \phi(Q).
 
-The feature maps and the magnitudes stay ordinary autograd ops (learned spectral points get
-their gradients through them). Rows whose denominator is 0 give zeros.
+:func:`fused_feature_kernel_attention` takes the feature maps as inputs (ordinary autograd ops).
+:func:`fused_fourier_attention` / :func:`fused_fourier_magnitude_attention` (Fourier kernels)
+also compute the feature maps, and the latter the L^p key magnitude and key mask, inside the
+node, with their gradients in closed form (the short path of
+:func:`~attnopt.functional.kernel.kernel_attention`: at N = 64 the ~20 separate autograd nodes
+of features and magnitude cost as much as the attention). Rows whose denominator is 0 give zeros.
 """
 from __future__ import annotations
 

@@ -55,12 +55,10 @@ def fusable(densities: nn.ModuleList) -> list[Tensor] | None:
     return out
 
 
-def _stack(params: tuple[Tensor, ...], i: int, n_sets: int, transpose: bool) -> Tensor:
-    """Parameter ``i`` of every set stacked: (S, …); weights transposed to (S, in, out)."""
-    ts = [params[s * _PER_SET + i] for s in range(n_sets)]
-    if transpose:
-        return torch.stack([t.t() for t in ts])
-    return torch.stack(ts).unsqueeze(1)  # bias (S, 1, out)
+def _stack(params: tuple[Tensor, ...], i: int, n_sets: int) -> Tensor:
+    """Parameter ``i`` of every set stacked: weights (S, out, in), biases (S, 1, out)."""
+    out = torch.stack([params[s * _PER_SET + i] for s in range(n_sets)])
+    return out if out.dim() == 3 else out.unsqueeze(1)
 
 
 class _SpectralSample(torch.autograd.Function):
@@ -75,11 +73,9 @@ class _SpectralSample(torch.autograd.Function):
         lead = h.shape[:-1]  # (..., H)
         rows = h.reshape(1, -1, d).expand(n_sets, -1, d)  # (S, M, d), M = prod(lead)
         m = rows.shape[1]
-        w1a, b1a, w1b, b1b, w2a, b2a, w2b, b2b = (
-            _stack(params, i, n_sets, transpose=i % 2 == 0) for i in range(_PER_SET)
-        )
-        t1 = torch.baddbmm(b1a, rows, w1a).tanh_()  # (S, M, hid)
-        o1 = torch.baddbmm(b1b, t1, w1b)  # (S, M, 2d)
+        w1a, b1a, w1b, b1b, w2a, b2a, w2b, b2b = (_stack(params, i, n_sets) for i in range(_PER_SET))
+        t1 = torch.baddbmm(b1a, rows, w1a.transpose(1, 2)).tanh_()  # (S, M, hid)
+        o1 = torch.baddbmm(b1b, t1, w1b.transpose(1, 2))  # (S, M, 2d)
         mu, rho = o1[..., :d], o1[..., d:]
         ls = rho.clamp(_LS_MIN, _LS_MAX)
         sig = ls.exp()
@@ -87,8 +83,8 @@ class _SpectralSample(torch.autograd.Function):
         z = torch.addcmul(mu.unsqueeze(-2), sig.unsqueeze(-2), e)  # (S, M, n, d)
         a = z.abs().reshape(n_sets, m * half, d)
         sg = z.sign()
-        t2 = torch.baddbmm(b2a, a, w2a).tanh_()
-        inner = torch.baddbmm(b2b, t2, w2b)
+        t2 = torch.baddbmm(b2a, a, w2a.transpose(1, 2)).tanh_()
+        inner = torch.baddbmm(b2b, t2, w2b.transpose(1, 2))
         if len(set(scales)) == 1:
             inner.add_(a, alpha=scales[0])
         else:
@@ -97,14 +93,14 @@ class _SpectralSample(torch.autograd.Function):
         pts = torch.cat([hp, -hp], dim=2).view(*lead, n_sets * 2 * half, d)
         kl_terms = (sig * sig).add_(mu * mu).sub_(1.0).sub_(ls, alpha=2.0)  # (S, M, d)
         kl = kl_terms.view(n_sets, *lead, d).sum(0).flatten(-2).sum(-1).mul_(0.5 * half)
-        live = (rho >= _LS_MIN) & (rho <= _LS_MAX)
         ctx.scales, ctx.half, ctx.lead = scales, half, lead
-        ctx.save_for_backward(h, noise, e, w1a, w1b, w2a, w2b, t1, mu, ls, live, sig, a, sg, t2)
+        ctx.save_for_backward(h, noise, e, w1a, w1b, w2a, w2b, t1, mu, rho, sig, a, sg, t2)
         return pts, kl
 
     @staticmethod
     def backward(ctx: Any, gpts: Tensor, gkl: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        h, noise, e, w1a, w1b, w2a, w2b, t1, mu, ls, live, sig, a, sg, t2 = ctx.saved_tensors
+        h, noise, e, w1a, w1b, w2a, w2b, t1, mu, rho, sig, a, sg, t2 = ctx.saved_tensors
+        live = (rho >= _LS_MIN) & (rho <= _LS_MAX)  # the clamp passes the gradient inside [min, max]
         n_sets, half, lead = len(ctx.scales), ctx.half, ctx.lead
         d = h.shape[-1]
         m = t1.shape[1]
@@ -112,9 +108,9 @@ class _SpectralSample(torch.autograd.Function):
         gi = (g[:, :, 0] - g[:, :, 1]).transpose(0, 1).mul_(sg)  # d inner (S, M, n, d)
         gi_r = gi.reshape(n_sets, m * half, d)
         dw2b, db2b = torch.bmm(gi_r.transpose(1, 2), t2), gi_r.sum(1)  # weight grads as (S, out, in)
-        du2 = torch.bmm(gi_r, w2b.transpose(1, 2)).mul_(1.0 - t2 * t2)
+        du2 = torch.bmm(gi_r, w2b).mul_(1.0 - t2 * t2)
         dw2a, db2a = torch.bmm(du2.transpose(1, 2), a), du2.sum(1)
-        da = torch.bmm(du2, w2a.transpose(1, 2))
+        da = torch.bmm(du2, w2a)
         if len(set(ctx.scales)) == 1:
             da.add_(gi_r, alpha=ctx.scales[0])
         else:
@@ -128,12 +124,12 @@ class _SpectralSample(torch.autograd.Function):
             de = (dz * sig.unsqueeze(-2)).view(n_sets, *lead, half, d).sum_to_size(noise.shape)
         do1 = torch.cat([dmu, dls], dim=-1)  # (S, M, 2d)
         dw1b, db1b = torch.bmm(do1.transpose(1, 2), t1), do1.sum(1)
-        du1 = torch.bmm(do1, w1b.transpose(1, 2)).mul_(1.0 - t1 * t1)
+        du1 = torch.bmm(do1, w1b).mul_(1.0 - t1 * t1)
         rows = h.reshape(1, m, d).expand(n_sets, m, d)
         dw1a, db1a = torch.bmm(du1.transpose(1, 2), rows), du1.sum(1)
         dh = None
         if ctx.needs_input_grad[0]:
-            dh = torch.bmm(du1, w1a.transpose(1, 2)).sum(0).view_as(h)
+            dh = torch.bmm(du1, w1a).sum(0).view_as(h)
         per_set = [gr.unbind(0) for gr in (dw1a, db1a, dw1b, db1b, dw2a, db2a, dw2b, db2b)]
         return (dh, de, None, *(gr for s in range(n_sets) for gr in (g[s] for g in per_set)))
 
