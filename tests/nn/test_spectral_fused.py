@@ -134,3 +134,19 @@ def test_spectral_points_module_fused_equals_unfused(copula, training, monkeypat
     (s1, k1, g1), (s2, k2, g2) = run(True), run(False)
     for a, b in zip((*s1, k1, *g1), (*s2, k2, *g2), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_double_backward_through_plain_ops():
+    """create_graph=True differentiates the same function in plain ops (gradgradcheck)."""
+    g = torch.Generator().manual_seed(6)
+    dens = _densities(2, d=2, r=2, hidden=3, scales=(0.5, 0.8))
+    params = [p.detach().clone().requires_grad_() for p in sf.fusable(dens)]
+    h = torch.randn(2, 2, generator=g, dtype=torch.float64).requires_grad_()
+    noise = torch.randn(2, 2, 1, 2, generator=g, dtype=torch.float64).requires_grad_()
+
+    def fn(h, noise, w1a, w2b):
+        ps = list(params)
+        ps[0], ps[6] = w1a, w2b
+        return sf.sample_spectral_points(h, noise, dens, ps)
+
+    assert torch.autograd.gradgradcheck(fn, (h, noise, params[0], params[6]))

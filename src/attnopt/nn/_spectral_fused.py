@@ -94,12 +94,14 @@ class _SpectralSample(torch.autograd.Function):
         kl_terms = (sig * sig).add_(mu * mu).sub_(1.0).sub_(ls, alpha=2.0)  # (S, M, d)
         kl = kl_terms.view(n_sets, *lead, d).sum(0).flatten(-2).sum(-1).mul_(0.5 * half)
         ctx.scales, ctx.half, ctx.lead = scales, half, lead
-        ctx.save_for_backward(h, noise, e, w1a, w1b, w2a, w2b, t1, mu, rho, sig, a, sg, t2)
+        ctx.save_for_backward(h, noise, e, w1a, w1b, w2a, w2b, t1, mu, rho, sig, a, sg, t2, *params)
         return pts, kl
 
     @staticmethod
     def backward(ctx: Any, gpts: Tensor, gkl: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        h, noise, e, w1a, w1b, w2a, w2b, t1, mu, rho, sig, a, sg, t2 = ctx.saved_tensors
+        h, noise, e, w1a, w1b, w2a, w2b, t1, mu, rho, sig, a, sg, t2, *params = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: differentiate the plain ops (exact double backward)
+            return _plain_backward(ctx, h, noise, params, gpts, gkl)
         live = (rho >= _LS_MIN) & (rho <= _LS_MAX)  # the clamp passes the gradient inside [min, max]
         n_sets, half, lead = len(ctx.scales), ctx.half, ctx.lead
         d = h.shape[-1]
@@ -132,6 +134,37 @@ class _SpectralSample(torch.autograd.Function):
             dh = torch.bmm(du1, w1a).sum(0).view_as(h)
         per_set = [gr.unbind(0) for gr in (dw1a, db1a, dw1b, db1b, dw2a, db2a, dw2b, db2b)]
         return (dh, de, None, *(gr for s in range(n_sets) for gr in (g[s] for g in per_set)))
+
+
+def _plain(
+    h: Tensor, noise: Tensor, scales: tuple[float, ...], params: list[Tensor]
+) -> tuple[Tensor, Tensor]:
+    """The node's function in plain autograd ops (eq. 6–8 and the KL, set by set)."""
+    d, half = h.shape[-1], noise.shape[-2]
+    sets, kl = [], h.new_zeros(h.shape[:-2])
+    for s, scale in enumerate(scales):
+        w1a, b1a, w1b, b1b, w2a, b2a, w2b, b2b = params[s * _PER_SET : (s + 1) * _PER_SET]
+        o1 = torch.nn.functional.linear(torch.tanh(torch.nn.functional.linear(h, w1a, b1a)), w1b, b1b)
+        mu, ls = o1[..., :d], o1[..., d:].clamp(_LS_MIN, _LS_MAX)
+        z = mu.unsqueeze(-2) + ls.exp().unsqueeze(-2) * noise[s]
+        a = z.abs()
+        t2 = torch.tanh(torch.nn.functional.linear(a, w2a, b2a))
+        hp = torch.sign(z) * (a * scale + torch.nn.functional.linear(t2, w2b, b2b))
+        sets += [hp, -hp]
+        kl = kl + 0.5 * half * (torch.exp(2 * ls) + mu * mu - 1.0 - 2 * ls).sum((-2, -1))
+    return torch.cat(sets, dim=-2), kl
+
+
+def _plain_backward(
+    ctx: Any, h: Tensor, noise: Tensor, params: list[Tensor], gpts: Tensor, gkl: Tensor
+) -> tuple[Tensor | None, ...]:
+    inputs = [h, noise, None, *params]
+    need = [x for x, n in zip(inputs, ctx.needs_input_grad, strict=True) if n and x is not None]
+    with torch.enable_grad():
+        pts, kl = _plain(h, noise, ctx.scales, params)
+    grads = iter(torch.autograd.grad((pts, kl), need, (gpts, gkl), create_graph=True, allow_unused=True))
+    return tuple(next(grads) if n and x is not None else None
+                 for x, n in zip(inputs, ctx.needs_input_grad, strict=True))
 
 
 def sample_spectral_points(
