@@ -96,8 +96,7 @@ def test_lp_magnitude_node_values_and_gradcheck(p):
     assert torch.equal(g[1, 2], torch.zeros(4, dtype=torch.float64))
 
 
-@pytest.mark.parametrize("p", [None, 1.0, 1.5, 2.0])
-@pytest.mark.parametrize("n_sets", [1, 2])
+@pytest.mark.parametrize(("p", "n_sets"), [(None, 2), (1.0, 1), (1.5, 2), (2.0, 1)])
 def test_magnitude_node_matches_loop_oracle_and_gradcheck(p, n_sets):
     """Features, L^p key magnitude and key mask in one node vs eq. 9 + 11 with loops."""
     from attnopt.functional._kernel_fused import fused_fourier_magnitude_attention

@@ -78,8 +78,7 @@ def test_non_stock_networks_are_not_fused():
     assert sf.fusable(dens) is None
 
 
-@pytest.mark.parametrize("variant", ["ika-s", "ikan", "mikan"])
-@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize(("variant", "training"), [("ika-s", False), ("ikan", True), ("mikan", True)])
 def test_module_fused_equals_unfused_same_random_stream(variant, training, monkeypatch):
     """Same seed, same draws, same outputs and gradients with the fused sampler and without it."""
 
