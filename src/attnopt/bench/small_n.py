@@ -5,7 +5,9 @@ forward (no grad) and forward+backward; quick mode: B·H = 8, N ∈ {64, 256, 51
 
 Rows per case: SDPA (baseline); the materialized log-domain Sinkhorn peer (K = 1 and 3,
 autograd through everything); DNAS K = 1, Sinkhorn K = 3, HNAS (w = 0.5, per layer);
-sparsemax and 1.5-entmax attention; IKA-S (R = 8) and IKAN (R = 16, p = 1.5) kernel attention;
+sparsemax and 1.5-entmax attention; IKA-S (R = 8) and IKAN (R = 16, p = 1.5) kernel attention
+with fixed spectral points, and IKAN / MIKAN (R = 16, p = 1.5) as their modules run them on the
+heads (``attend``: points sampled from the density networks in training mode, KL included);
 generalized attention with a learned T5 relative bias and with ALiBi (bias built by the
 preference module inside the timed call) and the SDPA rows computing the same functions —
 what a user would write instead: SDPA with the same fixed ALiBi bias as its float mask, and
@@ -45,6 +47,7 @@ from attnopt.functional.kernel import kernel_attention
 from attnopt.functional.regularized import regularized_attention
 from attnopt.functional.regularizers import SquaredL2, Tsallis
 from attnopt.kernels import NonStationaryFourier, RandomFourier
+from attnopt.nn.implicit_kernel import ImplicitKernelAttention
 from attnopt.nn.preference import ALiBiPreference, T5RelativePreference
 
 SUITE = "small_n"
@@ -65,6 +68,8 @@ def _impls(device: str, impl: dispatch.Impl) -> dict[str, Fn]:
     alibi = ALiBiPreference(H).to(device)
     w = torch.tensor(0.5, device=device, requires_grad=True)
     sm, e15 = SquaredL2(), Tsallis(1.5)
+    sampled = {v: ImplicitKernelAttention(H * D, H, v, num_samples=16, p=1.5, seed=0).to(device)
+               for v in ("ikan", "mikan")}
     return {
         "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
         "materialized sinkhorn K=1 (peer)": lambda q, k, v: materialized_sinkhorn_peer(q, k, v, 1),
@@ -76,11 +81,23 @@ def _impls(device: str, impl: dispatch.Impl) -> dict[str, Fn]:
         "entmax-1.5": lambda q, k, v: regularized_attention(q, k, v, regularizer=e15, impl=impl),
         "ika-s R=8": lambda q, k, v: kernel_attention(q, k, v, kernel=rff8),
         "ikan R=16 p=1.5": lambda q, k, v: kernel_attention(q, k, v, kernel=nsf16, magnitude_p=1.5),
+        "ikan R=16 sampled (module core)": _sampled(sampled["ikan"]),
+        "mikan R=16 sampled (module core)": _sampled(sampled["mikan"]),
         "generalized T5 (learned bias)": lambda q, k, v: generalized_attention(
             q, k, v, log_preference=t5(q.shape[-2], k.shape[-2]), impl=impl),
         "generalized ALiBi": lambda q, k, v: generalized_attention(
             q, k, v, log_preference=alibi(q.shape[-2], k.shape[-2]), impl=impl),
     }
+
+
+def _sampled(mod: ImplicitKernelAttention) -> Fn:
+    """The module's attention on (B, H, N, d) heads: spectral sampling (training noise), KL, attention."""
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out, _ = mod.attend(q, k, v, None, False, False)
+        return out + 0.0 * mod.kl()  # the KL's backward is part of a training step
+
+    return run
 
 
 def _with_bias(bias: torch.Tensor) -> Fn:

@@ -13,8 +13,12 @@ backward with ``A_ij = W_ij m_j``, ``g_i = dO_i / den_i``, ``δ_i = <g_i, O_i>``
           dV = m \odot (W^\top g),\quad dF = 2F \odot dA \odot m,\quad
           d\phi(Q) = dF\,\phi(K),\ d\phi(K) = dF^\top \phi(Q).
 
-The feature maps and the magnitudes stay ordinary autograd ops (learned spectral points get
-their gradients through them). Rows whose denominator is 0 give zeros.
+:func:`fused_feature_kernel_attention` takes the feature maps as inputs (ordinary autograd ops).
+:func:`fused_fourier_attention` / :func:`fused_fourier_magnitude_attention` (Fourier kernels)
+also compute the feature maps, and the latter the L^p key magnitude and key mask, inside the
+node, with their gradients in closed form (the short path of
+:func:`~attnopt.functional.kernel.kernel_attention`: at N = 64 the ~20 separate autograd nodes
+of features and magnitude cost as much as the attention). Rows whose denominator is 0 give zeros.
 """
 from __future__ import annotations
 
@@ -23,7 +27,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["fused_feature_kernel_attention", "fused_fourier_attention"]
+from attnopt._validation import broadcast_shapes
+
+__all__ = ["fused_feature_kernel_attention", "fused_fourier_attention", "fused_fourier_magnitude_attention"]
 
 
 class _FusedFeatureKernel(torch.autograd.Function):
@@ -82,51 +88,104 @@ def fused_feature_kernel_attention(
     phi_q: Tensor, phi_k: Tensor, key_weight: Tensor | None, v: Tensor, eps: float
 ) -> Tensor:
     """``O`` for features ``phi_q (…, Nq, D)``, ``phi_k (…, Nk, D)``, ``key_weight (…, 1, Nk)`` or None."""
-    batch = tuple(torch.broadcast_shapes(phi_q.shape[:-2], phi_k.shape[:-2], v.shape[:-2],
-                                         () if key_weight is None else key_weight.shape[:-2]))
+    batch = broadcast_shapes(phi_q.shape[:-2], phi_k.shape[:-2], v.shape[:-2],
+                             () if key_weight is None else key_weight.shape[:-2])
     mt = torch.ones_like(v[..., :1]) if key_weight is None else key_weight.transpose(-2, -1).to(v.dtype)
     xs = [x.expand(*batch, *x.shape[-2:]) for x in (phi_q, phi_k, mt, v)]
     out: Tensor = _FusedFeatureKernel.apply(*xs, float(eps))
     return out
 
 
-class _FusedFourier(torch.autograd.Function):
-    """Fourier feature maps of ``q`` and ``k`` + the attention above, one node (closed-form backward).
+def _magnitude(k: Tensor, p: float, scale: float, grad: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """``a = s·(Σ|k|^p)^{2/p}/2`` (clamped below the dtype's max/8) and, with ``grad``, its gradient
+    factors: ``∂a_j/∂k_j = c_j·u_j`` with ``u = |k|^{p−1}·sign(k)`` and ``c = s·T^{2/p−1}``
+    (``T = Σ|k|^p``; 0 where the clamp is active).
 
-    ``P = [Q; K] Wᵀ`` with ``W = [w_1; …; w_S]`` (S point sets of R points), features
-    ``φ = c·[Σ_s cos P_s, Σ_s sin P_s]`` (S = 1: IKA_S, eq. 13; S = 2: IKA_NS, eq. 15–16).
-    Backward through the features: ``dP_s = cos P_s ⊙ dφ_sin − sin P_s ⊙ dφ_cos`` (times c),
-    ``d[Q; K] = dP W``, ``dW = dPᵀ [Q; K]`` (summed over the batch dimensions ``W`` broadcast over).
+    :func:`attnopt.functional.kernel.log_magnitude`'s ``1 <= p <= 2`` branch, without autograd.
+    """
+    cap = torch.finfo(k.dtype).max / 8
+    if p == 2.0:
+        total = (k * k).sum(-1)
+        a = total.mul(0.5 * scale).clamp_(max=cap)
+        if not grad:
+            return a, None, None
+        return a, k, torch.where(a < cap, scale, 0.0)
+    ax = k.abs()
+    if p == 1.0:  # |k|^{p−1} = 1
+        pw = None
+        total = ax.sum(-1)
+    else:
+        pw = ax.sqrt() if p == 1.5 else ax.pow(p - 1.0)
+        total = (ax * pw).sum(-1)
+    a = total.pow(2.0 / p).mul_(0.5 * scale).clamp_(max=cap)
+    if not grad:
+        return a, None, None
+    u = k.sign() if pw is None else pw.mul_(k.sign())
+    c = torch.where(a < cap, total.pow(2.0 / p - 1.0).mul_(scale), 0.0)
+    return a, u, c
+
+
+def _sum_sets(x: Tensor, nsets: int, r: int) -> Tensor:
+    """``Σ_s x[..., sR:(s+1)R]`` (contiguous views added: a strided reduction is ~6× slower)."""
+    if nsets == 1:
+        return x
+    out = x[..., :r] + x[..., r : 2 * r]
+    for i in range(2, nsets):
+        out.add_(x[..., i * r : (i + 1) * r])
+    return out
+
+
+class _FusedFourier(torch.autograd.Function):
+    r"""Fourier feature maps of ``q`` and ``k``, the key weights and the attention above, one node.
+
+    ``P = [Q; K] Wᵀ`` with ``W = [w_1; …; w_S]`` (S point sets of R points, stacked), features
+    ``φ = c·[Σ_s cos P_s, Σ_s sin P_s]`` (S = 1: IKA_S, eq. 13; S = 2: IKA_NS, eq. 15–16),
+    kept unscaled (``φ' = φ/c``, ``F = c²F'``, ``W = c⁴F'² + ε``: no pass spent on ``c``).
+    The key weight is either given (``kw (…, Nk, 1)``, with a gradient) or computed here:
+    ``m_j = exp(a_j − max_l a_l)`` with ``a_j = s‖k_j‖_p²/2 + mask_j`` (``1 <= p <= 2`` or no
+    magnitude; the max is a constant shift, as in the unfused path; ``mask`` needs no gradient).
+    Backward through the features: ``dP_s = cos P_s ⊙ dφ'_sin − sin P_s ⊙ dφ'_cos``,
+    ``d[Q; K] = dP W``, ``dW = dPᵀ [Q; K]`` (summed over the batch dimensions ``W`` broadcast
+    over); through the magnitude ``∂a_j/∂k_j = s·T^{2/p−1}·|k_j|^{p−1}·sign(k_j)``, ``T = Σ|k_j|^p``.
     """
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, q: Tensor, k: Tensor, mt: Tensor, v: Tensor, eps: float, coef: float, *ws: Tensor
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, w: Tensor, kw: Tensor | None, mask: Tensor | None,
+        eps: float, coef: float, nsets: int, p: float | None, scale: float,
     ) -> Tensor:
-        nq, r = q.shape[-2], ws[0].shape[-2]
+        nq, sr = q.shape[-2], w.shape[-2]
+        r = sr // nsets
+        c4 = coef**4
         x = torch.cat([q, k], dim=-2)
-        w = ws[0] if len(ws) == 1 else torch.cat(ws, dim=-2)
-        p = torch.matmul(x, w.transpose(-2, -1))  # (…, Nq+Nk, S·R)
-        cs = torch.cat([p.cos(), p.sin()], dim=-1)  # [cos P_1..P_S | sin P_1..P_S]
-        if len(ws) == 1:
-            phi = cs * coef
-        else:  # Σ_s over the sets: one add of strided views per extra set
-            parts = cs.unflatten(-1, (2, len(ws), r))
-            phi = parts[..., 0, :].add(parts[..., 1, :], alpha=1.0)
-            for i in range(2, len(ws)):
-                phi.add_(parts[..., i, :])
-            phi = phi.mul_(coef).flatten(-2)
+        pr = torch.matmul(x, w.transpose(-2, -1))  # (…, Nq+Nk, S·R)
+        cp, sp = pr.cos(), pr.sin()
+        phi = torch.cat([_sum_sets(cp, nsets, r), _sum_sets(sp, nsets, r)], dim=-1)  # φ/c
         pq, pk = phi[..., :nq, :], phi[..., nq:, :]
-        f = torch.matmul(pq, pk.transpose(-2, -1))
-        wgt = torch.addcmul(f.new_full((), eps), f, f) if eps else f * f  # one pass over Nq×Nk
-        vm = torch.cat([v * mt, mt], dim=-1)
+        u = cm = None
+        if kw is None:
+            a = None
+            if p is not None:
+                a, u, cm = _magnitude(k, p, scale, ctx.needs_input_grad[1])
+            if mask is not None:
+                a = mask if a is None else a + mask
+            if a is not None:
+                c = a.amax(dim=-1, keepdim=True)
+                if mask is not None:  # a fully masked row: every weight 0, no NaN
+                    c = torch.where(torch.isfinite(c), c, 0.0)
+                kw = torch.exp(a - c).unsqueeze(-1).expand(*v.shape[:-1], 1)
+        f = torch.matmul(pq, pk.transpose(-2, -1))  # F/c²
+        wgt = torch.addcmul(f.new_full((), eps), f, f, value=c4)  # one pass over Nq×Nk
+        if kw is None:
+            vm = torch.cat([v, v.new_ones(()).expand(*v.shape[:-1], 1)], dim=-1)
+        else:
+            vm = torch.cat([v * kw, kw], dim=-1)
         num = torch.matmul(wgt, vm)
         den = num[..., -1:]
         inv = torch.where(den > 0, den.reciprocal(), 0.0)  # a row with no weight gives zeros
         out = num[..., :-1] * inv
-        ctx.eps, ctx.coef, ctx.nq, ctx.nsets, ctx.r = eps, coef, nq, len(ws), r
-        ctx.w_shapes = [t.shape for t in ws]
-        ctx.save_for_backward(x, w, cs, pq, pk, mt, v, vm, f, wgt, inv, out)
+        ctx.c4, ctx.nq, ctx.nsets, ctx.r = c4, nq, nsets, r
+        ctx.save_for_backward(x, w, cp, sp, pq, pk, kw, v, vm, f, wgt, inv, out, u, cm)
         return out
 
     @staticmethod
@@ -138,34 +197,52 @@ class _FusedFourier(torch.autograd.Function):
         # With A_ij = W_ij m_j, g = dO/den, δ_i = <g_i, O_i>, dA_ij = <g_i, v_j> − δ_i:
         # dW_ij = <[g_i, −δ_i], [m_j v_j, m_j]> (one matmul), T = Wᵀ[g, −δ] gives
         # dv_j = m_j T_j[:dv] and dm_j = <v_j, T_j[:dv]> + T_j[dv]: one pass over Nq×Nk (dW ⊙ f).
-        x, w, cs, pq, pk, mt, v, vm, f, wgt, inv, out = ctx.saved_tensors
+        x, w, cp, sp, pq, pk, kw, v, vm, f, wgt, inv, out, u, cm = ctx.saved_tensors
+        need_q, need_k, need_v, need_w, need_kw = (ctx.needs_input_grad[i] for i in range(5))
+        need_mag = need_k and u is not None
         g = dout * inv
         gn = torch.cat([g, (g * out).sum(-1, keepdim=True).neg_()], dim=-1)
-        dm = dv = None
-        if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
+        dkw = dv = dmag = None
+        if need_v or need_kw or need_mag:
             t = torch.matmul(wgt.transpose(-2, -1), gn)
             tv = t[..., :-1]
-            dv = tv * mt if ctx.needs_input_grad[3] else None
-            dm = (tv * v).sum(-1, keepdim=True).add_(t[..., -1:]) if ctx.needs_input_grad[2] else None
-        df = torch.matmul(gn * (2.0 * ctx.coef), vm.transpose(-2, -1)).mul_(f)
-        dphi = torch.cat([torch.matmul(df, pk), torch.matmul(df.transpose(-2, -1), pq)], dim=-2)
-        s, r = ctx.nsets, ctx.r
-        dc, ds = dphi[..., :r], dphi[..., r:]
-        if s > 1:  # every set's cos (sin) gets the same dφ_cos (dφ_sin)
-            dc, ds = torch.cat([dc] * s, dim=-1), torch.cat([ds] * s, dim=-1)
-        half = s * r
-        dp = torch.addcmul(cs[..., :half] * ds, cs[..., half:], dc, value=-1.0)
-        dq = dk = None
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            dx = torch.matmul(dp, w)
-            dq, dk = dx[..., : ctx.nq, :], dx[..., ctx.nq :, :]
-        dws: list[Tensor | None] = [None] * s
-        if any(ctx.needs_input_grad[6:]):
-            dw = torch.matmul(dp.transpose(-2, -1), x)  # (…, S·R, d)
-            for i, shape in enumerate(ctx.w_shapes):
-                if ctx.needs_input_grad[6 + i]:
-                    dws[i] = dw[..., i * r : (i + 1) * r, :].sum_to_size(shape)
-        return (dq, dk, dm, dv, None, None, *dws)
+            if need_v:
+                dv = tv if kw is None else tv * kw
+            if need_kw or need_mag:
+                dm = (tv * v).sum(-1, keepdim=True).add_(t[..., -1:])
+                if need_kw:
+                    dkw = dm
+                if need_mag:  # m = exp(a − c): da = dm·m (c is a constant shift)
+                    dmag = u * (dm * kw).mul_(cm.unsqueeze(-1))
+        dq = dk = dw = None
+        if need_q or need_k or need_w:
+            df = torch.matmul(gn * (2.0 * ctx.c4), vm.transpose(-2, -1)).mul_(f)
+            dphi = torch.cat([torch.matmul(df, pk), torch.matmul(df.transpose(-2, -1), pq)], dim=-2)
+            s, r = ctx.nsets, ctx.r
+            # every set's cos (sin) gets the same dφ_cos (dφ_sin)
+            dc, ds = dphi[..., :r], dphi[..., r:]
+            if s > 1:  # tiled by cat: ~4x faster than repeat or a broadcast over a set axis
+                dc, ds = torch.cat([dc] * s, dim=-1), torch.cat([ds] * s, dim=-1)
+            dp = torch.addcmul(cp * ds, sp, dc, value=-1.0)
+            if need_q or need_k:
+                dx = torch.matmul(dp, w)
+                dq, dk = dx[..., : ctx.nq, :], dx[..., ctx.nq :, :]
+                if dmag is not None:
+                    dk = dk + dmag
+            if need_w:
+                dw = torch.matmul(dp.transpose(-2, -1), x)  # (…, S·R, d)
+                dw = dw.sum_to_size(w.shape)
+        elif dmag is not None:
+            dk = dmag
+        return (dq, dk, dv, dw, dkw, None, None, None, None, None, None)
+
+
+def _stack_sets(ws: list[Tensor], dtype: torch.dtype) -> Tensor:
+    ws = [w.to(dtype) for w in ws]
+    if len(ws) == 1:
+        return ws[0]
+    shape = broadcast_shapes(*(w.shape for w in ws))
+    return torch.cat([w.expand(shape) for w in ws], dim=-2)
 
 
 def fused_fourier_attention(
@@ -176,11 +253,30 @@ def fused_fourier_attention(
     ``q (…, Nq, d)``, ``k (…, Nk, d)``, ``v (…, Nk, dv)``, ``key_weight (…, 1, Nk)`` or None;
     ``coef`` is the feature normalization (``1/√R`` for one set, ``1/(2√R)`` for two).
     """
-    batch = tuple(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2],
-                                         () if key_weight is None else key_weight.shape[:-2],
-                                         *(w.shape[:-2] for w in ws)))
-    mt = torch.ones_like(v[..., :1]) if key_weight is None else key_weight.transpose(-2, -1).to(v.dtype)
-    xs = [x.expand(*batch, *x.shape[-2:]) for x in (q, k, mt, v)]
-    dt = q.dtype
-    out: Tensor = _FusedFourier.apply(*xs, float(eps), float(coef), *(w.to(dt) for w in ws))
+    batch = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2],
+                             () if key_weight is None else key_weight.shape[:-2])
+    q, k, v = (x.expand(*batch, *x.shape[-2:]) for x in (q, k, v))
+    kw = None if key_weight is None else key_weight.transpose(-2, -1).to(v.dtype).expand(*v.shape[:-1], 1)
+    out: Tensor = _FusedFourier.apply(q, k, v, _stack_sets(ws, q.dtype), kw, None, float(eps), float(coef),
+                                      len(ws), None, 1.0)
+    return out
+
+
+def fused_fourier_magnitude_attention(
+    q: Tensor, k: Tensor, v: Tensor, points: Tensor, nsets: int, coef: float, eps: float,
+    p: float | None, scale: float, key_mask: Tensor | None,
+) -> Tensor:
+    """``O`` with the L^p key magnitude and an additive key mask computed inside the node.
+
+    ``points (…, S·R, d)``: the ``nsets`` point sets stacked (set ``s`` is rows
+    ``[sR, (s+1)R)``); ``p`` in ``[1, 2]`` or None (no magnitude); ``scale`` the ``s`` of the
+    magnitude; ``key_mask (…, Nk)`` additive, no gradient, or None. Batch dimensions broadcast.
+    """
+    shapes = [q.shape[:-2], k.shape[:-2], v.shape[:-2]]
+    if key_mask is not None:
+        shapes.append(key_mask.shape[:-1])
+    batch = broadcast_shapes(*shapes)
+    q, k, v = (x.expand(*batch, *x.shape[-2:]) for x in (q, k, v))
+    out: Tensor = _FusedFourier.apply(q, k, v, points.to(q.dtype), None, key_mask, float(eps), float(coef),
+                                      nsets, None if p is None else float(p), float(scale))
     return out

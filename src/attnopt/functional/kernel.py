@@ -26,6 +26,7 @@ from torch import Tensor
 
 from attnopt._validation import (
     additive_mask,
+    broadcast_shapes,
     causal_additive_mask,
     check_attention_inputs,
     combine_additive,
@@ -35,7 +36,11 @@ from attnopt._validation import (
     validate_attention,
 )
 from attnopt.functional import dispatch
-from attnopt.functional._kernel_fused import fused_feature_kernel_attention, fused_fourier_attention
+from attnopt.functional._kernel_fused import (
+    fused_feature_kernel_attention,
+    fused_fourier_attention,
+    fused_fourier_magnitude_attention,
+)
 from attnopt.functional._softmax import safe_softmax
 from attnopt.functional.kernel_linear import linear_kernel_attention
 from attnopt.kernels import RBF, Kernel
@@ -192,7 +197,7 @@ def _full_mask(
     q: Tensor, k: Tensor, attn_mask: Tensor | None, is_causal: bool, dtype: torch.dtype
 ) -> Tensor | None:
     nq, nk = q.shape[-2], k.shape[-2]
-    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+    batch = broadcast_shapes(q.shape[:-2], k.shape[:-2])
     mask = additive_mask(attn_mask, (*batch, nq, nk), dtype)
     causal = causal_additive_mask(nq, nk, dtype, q.device) if is_causal else None
     return combine_additive(mask, causal)
@@ -222,7 +227,7 @@ def _quadratic(
     ``f² ≤ 1``, so nothing measurable is lost.
     """
     nq, nk = q.shape[-2], k.shape[-2]
-    batch = math.prod(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2]))
+    batch = math.prod(broadcast_shapes(q.shape[:-2], k.shape[:-2]))
     chunk = nq if v is None else max(1, min(nq, _CHUNK_ELEMS // max(1, batch * nk)))
     direct = _direct_ok(kernel, mask, eps)
     m: Tensor | None = None
@@ -234,7 +239,7 @@ def _quadratic(
             c = a.amax(dim=-1, keepdim=True).detach()
             m = torch.exp(a - torch.where(torch.isfinite(c), c, torch.zeros_like(c)))
     if direct and v is not None and kernel.has_features:
-        rows = math.prod(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+        rows = math.prod(broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
         path = dispatch.choose_impl("kernel", nq=nq, nk=nk, batch=rows, dtype=q.dtype)
         if dispatch.record("kernel", path) == "materialized":
             kernel._check(q, k)
@@ -288,6 +293,58 @@ def _quadratic(
         w = torch.softmax(logits, dim=-1) if finite else safe_softmax(logits, dim=-1)
         outs.append(w if v is None else torch.matmul(w, v))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
+
+
+def _fused_fourier(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kernel: object,
+    magnitude_p: float | None,
+    attn_mask: Tensor | None,
+    scale: float | None,
+    mode: str,
+    is_causal: bool,
+    eps: float,
+) -> Tensor | None:
+    """The short path of :func:`kernel_attention`, or None where it does not apply.
+
+    Fourier-feature kernels (IKA_S / IKA_NS / IKAN), ``ε > 0``, an L^p magnitude with
+    ``1 <= p <= 2`` (or none), a key-only mask without gradient, not causal, float32/float64,
+    at sizes ``dispatch`` materializes: features, key weights and attention in one node
+    (:func:`~attnopt.functional._kernel_fused.fused_fourier_magnitude_attention`), the same
+    function as the general path up to float rounding. Inputs are validated by the caller.
+    """
+    _check_options(kernel, magnitude_p, eps, mode)
+    assert isinstance(kernel, Kernel)
+    if mode != "quadratic" or is_causal or not (kernel.squared and kernel.bounded and eps > 0):
+        return None
+    if q.dtype not in (torch.float32, torch.float64):
+        return None
+    if magnitude_p is not None and not 1.0 <= float(magnitude_p) <= 2.0:
+        return None
+    query_dependent = attn_mask is not None and attn_mask.dim() >= 2 and attn_mask.shape[-2] != 1
+    if attn_mask is not None and (attn_mask.requires_grad or query_dependent):
+        return None
+    stack = kernel.fourier_stack()
+    if stack is None:
+        return None
+    nq, nk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    batch = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    path = dispatch.choose_impl("kernel", nq=nq, nk=nk, batch=math.prod(batch), dtype=q.dtype)
+    if path != "materialized":
+        return None
+    s = resolve_scale(scale, d)
+    key_mask = None
+    if attn_mask is not None:
+        full = additive_mask(attn_mask, (*batch, nq, nk), q.dtype)
+        assert full is not None
+        key_mask = full.squeeze(-2)
+    points, nsets, coef = stack
+    check_dim("spectral points", points, q)
+    dispatch.record("kernel", "materialized")
+    p = None if magnitude_p is None else float(magnitude_p)
+    return fused_fourier_magnitude_attention(q, k, v, points, nsets, coef, eps, p, s, key_mask)
 
 
 def kernel_weights(
@@ -386,13 +443,16 @@ def kernel_attention(
         resolve_scale(scale, q.shape[-1])
         _full_mask(q, k, attn_mask, is_causal, q.dtype)
         return empty
+    fast = _fused_fourier(q, k, v, kernel, magnitude_p, attn_mask, scale, mode, is_causal, eps)
+    if fast is not None:
+        return fast
     s, compute, bias = _prepare(q, k, kernel, magnitude_p, scale, eps, mode)
     qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)
     if mode == "linear":
         nq, nk = q.shape[-2], k.shape[-2]
         key_mask, dead_rows = None, None
         if attn_mask is not None:
-            batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+            batch = broadcast_shapes(q.shape[:-2], k.shape[:-2])
             if attn_mask.dim() >= 2 and attn_mask.shape[-2] != 1:
                 full = additive_mask(attn_mask, (*batch, nq, nk), compute)
                 assert full is not None

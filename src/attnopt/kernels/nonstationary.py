@@ -34,11 +34,35 @@ class NonStationaryFourier(Kernel):
     has_features = True
     bounded = True  # |f| ≤ 1: a mean of cosines
 
+    _stacked: Tensor | None = None  # w1 and w2 as one (..., 2R, d) tensor (see stacked())
+
     def __init__(self, w1: Tensor, w2: Tensor) -> None:
         self.w1 = check_spectral_points("w1", w1)
         self.w2 = check_spectral_points("w2", w2)
         if w1.shape != w2.shape:
             raise ValueError(f"w1 and w2 must have the same shape, got {tuple(w1.shape)}, {tuple(w2.shape)}")
+
+    @classmethod
+    def stacked(cls, points: Tensor) -> NonStationaryFourier:
+        """The kernel of ``w1 = points[..., :R, :]``, ``w2 = points[..., R:, :]`` (``points (..., 2R, d)``).
+
+        One finiteness check, and attention uses ``points`` as they are (no concatenation).
+
+        Raises:
+            TypeError, ValueError: as the constructor; an odd number of points.
+        """
+        points = check_spectral_points("points", points)
+        if points.shape[-2] % 2:
+            raise ValueError(f"points must hold 2R rows (w1 then w2), got {tuple(points.shape)}")
+        r = points.shape[-2] // 2
+        out = cls.__new__(cls)
+        out.w1, out.w2, out._stacked = points[..., :r, :], points[..., r:, :], points
+        return out
+
+    def fourier_stack(self) -> tuple[Tensor, int, float] | None:
+        if self._stacked is None:
+            return super().fourier_stack()
+        return self._stacked, 2, 1.0 / (2 * math.sqrt(self.num_samples))
 
     @property
     def num_samples(self) -> int:

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from attnopt.functional.kernel import kernel_attention, kernel_weights
 from attnopt.kernels import Kernel, NonStationaryFourier, RandomFourier
 from attnopt.nn._multihead import MultiheadBase
+from attnopt.nn._spectral_fused import fusable, sample_spectral_points
 from attnopt.nn.spectral import GaussianCopula, ImplicitSpectralDensity
 
 __all__ = ["ImplicitKernelAttention"]
@@ -124,9 +125,15 @@ class ImplicitKernelAttention(MultiheadBase):
 
     def spectral_points_for(self, k: Tensor, mask: Tensor | None = None) -> tuple[list[Tensor], Tensor]:
         """Spectral point sets (each (B, H, R, d) or (H, R, d)) and the per-example KL (B,)."""
+        sets, _, kl = self._sample(k, mask)
+        return sets, kl
+
+    def _sample(self, k: Tensor, mask: Tensor | None) -> tuple[list[Tensor], Tensor | None, Tensor]:
+        """(point sets, the same sets stacked along the points or None, KL per example)."""
         b = k.shape[0]
         if self.variant == "ikan-direct":
-            return [w.to(k.dtype) for w in self.spectral_points], k.new_zeros(b)
+            w = self.spectral_points.to(k.dtype)  # (S, H, R, d)
+            return list(w), None, k.new_zeros(b)
         h = self._head_summary(k, mask)
         n_sets, half = len(self.densities), self.num_samples // 2
         # every set's base noise in one draw (eval: the fixed buffer), correlated by the copula
@@ -141,6 +148,13 @@ class ImplicitKernelAttention(MultiheadBase):
             factor = self.copula.factor()
             noise = self.copula.correlate(noise, factor)
             log_det = 2 * factor.diagonal().log().sum().to(k.dtype)
+        params = fusable(self.densities)
+        if params is not None:  # the stock density networks: every set in one node
+            pts, kl = sample_spectral_points(h, noise, self.densities, params)
+            if log_det is not None:
+                kl = kl - (0.5 * self.head_dim * half * n_sets) * log_det
+            r = self.num_samples
+            return [pts[..., i * r : (i + 1) * r, :] for i in range(n_sets)], pts, kl
         sets, kl = [], k.new_zeros(b)
         for i, dens in enumerate(self.densities):
             assert isinstance(dens, ImplicitSpectralDensity)
@@ -151,14 +165,16 @@ class ImplicitKernelAttention(MultiheadBase):
             if log_det is not None:
                 set_kl = set_kl - 0.5 * self.head_dim * log_det
             kl = kl + half * set_kl
-        return sets, kl
+        return sets, None, kl
 
     def kernel_for(self, k: Tensor, mask: Tensor | None = None) -> Kernel:
         """The kernel used for keys ``k`` (B, H, Nk, d); records the KL for :meth:`kl`."""
-        sets, kl = self.spectral_points_for(k, mask)
+        sets, stacked, kl = self._sample(k, mask)
         self._kl = kl.mean()
         if self.variant == "ika-s":
             return RandomFourier(sets[0])
+        if stacked is not None:  # one tensor holds both sets: attention takes it without a copy
+            return NonStationaryFourier.stacked(stacked)
         return NonStationaryFourier(sets[0], sets[1])
 
     def kl(self) -> Tensor:

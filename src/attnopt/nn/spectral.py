@@ -22,6 +22,8 @@ import math
 import torch
 from torch import Tensor, nn
 
+from attnopt.nn._spectral_fused import fusable, sample_spectral_points
+
 __all__ = ["ImplicitSpectralDensity", "ImplicitSpectralPoints", "GaussianCopula"]
 
 
@@ -183,6 +185,25 @@ class ImplicitSpectralPoints(nn.Module):
             raise ValueError(f"h must be (..., {self.num_heads}, {self.dim}), got {tuple(h.shape)}")
         batch = h.shape[:-2]
         half = self.num_samples // 2
+        params = fusable(self.densities)
+        if params is not None:  # the same draws, per set, then every set's math in one node
+            noises = []
+            for i in range(len(self.densities)):
+                if self.training:
+                    noise = torch.randn(*batch, self.num_heads, half, self.dim, generator=self._generator)
+                    noise = noise.to(device=h.device, dtype=h.dtype)
+                else:
+                    noise = self.get_buffer("eval_noise")[i].to(device=h.device, dtype=h.dtype)
+                    noise = noise.expand(*batch, -1, -1, -1)
+                noises.append(noise)
+            stacked = torch.stack(noises)
+            if self.copula is not None:
+                stacked = self.copula.correlate(stacked)
+            pts, kl = sample_spectral_points(h, stacked, self.densities, params)
+            if self.copula is not None:
+                kl = kl - (0.5 * self.dim * half * len(self.densities)) * self.copula.log_det().to(h.dtype)
+            r = self.num_samples
+            return [pts[..., i * r : (i + 1) * r, :] for i in range(len(self.densities))], kl
         sets, kl = [], h.new_zeros(batch)
         for i, dens in enumerate(self.densities):
             assert isinstance(dens, ImplicitSpectralDensity)
