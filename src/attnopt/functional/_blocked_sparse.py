@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnopt.functional._autograd import refuse_double_backward
 from attnopt.functional.entmax import (
     _default_tol,
     _entmax_backward,
@@ -96,6 +97,7 @@ class _BlockedSparseAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor, _dtheta: Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        refuse_double_backward(ctx, "regularized_attention (blocked)", "use its weights function @ v")
         q, k, v, mask, beta, thetas = ctx.saved_tensors
         compute = _compute(q.dtype)
         kc, vc = k.to(compute), v.to(compute)

@@ -62,6 +62,7 @@ import torch
 from torch import Tensor
 
 from attnopt._validation import broadcast_shapes
+from attnopt.functional._autograd import refuse_double_backward
 from attnopt.functional.entmax import _default_tol, _entmax_backward, _threshold_map
 
 __all__ = ["fused_sparse_attention"]
@@ -207,6 +208,9 @@ def _ds_rows(dp: Tensor, g: Tensor | None, p: Tensor, gsum: Tensor) -> None:
     _by_blocks(rows, n, block)
 
 
+_INSTEAD = "use regularized_attention_weights(q, k, ...) @ v (exact second derivatives)"
+
+
 class _FusedSparseAttention(torch.autograd.Function):
     """α ∈ {1.5, 2}: the in-place threshold search above, ``P`` (and ``√P``) saved."""
 
@@ -237,6 +241,7 @@ class _FusedSparseAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        refuse_double_backward(ctx, "regularized_attention (fused sparse)", _INSTEAD)
         q, k, v, p, g, gsum, beta = ctx.saved_tensors
         dout = dout.to(v.dtype).contiguous()  # a stride-0 gradient (from .sum()) sends bmm to a slow path
         nk = p.shape[-1]
@@ -275,6 +280,7 @@ class _FusedEntmaxAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        refuse_double_backward(ctx, "regularized_attention (fused sparse)", _INSTEAD)
         q, k, v, p, beta = ctx.saved_tensors
         dout = dout.to(v.dtype).contiguous()
         dv = torch.bmm(p.transpose(-2, -1), dout)

@@ -1,0 +1,51 @@
+r"""Double-backward policy of the library's custom ``torch.autograd.Function``\ s (internal).
+
+A closed-form backward that reads saved forward intermediates, writes into preallocated
+buffers or detaches a parameter computes the right *first* derivative, but its result is
+not a differentiable function of the inputs: under ``create_graph=True`` (a gradient
+penalty, ``gradgradcheck``, Hessian-vector products) the second derivative would be
+silently wrong. ``@once_differentiable`` does not prevent that: it attaches its error node
+to detached copies of the gradients, so ``torch.autograd.grad(..., inputs=...)`` skips the
+node and returns a wrong number, and when the incoming gradient does not require grad
+there is no error node at all.
+
+Policy: every Function's ``backward`` starts with one of
+
+* :func:`refuse_double_backward` — raises a ``RuntimeError`` naming the op and the plain
+  path to use instead, when the backward runs with grad mode on (``create_graph=True``);
+* :func:`double_backward` — ``True`` in that case, so the backward can switch to a
+  differentiable formula (tracked, out-of-place plain ops; exact second derivatives).
+
+``tests/functional/test_double_backward.py`` checks that every Function in ``src`` does one
+of the two, and that every public op and registry attention either passes ``gradgradcheck``
+in float64 or raises.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["double_backward", "refuse_double_backward"]
+
+
+def double_backward(ctx: Any) -> bool:
+    """Whether this backward runs under ``create_graph=True`` with an input that needs grad."""
+    return torch.is_grad_enabled() and any(ctx.needs_input_grad)
+
+
+def refuse_double_backward(ctx: Any, op: str, instead: str) -> None:
+    """Raise when :func:`double_backward`: ``op``'s closed-form backward is first order only.
+
+    Args:
+        ctx: the Function's context.
+        op: the public op (and path) the Function implements, e.g. ``"sparse attention (fused)"``.
+        instead: what to call for second derivatives (a plain differentiable path).
+    Raises:
+        RuntimeError: under ``create_graph=True``; never returns a silently wrong result.
+    """
+    if double_backward(ctx):
+        raise RuntimeError(
+            f"{op}: double backward (create_graph=True, e.g. a gradient penalty or gradgradcheck) "
+            f"is not supported by its closed-form backward; {instead}"
+        )
