@@ -159,6 +159,19 @@ def test_entmax_tensor_alpha_double_backward_is_exact():
     assert _second_order(lambda x, a: attnopt.entmax(x, a), (x, a)) == "exact"
 
 
+@pytest.mark.parametrize("impl", ["materialized", "streaming"])
+@pytest.mark.parametrize("reg", [SquaredL2(), Tsallis(1.5), Tsallis(1.3)], ids=str)
+def test_sparse_attention_double_backward_is_exact_with_a_learned_locality(impl, reg):
+    """The fused and blocked sparse nodes differentiate their plain form: q, k, v and ALiBi's β."""
+    q, k, v, beta = _leaves(*SELF, (2,))
+
+    def fn(q: Tensor, k: Tensor, v: Tensor, beta: Tensor) -> Tensor:
+        return attnopt.regularized_attention(q, k, v, regularizer=reg, impl=impl, locality=beta,
+                                             is_causal=True)
+
+    assert _second_order(fn, (q, k, v, beta.detach().abs().requires_grad_())) == "exact"
+
+
 @pytest.mark.parametrize("gather", [False, True])
 def test_toeplitz_preference_node_double_backward_is_exact(gather):
     """T5's bias node is linear in its weight and its backward only reads the incoming gradient."""

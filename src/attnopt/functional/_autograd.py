@@ -14,7 +14,8 @@ Policy: every Function's ``backward`` starts with one of
 * :func:`refuse_double_backward` — raises a ``RuntimeError`` naming the op and the plain
   path to use instead, when the backward runs with grad mode on (``create_graph=True``);
 * :func:`double_backward` — ``True`` in that case, so the backward can switch to a
-  differentiable formula (tracked, out-of-place plain ops; exact second derivatives).
+  differentiable formula (tracked, out-of-place plain ops; exact second derivatives), e.g.
+  :func:`tracked_vjp` of the op's plain-PyTorch form.
 
 ``tests/functional/test_double_backward.py`` checks that every Function in ``src`` does one
 of the two, and that every public op and registry attention either passes ``gradgradcheck``
@@ -22,11 +23,13 @@ in float64 or raises.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import Tensor
 
-__all__ = ["double_backward", "refuse_double_backward"]
+__all__ = ["double_backward", "refuse_double_backward", "tracked_vjp"]
 
 
 def double_backward(ctx: Any) -> bool:
@@ -49,3 +52,20 @@ def refuse_double_backward(ctx: Any, op: str, instead: str) -> None:
             f"{op}: double backward (create_graph=True, e.g. a gradient penalty or gradgradcheck) "
             f"is not supported by its closed-form backward; {instead}"
         )
+
+
+def tracked_vjp(ctx: Any, fn: Callable[..., Tensor], inputs: Sequence[Any], grad: Tensor) -> tuple[Any, ...]:
+    """The backward's result from ``fn(*inputs)`` in plain tracked ops (exact double backward).
+
+    ``inputs`` are the Function's forward inputs in order (the saved, tracked tensors); the
+    result has one entry per input: the gradient with a graph where ``ctx.needs_input_grad``,
+    else ``None``.
+    """
+    want = [i for i, x in enumerate(inputs) if isinstance(x, Tensor) and ctx.needs_input_grad[i]]
+    with torch.enable_grad():
+        out = fn(*inputs)
+    grads = torch.autograd.grad(out, [inputs[i] for i in want], grad, create_graph=True, allow_unused=True)
+    res: list[Any] = [None] * len(inputs)
+    for i, g in zip(want, grads, strict=True):
+        res[i] = g
+    return tuple(res)
