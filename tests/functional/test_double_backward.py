@@ -80,9 +80,11 @@ def _registry_case(name: str) -> tuple[Callable[..., Tensor], tuple[Tensor, ...]
     opts = {"seed": 0} if name.startswith(("ika", "ikan", "mikan")) else {}
     torch.manual_seed(0)
     mod = ann.make_attention(name, 4, 2, **opts).to(F64).eval()
-    params = dict(mod.named_parameters())
+    # the mechanism's own parameters (preference, mixing weight, spectral nets); the projections'
+    # mixed derivatives reach the attention node through q, k, v like the input's
+    params = {n: p for n, p in mod.named_parameters() if "_proj." not in n}
 
-    def fn(x: Tensor, *ps: Tensor) -> Tensor:  # the parameters too: mixed d²/dx dθ (gradient penalties)
+    def fn(x: Tensor, *ps: Tensor) -> Tensor:  # mixed d²/dx dθ too (gradient penalties)
         out = torch.func.functional_call(mod, dict(zip(params, ps, strict=True)), (x,))
         return out[0] if isinstance(out, tuple) else out
 
@@ -221,3 +223,25 @@ def test_every_function_states_its_double_backward():
     marks = ("double_backward(", "is_grad_enabled()", "# exact double backward")
     silent = [f"{f}:{c}" for f, c, src in funcs if not any(m in src for m in marks)]
     assert not silent, f"backward without a double-backward policy (see functional/_autograd.py): {silent}"
+
+
+def test_torch_func_first_order_keeps_working_and_nested_grad_is_policed():
+    """``torch.func`` runs backwards with grad mode on: one ``grad`` is first order (allowed),
+    ``grad(grad(f))`` is a second derivative (exact or refused, as under autograd)."""
+    q, k, v = (x.detach() for x in _leaves(*QKV))
+
+    def dnas(q: Tensor) -> Tensor:
+        return DN(q, k, v, impl="streaming").square().sum()
+
+    x = q.clone().requires_grad_()
+    (expected,) = torch.autograd.grad(dnas(x), x)
+    torch.testing.assert_close(torch.func.grad(dnas)(q), expected)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.func.grad(lambda q: torch.func.grad(dnas)(q).sum())(q)
+
+    def sm(s: Tensor) -> Tensor:
+        return attnopt.sparsemax(s).pow(3).sum()
+
+    (g,) = torch.autograd.grad(sm(x), x, create_graph=True)
+    (hv,) = torch.autograd.grad(g.sum(), x)
+    torch.testing.assert_close(torch.func.grad(lambda s: torch.func.grad(sm)(s).sum())(q), hv)

@@ -27,14 +27,33 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch._C._functorch as _ft
 from torch import Tensor
 
 __all__ = ["double_backward", "refuse_double_backward", "tracked_vjp"]
 
 
 def double_backward(ctx: Any) -> bool:
-    """Whether this backward runs under ``create_graph=True`` with an input that needs grad."""
-    return torch.is_grad_enabled() and any(ctx.needs_input_grad)
+    """Whether this backward runs under ``create_graph=True`` with an input that needs grad.
+
+    ``torch.func`` runs every backward with grad mode on; there the result is differentiated
+    again only under a nested transform (level > 1, e.g. ``grad(grad(f))``), so a single
+    ``torch.func.grad`` / ``vjp`` / ``jacrev`` keeps the fast first-order backward.
+    """
+    if not (torch.is_grad_enabled() and any(ctx.needs_input_grad)):
+        return False
+    level = _functorch_level(ctx)
+    return level is None or level > 1
+
+
+def _functorch_level(ctx: Any) -> int | None:
+    """The ``torch.func`` transform level this backward runs at (``None``: plain autograd)."""
+    level: int | None = _ft.maybe_current_level()
+    if level is not None:
+        return level
+    # torch.func.vjp calls the backward outside its level; its saved tensors stay wrapped
+    saved = ctx.saved_tensors if hasattr(ctx, "saved_tensors") else ()
+    return 1 if any(t is not None and _ft.is_functorch_wrapped_tensor(t) for t in saved) else None
 
 
 def refuse_double_backward(ctx: Any, op: str, instead: str) -> None:
