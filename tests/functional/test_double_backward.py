@@ -149,6 +149,21 @@ def test_scaling_form_dnas_kernel_refuses(monkeypatch, iterations):
         torch.autograd.grad(out.square().sum(), q, create_graph=True)
 
 
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_native_dnas_kernel_refuses(monkeypatch, hybrid):
+    """The native C path (float32 CPU, large sizes only): forced by lowering its thresholds."""
+    from attnopt.functional import _dnas_native as native
+
+    monkeypatch.setattr(dm, "FUSED_MIN_ENTRIES", 0)
+    monkeypatch.setattr(native, "CHUNK_ENTRIES", 100)
+    q, k, v = (x.detach().float().requires_grad_() for x in _leaves(*QKV))
+    if native.library(q, 1) is None:
+        pytest.skip("no native library (no compiler or ATTNOPT_NATIVE=0)")
+    out = _hyb("materialized")(q, k, v) if hybrid else DN(q, k, v, impl="materialized")
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(out.square().sum(), q, create_graph=True)
+
+
 @pytest.mark.parametrize("alpha", [2.0, 1.5, 1.25, 0.7, 3.0])
 def test_entmax_double_backward_is_exact(alpha):
     (x,) = _leaves((3, 6))
