@@ -27,6 +27,7 @@ from attnopt._validation import (
 )
 from attnopt.dual._mem_batch import canonicalize, check_alpha, check_solver_knobs, safe_log, validate
 from attnopt.dual._mem_core import _w_apply, apply_inverse_hessian, gram, newton_mem
+from attnopt.functional._autograd import refuse_double_backward
 from attnopt.functional.generalized import score_bias
 
 __all__ = ["mem_estimate", "mem_weights", "mem_attention"]
@@ -60,6 +61,7 @@ class _MEMWeights(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_w: Tensor, _grad_lam: Tensor | None) -> tuple[Tensor | None, ...]:
+        refuse_double_backward(ctx, "mem_attention / mem_weights", "no plain path (implicit differentiation)")
         T, logu, p, lam = ctx.saved_tensors
         alpha, lowrank = ctx.alpha, ctx.lowrank
         u_bar = torch.softmax(logu, dim=-1).expand_as(p)

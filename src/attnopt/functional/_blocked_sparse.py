@@ -19,11 +19,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnopt.functional._autograd import double_backward, tracked_vjp
 from attnopt.functional.entmax import (
     _default_tol,
     _entmax_backward,
     _map_from_threshold,
     _threshold_map,
+    entmax,
+    sparsemax,
 )
 
 __all__ = ["blocked_sparse_attention"]
@@ -56,6 +59,22 @@ def _block_scores(
         rows = torch.arange(i0, i1, device=s.device)[:, None]
         s.masked_fill_(torch.arange(nk, device=s.device)[None, :] > rows, float("-inf"))
     return s
+
+
+def _plain(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, beta: Tensor | None, alpha: float,
+           scale: float, causal: bool, *_: object) -> Tensor:
+    """The same attention in tracked plain ops (``(*batch, N, ·)`` inputs): scores, the map, ``@ v``."""
+    c = _compute(q.dtype)
+    s = torch.matmul(q.to(c), k.to(c).transpose(-2, -1)) * scale
+    if mask is not None:
+        s = s + mask
+    if beta is not None:
+        dist = _distance(0, q.shape[-2], k.shape[-2], beta.dtype, s.device)
+        s = s - (beta * dist if beta.dim() == 0 else beta.view(-1, 1, 1) * dist).to(c)
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    p = sparsemax(s) if alpha == 2.0 else entmax(s, alpha)
+    return torch.matmul(p, v.to(c)).to(q.dtype)
 
 
 class _BlockedSparseAttention(torch.autograd.Function):
@@ -96,6 +115,9 @@ class _BlockedSparseAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor, _dtheta: Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        if double_backward(ctx):  # create_graph=True: the plain ops (exact double backward)
+            args = (*ctx.saved_tensors[:5], ctx.alpha, ctx.scale, ctx.causal, 0)
+            return tracked_vjp(ctx, _plain, args, dout)
         q, k, v, mask, beta, thetas = ctx.saved_tensors
         compute = _compute(q.dtype)
         kc, vc = k.to(compute), v.to(compute)

@@ -50,8 +50,11 @@ import torch
 from torch import Tensor
 
 from attnopt.functional import _dnas_native
+from attnopt.functional._autograd import refuse_double_backward
 
 __all__ = ["fused_sinkhorn"]
+
+_INSTEAD = "use doubly_normalized_weights / hybrid_normalized_weights(q, k, ...) @ v (plain ops)"
 
 
 def _scores(qs: Tensor, k: Tensor, mask: Tensor | None, causal: bool, work: Tensor) -> Tensor:
@@ -277,6 +280,7 @@ class _FusedSinkhorn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        refuse_double_backward(ctx, "doubly/hybrid_normalized_attention (materialized)", _INSTEAD)
         need_qk = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         need_w = ctx.w_shape is not None and ctx.needs_input_grad[3]
         states, parts = ctx.states, ctx.parts

@@ -43,7 +43,8 @@ from torch import Tensor
 
 from attnopt._validation import additive_mask
 from attnopt.functional import _dnas_fused, _dnas_native, dispatch
-from attnopt.functional._dnas_fused import _reduce_to, fused_sinkhorn
+from attnopt.functional._autograd import refuse_double_backward
+from attnopt.functional._dnas_fused import _INSTEAD, _reduce_to, fused_sinkhorn
 
 __all__ = ["materialized_sinkhorn_attention", "dispatched_sinkhorn"]
 
@@ -161,6 +162,7 @@ class _MaterializedSinkhorn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        refuse_double_backward(ctx, "doubly/hybrid_normalized_attention (materialized)", _INSTEAD)
         k, v, w, out, qs, p, sigma, *rest = ctx.saved_tensors
         dout = dout.to(v.dtype).contiguous()  # a stride-0 gradient (from .sum()) sends bmm to a slow path
         dp = torch.matmul(dout, v.transpose(-2, -1))

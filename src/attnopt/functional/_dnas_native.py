@@ -38,9 +38,9 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from attnopt import _native
+from attnopt.functional._autograd import refuse_double_backward
 
 __all__ = ["library", "native_sinkhorn", "CHUNK_ENTRIES"]
 
@@ -142,8 +142,8 @@ class _NativeSinkhorn(torch.autograd.Function):
         return out.view(b, h, nq, dv)
 
     @staticmethod
-    @once_differentiable  # the C passes build no graph: a second derivative raises instead of lying
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        refuse_double_backward(ctx, "DNAS/HNAS (native C path)", "use *_normalized_weights(...) @ v")
         qs, k3, v3, wv, full, m, beta, u, alpha, binv = ctx.saved_tensors
         b, h, nq, nk, causal, scale, lib, _ = ctx.shape
         g, dv_ = b * h, v3.shape[-1]

@@ -39,6 +39,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnopt.functional._autograd import refuse_double_backward
+
+_NO_DOUBLE = ("doubly_normalized_attention (streaming)", "use doubly_normalized_weights(q, k, ...) @ v")
+
 __all__ = ["flash_available", "dnas1", "lse_pass", "attn_pass", "key_bias"]
 
 _fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -168,6 +172,7 @@ class _Dnas1(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor, *_: Any) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        refuse_double_backward(ctx, *_NO_DOUBLE)
         q, k, v, out, r, a, bias, col_valid = ctx.saved_tensors
         scale, causal = ctx.scale, ctx.causal
         dq0, dk0, dv, colsum = _augmented_backward(dout, q, k, v, out, r, bias, causal, scale)
@@ -216,6 +221,7 @@ class _LsePass(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dl: Tensor, *_: Any) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        refuse_double_backward(ctx, *_NO_DOUBLE)
         a, b, out, lse, pot, valid, full_mask = ctx.saved_tensors
         scale, pdt, d = ctx.scale, lse.dtype, a.shape[-1]
         g = dl.to(pdt)
@@ -264,6 +270,7 @@ class _AttnPass(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor, *_: Any) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        refuse_double_backward(ctx, *_NO_DOUBLE)
         q, k, v, out, lse, bias, valid = ctx.saved_tensors
         dq, dk, dv, colsum = _augmented_backward(dout, q, k, v, out, lse, bias, ctx.causal, ctx.scale)
         dpot = torch.where(valid, -colsum, torch.zeros_like(colsum))

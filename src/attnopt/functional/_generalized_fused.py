@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from attnopt._validation import broadcast_shapes
+from attnopt.functional._autograd import refuse_double_backward
 from attnopt.functional._denormal import flush_denormal
 
 __all__ = ["biased_softmax_attention", "biased_flash_attention", "flash_bias_available", "CHUNK_BYTES"]
@@ -95,8 +95,8 @@ class _BiasedSoftmax(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable  # the backward writes into preallocated buffers: no double backward
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        refuse_double_backward(ctx, "generalized_attention (fused bias)", "use generalized_weights(...) @ v")
         qs, k, v, p, out = ctx.saved_tensors
         b, h, nq, d = qs.shape
         nk, dv = k.shape[-2], v.shape[-1]
@@ -151,8 +151,8 @@ class _FlashBias(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable  # the backward writes into preallocated buffers: no double backward
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        refuse_double_backward(ctx, "generalized_attention (fused bias)", "use generalized_weights(...) @ v")
         q, k, v, bias, out, lse = ctx.saved_tensors
         with flush_denormal():
             dq, dk, dv = _bwd(dout.to(q.dtype).contiguous(), q, k, v, out, lse, 0.0, False,

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from attnopt._validation import broadcast_shapes
+from attnopt.functional._autograd import double_backward
 
 __all__ = ["fused_feature_kernel_attention", "fused_fourier_attention", "fused_fourier_magnitude_attention"]
 
@@ -52,7 +53,7 @@ class _FusedFeatureKernel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        if torch.is_grad_enabled():  # create_graph=True: differentiate the plain ops (exact double backward)
+        if double_backward(ctx):  # create_graph=True: differentiate the plain ops (exact double backward)
             return (*_plain_backward(ctx, dout), None)
         pq, pk, mt, v, f, den, ok, out = ctx.saved_tensors
         g = torch.where(ok, dout / den, torch.zeros_like(den))
@@ -190,7 +191,7 @@ class _FusedFourier(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        if torch.is_grad_enabled():  # the closed form below uses untracked intermediates
+        if double_backward(ctx):  # the closed form below uses untracked intermediates
             raise RuntimeError(
                 "kernel_attention's fused Fourier-feature node has no double backward (create_graph=True)"
             )

@@ -62,6 +62,8 @@ import torch
 from torch import Tensor
 
 from attnopt._validation import broadcast_shapes
+from attnopt.functional._autograd import double_backward, tracked_vjp
+from attnopt.functional._blocked_sparse import _plain
 from attnopt.functional.entmax import _default_tol, _entmax_backward, _threshold_map
 
 __all__ = ["fused_sparse_attention"]
@@ -207,6 +209,19 @@ def _ds_rows(dp: Tensor, g: Tensor | None, p: Tensor, gsum: Tensor) -> None:
     _by_blocks(rows, n, block)
 
 
+
+def _plain_vjp(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
+    """Both Functions' backward in tracked plain ops (``create_graph=True``: exact double backward)."""
+    saved = ctx.saved_tensors
+
+    def attend(*xs: Any) -> Tensor:  # the forward's inputs; q, k, v flattened to (B·H, N, ·)
+        qkv = (x.view(*ctx.batch, *x.shape[-2:]) for x in xs[:3])
+        out = _plain(*qkv, xs[4], xs[5], ctx.alpha, ctx.scale, ctx.causal)
+        return out.reshape(-1, *out.shape[-2:])
+
+    return tracked_vjp(ctx, attend, (*saved[:3], None, ctx.mask, saved[-1], None, None, None), dout)
+
+
 class _FusedSparseAttention(torch.autograd.Function):
     """α ∈ {1.5, 2}: the in-place threshold search above, ``P`` (and ``√P``) saved."""
 
@@ -231,12 +246,14 @@ class _FusedSparseAttention(torch.autograd.Function):
             gsum = _per_row_blocks(lambda i, j: _sparsemax_rows(s2[i:j], buf[: j - i]), rows, nk)
             p, g = s, None
         p3 = p.view(-1, nq, nk)
-        ctx.scale, ctx.batch = scale, batch
+        ctx.scale, ctx.batch, ctx.alpha, ctx.mask, ctx.causal = scale, batch, alpha, mask, causal
         ctx.save_for_backward(q, k, v, p3, g, gsum, beta)
         return torch.bmm(p3, v)
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        if double_backward(ctx):
+            return _plain_vjp(ctx, dout)
         q, k, v, p, g, gsum, beta = ctx.saved_tensors
         dout = dout.to(v.dtype).contiguous()  # a stride-0 gradient (from .sum()) sends bmm to a slow path
         nk = p.shape[-1]
@@ -269,12 +286,14 @@ class _FusedEntmaxAttention(torch.autograd.Function):
         s = _scores(q, k, batch, scale, mask, b, causal, False)
         max_iter = _MAX_ITER_SPARSEMAX if alpha == 2.0 else _MAX_ITER_ENTMAX
         p = _threshold_map(s, alpha, -1, max_iter, _default_tol(s.dtype))[0].view(-1, *s.shape[-2:])
-        ctx.alpha, ctx.scale, ctx.batch = alpha, scale, batch
+        ctx.alpha, ctx.scale, ctx.batch, ctx.mask, ctx.causal = alpha, scale, batch, mask, causal
         ctx.save_for_backward(q, k, v, p, beta)
         return torch.bmm(p, v)
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        if double_backward(ctx):
+            return _plain_vjp(ctx, dout)
         q, k, v, p, beta = ctx.saved_tensors
         dout = dout.to(v.dtype).contiguous()
         dv = torch.bmm(p.transpose(-2, -1), dout)

@@ -49,6 +49,7 @@ from torch import Tensor
 from attnopt._validation import check_tensor
 from attnopt.functional import _sparse_groups as _groups
 from attnopt.functional import _sparse_native as _native_maps
+from attnopt.functional._autograd import double_backward
 from attnopt.functional._entmax15_passes import entmax15_passes
 
 __all__ = ["sparsemax", "entmax"]
@@ -350,8 +351,18 @@ def _backward_rows(p: Tensor, grad: Tensor, alpha: float) -> Tensor:
     return out.view(p.shape)
 
 
-def _entmax_backward(p: Tensor, grad: Tensor, alpha: Tensor | float, dim: int) -> Tensor:
-    """``g ⊙ (d − Σ g d / Σ g)`` with ``g = p^{2−α}`` on the support (few large temporaries)."""
+def _entmax_backward(
+    p: Tensor, grad: Tensor, alpha: Tensor | float, dim: int, tracked: bool = False
+) -> Tensor:
+    """``g ⊙ (d − Σ g d / Σ g)`` with ``g = p^{2−α}`` on the support (few large temporaries).
+
+    ``tracked``: out-of-place ops, differentiable in ``p``, ``grad`` and ``α`` (double backward).
+    """
+    if tracked:  # create_graph=True: p is the tracked output, the support is locally constant
+        g = torch.where(p > 0, p.clamp_min(torch.finfo(p.dtype).tiny).pow(2 - alpha), 0.0)
+        gsum = g.sum(dim=dim, keepdim=True)
+        gd = g * grad
+        return gd - g * gd.sum(dim=dim, keepdim=True) / torch.where(gsum > 0, gsum, torch.ones_like(gsum))
     if (isinstance(alpha, float) and alpha in (1.5, 2.0) and grad.shape == p.shape
             and _native_maps.usable(p, dim)):
         return _native_maps.backward(p, grad, alpha)
@@ -449,7 +460,7 @@ class _Sparsemax(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:  # type: ignore[override]
         (p,) = ctx.saved_tensors
         compute = _compute_dtype(p.dtype)
-        gx = _entmax_backward(p.to(compute), grad.to(compute), 2.0, ctx.dim)
+        gx = _entmax_backward(p.to(compute), grad.to(compute), 2.0, ctx.dim, double_backward(ctx))
         return gx.to(p.dtype), None, None
 
 
@@ -470,7 +481,7 @@ class _Entmax(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None, None]:  # type: ignore[override]
         (p,) = ctx.saved_tensors
         compute = _compute_dtype(p.dtype)
-        gx = _entmax_backward(p.to(compute), grad.to(compute), ctx.alpha, ctx.dim)
+        gx = _entmax_backward(p.to(compute), grad.to(compute), ctx.alpha, ctx.dim, double_backward(ctx))
         return gx.to(p.dtype), None, None, None, None
 
 
@@ -493,7 +504,9 @@ class _EntmaxAlpha(torch.autograd.Function):
         p, alpha = ctx.saved_tensors
         compute = _compute_dtype(p.dtype)
         pc, gc, ac = p.to(compute), grad.to(compute), alpha.to(compute)
-        gx = _entmax_backward(pc, gc, ac, ctx.dim).to(p.dtype) if ctx.needs_input_grad[0] else None
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gx = _entmax_backward(pc, gc, ac, ctx.dim, double_backward(ctx)).to(p.dtype)
         ga = None
         if ctx.needs_input_grad[1]:
             ga = _reduce_to(_alpha_backward(pc, gc, ac, ctx.dim), alpha.shape).to(alpha.dtype)

@@ -36,6 +36,7 @@ from attnopt._validation import (
     validate_attention,
 )
 from attnopt.functional import dispatch
+from attnopt.functional._autograd import double_backward
 from attnopt.functional._kernel_fused import (
     fused_feature_kernel_attention,
     fused_fourier_attention,
@@ -117,7 +118,7 @@ class _LpHalfSquare(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, None, None]:  # type: ignore[override]
         x, pw, total, live = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True: recompute with tracked ops (exact double backward)
+        if double_backward(ctx):  # create_graph=True: recompute with tracked ops (exact double backward)
             ax = x.abs()
             pw = _abs_pow(ax, ctx.p - 1.0)
             total = (ax * pw).sum(-1)

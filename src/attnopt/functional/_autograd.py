@@ -1,0 +1,90 @@
+r"""Double-backward policy of the library's custom ``torch.autograd.Function``\ s (internal).
+
+A closed-form backward that reads saved forward intermediates, writes into preallocated
+buffers or detaches a parameter computes the right *first* derivative, but its result is
+not a differentiable function of the inputs: under ``create_graph=True`` (a gradient
+penalty, ``gradgradcheck``, Hessian-vector products) the second derivative would be
+silently wrong. ``@once_differentiable`` does not prevent that: it attaches its error node
+to detached copies of the gradients, so ``torch.autograd.grad(..., inputs=...)`` skips the
+node and returns a wrong number, and when the incoming gradient does not require grad
+there is no error node at all.
+
+Policy: every Function's ``backward`` starts with one of
+
+* :func:`refuse_double_backward` — raises a ``RuntimeError`` naming the op and the plain
+  path to use instead, when the backward runs with grad mode on (``create_graph=True``);
+* :func:`double_backward` — ``True`` in that case, so the backward can switch to a
+  differentiable formula (tracked, out-of-place plain ops; exact second derivatives), e.g.
+  :func:`tracked_vjp` of the op's plain-PyTorch form.
+
+``tests/functional/test_double_backward.py`` checks that every Function in ``src`` does one
+of the two, and that every public op and registry attention either passes ``gradgradcheck``
+in float64 or raises.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch._C._functorch as _ft
+from torch import Tensor
+
+__all__ = ["double_backward", "refuse_double_backward", "tracked_vjp"]
+
+
+def double_backward(ctx: Any) -> bool:
+    """Whether this backward runs under ``create_graph=True`` with an input that needs grad.
+
+    ``torch.func`` runs every backward with grad mode on; there the result is differentiated
+    again only under a nested transform (level > 1, e.g. ``grad(grad(f))``), so a single
+    ``torch.func.grad`` / ``vjp`` / ``jacrev`` keeps the fast first-order backward.
+    """
+    if not (torch.is_grad_enabled() and any(ctx.needs_input_grad)):
+        return False
+    level = _functorch_level(ctx)
+    return level is None or level > 1
+
+
+def _functorch_level(ctx: Any) -> int | None:
+    """The ``torch.func`` transform level this backward runs at (``None``: plain autograd)."""
+    level: int | None = _ft.maybe_current_level()
+    if level is not None:
+        return level
+    # torch.func.vjp calls the backward outside its level; its saved tensors stay wrapped
+    saved = ctx.saved_tensors if hasattr(ctx, "saved_tensors") else ()
+    return 1 if any(t is not None and _ft.is_functorch_wrapped_tensor(t) for t in saved) else None
+
+
+def refuse_double_backward(ctx: Any, op: str, instead: str) -> None:
+    """Raise when :func:`double_backward`: ``op``'s closed-form backward is first order only.
+
+    Args:
+        ctx: the Function's context.
+        op: the public op (and path) the Function implements, e.g. ``"sparse attention (fused)"``.
+        instead: what to call for second derivatives (a plain differentiable path).
+    Raises:
+        RuntimeError: under ``create_graph=True``; never returns a silently wrong result.
+    """
+    if double_backward(ctx):
+        raise RuntimeError(
+            f"{op}: double backward (create_graph=True, e.g. a gradient penalty or gradgradcheck) "
+            f"is not supported by its closed-form backward; {instead}"
+        )
+
+
+def tracked_vjp(ctx: Any, fn: Callable[..., Tensor], inputs: Sequence[Any], grad: Tensor) -> tuple[Any, ...]:
+    """The backward's result from ``fn(*inputs)`` in plain tracked ops (exact double backward).
+
+    ``inputs`` are the Function's forward inputs in order (the saved, tracked tensors); the
+    result has one entry per input: the gradient with a graph where ``ctx.needs_input_grad``,
+    else ``None``.
+    """
+    want = [i for i, x in enumerate(inputs) if isinstance(x, Tensor) and ctx.needs_input_grad[i]]
+    with torch.enable_grad():
+        out = fn(*inputs)
+    grads = torch.autograd.grad(out, [inputs[i] for i in want], grad, create_graph=True, allow_unused=True)
+    res: list[Any] = [None] * len(inputs)
+    for i, g in zip(want, grads, strict=True):
+        res[i] = g
+    return tuple(res)
