@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["FLAGS", "compiler", "enabled", "library", "parallel_rows"]
+__all__ = ["FLAGS", "compiler", "enabled", "has_storage", "library", "parallel_rows"]
 
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11")
 _HERE = Path(__file__).resolve().parent
@@ -53,6 +53,17 @@ _MIN_PARALLEL = 1 << 16  # entries below which one thread does the whole call
 def enabled() -> bool:
     """Whether native kernels may be used: ``ATTNOPT_NATIVE`` is not ``0`` and a compiler exists."""
     return os.environ.get("ATTNOPT_NATIVE", "1") != "0" and compiler() is not None
+
+
+def has_storage(*tensors: torch.Tensor | None) -> bool:
+    """Whether every tensor (``None`` skipped) has real memory a C kernel can read.
+
+    False for the wrapped tensors of ``torch.func`` transforms (``grad``, ``vmap``, ...) and for
+    tensor subclasses such as the fake tensors of ``torch.compile``: those take the PyTorch path.
+    """
+    is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    return all(t is None or (type(t) in (torch.Tensor, torch.nn.Parameter) and not is_wrapped(t))
+               for t in tensors)
 
 
 def compiler() -> str | None:

@@ -53,7 +53,7 @@ _I64, _INT = ctypes.c_int64, ctypes.c_int
 
 def library(q: Tensor, iterations: int) -> ctypes.CDLL | None:
     """The compiled ``dnas.c`` when the native path applies (K = 1, float32, CPU), else ``None``."""
-    if iterations != 1 or q.dtype != torch.float32 or q.device.type != "cpu":
+    if iterations != 1 or q.dtype != torch.float32 or q.device.type != "cpu" or not _native.has_storage(q):
         return None
     return _native.library("dnas")
 

@@ -49,7 +49,10 @@ def usable(x: Tensor, dim: int) -> bool:
     """A float32/float64 CPU tensor reduced along its last dim (copied if not contiguous), and
     the kernel built."""
     return (x.device.type == "cpu" and x.dtype in _SUFFIX and x.dim() >= 1 and dim % x.dim() == x.dim() - 1
-            and x.numel() > 0 and _native.library(_LIB) is not None)
+            and x.numel() > 0 and _native.has_storage(x) and _native.library(_LIB) is not None)
+
+
+has_storage = _native.has_storage
 
 
 def _ptr(t: Tensor) -> ctypes.c_void_p:

@@ -364,7 +364,7 @@ def _entmax_backward(
         gd = g * grad
         return gd - g * gd.sum(dim=dim, keepdim=True) / torch.where(gsum > 0, gsum, torch.ones_like(gsum))
     if (isinstance(alpha, float) and alpha in (1.5, 2.0) and grad.shape == p.shape
-            and _native_maps.usable(p, dim)):
+            and _native_maps.usable(p, dim) and _native_maps.has_storage(grad)):
         return _native_maps.backward(p, grad, alpha)
     if (isinstance(alpha, float) and 1.0 < alpha <= 2.0 and _groups.usable(p, dim)
             and grad.shape == p.shape and grad.dtype == p.dtype):

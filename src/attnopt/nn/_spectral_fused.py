@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attnopt.functional._autograd import double_backward
+
 __all__ = ["fusable", "sample_spectral_points"]
 
 _PER_SET = 8  # W_1a, b_1a, W_1b, b_1b, W_2a, b_2a, W_2b, b_2b
@@ -100,7 +102,7 @@ class _SpectralSample(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, gpts: Tensor, gkl: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         h, noise, e, w1a, w1b, w2a, w2b, t1, mu, rho, sig, a, sg, t2, *params = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True: differentiate the plain ops (exact double backward)
+        if double_backward(ctx):  # create_graph=True: differentiate the plain ops (exact double backward)
             return _plain_backward(ctx, h, noise, params, gpts, gkl)
         live = (rho >= _LS_MIN) & (rho <= _LS_MAX)  # the clamp passes the gradient inside [min, max]
         n_sets, half, lead = len(ctx.scales), ctx.half, ctx.lead
