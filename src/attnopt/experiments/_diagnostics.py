@@ -120,10 +120,11 @@ class ColumnMassLogger:
     (a forward pre-hook; ``nn.MultiheadAttention`` also gets ``average_attn_weights=False``)
     and its weights are reduced on the fly; the caller still receives ``None`` weights when
     it did not ask for them. Outside the block the model is untouched. Padding given as
-    ``key_padding_mask`` or as a padding-only ``attn_mask`` (:func:`padding_from_mask`) is
-    excluded; causal or otherwise structured masks are skipped: there a key is hidden from most
-    queries by construction (the last key is seen by one query), which is not explaining away. In
-    self-attention (key is the query) the key padding mask also removes padding queries.
+    ``key_padding_mask``/``query_padding_mask`` or as a padding-only ``attn_mask``
+    (:func:`padding_from_mask`) is excluded; causal or otherwise structured masks are skipped:
+    there a key is hidden from most queries by construction (the last key is seen by one query),
+    which is not explaining away. In self-attention (key is the query) the key padding mask also
+    removes padding queries.
 
     Args:
         model: any module.
@@ -170,6 +171,10 @@ class ColumnMassLogger:
         if kpm is not None and kpm.dtype != torch.bool:
             kpm = torch.isneginf(kpm)
         qpm = kpm if (key is None or key is query) else None
+        qpad = kwargs.get("query_padding_mask")  # the models pass query padding this way (O(N))
+        if qpad is not None:
+            qpad = qpad if qpad.dtype == torch.bool else torch.isneginf(qpad)
+            qpm = qpad if qpm is None else qpm | qpad
         attn_mask = kwargs.get("attn_mask")
         if attn_mask is not None:
             pads = padding_from_mask(attn_mask, weights.shape[0], weights.shape[-2], weights.shape[-1])

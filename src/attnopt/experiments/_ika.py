@@ -139,8 +139,8 @@ def similarity_magnitude(
       and ``log mag_ij = (‖q_i‖_p² + ‖k_j‖_p²)/(2√d)``.
 
     The magnitude is reported as a mean logarithm (its raw value overflows). Only admissible
-    (query, key) pairs count (``key_padding_mask``, boolean or additive ``attn_mask``,
-    ``is_causal``); queries with no admissible key (padding rows) are left out.
+    (query, key) pairs count (``key_padding_mask``, ``query_padding_mask``, boolean or additive
+    ``attn_mask``, ``is_causal``); queries with no admissible key (padding rows) are left out.
     """
     from attnopt.analysis.decompose import decompose
     from attnopt.functional.kernel import log_magnitude
@@ -186,6 +186,11 @@ def _allowed(kwargs: Mapping[str, Any], nq: int, nk: int, device: torch.device) 
     pad = kwargs.get("key_padding_mask")
     if pad is not None:
         out = ~pad.bool().view(pad.shape[0], 1, 1, nk)
+    qpad = kwargs.get("query_padding_mask")
+    if qpad is not None:
+        qp = qpad if qpad.dtype == torch.bool else torch.isneginf(qpad)
+        q_ok = ~qp.view(qp.shape[0], 1, nq, 1)
+        out = q_ok if out is None else out & q_ok
     mask = kwargs.get("attn_mask")
     if mask is not None:
         m = mask if mask.dtype == torch.bool else torch.isneginf(mask)

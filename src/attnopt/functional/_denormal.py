@@ -11,17 +11,29 @@ removes that cost. (Inside the block subnormal *inputs* also read as zero: entri
 
 :func:`flush_denormal` turns the mode on for the calling thread only for the duration of
 the block and restores the previous mode (PyTorch has no getter: the mode is read by
-converting a subnormal constant). With several intra-op threads, the worker threads keep
-their own mode.
+converting a subnormal constant), also when the block raises. With several intra-op
+threads, the worker threads keep their own mode.
+
+Peaked scores alone do it too: plain softmax attention (SDPA, B·H = 8, d = 64, 1 thread)
+with scores of standard deviation ~16 took 2.1× (N = 512) and 2.8× (N = 1024) longer for
+fwd+bwd than with the mode on. :func:`flushed_sdpa` is SDPA's fused CPU kernel with the
+mode on in its forward and backward.
 """
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
 
-__all__ = ["flush_denormal", "flush_denormal_on"]
+__all__ = ["flush_denormal", "flush_denormal_on", "flushed_sdpa"]
+
+_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 def flush_denormal_on() -> bool:
@@ -41,3 +53,54 @@ def flush_denormal() -> Iterator[None]:
     finally:
         if switched:
             torch.set_flush_denormal(False)
+
+
+class _FlushedFlash(torch.autograd.Function):
+    """PyTorch's fused CPU flash kernel (no mask) with subnormals flushed in forward and backward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float | None
+    ) -> Tensor:
+        with flush_denormal():
+            out, lse = _fwd(q, k, v, 0.0, is_causal, scale=scale)
+        ctx.is_causal, ctx.scale = is_causal, scale
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    @once_differentiable  # as the flash kernel's own backward: no double backward
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        with flush_denormal():
+            dq, dk, dv = _bwd(dout.to(q.dtype).contiguous(), q, k, v, out, lse, 0.0, ctx.is_causal,
+                              scale=ctx.scale)
+        return dq, dk, dv, None, None
+
+
+def _flash_ok(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> bool:
+    return (
+        q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
+        and q.dtype == k.dtype == v.dtype and q.dim() == k.dim() == v.dim() == 4
+        and q.shape[:-2] == k.shape[:-2] == v.shape[:-2] and q.shape[-1] == k.shape[-1] == v.shape[-1]
+        and 0 not in q.shape[:-1] and 0 not in k.shape[:-1]
+        and (not is_causal or q.shape[-2] == k.shape[-2])
+    )
+
+
+def flushed_sdpa(
+    q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = False, scale: float | None = None
+) -> Tensor:
+    """``F.scaled_dot_product_attention(q, k, v, is_causal=..., scale=...)`` without a mask, with
+    subnormals flushed in forward and backward where SDPA's fused CPU flash kernel applies.
+
+    That is CPU float32/float64, 4-D ``(B, H, N, d)`` inputs of one batch shape and head size,
+    non-empty, and ``Nq = Nk`` with ``is_causal``; anything else is plain SDPA. Inputs whose
+    last dimension is not unit-stride are copied (the kernel's layout contract). No double
+    backward on the fused path (as SDPA's flash kernel).
+    """
+    if not _flash_ok(q, k, v, is_causal):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+    qkv = [x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v)]
+    out: Tensor = _FlushedFlash.apply(*qkv, is_causal, scale)
+    return out

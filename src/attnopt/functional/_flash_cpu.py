@@ -27,6 +27,16 @@ kernel also dies with SIGFPE on an empty ``B``, ``H``, ``Nq`` or ``Nk``; :func:`
 raises instead, and the public ops answer empty shapes before they get here
 (``attnopt._validation.empty_attention``).
 
+Subnormals. Every kernel call runs with subnormal floats flushed to zero
+(:func:`attnopt.functional._denormal.flush_denormal`). The passes subtract potentials from
+the scores, so with peaked scores (large ``|scale <q_i, k_j>|``) or a full mask with large
+finite negative entries many ``exp`` values land below float32's smallest normal number,
+where x86 arithmetic is ~100× slower: flushing made DNAS fwd+bwd (B·H = 8, d = 64, 1 thread)
+1.6× faster at N = 512 and 1.9× at N = 1024 with scores of standard deviation ~16, and
+3.4–3.9× faster with a full mask drawn from [−120, 0]; unchanged (±2 %) on ordinary inputs.
+The sums change by less than float precision (a weight below 1.2e-38 next to a row maximum
+of weight ≥ 1/N).
+
 Tensors are 4-D ``(B, H, N, ·)``, potentials and validity masks ``(B, H, N)``; ``valid``
 masks mark the keys that may take part (a key no row can see gets ``-inf``, never
 ``+inf − inf``). The kernel returns ``lse = 0`` (not ``-inf``)
@@ -40,6 +50,7 @@ import torch
 from torch import Tensor
 
 from attnopt.functional._autograd import refuse_double_backward
+from attnopt.functional._denormal import flush_denormal
 
 _NO_DOUBLE = ("doubly_normalized_attention (streaming)", "use doubly_normalized_weights(q, k, ...) @ v")
 
@@ -91,7 +102,8 @@ def _flash(
     q, k, v = _fit(q), _fit(k), _fit(v)
     if mask is not None:
         mask = _fit(mask)
-    out, lse = _fwd(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+    with flush_denormal():
+        out, lse = _fwd(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
     return out, lse.contiguous()
 
 
@@ -118,7 +130,8 @@ def _augmented_backward(
     _check_sizes(q, k, v)
     qa, ka, va = _pad_last(q, w, 1.0), _pad_last(k, w), _pad_last(v, w)  # fresh, contiguous copies
     da, oa = _pad_last(dout.to(q.dtype), w), _pad_last(out, w)
-    dq, dk, dvv = _bwd(da, qa, ka, va, oa, lse, 0.0, causal, attn_mask=mask, scale=scale)
+    with flush_denormal():
+        dq, dk, dvv = _bwd(da, qa, ka, va, oa, lse, 0.0, causal, attn_mask=mask, scale=scale)
     return dq[..., :d], dk[..., :d], dvv[..., :dv], dk[..., -1].to(_pot_dtype(q)) / scale
 
 

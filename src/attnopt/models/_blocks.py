@@ -20,6 +20,7 @@ __all__ = [
     "make_positions",
     "layer_attentions",
     "self_attention_mask",
+    "call_attention",
     "auxiliary_loss",
 ]
 
@@ -74,6 +75,10 @@ def self_attention_mask(
     Padding *queries* are masked too (their rows are all ``True``, a documented finite result in
     every mechanism), so that mechanisms normalizing over queries (DNAS, HNAS, Sinkhorn) see
     only real tokens: a padded batch gives the unpadded results.
+
+    This ``Nq × Nk`` mask is what the models passed before they handed padding to the modules
+    (:func:`call_attention`, O(N)); it remains the reference of that path and serves modules
+    without ``query_padding_mask``.
     """
     mask: Tensor | None = None
     if padding is not None:
@@ -84,10 +89,62 @@ def self_attention_mask(
     elif query_padding is not None:
         mask = query_padding[:, None, :, None].expand(-1, 1, nq, nk)
     if causal:
-        dev = padding.device if padding is not None else None
+        ref = padding if padding is not None else query_padding
+        dev = ref.device if ref is not None else None
         tri = torch.ones(nq, nk, dtype=torch.bool, device=dev).triu(nk - nq + 1).view(1, 1, nq, nk)
         mask = tri if mask is None else mask | tri
     return mask
+
+
+def _takes_query_padding(module: nn.Module) -> bool:
+    """Whether ``module.forward`` accepts ``query_padding_mask`` (the registry modules do)."""
+    cls = type(module)
+    cached = _QUERY_PADDING.get(cls)
+    if cached is None:
+        try:
+            cached = "query_padding_mask" in inspect.signature(module.forward).parameters
+        except (TypeError, ValueError):
+            cached = False
+        _QUERY_PADDING[cls] = cached
+    return cached
+
+
+_QUERY_PADDING: dict[type, bool] = {}
+
+
+def call_attention(
+    attention: nn.Module,
+    query: Tensor,
+    kv: Tensor,
+    *,
+    key_padding_mask: Tensor | None = None,
+    query_padding_mask: Tensor | None = None,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+) -> Tensor:
+    """Run ``attention(query, kv, kv)`` with padding given as O(N) masks; returns its output.
+
+    ``key_padding_mask (B, Nk)`` and ``query_padding_mask (B, Nq)`` are boolean (``True`` =
+    padding). Registry modules receive them as they are (the module turns key padding into a
+    ``(B, 1, 1, Nk)`` mask, zeroes padded query rows and folds query padding into its
+    normalizations over queries), with ``is_causal`` kept as a flag: the result is that of the
+    mask ``key padding ∪ query padding (∪ causal)``. A module without ``query_padding_mask``
+    (e.g. ``nn.MultiheadAttention``) gets ``key_padding_mask`` and, with ``is_causal``, a shared
+    ``(Nq, Nk)`` causal ``attn_mask``; its padded query rows are then set to zero.
+    """
+    if query_padding_mask is not None and not _takes_query_padding(attention):
+        if is_causal and attn_mask is None:
+            nq, nk = query.shape[1], kv.shape[1]
+            attn_mask = torch.ones(nq, nk, dtype=torch.bool, device=query.device).triu(1)
+        out, _ = attention(
+            query, kv, kv, key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal
+        )
+        return out.masked_fill(query_padding_mask.unsqueeze(-1), 0.0)
+    extra = {} if query_padding_mask is None else {"query_padding_mask": query_padding_mask}
+    out, _ = attention(
+        query, kv, kv, key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal, **extra
+    )
+    return out
 
 
 class _FeedForward(nn.Sequential):
@@ -107,6 +164,9 @@ class EncoderBlock(nn.Module):
               x \leftarrow x + \mathrm{drop}(\mathrm{FFN}(\mathrm{LN}(x)))
 
     with ``m = LN(x)`` (self-attention) or ``m = memory`` (keys/values from another sequence).
+
+    Padding is passed as O(N) masks (:func:`call_attention`): ``key_padding_mask (B, M|N)`` for
+    the keys and ``query_padding_mask (B, N)`` for the queries (bool, ``True`` = padding).
 
     Args:
         d_model: E.
@@ -135,11 +195,13 @@ class EncoderBlock(nn.Module):
         key_padding_mask: Tensor | None = None,
         attn_mask: Tensor | None = None,
         is_causal: bool = False,
+        query_padding_mask: Tensor | None = None,
     ) -> Tensor:
         h = self.norm1(x)
         kv = h if memory is None else memory
-        a, _ = self.attention(
-            h, kv, kv, key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal
+        a = call_attention(
+            self.attention, h, kv, key_padding_mask=key_padding_mask, query_padding_mask=query_padding_mask,
+            attn_mask=attn_mask, is_causal=is_causal,
         )
         x = x + self.drop(a)
         return x + self.drop(self.ff(self.norm2(x)))
@@ -147,6 +209,13 @@ class EncoderBlock(nn.Module):
 
 class DecoderBlock(nn.Module):
     """Pre-LN decoder block: causal self-attention, cross-attention to ``memory``, MLP.
+
+    ``padding_mask (B, N)`` marks padded target positions (keys and queries of the
+    self-attention, queries of the cross-attention) and ``memory_padding_mask (B, M)`` the
+    padded memory positions (keys of the cross-attention); both are passed as O(N) masks with
+    ``is_causal`` kept as a flag (:func:`call_attention`). ``self_mask``/``cross_mask`` are
+    extra masks (e.g. the ``Nq × Nk`` masks of :func:`self_attention_mask`); with a
+    ``self_mask`` that already holds causality, pass ``is_causal=False``.
 
     Args:
         d_model: E.
@@ -173,15 +242,23 @@ class DecoderBlock(nn.Module):
         x: Tensor,
         memory: Tensor,
         *,
-        self_mask: Tensor | None,
-        cross_mask: Tensor | None,
-        is_causal: bool,
+        padding_mask: Tensor | None = None,
+        memory_padding_mask: Tensor | None = None,
+        self_mask: Tensor | None = None,
+        cross_mask: Tensor | None = None,
+        is_causal: bool = True,
     ) -> Tensor:
         h = self.norm1(x)
-        a, _ = self.self_attention(h, h, h, attn_mask=self_mask, is_causal=is_causal and self_mask is None)
+        a = call_attention(
+            self.self_attention, h, h, key_padding_mask=padding_mask, query_padding_mask=padding_mask,
+            attn_mask=self_mask, is_causal=is_causal,
+        )
         x = x + self.drop(a)
         h = self.norm2(x)
-        c, _ = self.cross_attention(h, memory, memory, attn_mask=cross_mask)
+        c = call_attention(
+            self.cross_attention, h, memory, key_padding_mask=memory_padding_mask,
+            query_padding_mask=padding_mask, attn_mask=cross_mask,
+        )
         x = x + self.drop(c)
         return x + self.drop(self.ff(self.norm3(x)))
 

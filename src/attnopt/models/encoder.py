@@ -11,7 +11,6 @@ from attnopt.models._blocks import (
     OptionsChoice,
     layer_attentions,
     make_positions,
-    self_attention_mask,
 )
 
 __all__ = ["TransformerEncoder"]
@@ -36,8 +35,8 @@ class TransformerEncoder(nn.Module):
 
     ``forward(x, *, key_padding_mask=None)`` -> ``(B, num_outputs)`` with a head, else
     ``(B, N, E)``. ``key_padding_mask (B, N)`` is boolean, ``True`` = padding; padded
-    positions are masked as keys *and* as queries (see
-    :func:`attnopt.models._blocks.self_attention_mask`).
+    positions are masked as keys *and* as queries, passed to every layer as O(N) masks (no
+    ``N × N`` mask; see :func:`attnopt.models._blocks.call_attention`).
 
     Raises:
         ValueError: neither or both of ``vocab_size``/``input_dim``, bad pooling/positions,
@@ -97,9 +96,8 @@ class TransformerEncoder(nn.Module):
             h = torch.cat([self.cls.expand(h.shape[0], -1, -1).to(h.dtype), h], dim=1)
             if pad is not None:
                 pad = torch.cat([pad.new_zeros(pad.shape[0], 1), pad], dim=1)
-        mask = self_attention_mask(pad, h.shape[1], h.shape[1])
         for layer in self.layers:
-            h = layer(h, attn_mask=mask)
+            h = layer(h, key_padding_mask=pad, query_padding_mask=pad)
         return self.norm(h)
 
     def _pool(self, h: Tensor, key_padding_mask: Tensor | None) -> Tensor:

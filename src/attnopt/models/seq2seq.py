@@ -12,7 +12,6 @@ from attnopt.models._blocks import (
     OptionsChoice,
     layer_attentions,
     make_positions,
-    self_attention_mask,
 )
 
 __all__ = ["EncoderDecoder"]
@@ -112,9 +111,9 @@ class EncoderDecoder(nn.Module):
         """Encoder states ``(B, Ns, E)``."""
         pad = (src == self.pad_id) if src_padding_mask is None else src_padding_mask
         h = self.drop(self.positions(self.src_embed(src)))
-        mask = self_attention_mask(pad if bool(pad.any()) else None, src.shape[1], src.shape[1])
+        pad_opt = pad if bool(pad.any()) else None
         for layer in self.encoder:
-            h = layer(h, attn_mask=mask)
+            h = layer(h, key_padding_mask=pad_opt, query_padding_mask=pad_opt)
         return self.enc_norm(h)
 
     def decode(
@@ -129,12 +128,9 @@ class EncoderDecoder(nn.Module):
         tpad = (tgt_in == self.pad_id) if tgt_padding_mask is None else tgt_padding_mask
         tpad_opt = tpad if bool(tpad.any()) else None
         spad_opt = src_padding_mask if src_padding_mask is not None and bool(src_padding_mask.any()) else None
-        nt, ns = tgt_in.shape[1], memory.shape[1]
-        self_mask = self_attention_mask(tpad_opt, nt, nt, causal=tpad_opt is not None)
-        cross_mask = self_attention_mask(spad_opt, nt, ns, query_padding=tpad_opt)
         h = self.drop(self.positions(self.tgt_embed(tgt_in)))
-        for layer in self.decoder:
-            h = layer(h, memory, self_mask=self_mask, cross_mask=cross_mask, is_causal=True)
+        for layer in self.decoder:  # O(N) padding masks, causality as a flag
+            h = layer(h, memory, padding_mask=tpad_opt, memory_padding_mask=spad_opt, is_causal=True)
         return self.out(self.dec_norm(h))
 
     def forward(

@@ -2,7 +2,8 @@
 
 Multi-head modules follow ``torch.nn.MultiheadAttention(batch_first=True)``:
 ``forward(query, key=None, value=None, *, key_padding_mask=None, attn_mask=None,
-need_weights=False, is_causal=False) -> (output, weights | None)``.
+need_weights=False, is_causal=False, query_padding_mask=None) -> (output, weights | None)``
+(``query_padding_mask`` is an attnopt addition: padding as O(N) masks, no ``Nq × Nk`` mask).
 """
 
 from attnopt.nn.doubly_normalized import (

@@ -3,6 +3,12 @@
 :class:`MultiheadBase` owns the input/output projections, head splitting and the mask
 conventions of ``torch.nn.MultiheadAttention(batch_first=True)``; a mechanism subclasses it
 and implements :meth:`MultiheadBase.attend` on ``(B, H, N, d)`` tensors.
+
+Padding costs O(N): ``key_padding_mask (B, Nk)`` becomes an additive ``(B, 1, 1, Nk)`` mask and
+``query_padding_mask (B, Nq)`` (an attnopt addition) zeroes the padded queries' rows, so that a
+padded batch never materializes an ``Nq × Nk`` mask — except in mechanisms that normalize over
+queries (:attr:`MultiheadBase.couples_queries`: DNAS, HNAS, Sinkhorn), whose functional ops take
+query padding only as part of a full mask.
 """
 from __future__ import annotations
 
@@ -11,7 +17,7 @@ from torch import Tensor, nn
 
 from attnopt._validation import check_finite
 
-__all__ = ["MultiheadBase", "merge_masks"]
+__all__ = ["MultiheadBase", "merge_masks", "query_padding"]
 
 
 def merge_masks(
@@ -53,6 +59,33 @@ def merge_masks(
     return out
 
 
+def query_padding(query_padding_mask: Tensor | None, batch: int, nq: int) -> Tensor | None:
+    """Validate ``query_padding_mask`` and return it as a boolean ``(B, Nq)`` (``True`` = padding).
+
+    Accepts a boolean mask (``True`` = padding) or an additive float one (``-inf`` = padding), as
+    ``key_padding_mask``; ``None`` when not given.
+
+    Raises:
+        TypeError: neither boolean nor floating point.
+        ValueError: not ``(B, Nq)``.
+    """
+    if query_padding_mask is None:
+        return None
+    if not isinstance(query_padding_mask, Tensor):
+        raise TypeError(f"query_padding_mask must be a tensor, got {type(query_padding_mask).__name__}")
+    if query_padding_mask.shape != (batch, nq):
+        raise ValueError(
+            f"query_padding_mask must be (B, Nq) = ({batch}, {nq}), got {tuple(query_padding_mask.shape)}"
+        )
+    if query_padding_mask.dtype == torch.bool:
+        return query_padding_mask
+    if not query_padding_mask.is_floating_point():
+        raise TypeError(
+            f"query_padding_mask must be boolean or floating point, got {query_padding_mask.dtype}"
+        )
+    return torch.isneginf(query_padding_mask)
+
+
 def _to_additive(mask: Tensor, name: str) -> Tensor:
     if mask.dtype == torch.bool:
         return torch.zeros(mask.shape, device=mask.device).masked_fill_(mask, float("-inf"))
@@ -63,6 +96,10 @@ def _to_additive(mask: Tensor, name: str) -> Tensor:
 
 class MultiheadBase(nn.Module):
     """Projections and head handling shared by the attention modules.
+
+    Subclasses whose normalization runs over queries (a padded query would change the other
+    rows) set :attr:`couples_queries`; ``query_padding_mask`` is then folded into the mask that
+    :meth:`attend` receives, otherwise it only zeroes the padded rows of the output.
 
     Args:
         embed_dim: model dimension E (``= num_heads * head_dim``).
@@ -99,6 +136,9 @@ class MultiheadBase(nn.Module):
         self.k_proj = nn.Linear(kdim or embed_dim, embed_dim, bias=bias)
         self.v_proj = nn.Linear(vdim or embed_dim, embed_dim, bias=bias)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+
+    #: True for mechanisms that normalize over queries (DNAS, HNAS, Sinkhorn).
+    couples_queries: bool = False
 
     def split_heads(self, x: Tensor) -> Tensor:
         """(B, N, E) -> (B, H, N, E/H)."""
@@ -152,18 +192,28 @@ class MultiheadBase(nn.Module):
         attn_mask: Tensor | None = None,
         need_weights: bool = False,
         is_causal: bool = False,
+        query_padding_mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Attend ``query (B, Nq, E)`` to ``key (B, Nk, kdim)``/``value (B, Nk, vdim)``.
 
         ``key``/``value`` default to ``query`` (self-attention). Masks follow
         ``nn.MultiheadAttention``: boolean ``True`` = not allowed / padding; float = additive.
+        ``key_padding_mask (B, Nk)`` stays a ``(B, 1, 1, Nk)`` mask (O(N)); with ``is_causal``
+        it gives causal attention over the real keys without an ``Nq × Nk`` mask in the
+        mechanisms that support that combination.
+
+        ``query_padding_mask (B, Nq)`` (not in ``nn.MultiheadAttention``; boolean ``True`` =
+        padding, or additive): a padded query takes no part in the attention — its row is the
+        result of a row with no admissible key (zeros before ``out_proj``, zero weights) and,
+        in mechanisms that normalize over queries, it is left out of those normalizations. The
+        result equals passing the ``Nq × Nk`` mask ``key padding ∪ query padding``.
 
         Returns:
             ``(output (B, Nq, E), weights (B, H, Nq, Nk) if need_weights else None)``.
         Raises:
-            TypeError: ``query``/``key``/``value`` is not a tensor.
+            TypeError: ``query``/``key``/``value`` is not a tensor; a mask of the wrong dtype.
             ValueError: an input that is not 3-D, whose feature size differs from
-                ``embed_dim``/``kdim``/``vdim`` (named), or mismatched batch/lengths.
+                ``embed_dim``/``kdim``/``vdim`` (named), or mismatched batch/lengths/mask shapes.
         """
         key = query if key is None else key
         value = key if value is None else value
@@ -174,6 +224,7 @@ class MultiheadBase(nn.Module):
                 f"{tuple(key.shape)}, {tuple(value.shape)}"
             )
         check_finite(query=query, key=key, value=value)  # the shared non-finite policy, by module argument
+        qpad = query_padding(query_padding_mask, query.shape[0], query.shape[1])
         q = self.split_heads(self.q_proj(query))
         k = self.split_heads(self.k_proj(key))
         v = self.split_heads(self.v_proj(value))
@@ -181,7 +232,17 @@ class MultiheadBase(nn.Module):
         bias = self.input_bias(query, key)
         if bias is not None:
             mask = bias if mask is None else bias + mask
+        rows = None if qpad is None else qpad.view(qpad.shape[0], 1, qpad.shape[1], 1)
+        if rows is not None and self.couples_queries and bool(rows.any()):  # normalizations skip them
+            qadd = torch.zeros(rows.shape, dtype=q.dtype, device=q.device).masked_fill_(rows, float("-inf"))
+            mask = qadd if mask is None else mask + qadd
+        if self.couples_queries:
+            rows = None  # padded rows come out as zeros already
         if mask is not None:
             mask = mask.to(q.dtype)
         out, weights = self.attend(q, k, v, mask, is_causal, need_weights)
+        if rows is not None:
+            out = out.masked_fill(rows, 0.0)
+            if weights is not None:
+                weights = weights.masked_fill(rows, 0.0)
         return self.out_proj(self.merge_heads(out)), weights

@@ -40,6 +40,8 @@ class DoublyNormalizedMultiheadAttention(MultiheadBase):
         ValueError: bad sizes or ``iterations < 0``.
     """
 
+    couples_queries = True  # the column normalization runs over queries
+
     def __init__(
         self,
         embed_dim: int,
@@ -82,6 +84,8 @@ class HybridNormalizedMultiheadAttention(MultiheadBase):
     Raises:
         ValueError: bad sizes, ``iterations < 1`` or ``init_weight`` not in (0, 1).
     """
+
+    couples_queries = True  # the column normalization runs over queries
 
     def __init__(
         self,

@@ -7,7 +7,9 @@ r"""The attention registry: one name per mechanism, with its paper options.
                           attn_mask=None, need_weights=False, is_causal=False)
 
 (boolean masks ``True`` = not allowed; ``key``/``value`` may differ from ``query`` for
-cross-attention). Modules with an auxiliary loss (the IKA variants) also have ``kl()``.
+cross-attention), plus an optional ``query_padding_mask (B, Nq)`` (padded queries take no part:
+zero rows, left out of normalizations over queries) so that padding never needs an
+``Nq × Nk`` mask. Modules with an auxiliary loss (the IKA variants) also have ``kl()``.
 The one exception is ``ot``: :class:`~attnopt.nn.OTAttention` pools a token set with a
 learned query and a template bank (``module(tokens, bank=..., key_padding_mask=...) ->
 (B, E)``), so it is used as the last layer of :class:`attnopt.models.ViT` (OT-ViT), not as a
@@ -44,8 +46,9 @@ ot             OT-based attention pooling (fenchel Sec. 9)        alpha (1), gam
 
 ``mode="linear"`` (the kernels with a feature map: ``linear`` and the implicit kernels) computes
 the same attention exactly in O(N) time and memory (implicit-kernel-attention §4, via the
-features ``φ(x)⊗φ(x)``); it takes key padding masks, also combined with query padding as
-:mod:`attnopt.models` builds them, but not a query-dependent mask (a causal decoder with padding).
+features ``φ(x)⊗φ(x)``); it takes ``key_padding_mask``, ``query_padding_mask`` and ``is_causal``
+(as :mod:`attnopt.models` passes them, also in a padded causal decoder), but not another
+query-dependent ``attn_mask``.
 
 The Hugging Face registration (:mod:`attnopt.integrations.hf`) and ``attnopt train`` use
 the same names.
