@@ -28,7 +28,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd.function import once_differentiable
+
+from attnopt.functional._autograd import double_backward, tracked_vjp
 
 __all__ = ["flush_denormal", "flush_denormal_on", "flushed_sdpa"]
 
@@ -69,13 +70,22 @@ class _FlushedFlash(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable  # as the flash kernel's own backward: no double backward
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
+        if double_backward(ctx):  # create_graph=True: SDPA's math form, tracked (exact double backward)
+            return tracked_vjp(ctx, _math_sdpa, (q, k, v, ctx.is_causal, ctx.scale), dout)
         with flush_denormal():
             dq, dk, dv = _bwd(dout.to(q.dtype).contiguous(), q, k, v, out, lse, 0.0, ctx.is_causal,
                               scale=ctx.scale)
         return dq, dk, dv, None, None
+
+
+def _math_sdpa(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float | None) -> Tensor:
+    """``softmax(scale·QKᵀ (+ causal −inf)) V`` in plain differentiable ops."""
+    s = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if is_causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
 
 
 def _flash_ok(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> bool:
