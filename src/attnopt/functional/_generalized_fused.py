@@ -75,20 +75,24 @@ class _BiasedSoftmax(torch.autograd.Function):
         out = q.new_empty(b, h, nq, dv)
         q3, k3, v3 = qs.view(b * h, nq, d), k.view(b * h, nk, d), v.view(b * h, nk, dv)
         p3, o3 = p.view(b * h, nq, nk), out.view(b * h, nq, dv)
-        no_key = torch.isneginf(bias.amax(-1, keepdim=True))  # rows with no admissible key
-        dead = no_key.expand(b, h, nq, 1) if bool(no_key.any()) else None
         be = bias.expand(b, h, nq, nk)
         with flush_denormal():
             for bs, hs in _chunks(b, h, nq * nk * p.element_size()):
                 f = _flat(bs, hs, h)
                 s = torch.bmm(q3[f], k3[f].transpose(1, 2), out=p3[f])
-                s4 = s.view(-1, hs.stop - hs.start, nq, nk).add_(be[bs, hs])
-                if dead is not None:
-                    s4.masked_fill_(dead[bs, hs], 0.0)
+                s.view(-1, hs.stop - hs.start, nq, nk).add_(be[bs, hs])
                 torch.ops.aten._softmax.out(s, -1, False, out=s)
-                if dead is not None:
-                    s4.masked_fill_(dead[bs, hs], 0.0)
                 torch.bmm(s, v3[f], out=o3[f])
+        # checked after the fact, on the small output: with finite q, k, v, a NaN means a row with
+        # no admissible key (softmax of all -inf) or NaN / +inf in the bias — one pass over the
+        # bias only then, instead of its row maxima (an Nq×Nk pass) and a value check every call
+        if bool(out.isnan().any()):
+            top = bias.amax(-1, keepdim=True)
+            if not bool(top.max() < float("inf")):
+                raise ValueError("log_preference must not contain NaN or +inf (-inf masks a key)")
+            dead = torch.isneginf(top).expand(b, h, nq, 1)
+            p.masked_fill_(dead, 0.0)  # rows with no admissible key: zero weights, output, gradients
+            out.masked_fill_(dead, 0.0)
         ctx.scale = scale
         ctx.bias_shape = bias.shape
         ctx.save_for_backward(qs, k, v, p, out)
@@ -109,18 +113,22 @@ class _BiasedSoftmax(torch.autograd.Function):
         dk3, dv3 = dk.view(bh, nk, d), dvv.view(bh, nk, dv)
         bshape = ctx.bias_shape
         gb = qs.new_empty(bshape[0], bshape[1], nq, nk) if ctx.needs_input_grad[3] else None
+        # a bias of the full batch shape (B = 1 with a (1, H, …) T5 bias): dS is written into its
+        # gradient directly, no copy
+        own = gb is not None and tuple(bshape[:2]) == (b, h)
         chunks = list(_chunks(b, h, nq * nk * p.element_size()))
         rows = max(_flat(bs, hs, h).stop - _flat(bs, hs, h).start for bs, hs in chunks)
-        scratch = qs.new_empty(rows, nq, nk)  # dP / dS of one chunk, reused (stays in cache)
+        scratch = gb.view(bh, nq, nk) if own and gb is not None else qs.new_empty(rows, nq, nk)  # dS
         with flush_denormal():
             for bs, hs in chunks:
                 f = _flat(bs, hs, h)
                 torch.bmm(p3[f].transpose(1, 2), do3[f], out=dv3[f])
-                ds = torch.bmm(do3[f], v3[f].transpose(1, 2), out=scratch[: f.stop - f.start])
+                part = f if own else slice(0, f.stop - f.start)
+                ds = torch.bmm(do3[f], v3[f].transpose(1, 2), out=scratch[part])
                 ds.sub_(delta[f]).mul_(p3[f])
                 torch.bmm(ds, k3[f], out=dq3[f])
                 torch.bmm(ds.transpose(1, 2), q3[f], out=dk3[f])
-                if gb is not None:
+                if gb is not None and not own:
                     g = ds.view(-1, hs.stop - hs.start, nq, nk)
                     if bshape[0] == 1 and g.shape[0] > 1:
                         g = g.sum(0, keepdim=True)
