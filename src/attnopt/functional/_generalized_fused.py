@@ -24,6 +24,7 @@ computed in float32.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -85,8 +86,10 @@ class _BiasedSoftmax(torch.autograd.Function):
                 torch.bmm(s, v3[f], out=o3[f])
         # checked after the fact, on the small output: with finite q, k, v, a NaN means a row with
         # no admissible key (softmax of all -inf) or NaN / +inf in the bias — one pass over the
-        # bias only then, instead of its row maxima (an Nq×Nk pass) and a value check every call
-        if bool(out.isnan().any()):
+        # bias only then, instead of its row maxima (an Nq×Nk pass) and a value check every call.
+        # One sum (a non-finite total also when it merely overflows: then nothing is found below);
+        # isnan().any() was 30× slower
+        if not math.isfinite(float(out.sum())):
             top = bias.amax(-1, keepdim=True)
             if not bool(top.max() < float("inf")):
                 raise ValueError("log_preference must not contain NaN or +inf (-inf masks a key)")
