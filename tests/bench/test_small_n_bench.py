@@ -21,12 +21,14 @@ def test_suite_runs_and_notes_the_dispatch(monkeypatch):
         names = {r.impl for r in group}
         for name, key in small_n.DISPATCHED.items():
             auto = next(r for r in group if r.impl == name)
-            # 8·16² entries: below every crossover; generalized attention streams without autograd
-            path = "streaming" if key == "generalized" and "fwd+bwd" not in case else "materialized"
+            # 8·16² entries: below every crossover; generalized attention streams (SDPA itself)
+            path = "streaming" if key == "generalized" else "materialized"
             assert auto.note.startswith(f"auto -> {path}")
             other = "materialized" if path == "streaming" else "streaming"
             assert f"{name} [{other}]" in names
-            if "learned" in name:  # a bias with a gradient always takes the materialized node
+            if key == "generalized":
+                assert "SDPA itself at B*H*N^2 <=" in auto.note
+            if "learned" in name:  # a bias with a gradient takes the materialized node above that
                 assert "a learned bias: always" in auto.note
             else:
                 assert str(dispatch.CROSSOVERS[key]["float32"]) in auto.note

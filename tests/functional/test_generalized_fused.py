@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from attnopt.functional import _generalized_fused as fused
-from attnopt.functional import dispatch
+from attnopt.functional import dispatch, generalized
 from attnopt.functional._denormal import flush_denormal, flush_denormal_on
 from attnopt.functional.generalized import generalized_attention
 from attnopt.nn.preference import ALiBiPreference
@@ -27,8 +27,13 @@ def _ref(q, k, v, bias, is_causal=False):
 
 @pytest.mark.parametrize("bias_shape", [(1, 3, 5, 7), (2, 1, 5, 7), (2, 3, 5, 7), (2, 3, 1, 7), (1, 1, 5, 1)])
 @pytest.mark.parametrize("chunk_bytes", [1, 5 * 7 * 8 * 2, 1 << 20])  # one head, two heads, everything
-def test_materialized_chunks_match_reference_with_bias_gradient(monkeypatch, bias_shape, chunk_bytes):
+@pytest.mark.parametrize("save_bytes", [1 << 40, 0], ids=["P-saved", "P-recomputed"])
+def test_materialized_chunks_match_reference_with_bias_gradient(
+    monkeypatch, bias_shape, chunk_bytes, save_bytes
+):
     monkeypatch.setattr(fused, "CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(fused, "SAVE_BYTES", save_bytes)
+    monkeypatch.setattr(generalized, "SDPA_BELOW", 0)  # auto: SDPA itself at these tiny sizes otherwise
     q, k, v = _qkv(2, 3, 5, 7)
     bias = torch.randn(bias_shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     if bias_shape[-2] > 1:
@@ -45,8 +50,10 @@ def test_materialized_chunks_match_reference_with_bias_gradient(monkeypatch, bia
         torch.testing.assert_close(a, r, rtol=1e-9, atol=1e-11)
 
 
-def test_materialized_chunks_gradcheck(monkeypatch):
+@pytest.mark.parametrize("save_bytes", [1 << 40, 0], ids=["P-saved", "P-recomputed"])
+def test_materialized_chunks_gradcheck(monkeypatch, save_bytes):
     monkeypatch.setattr(fused, "CHUNK_BYTES", 1)
+    monkeypatch.setattr(fused, "SAVE_BYTES", save_bytes)
     q, k, v = _qkv(2, 2, 3, 4, seed=2)
     bias = torch.randn(1, 2, 3, 4, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(

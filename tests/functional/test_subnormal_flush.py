@@ -202,5 +202,6 @@ def test_flushed_sdpa_double_backward_is_exact(is_causal):
     from attnopt.functional._denormal import flushed_sdpa
 
     g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(1, 2, 5, 3, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(1, 2, 5, 3, dtype=torch.float64, generator=g, requires_grad=True)
+               for _ in range(3))
     torch.autograd.gradgradcheck(lambda a, b, c: flushed_sdpa(a, b, c, is_causal=is_causal), (q, k, v))

@@ -8,6 +8,7 @@ autograd through everything); DNAS K = 1, Sinkhorn K = 3, HNAS (w = 0.5, per lay
 sparsemax and 1.5-entmax attention; IKA-S (R = 8) and IKAN (R = 16, p = 1.5) kernel attention
 with fixed spectral points, and IKAN / MIKAN (R = 16, p = 1.5) as their modules run them on the
 heads (``attend``: points sampled from the density networks in training mode, KL included);
+Expsin (the periodic kernel × L2 magnitude of the registry's ``expsin``, its fused node);
 generalized attention with a learned T5 relative bias and with ALiBi (bias built by the
 preference module inside the timed call) and the SDPA rows computing the same functions —
 what a user would write instead: SDPA with the same fixed ALiBi bias as its float mask, and
@@ -32,6 +33,7 @@ wall time.
 """
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 
@@ -40,13 +42,13 @@ import torch.nn.functional as F
 
 from attnopt.bench._harness import BenchContext, Measurement, bench_suite, time_call
 from attnopt.bench.doubly_normalized import materialized_sinkhorn_peer
-from attnopt.functional import dispatch
+from attnopt.functional import dispatch, generalized
 from attnopt.functional.doubly_normalized import doubly_normalized_attention, hybrid_normalized_attention
 from attnopt.functional.generalized import generalized_attention
 from attnopt.functional.kernel import kernel_attention
 from attnopt.functional.regularized import regularized_attention
 from attnopt.functional.regularizers import SquaredL2, Tsallis
-from attnopt.kernels import NonStationaryFourier, RandomFourier
+from attnopt.kernels import NonStationaryFourier, Periodic, RandomFourier
 from attnopt.nn.implicit_kernel import ImplicitKernelAttention
 from attnopt.nn.preference import ALiBiPreference, T5RelativePreference
 
@@ -66,6 +68,7 @@ def _impls(device: str, impl: dispatch.Impl) -> dict[str, Fn]:
     nsf16 = NonStationaryFourier(nsf.w1.to(device), nsf.w2.to(device))
     t5 = T5RelativePreference(H).to(device)
     alibi = ALiBiPreference(H).to(device)
+    periodic = Periodic(2 * math.pi)
     w = torch.tensor(0.5, device=device, requires_grad=True)
     sm, e15 = SquaredL2(), Tsallis(1.5)
     sampled = {v: ImplicitKernelAttention(H * D, H, v, num_samples=16, p=1.5, seed=0).to(device)
@@ -83,6 +86,7 @@ def _impls(device: str, impl: dispatch.Impl) -> dict[str, Fn]:
         "ikan R=16 p=1.5": lambda q, k, v: kernel_attention(q, k, v, kernel=nsf16, magnitude_p=1.5),
         "ikan R=16 sampled (module core)": _sampled(sampled["ikan"]),
         "mikan R=16 sampled (module core)": _sampled(sampled["mikan"]),
+        "expsin (periodic P=2pi)": lambda q, k, v: kernel_attention(q, k, v, kernel=periodic),
         "generalized T5 (learned bias)": lambda q, k, v: generalized_attention(
             q, k, v, log_preference=t5(q.shape[-2], k.shape[-2]), impl=impl),
         "generalized ALiBi": lambda q, k, v: generalized_attention(
@@ -247,6 +251,8 @@ def _function_rows(ctx: BenchContext) -> Iterator[Measurement]:
                     path = dispatch.last_dispatch.get(key, "?")
                     limit = dispatch.CROSSOVERS[key]["float32"]
                     rule = "a learned bias: always" if "learned" in name else f"crossover B*H*N^2 <= {limit}"
+                    if key == "generalized":
+                        rule = f"SDPA itself at B*H*N^2 <= {generalized.SDPA_BELOW}; above, {rule}"
                     note = f"auto -> {path} ({rule}); {note}"
                     if not ctx.quick:
                         other: dispatch.Impl = "streaming" if path == "materialized" else "materialized"

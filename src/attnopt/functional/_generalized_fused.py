@@ -24,6 +24,7 @@ computed in float32.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,6 +39,9 @@ __all__ = ["biased_softmax_attention", "biased_flash_attention", "flash_bias_ava
 
 #: Bytes of one chunk's ``Nq × Nk`` score block (half this machine's 2 MiB L2: ``dP`` sits beside it).
 CHUNK_BYTES = 1 << 20
+#: Largest ``B·H·Nq·Nk`` bytes of ``P`` always saved for the backward; above, it is recomputed
+#: per chunk when the head dimension is below 64.
+SAVE_BYTES = 1 << 24
 
 _fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -61,8 +65,27 @@ def _flat(bs: slice, hs: slice, h: int) -> slice:
     return slice(bs.start * h + hs.start, (bs.stop - 1) * h + hs.stop)
 
 
+def _probabilities(
+    s: Tensor, q3: Tensor, k3: Tensor, bc: Tensor, dead: Tensor | None, hs: slice, nq: int, nk: int
+) -> Tensor:
+    """One chunk's softmax weights ``P = softmax(QKᵀ + bias)`` into ``s`` (rows in ``dead``: 0)."""
+    if bc.shape[0] == 1:  # one batch row: the bias (broadcast as it is) enters the matmul
+        torch.baddbmm(bc[0], q3, k3.transpose(1, 2), out=s)
+    else:  # several batch rows (short sequences): add it after
+        torch.bmm(q3, k3.transpose(1, 2), out=s)
+        s.view(-1, hs.stop - hs.start, nq, nk).add_(bc)
+    torch.ops.aten._softmax.out(s, -1, False, out=s)
+    if dead is not None:
+        s.view(-1, hs.stop - hs.start, nq, nk).masked_fill_(dead, 0.0)
+    return s
+
+
 class _BiasedSoftmax(torch.autograd.Function):
-    """q, k, v: contiguous (B, H, N, ·); bias: 4-D, broadcastable to (B, H, Nq, Nk)."""
+    """q, k, v: contiguous (B, H, N, ·); bias: 4-D, broadcastable to (B, H, Nq, Nk).
+
+    ``P`` is saved for the backward up to :data:`SAVE_BYTES` and, for head dimensions below 64,
+    recomputed chunk by chunk above (a large fresh buffer, written once and read once, cost more
+    than the recompute)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -71,56 +94,81 @@ class _BiasedSoftmax(torch.autograd.Function):
         b, h, nq, d = q.shape
         nk, dv = k.shape[-2], v.shape[-1]
         qs = q * scale
-        p = q.new_empty(b, h, nq, nk)
+        block = nq * nk * q.element_size()
+        # recompute only where its matmul is cheap: at d = 16 (B·H = 128, N = 512) it cut the node
+        # from 2.1× to 1.8× SDPA; at d = 64 (B·H = 64, N = 512) saving was as fast (1.24× vs 1.29×)
+        save = b * h * block <= SAVE_BYTES or d >= 64
+        chunks = list(_chunks(b, h, block))
+        rows = max(_flat(bs, hs, h).stop - _flat(bs, hs, h).start for bs, hs in chunks)
+        p = q.new_empty(b, h, nq, nk) if save else q.new_empty(rows, nq, nk)
         out = q.new_empty(b, h, nq, dv)
         q3, k3, v3 = qs.view(b * h, nq, d), k.view(b * h, nk, d), v.view(b * h, nk, dv)
-        p3, o3 = p.view(b * h, nq, nk), out.view(b * h, nq, dv)
-        no_key = torch.isneginf(bias.amax(-1, keepdim=True))  # rows with no admissible key
-        dead = no_key.expand(b, h, nq, 1) if bool(no_key.any()) else None
+        p3, o3 = p.view(-1, nq, nk), out.view(b * h, nq, dv)
         be = bias.expand(b, h, nq, nk)
         with flush_denormal():
-            for bs, hs in _chunks(b, h, nq * nk * p.element_size()):
+            for bs, hs in chunks:
                 f = _flat(bs, hs, h)
-                s = torch.bmm(q3[f], k3[f].transpose(1, 2), out=p3[f])
-                s4 = s.view(-1, hs.stop - hs.start, nq, nk).add_(be[bs, hs])
-                if dead is not None:
-                    s4.masked_fill_(dead[bs, hs], 0.0)
-                torch.ops.aten._softmax.out(s, -1, False, out=s)
-                if dead is not None:
-                    s4.masked_fill_(dead[bs, hs], 0.0)
+                s = p3[f] if save else p3[: f.stop - f.start]
+                _probabilities(s, q3[f], k3[f], be[bs, hs], None, hs, nq, nk)
                 torch.bmm(s, v3[f], out=o3[f])
+        # checked after the fact, on the small output: with finite q, k, v, a NaN means a row with
+        # no admissible key (softmax of all -inf) or NaN / +inf in the bias — one pass over the
+        # bias only then, instead of its row maxima (an Nq×Nk pass) and a value check every call.
+        # One sum (a non-finite total also when it merely overflows: then nothing is found below);
+        # isnan().any() was 30× slower
+        dead = None
+        if not math.isfinite(float(out.sum())):
+            top = bias.amax(-1, keepdim=True)
+            if not bool(top.max() < float("inf")):
+                raise ValueError("log_preference must not contain NaN or +inf (-inf masks a key)")
+            dead = torch.isneginf(top).expand(b, h, nq, 1)
+            if save:
+                p.masked_fill_(dead, 0.0)  # rows with no admissible key: zero weights, output, gradients
+            out.masked_fill_(dead, 0.0)
         ctx.scale = scale
         ctx.bias_shape = bias.shape
-        ctx.save_for_backward(qs, k, v, p, out)
+        ctx.save_for_backward(qs, k, v, p if save else None, out, bias if not save else None, dead)
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         refuse_double_backward(ctx, "generalized_attention (fused bias)", "use generalized_weights(...) @ v")
-        qs, k, v, p, out = ctx.saved_tensors
+        qs, k, v, p, out, bias, dead = ctx.saved_tensors
         b, h, nq, d = qs.shape
         nk, dv = k.shape[-2], v.shape[-1]
         dout = dout.to(v.dtype).contiguous()  # a stride-0 gradient (from .sum()) sends bmm to a slow path
         delta = (dout * out).sum(-1, keepdim=True).view(b * h, nq, 1)
         dq, dk, dvv = torch.empty_like(qs), torch.empty_like(k), torch.empty_like(v)
         bh = b * h
-        q3, k3, v3, p3 = qs.view(bh, nq, d), k.view(bh, nk, d), v.view(bh, nk, dv), p.view(bh, nq, nk)
+        q3, k3, v3 = qs.view(bh, nq, d), k.view(bh, nk, d), v.view(bh, nk, dv)
         do3, dq3 = dout.view(bh, nq, dv), dq.view(bh, nq, d)
         dk3, dv3 = dk.view(bh, nk, d), dvv.view(bh, nk, dv)
         bshape = ctx.bias_shape
         gb = qs.new_empty(bshape[0], bshape[1], nq, nk) if ctx.needs_input_grad[3] else None
-        chunks = list(_chunks(b, h, nq * nk * p.element_size()))
+        # a bias of the full batch shape (B = 1 with a (1, H, …) T5 bias): dS is written into its
+        # gradient directly, no copy
+        own = gb is not None and tuple(bshape[:2]) == (b, h)
+        chunks = list(_chunks(b, h, nq * nk * qs.element_size()))
         rows = max(_flat(bs, hs, h).stop - _flat(bs, hs, h).start for bs, hs in chunks)
-        scratch = qs.new_empty(rows, nq, nk)  # dP / dS of one chunk, reused (stays in cache)
+        scratch = gb.view(bh, nq, nk) if own and gb is not None else qs.new_empty(rows, nq, nk)  # dS
+        p3 = p.view(bh, nq, nk) if p is not None else qs.new_empty(rows, nq, nk)  # recomputed per chunk
+        be = None if bias is None else bias.expand(b, h, nq, nk)
         with flush_denormal():
             for bs, hs in chunks:
                 f = _flat(bs, hs, h)
-                torch.bmm(p3[f].transpose(1, 2), do3[f], out=dv3[f])
-                ds = torch.bmm(do3[f], v3[f].transpose(1, 2), out=scratch[: f.stop - f.start])
-                ds.sub_(delta[f]).mul_(p3[f])
+                if be is None:
+                    pf = p3[f]
+                else:
+                    pf = _probabilities(p3[: f.stop - f.start], q3[f], k3[f], be[bs, hs],
+                                        None if dead is None else dead[bs, hs], hs, nq, nk)
+                torch.bmm(pf.transpose(1, 2), do3[f], out=dv3[f])
+                part = f if own else slice(0, f.stop - f.start)
+                # dS = (dO Vᵀ − δ) ⊙ P, the − δ inside the matmul (beta = −1)
+                ds = torch.baddbmm(delta[f], do3[f], v3[f].transpose(1, 2), beta=-1.0, out=scratch[part])
+                ds.mul_(pf)
                 torch.bmm(ds, k3[f], out=dq3[f])
                 torch.bmm(ds.transpose(1, 2), q3[f], out=dk3[f])
-                if gb is not None:
+                if gb is not None and not own:
                     g = ds.view(-1, hs.stop - hs.start, nq, nk)
                     if bshape[0] == 1 and g.shape[0] > 1:
                         g = g.sum(0, keepdim=True)

@@ -39,7 +39,13 @@ from attnopt.functional._generalized_fused import (
 )
 from attnopt.functional._softmax import safe_softmax
 
-__all__ = ["generalized_attention", "generalized_weights", "preference_to_log", "score_bias"]
+__all__ = [
+    "generalized_attention",
+    "generalized_weights",
+    "preference_to_log",
+    "score_bias",
+    "check_log_preference_values",
+]
 
 
 def _safe_log(u: Tensor) -> Tensor:
@@ -49,9 +55,17 @@ def _safe_log(u: Tensor) -> Tensor:
 
 
 def preference_to_log(
-    preference: Tensor | None, log_preference: Tensor | None, target: tuple[int, ...], dtype: torch.dtype
+    preference: Tensor | None,
+    log_preference: Tensor | None,
+    target: tuple[int, ...],
+    dtype: torch.dtype,
+    check_values: bool = True,
 ) -> Tensor | None:
     """Validate ``preference``/``log_preference`` and return ``log u`` broadcastable to ``target``.
+
+    ``check_values=False`` skips the pass over ``log_preference``'s values (NaN / ``+inf``): for
+    callers that check them later (:func:`check_log_preference_values`, or the fused node's
+    post-hoc check).
 
     Raises:
         ValueError: both given; negative, NaN or infinite ``preference``; NaN or ``+inf`` in
@@ -76,10 +90,38 @@ def preference_to_log(
         if not isinstance(log_preference, Tensor) or not log_preference.is_floating_point():
             raise TypeError("log_preference must be a floating-point torch.Tensor")
         check_broadcastable("log_preference", log_preference, target)
-        if log_preference.numel() and not bool(log_preference.detach().max() < float("inf")):
-            raise ValueError("log_preference must not contain NaN or +inf (-inf masks a key)")
+        if check_values:
+            check_log_preference_values(log_preference)
         return to_rank(log_preference.to(dtype), len(target))
     return None
+
+
+_LOG_PREFERENCE_ERROR = "log_preference must not contain NaN or +inf (-inf masks a key)"
+
+
+def check_log_preference_values(log_preference: Tensor) -> tuple[float, float]:
+    """``(min, max)`` of ``log_preference`` after checking it has no NaN or ``+inf``.
+
+    One ``aminmax`` pass, remembered on the tensor with its version counter: a cached bias
+    (ALiBi's, built once per length) is read once, not on every call; an in-place change
+    bumps the version and is read again.
+
+    Raises:
+        ValueError: NaN or ``+inf`` in ``log_preference``.
+    """
+    if not log_preference.numel():
+        return 0.0, 0.0
+    stamp = getattr(log_preference, "_attnopt_range", None)
+    if stamp is not None and stamp[0] == log_preference._version:
+        lo, hi = stamp[1], stamp[2]
+    else:
+        low, high = torch.aminmax(log_preference.detach())  # NaN propagates into both
+        lo, hi = float(low), float(high)
+        if not torch.compiler.is_compiling():
+            log_preference._attnopt_range = (log_preference._version, lo, hi)  # type: ignore[attr-defined]
+    if not hi < float("inf"):
+        raise ValueError(_LOG_PREFERENCE_ERROR)
+    return lo, hi
 
 
 def score_bias(
@@ -90,17 +132,18 @@ def score_bias(
     attn_mask: Tensor | None,
     is_causal: bool,
     dtype: torch.dtype | None = None,
+    check_values: bool = True,
 ) -> Tensor | None:
     """Validated ``log u + mask (+ causal)`` broadcastable to ``(..., Nq, Nk)``, or ``None``.
 
     Shared by every mechanism that takes a preference next to SDPA-style masks. ``dtype``
-    defaults to ``q.dtype``.
+    defaults to ``q.dtype``; ``check_values`` as in :func:`preference_to_log`.
     """
     nq, nk, _ = check_attention_inputs(q, k)
     dtype = q.dtype if dtype is None else dtype
     batch = broadcast_shapes(q.shape[:-2], k.shape[:-2])
     target = (*batch, nq, nk)
-    log_u = preference_to_log(preference, log_preference, target, dtype)
+    log_u = preference_to_log(preference, log_preference, target, dtype, check_values)
     mask = additive_mask(attn_mask, target, dtype)
     causal = causal_additive_mask(nq, nk, dtype, q.device) if is_causal else None
     return combine_additive(log_u, mask, causal)
@@ -135,6 +178,9 @@ def generalized_attention(
       with the bias as its float mask; elsewhere
       :func:`torch.nn.functional.scaled_dot_product_attention`. O(N) memory beyond the bias.
 
+    ``log_preference`` is checked for NaN / ``+inf`` once per tensor version (a cached bias such
+    as ALiBi's is read once), or, on the materialized path, after the fact from the output.
+
     Both fused CPU paths flush subnormal numbers to zero while they run (weights below
     float32's 1.2e-38, e.g. far keys under ALiBi, whose subnormal arithmetic made SDPA's
     backward with the same mask 2.5× slower); the result differs from exact arithmetic only
@@ -152,12 +198,19 @@ def generalized_attention(
         scale: the reliability ``α`` (default ``1/sqrt(d)``); must be > 0.
         is_causal: also apply SDPA's top-left causal mask.
         dropout_p: dropout probability on the weights (as in SDPA).
-        impl: ``"materialized"``, ``"streaming"`` or ``"auto"``: materialized when the bias
-            requires grad, or, for a full ``(…, Nq, Nk)`` constant bias on CPU under autograd,
-            when ``B·H·Nq·Nk <= dispatch.CROSSOVERS["generalized"]`` (2^20: B·H = 64 at
+        impl: ``"materialized"``, ``"streaming"`` or ``"auto"``. For a full ``(…, Nq, Nk)``
+            bias on CPU under autograd, ``auto`` streams through SDPA itself when
+            ``B·H·Nq·Nk <= SDPA_BELOW`` (2^17: B·H = 8 at N = 128; with the bias as its
+            ``attn_mask``, its math kernel when the bias needs a gradient — the Python node's
+            per-call cost made it 1.2–2× that at B·H = 8, N = 64–128); above it,
+            materialized when the bias requires grad, or, for a constant bias, when
+            ``B·H·Nq·Nk <= dispatch.CROSSOVERS["generalized"]`` (2^20: B·H = 64 at
             N = 128; the chunked materialized path was 0.9–1.0× plain SDPA there, the flash
             path 1.1–1.2×; above it they tie and streaming keeps O(N) memory); otherwise
             streaming. Forward-only calls, a key-only bias and ``dropout_p > 0`` (SDPA) stream.
+            A streaming call whose ``log_preference`` spreads over at most
+            :data:`SUBNORMAL_FREE_RANGE` (ALiBi up to N = 128, T5) calls SDPA directly; a
+            wider one (or a mask) runs the flash kernel with subnormals flushed.
 
     Returns:
         (B, H, Nq, dv). A row whose preference/mask excludes every key is all zeros, with
@@ -185,15 +238,31 @@ def generalized_attention(
         return F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=alpha
         )
-    bias = score_bias(q, k, preference, log_preference, attn_mask, is_causal)
+    # log_preference's values are checked below, once per path (the fused node checks its output)
+    bias = score_bias(q, k, preference, log_preference, attn_mask, is_causal, check_values=False)
     path = _path(q, k, v, bias, dropout_p, impl)
     if path == "materialized":
         return biased_softmax_attention(q, k, v, bias, alpha)  # type: ignore[arg-type]
-    if path == "flash":
+    lo = hi = 0.0
+    if log_preference is not None:
+        lo, hi = check_log_preference_values(log_preference)
+    plain = attn_mask is None and preference is None and hi - lo <= SUBNORMAL_FREE_RANGE
+    if path == "flash" and not plain:
         return biased_flash_attention(q, k, v, bias, alpha)  # type: ignore[arg-type]
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=alpha)
+
+
+#: Largest spread ``max − min`` of a log-preference for which the streaming path calls SDPA
+#: itself rather than the flash kernel with subnormals flushed: the bias alone cannot push a
+#: weight below float32's smallest normal (``e^{-87}``), so the flush (and its custom autograd
+#: node, ~0.15 ms a call) buys nothing — ALiBi up to N = 128 (spread ``(N − 1)/2``), a T5 bias.
+SUBNORMAL_FREE_RANGE = 64.0
+#: ``B·H·Nq·Nk`` at or below which ``impl="auto"`` hands a full bias under autograd to SDPA itself
+#: (its math kernel when the bias needs a gradient): at B·H = 8, N = 64–128 the fused node's
+#: per-call cost (a Python autograd node, six small matmuls) made it 1.2–2× SDPA with the same bias.
+SDPA_BELOW = 1 << 17
 
 
 def _path(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, dropout_p: float, impl: str) -> str:
@@ -205,12 +274,16 @@ def _path(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, dropout_p: float
         dispatch.record("generalized", "streaming")
         return "sdpa"
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, bias))
+    rows = 0
+    if impl == "auto" and grad and bias.shape[-2] != 1 and q.device.type == "cpu":
+        rows = math.prod(broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], bias.shape[:-2]))
     if impl != "auto":
         path = impl
+    elif rows and rows * q.shape[-2] * k.shape[-2] <= SDPA_BELOW:
+        path = "streaming"  # SDPA itself: its C++ autograd beats a Python node's per-call cost here
     elif bias.requires_grad and grad:
-        path = "materialized"  # the only path with a bias gradient
-    elif grad and bias.shape[-2] != 1 and q.device.type == "cpu":
-        rows = math.prod(broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], bias.shape[:-2]))
+        path = "materialized"  # the fastest path with a bias gradient above SDPA_BELOW
+    elif rows:
         path = dispatch.choose_impl("generalized", nq=q.shape[-2], nk=k.shape[-2], batch=rows, dtype=q.dtype)
     else:
         path = "streaming"

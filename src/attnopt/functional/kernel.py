@@ -42,9 +42,10 @@ from attnopt.functional._kernel_fused import (
     fused_fourier_attention,
     fused_fourier_magnitude_attention,
 )
+from attnopt.functional._periodic_fused import fused_periodic_attention, periodic_fused_ok
 from attnopt.functional._softmax import safe_softmax
 from attnopt.functional.kernel_linear import linear_kernel_attention
-from attnopt.kernels import RBF, Kernel
+from attnopt.kernels import RBF, Kernel, Periodic
 from attnopt.kernels._base import check_dim
 
 __all__ = ["kernel_attention", "kernel_weights", "log_magnitude", "split_key_query_mask"]
@@ -348,6 +349,29 @@ def _fused_fourier(
     return fused_fourier_magnitude_attention(q, k, v, points, nsets, coef, eps, p, s, key_mask)
 
 
+def _periodic(
+    q: Tensor, k: Tensor, v: Tensor, kernel: Periodic, magnitude_p: float | None,
+    attn_mask: Tensor | None, scale: float | None, is_causal: bool, eps: float,
+) -> Tensor | None:
+    """The fused Expsin node (:mod:`._periodic_fused`), or None where it does not apply (a
+    length-scale so small that ``c = 1/l²`` > ``MAX_C``, or a float mask that needs a gradient)."""
+    compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    c = kernel.inv_sq_lengthscale(q.shape[-1])
+    if not periodic_fused_ok(c, compute, attn_mask):
+        return None
+    _check_options(kernel, magnitude_p, eps, "quadratic")
+    s = resolve_scale(scale, q.shape[-1])
+    l2 = magnitude_p is not None and float(magnitude_p) == 2.0
+    bias = None if l2 else _key_bias(k, magnitude_p, s, compute)
+    mask = _full_mask(q, k, attn_mask, is_causal, compute)
+    dispatch.record("kernel", "materialized")
+    out = fused_periodic_attention(
+        q.to(compute), k.to(compute), v.to(compute), omega=2.0 * math.pi / kernel.period, c=c,
+        magnitude_scale=s if l2 else None, key_bias=bias, mask=mask,
+    )
+    return out.to(q.dtype)
+
+
 def kernel_weights(
     q: Tensor,
     k: Tensor,
@@ -444,6 +468,10 @@ def kernel_attention(
         resolve_scale(scale, q.shape[-1])
         _full_mask(q, k, attn_mask, is_causal, q.dtype)
         return empty
+    if isinstance(kernel, Periodic) and mode == "quadratic":
+        out = _periodic(q, k, v, kernel, magnitude_p, attn_mask, scale, is_causal, eps)
+        if out is not None:
+            return out
     fast = _fused_fourier(q, k, v, kernel, magnitude_p, attn_mask, scale, mode, is_causal, eps)
     if fast is not None:
         return fast

@@ -37,12 +37,13 @@ class Periodic(Kernel):
         self.period = float(period)
         self.lengthscale = None if lengthscale is None else float(lengthscale)
 
-    def _inv_l2(self, d: int) -> float:
+    def inv_sq_lengthscale(self, d: int) -> float:
+        """``c = 1/l²`` for head dimension ``d`` (``1/√d`` by default)."""
         return 1.0 / math.sqrt(d) if self.lengthscale is None else 1.0 / self.lengthscale**2
 
     def _log_from_dist(self, r: Tensor, d: int) -> Tensor:
         # −2 sin²(πr/P)/l² = (cos(2πr/P) − 1)/l²: one transcendental per entry.
-        return (torch.cos(r * (2.0 * math.pi / self.period)) - 1.0) * self._inv_l2(d)
+        return (torch.cos(r * (2.0 * math.pi / self.period)) - 1.0) * self.inv_sq_lengthscale(d)
 
     def log_gram(self, q: Tensor, k: Tensor) -> Tensor:
         """``−2 sin²(π‖q_i − k_j‖/P) / l²``: (..., Nq, Nk)."""

@@ -147,7 +147,8 @@ def _toeplitz_view(buf: Tensor, nq: int, nk: int) -> Tensor:
 
 
 #: Largest ``Nq·Nk`` for which T5RelativePreference caches a flat ``(Nq·Nk,)`` offset index and
-#: gathers / index-adds through it (3–4x faster than the strided Toeplitz copy at N = 512);
+#: index-adds the backward through it (3–4x faster than the strided Toeplitz copy at N = 512; the
+#: forward lays the rows out by ``unfold``, faster than either);
 #: above it, the O(Nq + Nk) strided route keeps the cache small.
 GATHER_LIMIT = 1 << 20
 
@@ -157,7 +158,7 @@ class _ToeplitzBias(torch.autograd.Function):
 
     Entry ``(h, i, j)`` is ``weight[buckets[j − i + Nq − 1], h]``; the backward sums the
     gradient over each diagonal ``j − i`` and adds the sums into the buckets. ``index`` (the
-    flat offsets ``j − i + Nq − 1``, or ``None``) selects the gather route.
+    flat offsets ``j − i + Nq − 1``, or ``None``) selects the index-add route of the backward.
     """
 
     @staticmethod
@@ -167,11 +168,9 @@ class _ToeplitzBias(torch.autograd.Function):
         ctx.save_for_backward(buckets, index)
         ctx.num_buckets = weight.shape[0]
         per_offset = weight.index_select(0, buckets).t().contiguous()  # (H, Nq + Nk − 1)
-        h = per_offset.shape[0]
-        if index is not None:
-            return per_offset.index_select(1, index).view(1, h, nq, nk)
-        rows = per_offset.unsqueeze(1).expand(-1, nq, -1).contiguous()
-        return _toeplitz_view(rows, nq, nk).contiguous().unsqueeze(0)
+        # window w of length Nk starts at offset index w; row i is window Nq − 1 − i (ALiBi's
+        # layout): one contiguous copy, 2× faster than gathering through the flat index (N = 512)
+        return per_offset.unfold(-1, nk, 1).flip(-2).contiguous().view(1, -1, nq, nk)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
