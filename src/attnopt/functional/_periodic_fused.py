@@ -137,7 +137,8 @@ class _FusedPeriodic(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        refuse_double_backward(ctx, "kernel_attention (fused Expsin)", "use kernel_weights(q, k, kernel=...) @ v")
+        refuse_double_backward(ctx, "kernel_attention (fused Expsin)",
+                               "use kernel_weights(q, k, kernel=...) @ v")
         q, k, v, qa, ka, kb, mask, inv, out, th_all, w_all = ctx.saved_tensors
         bh, nq, _ = q.shape
         nk = k.shape[1]
