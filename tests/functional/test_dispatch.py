@@ -286,3 +286,24 @@ def test_kernel_fused_both_sides_match_log_domain_weights(nonstationary):
     q, k, v = _qkv(3, 4, b=1, h=2, seed=9)
     assert torch.autograd.gradcheck(lambda q, k, v: kernel_attention(q, k, v, kernel=kern), (q, k, v),
                                     fast_mode=True)
+
+
+@pytest.mark.parametrize("reg", [SquaredL2(), Tsallis(1.5)], ids=["sparsemax", "1.5"])
+@pytest.mark.parametrize("native", [True, False], ids=["c-map", "torch-search"])
+def test_sparse_materialized_native_map_route_matches_reference(reg, native, monkeypatch):
+    """Above NATIVE_MIN_ENTRIES the fused path runs the C map on the scores (threshold lowered to 0
+    here): values and gradients (q, k, v, β) equal the oracles, masks, a fully masked row, causal;
+    the in-place search below it (threshold raised) gives the same."""
+    from attnopt.functional import _sparse_native
+
+    if native and not _sparse_native.library_available():
+        pytest.skip("no C compiler: the native map cannot be built")
+    monkeypatch.setattr(_sparse_attention_fused, "NATIVE_MIN_ENTRIES", 0 if native else 1 << 62)
+    q, k, v = _qkv(9, 7, b=1, h=2, d=4, dv=3, seed=12)
+    mask = torch.ones(9, 7, dtype=torch.bool)
+    mask[4] = False  # a fully masked row
+    beta = torch.tensor([0.3, 0.1], dtype=torch.float64, requires_grad=True)
+    out = _check_sparse_against_oracle(reg, q, k, v, mask=mask, causal=True, beta=beta)
+    assert dispatch.last_dispatch["sparse"] == "materialized"
+    assert _sparse_attention_fused._native_map(q.reshape(-1, 9, 4), 7) is native
+    assert torch.equal(out[:, :, 4], torch.zeros_like(out[:, :, 4]))

@@ -45,6 +45,11 @@ _LIB = "sparse_maps"
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 
 
+def library_available() -> bool:
+    """Whether the C kernels are built (no compiler or ``ATTNOPT_NATIVE=0``: False)."""
+    return _native.library(_LIB) is not None
+
+
 def usable(x: Tensor, dim: int) -> bool:
     """A float32/float64 CPU tensor reduced along its last dim (copied if not contiguous), and
     the kernel built."""
