@@ -27,17 +27,10 @@ def small(monkeypatch):
     monkeypatch.setattr(native, "CHUNK_ENTRIES", 100)
 
 
-@pytest.fixture(params=["native", "torch"])
-def path(request, monkeypatch):
-    """Both sides: the C passes, and the PyTorch fused path with native kernels switched off."""
-    if request.param == "native":
-        if _native.compiler() is None:
-            pytest.skip("no C compiler on this machine")
-        monkeypatch.delenv("ATTNOPT_NATIVE", raising=False)
-    else:
-        monkeypatch.setenv("ATTNOPT_NATIVE", "0")
-    monkeypatch.setattr(_native, "_LIBS", {})
-    return request.param
+@pytest.fixture
+def path(native_or_torch):
+    """Both sides: the C kernel and the PyTorch fallback (tests/functional/conftest.py)."""
+    return native_or_torch
 
 
 def _inputs(shape, nq, nk, d=5, dv=3, seed=0):

@@ -14,17 +14,10 @@ entmax_mod = importlib.import_module("attnopt.functional.entmax")  # the module,
 needs_cc = pytest.mark.skipif(_native.compiler() is None, reason="no C compiler on this machine")
 
 
-@pytest.fixture(params=["native", "pytorch"])
-def path(request, monkeypatch):
-    """Run a test on the C kernels (skipped without a compiler) and on the PyTorch fallback."""
-    if request.param == "native":
-        if _native.compiler() is None:
-            pytest.skip("no C compiler on this machine")
-        monkeypatch.delenv("ATTNOPT_NATIVE", raising=False)
-    else:
-        monkeypatch.setenv("ATTNOPT_NATIVE", "0")
-    monkeypatch.setattr(_native, "_LIBS", {})  # a fresh loader (the library is cached on disk)
-    return request.param
+@pytest.fixture
+def path(native_or_torch):
+    """Both sides: the C kernel and the PyTorch fallback (tests/functional/conftest.py)."""
+    return native_or_torch
 
 
 def _map(alpha):
