@@ -171,3 +171,37 @@ def test_exp_free_path_chunked_equals_log_domain(monkeypatch):
     logdom = kernel_attention(q, k, v, kernel=kern, magnitude_p=0.9, attn_mask=keep.expand(1, 1, 9, 7))
     torch.testing.assert_close(chunked, logdom)
     torch.testing.assert_close(full, logdom)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_linear_kernel_takes_materialized_path_and_matches_oracle(masked):
+    from attnopt.functional import dispatch
+
+    q, k, v = _qkv(3)
+    mask = torch.rand(1, 5, generator=torch.Generator().manual_seed(4)) > 0.4 if masked else None
+    if mask is not None:
+        mask[:, 0] = True
+    out = kernel_attention(q, k, v, kernel=Linear(), magnitude_p=2.0, attn_mask=mask)
+    assert dispatch.last_dispatch["kernel"] == "materialized"
+    for h in range(2):
+        w = ref.kernel_weights(
+            q[0, h], k[0, h], lambda x, y: ref.linear(x, y, D**-0.5), squared=True, p=2.0,
+            scale=D**-0.5, eps=1e-5, mask=None if mask is None else mask.expand(3, 5),
+        )
+        torch.testing.assert_close(out[0, h], w @ v[0, h], rtol=1e-9, atol=1e-12)
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    assert torch.autograd.gradcheck(
+        lambda a, b, c: kernel_attention(a, b, c, kernel=Linear(), magnitude_p=2.0, attn_mask=mask), (qg, kg, vg)
+    )
+
+
+def test_linear_kernel_huge_scores_fall_back_to_log_domain():
+    from attnopt.functional import dispatch
+
+    q, k, v = _qkv(5, dtype=torch.float32)
+    q = q * 1e14  # f² ~ 1e28 > ε·eps/tiny: the direct form would lose the keys whose magnitude weight underflows
+    out = kernel_attention(q, k, v, kernel=Linear(), magnitude_p=2.0)
+    assert dispatch.last_dispatch["kernel"] == "streaming"
+    q64, k64, v64 = (x.double() for x in (q, k, v))
+    expect = kernel_attention(q64, k64, v64, kernel=Linear(), magnitude_p=2.0)
+    torch.testing.assert_close(out, expect.float(), rtol=1e-4, atol=1e-5)

@@ -205,10 +205,29 @@ def _full_mask(
     return combine_additive(mask, causal)
 
 
-def _direct_ok(kernel: Kernel, mask: Tensor | None, eps: float) -> bool:
-    """The exp-free path: bounded squared kernel (|f| ≤ 1), ε > 0, no query-dependent mask."""
+def _direct_ok(kernel: Kernel, mask: Tensor | None, eps: float, q: Tensor, k: Tensor) -> bool:
+    """The exp-free path: a squared kernel with ``|f|`` bounded, ε > 0, no query-dependent mask.
+
+    Bounded kernels (``|f| ≤ 1``, random Fourier) always qualify. An unbounded kernel with
+    features (e.g. :class:`~attnopt.kernels.Linear`) qualifies when the Cauchy–Schwarz bound
+    ``f² ≤ b² = max‖φ(q)‖²·max‖φ(k)‖²`` keeps the direct form exact: ``Σ_j (f² + ε)`` cannot
+    overflow (``b² ≤ max/(4·Nk)``), and a key whose ``m_j`` underflows (``< tiny``) has relative
+    weight below ``b²·tiny/ε ≤`` machine epsilon. Otherwise the log-domain path runs.
+    """
     key_only = mask is None or mask.dim() < 2 or mask.shape[-2] == 1
-    return kernel.squared and kernel.bounded and eps > 0 and key_only
+    if not (kernel.squared and eps > 0 and key_only):
+        return False
+    if kernel.bounded:
+        return True
+    if not kernel.has_features:
+        return False
+    kernel._check(q, k)
+    with torch.no_grad():
+        bq = kernel.features(q).norm(dim=-1).amax()
+        bk = kernel.features(k).norm(dim=-1).amax()
+        b2 = float(bq.double() * bk.double()) ** 2
+    fi = torch.finfo(q.dtype)
+    return b2 <= min(fi.max / (4.0 * max(1, k.shape[-2])), fi.eps * eps / fi.tiny)
 
 
 def _quadratic(
@@ -231,7 +250,7 @@ def _quadratic(
     nq, nk = q.shape[-2], k.shape[-2]
     batch = math.prod(broadcast_shapes(q.shape[:-2], k.shape[:-2]))
     chunk = nq if v is None else max(1, min(nq, _CHUNK_ELEMS // max(1, batch * nk)))
-    direct = _direct_ok(kernel, mask, eps)
+    direct = _direct_ok(kernel, mask, eps, q, k)
     m: Tensor | None = None
     if direct and mask is None:
         m = None if bias is None else bias.exp()  # the bias is already ≤ 0 with max 0
