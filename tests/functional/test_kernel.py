@@ -191,7 +191,8 @@ def test_linear_kernel_takes_materialized_path_and_matches_oracle(masked):
         torch.testing.assert_close(out[0, h], w @ v[0, h], rtol=1e-9, atol=1e-12)
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
     assert torch.autograd.gradcheck(
-        lambda a, b, c: kernel_attention(a, b, c, kernel=Linear(), magnitude_p=2.0, attn_mask=mask), (qg, kg, vg)
+        lambda a, b, c: kernel_attention(a, b, c, kernel=Linear(), magnitude_p=2.0, attn_mask=mask),
+        (qg, kg, vg),
     )
 
 
@@ -199,7 +200,7 @@ def test_linear_kernel_huge_scores_fall_back_to_log_domain():
     from attnopt.functional import dispatch
 
     q, k, v = _qkv(5, dtype=torch.float32)
-    q = q * 1e14  # f² ~ 1e28 > ε·eps/tiny: the direct form would lose the keys whose magnitude weight underflows
+    q = q * 1e14  # f² ~ 1e28 > ε·eps/tiny: the direct form could lose keys whose m_j underflows
     out = kernel_attention(q, k, v, kernel=Linear(), magnitude_p=2.0)
     assert dispatch.last_dispatch["kernel"] == "streaming"
     q64, k64, v64 = (x.double() for x in (q, k, v))
