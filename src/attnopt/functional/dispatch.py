@@ -46,7 +46,14 @@ CROSSOVERS: dict[str, dict[str, int]] = {
     "sparse": {"float32": 1 << 24, "float64": 1 << 24, "half": 1 << 23},
     "generalized": {"float32": 1 << 20, "float64": 1 << 20, "half": 1 << 20},
     # kernel: the fused Fourier node beat the chunked path fwd+bwd at every size measured up to
-    # B·H·N² = 64·1024² (ikan R=16: 1.70× vs 2.88× SDPA there); 2^24 keeps the N = 64–512 range
+    # B·H·N² = 64·1024² (ikan R=16: 1.70× vs 2.88× SDPA there); 2^24 keeps the N = 64–512 range.
+    # Re-measured (attention fwd+bwd incl. the kernel sampling, float32, 1 thread, loaded 2-core
+    # machine, fused vs chunked ms, extra peak RSS): ika-s / ikan B·H = 128, N = 512, d = 16
+    # (2^25, the train step's size) 345–348 vs 343–361 / 373 vs 352, +0.55 vs +0.53 GiB; B·H = 8,
+    # d = 64: N = 1024 111 vs 105, N = 2048 410 vs 327 / 424 vs 329; B·H = 64, N = 1024, d = 64
+    # (2^26) 866 vs 1193 / 1130 vs 2010, +1.15 vs +1.02 GiB. Train step (E = 64, H = 4, B = 32,
+    # N = 512) with 2^26: ika-s 2.55–2.60× -> 2.54–2.64× softmax, ikan 2.61–2.68× -> 2.55–2.65×,
+    # linear 2.82–2.90× -> 3.5–3.6×: no gain at the train step's size, so 2^24 stays
     "kernel": {"float32": 1 << 24, "float64": 1 << 24, "half": 1 << 23},
 }
 
