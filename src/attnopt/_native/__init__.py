@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["FLAGS", "compiler", "enabled", "has_storage", "library", "parallel_rows"]
+__all__ = ["FLAGS", "compiler", "enabled", "has_storage", "library", "parallel_rows", "pointer"]
 
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11")
 _HERE = Path(__file__).resolve().parent
@@ -64,6 +64,11 @@ def has_storage(*tensors: torch.Tensor | None) -> bool:
     is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
     return all(t is None or (type(t) in (torch.Tensor, torch.nn.Parameter) and not is_wrapped(t))
                for t in tensors)
+
+
+def pointer(t: torch.Tensor | None) -> ctypes.c_void_p | None:
+    """The address of ``t``'s first element for a C call (``None`` -> a NULL pointer)."""
+    return None if t is None else ctypes.c_void_p(t.data_ptr())
 
 
 def compiler() -> str | None:

@@ -58,8 +58,7 @@ def library(q: Tensor, iterations: int) -> ctypes.CDLL | None:
     return _native.library("dnas")
 
 
-def _p(x: Tensor | None) -> ctypes.c_void_p | None:
-    return None if x is None else ctypes.c_void_p(x.data_ptr())
+_p = _native.pointer
 
 
 def _chunks(g: int, per_head: int) -> list[tuple[int, int]]:

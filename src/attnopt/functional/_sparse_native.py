@@ -60,8 +60,7 @@ def usable(x: Tensor, dim: int) -> bool:
 has_storage = _native.has_storage
 
 
-def _ptr(t: Tensor) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr())
+_ptr = _native.pointer
 
 
 def forward(x: Tensor, alpha: float, max_iter: int) -> tuple[Tensor, Tensor, Tensor]:
