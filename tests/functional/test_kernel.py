@@ -76,6 +76,30 @@ def test_rbf_only_has_no_magnitude():
     torch.testing.assert_close(w, rbf / rbf.sum(-1, keepdim=True))
 
 
+@pytest.mark.parametrize("p", [None, 1.0])
+@pytest.mark.parametrize("masked", [False, True])
+def test_rbf_key_bias_through_sdpa_matches_oracle_values_and_grads(p, masked):
+    # dv = d: the SDPA form pads v with a zero column; gradients against the float64 oracle
+    q, k, v = (t.requires_grad_() for t in _qkv(12, b=2, nq=5, nk=7, d=D, dv=D))
+    mask = torch.rand(5, 7, generator=torch.Generator().manual_seed(3)) > 0.4 if masked else None
+    if mask is not None:
+        mask[:, 2] = True
+    out = kernel_attention(q, k, v, kernel=RBF(), magnitude_p=p, attn_mask=mask)
+    # the obvious autograd reference: α ∝ exp(−‖q−k‖²/(2√d)) · exp(s‖k‖_p²/2), masked, normalized
+    logits = -(q.unsqueeze(-2) - k.unsqueeze(-3)).square().sum(-1) / (2 * D**0.5)
+    if p is not None:
+        logits = logits + 0.5 * D**-0.5 * k.abs().pow(p).sum(-1).pow(2 / p).unsqueeze(-2)
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))
+    expect = torch.softmax(logits, dim=-1) @ v
+    torch.testing.assert_close(out, expect, rtol=1e-10, atol=1e-12)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    want = torch.autograd.grad(expect, (q, k, v), g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
 @given(st.integers(0, 10_000), st.sampled_from(list(KERNELS)), st.floats(0.3, 3.0))
 def test_rows_are_distributions_and_masking_is_truncation(seed, name, p):
     make = KERNELS[name][0]

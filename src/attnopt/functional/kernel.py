@@ -396,6 +396,37 @@ def _periodic(
     return out.to(q.dtype)
 
 
+def _rbf_key_bias_sdpa(
+    q: Tensor, k: Tensor, v: Tensor, inv_l2: float, bias: Tensor | None, mask: Tensor | None
+) -> Tensor:
+    r"""RBF attention with a key bias, by SDPA on inputs with one more feature.
+
+    .. math:: \mathrm{softmax}_j\big(-\tfrac{\|q_i-k_j\|^2}{2l^2} + b_j + m_{ij}\big)
+              = \mathrm{softmax}_j\big(l^{-2}\,[q_i, 1]^\top [k_j, c_j] + m_{ij}\big),\qquad
+              c_j = -\tfrac12\|k_j\|^2 + l^2 b_j
+
+    (the query's ``‖q_i‖²`` is constant along a row and cancels). The key bias rides on the keys,
+    so the fused SDPA kernel computes it and its gradient (through the concatenation): an
+    ``Nk``-wide bias passed as ``attn_mask`` needs a gradient and sent SDPA to its materialized
+    math path (train step N = 512, B·H = 128, d = 16, 1 thread: RBF-only 3.1× → 1.2× softmax).
+    ``v`` gets a zero column when ``dv = d`` (the CPU flash kernel takes one head dimension).
+
+    Shapes: q (..., Nq, d), k (..., Nk, d), v (..., Nk, dv), bias (..., 1, Nk) or None,
+    mask additive, broadcastable to (..., Nq, Nk), or None. Returns (..., Nq, dv).
+    """
+    c = -0.5 * k.square().sum(-1, keepdim=True)
+    if bias is not None:
+        c = c + bias.transpose(-2, -1) * (1.0 / inv_l2)
+    qa = torch.cat([q, torch.ones_like(q[..., :1])], dim=-1)
+    ka = torch.cat([k, c], dim=-1)
+    dv = v.shape[-1]
+    va = torch.cat([v, torch.zeros_like(v[..., :1])], dim=-1) if dv == q.shape[-1] else v
+    out = F.scaled_dot_product_attention(
+        qa, ka, va, attn_mask=None if mask is None else mask.contiguous(), scale=inv_l2
+    )
+    return out[..., :dv]
+
+
 def kernel_weights(
     q: Tensor,
     k: Tensor,
@@ -526,12 +557,10 @@ def kernel_attention(
         # which cancels exactly when l² = 1/s and p = 2 (Prop. 1).
         inv_l2 = kernel.inv_sq_lengthscale(q.shape[-1])
         if magnitude_p is not None and float(magnitude_p) == 2.0 and math.isclose(inv_l2, s, rel_tol=1e-12):
-            total = mask
+            out = F.scaled_dot_product_attention(
+                qc, kc, vc, attn_mask=None if mask is None else mask.contiguous(), scale=inv_l2
+            )
         else:
-            kb = -0.5 * inv_l2 * kc.pow(2).sum(-1).unsqueeze(-2)
-            total = combine_additive(kb, bias, mask)
-        if total is not None:
-            total = total.contiguous()
-        out = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=total, scale=inv_l2)
+            out = _rbf_key_bias_sdpa(qc, kc, vc, inv_l2, bias, mask)
         return out.to(q.dtype)
     return _quadratic(qc, kc, vc, kernel, bias, mask, eps).to(q.dtype)
