@@ -51,7 +51,7 @@ def column_mass_figure(records: list[dict[str, Any]], out_dir: Path, *, name: st
         return None
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2), layout="constrained")  # no label overlap
     for arm in sorted(mins):
         colour = _COLOURS.get(_scheme(arm))
         for i, c in enumerate(mins[arm]):
@@ -64,6 +64,8 @@ def column_mass_figure(records: list[dict[str, Any]], out_dir: Path, *, name: st
     axes[0].set_yscale("log")
     axes[0].set_ylabel(r"$N_k \cdot \min_j \sum_i \pi_{ij}$")
     axes[1].set_ylabel("fraction of keys below 1/(10 Nk)")
+    top = max((v for cs in fracs.values() for c in cs for v in c), default=0.0)
+    axes[1].set_ylim(-0.01, max(0.05, 1.1 * top))  # a fraction: never a negative axis
     for ax in axes:
         ax.set_xlabel("epoch")
         ax.legend(fontsize=7)
