@@ -218,3 +218,34 @@ def test_large_inputs_use_cache_blocks_and_match_package(alpha):
     torch.testing.assert_close(got, ref, atol=1e-10, rtol=0)
     xt = x.transpose(1, 2).contiguous()  # dim != last: the unblocked path
     torch.testing.assert_close(_map(alpha)(xt, dim=1).transpose(1, 2), got, atol=1e-12, rtol=0)
+
+
+# torch.func: jacrev vmaps the backward over a batched gradient (the in-place forms cannot run
+# there), vmap over scores is one more batch dimension of the row-wise map
+_TORCH_FUNC_MAPS = {
+    "sparsemax": sparsemax,
+    "entmax-1.5": lambda t: entmax(t, alpha=1.5),
+    "entmax-1.3": lambda t: entmax(t, alpha=1.3),
+    "entmax-tensor-alpha": lambda t: entmax(t, alpha=torch.tensor([1.3], dtype=t.dtype)),
+}
+
+
+@pytest.mark.parametrize("name", list(_TORCH_FUNC_MAPS))
+def test_torch_func_jacrev_matches_autograd_jacobian(name):
+    fn = _TORCH_FUNC_MAPS[name]
+    x = torch.tensor([0.5, 0.3, -1.0, 0.45, 0.1, 0.2], dtype=torch.float64)
+    got = torch.func.jacrev(fn)(x)
+    torch.testing.assert_close(got, torch.autograd.functional.jacobian(fn, x))
+    if name == "sparsemax":  # the closed form: diag(s) − s sᵀ/|s| on the support s
+        s = (fn(x) > 0).double()
+        torch.testing.assert_close(got, torch.diag(s) - torch.outer(s, s) / s.sum())
+
+
+@pytest.mark.parametrize("name", list(_TORCH_FUNC_MAPS))
+@pytest.mark.parametrize("in_dim", [0, 1])
+def test_torch_func_vmap_is_a_batch_dimension(name, in_dim):
+    fn = _TORCH_FUNC_MAPS[name]
+    x = torch.randn(3, 4, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    got = torch.func.vmap(lambda t: fn(t.T), in_dims=in_dim)(x)
+    expect = torch.stack([fn(x.select(in_dim, i).T) for i in range(x.shape[in_dim])])
+    torch.testing.assert_close(got, expect)

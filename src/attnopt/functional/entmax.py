@@ -34,6 +34,8 @@ without the 0/0 at ``α = 1`` (:func:`_alpha_backward`).
 
 Conventions: ``−inf`` scores get exactly 0; a slice that is entirely ``−inf`` gives zeros
 (and zero gradient); float16/bfloat16 are computed in float32 and returned in the input dtype.
+``torch.func``: ``jacrev`` (Jacobians, also of a tensor ``α``) and ``vmap`` over the scores work;
+forward-mode AD (``jvp``, ``hessian``) does not (no ``jvp`` rule) — use ``jacrev(jacrev(f))``.
 """
 from __future__ import annotations
 
@@ -357,8 +359,11 @@ def _entmax_backward(
     """``g ⊙ (d − Σ g d / Σ g)`` with ``g = p^{2−α}`` on the support (few large temporaries).
 
     ``tracked``: out-of-place ops, differentiable in ``p``, ``grad`` and ``α`` (double backward).
+    They also run under ``torch.func`` transforms (tensors without storage: ``jacrev`` vmaps
+    this backward over a batched ``grad``, and the in-place forms below cannot write into ``p``).
     """
-    if tracked:  # create_graph=True: p is the tracked output, the support is locally constant
+    # create_graph=True: p is the tracked output, the support is locally constant
+    if tracked or not (_native_maps.has_storage(p) and _native_maps.has_storage(grad)):
         g = torch.where(p > 0, p.clamp_min(torch.finfo(p.dtype).tiny).pow(2 - alpha), 0.0)
         gsum = g.sum(dim=dim, keepdim=True)
         gd = g * grad
@@ -445,6 +450,14 @@ def _reduce_to(g: Tensor, shape: torch.Size) -> Tensor:
     return g
 
 
+def _rowwise_vmap(fn: Any, in_dims: tuple[Any, ...], x: Tensor, dim: int, *rest: Any) -> tuple[Tensor, int]:
+    """``torch.func.vmap`` rule of a map along ``dim``: the vmapped dimension is one more batch dimension.
+
+    ``dim`` is the non-negative dimension of the unbatched (logical) tensor.
+    """
+    return fn(x.movedim(in_dims[0], 0), dim + 1, *rest), 0
+
+
 class _Sparsemax(torch.autograd.Function):
     @staticmethod
     def forward(x: Tensor, dim: int, max_iter: int) -> Tensor:  # type: ignore[override]
@@ -455,6 +468,10 @@ class _Sparsemax(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
         ctx.dim = inputs[1]
         ctx.save_for_backward(output)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], x: Tensor, dim: int, max_iter: int) -> tuple[Tensor, int]:  # noqa: ARG004
+        return _rowwise_vmap(_Sparsemax.apply, in_dims, x, dim, max_iter)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:  # type: ignore[override]
@@ -478,6 +495,13 @@ class _Entmax(torch.autograd.Function):
         ctx.save_for_backward(output)
 
     @staticmethod
+    def vmap(  # type: ignore[override]
+        info: Any, in_dims: tuple[Any, ...], x: Tensor, alpha: float, dim: int, tol: float, max_iter: int  # noqa: ARG004
+    ) -> tuple[Tensor, int]:
+        apply = lambda xb, d: _Entmax.apply(xb, alpha, d, tol, max_iter)  # noqa: E731
+        return _rowwise_vmap(apply, in_dims, x, dim)
+
+    @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None, None]:  # type: ignore[override]
         (p,) = ctx.saved_tensors
         compute = _compute_dtype(p.dtype)
@@ -498,6 +522,15 @@ class _EntmaxAlpha(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
         ctx.dim = inputs[2]
         ctx.save_for_backward(output, inputs[1])
+
+    @staticmethod
+    def vmap(  # type: ignore[override]
+        info: Any, in_dims: tuple[Any, ...], x: Tensor, alpha: Tensor, dim: int, tol: float, max_iter: int  # noqa: ARG004
+    ) -> tuple[Tensor, int]:
+        if in_dims[1] is not None:  # entmax() validates α's values, which vmap cannot do batched
+            raise ValueError("torch.func.vmap over a tensor alpha is not supported; vmap over scores only")
+        apply = lambda xb, d: _EntmaxAlpha.apply(xb, alpha, d, tol, max_iter)  # noqa: E731
+        return _rowwise_vmap(apply, in_dims, x, dim)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None]:  # type: ignore[override]
