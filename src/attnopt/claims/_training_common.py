@@ -83,7 +83,7 @@ def arm_stats(recs: Sequence[Mapping[str, Any]], arm: str, metric: str) -> tuple
     return (*mean_ci_or_nan(vals), len(vals))
 
 
-def combine_verdicts(verdicts: Sequence[str]) -> Verdict:
+def combine_verdicts(verdicts: Sequence[Verdict]) -> Verdict:
     """Reproduced when every verdict is; not reproduced when none is even partially; else partially."""
     if verdicts and all(v == "reproduced" for v in verdicts):
         return "reproduced"

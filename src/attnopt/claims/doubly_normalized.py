@@ -7,12 +7,16 @@ import numpy as np
 import torch
 
 from attnopt.analysis import column_mass, count_clusters, iterate_attention, mode_collapse_distance
+from attnopt.analysis.mode_collapse import Scheme
 from attnopt.claims import ClaimContext, ClaimResult, claim, verdict
 from attnopt.functional.doubly_normalized import doubly_normalized_attention, doubly_normalized_weights
 from attnopt.report import markdown_table
 
 PAPER = "doubly_normalized"
 F64 = torch.float64
+_SCHEMES: tuple[Scheme, Scheme] = ("lnas", "dnas")
+#: each scheme with its number of Sinkhorn iterations (LNAS: none, DNAS: one)
+_ITERATIONS: tuple[tuple[Scheme, int], ...] = (("lnas", 0), ("dnas", 1))
 
 
 def _gmm_loglik(x: torch.Tensor, centres: torch.Tensor, log_prior: torch.Tensor) -> torch.Tensor:
@@ -148,7 +152,7 @@ def lemma1_column_mass(ctx: ClaimContext) -> ClaimResult:
     g = ctx.generator(1)
     trials = 200 if ctx.quick else 2000
     n = 16
-    mins = {"lnas": [], "dnas": []}
+    mins: dict[Scheme, list[float]] = {"lnas": [], "dnas": []}
     row_err = pot_err = 0.0
     for _ in range(trials):
         nq = int(torch.randint(2, 2 * n, (), generator=g))
@@ -157,7 +161,7 @@ def lemma1_column_mass(ctx: ClaimContext) -> ClaimResult:
         k = torch.randn(1, 1, n, 8, generator=g, dtype=F64) * spread
         if torch.rand((), generator=g) < 0.3:  # adversarial: one key far from every query
             k[..., 0, :] = -q.mean(-2) * 50
-        for name, it in (("lnas", 0), ("dnas", 1)):
+        for name, it in _ITERATIONS:
             w = doubly_normalized_weights(q, k, iterations=it)
             mins[name].append(column_mass(w).min().item())
         row_err = max(row_err, (w.sum(-1) - 1).abs().max().item())
@@ -166,8 +170,7 @@ def lemma1_column_mass(ctx: ClaimContext) -> ClaimResult:
                                numItermax=1, stopThr=0.0, warn=False)
         pot_err = max(pot_err, float(np.abs(w[0, 0].numpy() - pot).max()))
     steps = 60 if ctx.quick else 300
-    adv = {name: _adversarial_min_column_mass(n, n, it, steps, ctx.generator(2)) for name, it in
-           (("lnas", 0), ("dnas", 1))}
+    adv = {name: _adversarial_min_column_mass(n, n, it, steps, ctx.generator(2)) for name, it in _ITERATIONS}
     bound = 1.0 / n
     dn_min = min(min(mins["dnas"]), adv["dnas"])
     ln_min = min(min(mins["lnas"]), adv["lnas"])
@@ -175,7 +178,7 @@ def lemma1_column_mass(ctx: ClaimContext) -> ClaimResult:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 3.2))
-    bins = np.logspace(-12, math.log10(2 * n), 60)
+    bins = np.logspace(-12, math.log10(2 * n), 60).tolist()
     for name, color in (("lnas", "tab:blue"), ("dnas", "tab:red")):
         ax.hist(np.clip(mins[name], 1e-12, None), bins=bins, alpha=0.6, color=color, label=name.upper())
     ax.axvline(bound, color="k", ls="--", label="1/Nk")
@@ -219,7 +222,7 @@ def mode_collapse_one_step(ctx: ClaimContext) -> ClaimResult:
         ax.plot(r_grid, dn, "r--", label="DNAS eq. (12)")
         for n0 in n0s:
             x = torch.cat([torch.full((n0, 1), a, dtype=F64), torch.full((n1, 1), -a, dtype=F64)])
-            for scheme, mk in (("lnas", "bo"), ("dnas", "r^")):
+            for scheme, mk in zip(_SCHEMES, ("bo", "r^")):
                 y = iterate_attention(x, scheme, 1)[1]
                 sim = float(y[0, 0] - y[-1, 0])
                 ref = float(mode_collapse_distance(n0 / n1, a, scheme))
@@ -261,7 +264,7 @@ def mode_collapse_multi_step(ctx: ClaimContext) -> ClaimResult:
         x = torch.cat([torch.randn(n - n1, 2, generator=g, dtype=F64) * std,
                        torch.randn(n1, 2, generator=g, dtype=F64) * std + centre])
         lo, hi = x.min(0).values - 0.3, x.max(0).values + 0.3
-        for r, scheme in enumerate(("lnas", "dnas")):
+        for r, scheme in enumerate(_SCHEMES):
             traj = iterate_attention(x, scheme, max(steps))
             counts[(label, scheme)] = [count_clusters(traj[s], radius, min_size=max(2, n // 50))
                                        for s in steps]

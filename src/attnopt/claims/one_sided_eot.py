@@ -19,6 +19,7 @@ from attnopt.analysis.policy import fisher_matrix, logsumexp_hessian, policy_pro
 from attnopt.claims import ClaimContext, ClaimResult, claim, verdict
 from attnopt.dual import solve_regularized
 from attnopt.functional import (
+    Regularizer,
     Shannon,
     SquaredL2,
     Tsallis,
@@ -203,9 +204,13 @@ def table1(ctx: ClaimContext) -> ClaimResult:
     q = torch.randn(1, 1, n, d, generator=g, dtype=F64) * 1.5
     k = torch.randn(1, 1, n, d, generator=g, dtype=F64) * 1.5
     beta = 0.25
-    cases = [("Shannon (softmax)", Shannon(), None), ("½‖p‖² (sparsemax)", SquaredL2(), None),
-             ("Tsallis α=1.5 (entmax)", Tsallis(1.5), None),
-             (f"Shannon + β|i−j| (ALiBi, β={beta})", Shannon(), beta)]
+    # (name, regularizer, locality slope β or None)
+    cases: list[tuple[str, Regularizer, float | None]] = [
+        ("Shannon (softmax)", Shannon(), None),
+        ("½‖p‖² (sparsemax)", SquaredL2(), None),
+        ("Tsallis α=1.5 (entmax)", Tsallis(1.5), None),
+        (f"Shannon + β|i−j| (ALiBi, β={beta})", Shannon(), beta),
+    ]
     dist = torch.arange(n, dtype=F64).sub(i).abs()
     fig, axes = plt.subplots(len(cases), 1, figsize=(7, 7.5), sharex=True)
     rows, support, mean_dist = [], {}, {}

@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from attnopt.claims import ClaimContext, ClaimResult, claim, verdict
+from attnopt.claims import ClaimContext, ClaimResult, Verdict, claim, verdict
 from attnopt.claims._training_common import combine_verdicts, planned_configs, run_records, scale_note
 
 PAPER = "fenchel_dual"
@@ -53,7 +53,7 @@ def _stats(
     }
 
 
-def _compare(ot: dict[str, Any], vit: dict[str, Any]) -> tuple[str, str]:
+def _compare(ot: dict[str, Any], vit: dict[str, Any]) -> tuple[Verdict, str]:
     """Verdict of "OT-ViT ≥ ViT" from two arms' mean ± CI, and a phrase saying why."""
     diff = ot["mean"] - vit["mean"]
     if diff >= 0:
@@ -124,7 +124,8 @@ def judge_table2(records: list[dict[str, Any]]) -> ClaimResult:
 
     summ = summarize(records, "accuracy")
     datasets = sorted({ds for ds, _, _ in summ})
-    verdicts, parts, figs = [], [], {}
+    verdicts: list[Verdict] = []
+    parts, figs = [], {}
     for ds in datasets:
         lrs = sorted({lr for d, _, lr in summ if d == ds})
         both = {x: [summ[(ds, a, x)]["mean"] for a in ("vit", "ot-vit") if (ds, a, x) in summ] for x in lrs}

@@ -17,11 +17,11 @@ MMD test, Fig. 5a–c) and its heads differ more than GAT's (Fig. 5d).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
-from attnopt.claims import ClaimContext, ClaimResult, claim, verdict
+from attnopt.claims import ClaimContext, ClaimResult, Verdict, claim, verdict
 from attnopt.claims._training_common import (
     arm_stats,
     combine_verdicts,
@@ -36,8 +36,26 @@ from attnopt.report import markdown_table
 PAPER = "implicit_kernel"
 _CACHE: dict[tuple[Any, ...], list[dict]] = {}
 
+#: what a judge returns: (verdict, summary, figures, Markdown table)
+Judged = tuple[Verdict, str, dict[str, Any], str]
+
+
+class QuickPlan(TypedDict):
+    """What a claim trains of one task in quick mode.
+
+    Attributes:
+        arms: the arms trained; dataset: the data set (``None``: the task's default); sizes: the
+            task's size knobs; folds: cross-validation folds (``None``: the task's own split).
+    """
+
+    arms: tuple[str, ...]
+    dataset: str | None
+    sizes: dict[str, int]
+    folds: int | None
+
+
 # What each claim trains in quick mode (full mode: the task's own full scale and arms).
-QUICK = {
+QUICK: dict[str, QuickPlan] = {
     "sentence-classification": {
         "arms": ("transformer", "rbf-only", "expsin", "linear", "ikan", "mikan"),
         "dataset": "docstring-module",
@@ -86,10 +104,11 @@ def _run_args(ctx: ClaimContext, task: str) -> tuple[Any, dict[str, Any]]:
     }
     if ctx.quick:
         sizes = dict(plan["sizes"])
-        if plan["folds"]:
+        folds = plan["folds"]
+        if folds:
             the_task = copy.copy(the_task)
-            the_task.folds = int(plan["folds"])
-            sizes["folds"] = int(plan["folds"])
+            the_task.folds = folds
+            sizes["folds"] = folds
         kwargs.update(arms=list(plan["arms"]), sizes=sizes or None)
         if plan["dataset"]:
             kwargs["dataset"] = plan["dataset"]
@@ -116,9 +135,9 @@ def judge_ranking(
     baseline: str,
     fixed: Sequence[str],
     ika: Sequence[str],
-    paper: dict[str, float] | None = None,
+    paper: Mapping[str, float | str] | None = None,
     scale: float = 1.0,
-) -> tuple[str, str, dict[str, Any], str]:
+) -> Judged:
     """Do the IKA arms beat SDPA (``baseline``) and the fixed kernels? (verdict, summary, figures, table).
 
     Reproduced: every IKA arm's mean is better than the baseline's and every fixed kernel's,
@@ -185,7 +204,7 @@ def _by_dataset(
     recs: list[dict],
     task: str,
     default: str,
-    judge: Callable[[str, list[dict]], tuple[str, str, dict[str, Any], str]],
+    judge: Callable[[str, list[dict]], Judged],
     detail: Callable[[str, list[dict], str], str],
     what: str,
 ) -> ClaimResult:
@@ -193,7 +212,8 @@ def _by_dataset(
     table; records without a data set belong to ``default``) and combine them: the verdicts by
     :func:`combine_verdicts`, the summaries joined, the figures prefixed ``"<ds>:"``, the details
     the paragraphs ``detail(ds, records, table)`` and the scale note of ``task`` (``what``)."""
-    verdicts, parts, figs, details = [], [], {}, []
+    verdicts: list[Verdict] = []
+    parts, figs, details = [], {}, []
     for ds in sorted({r.get("dataset") or default for r in recs}):
         sub = [r for r in recs if (r.get("dataset") or default) == ds]
         v, s, f, t = judge(ds, sub)
@@ -213,7 +233,7 @@ def judge_table2(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
     from attnopt.experiments.ika_sentence_classification import PAPER as P2
     from attnopt.experiments.ika_sentence_classification import PAPER_PARAMS_M as P2_PARAMS
 
-    def judge(ds: str, sub: list[dict]) -> tuple[str, str, dict[str, Any], str]:
+    def judge(ds: str, sub: list[dict]) -> Judged:
         return judge_ranking(
             sub,
             metric="accuracy",
@@ -356,7 +376,7 @@ _PAPER_REGRESSION_COLUMN = {"co2": "CO2", "sunspots": "Passenger"}
 def judge_table4(recs: list[dict], ctx: ClaimContext) -> ClaimResult:
     from attnopt.experiments.ika_regression import PAPER as P4
 
-    def judge(ds: str, sub: list[dict]) -> tuple[str, str, dict[str, Any], str]:
+    def judge(ds: str, sub: list[dict]) -> Judged:
         return judge_ranking(
             sub,
             metric="rmse",
@@ -488,7 +508,7 @@ def fig5(ctx: ClaimContext) -> ClaimResult:
     return result
 
 
-def judge_fig5_spectral(recs: Sequence[dict]) -> tuple[str, str, dict[str, Any], str]:
+def judge_fig5_spectral(recs: Sequence[dict]) -> Judged:
     """Fig. 5a–c: does MIKAN's learned spectral density differ from GAT's fixed Gaussian?
 
     Per run, an MMD permutation test of MIKAN's first-layer spectral points against a sample
