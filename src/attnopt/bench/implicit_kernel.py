@@ -35,7 +35,7 @@ from torch import nn
 from attnopt.bench._harness import BenchContext, Measurement, bench_suite, peak_memory_mb, time_call
 from attnopt.functional.kernel import kernel_attention
 from attnopt.kernels import RBF, Linear, NonStationaryFourier, Periodic, RandomFourier
-from attnopt.nn.implicit_kernel import ImplicitKernelAttention
+from attnopt.nn.implicit_kernel import ImplicitKernelAttention, Variant
 
 SUITE = "implicit_kernel"
 H, D = 4, 64
@@ -69,7 +69,8 @@ def _nsf_points(r: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]
 
 def _inputs(n: int, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(n)
-    return tuple(torch.randn(1, H, n, D, generator=g).to(device) for _ in range(3))  # type: ignore[return-value]
+    q, k, v = (torch.randn(1, H, n, D, generator=g).to(device) for _ in range(3))
+    return q, k, v
 
 
 def memory_factory(impl: str, n: int, device: str = "cpu") -> Callable[[], None]:
@@ -113,9 +114,10 @@ def _module_rows(ctx: BenchContext, n: int, repeat: int) -> Iterator[Measurement
     torch.manual_seed(0)
     x = torch.randn(1, n, e, device=ctx.device)
     mods: dict[str, nn.Module] = {"nn.MultiheadAttention": nn.MultiheadAttention(e, H, batch_first=True)}
-    for v in ("ika-s", "ika-ns", "ikan", "ikan-direct", "mikan"):
+    variants: tuple[Variant, ...] = ("ika-s", "ika-ns", "ikan", "ikan-direct", "mikan")
+    for v in variants:
         p = 2.0 if v.startswith("ika-") else 1.5
-        mods[v] = ImplicitKernelAttention(e, H, variant=v, num_samples=8, p=p, seed=0)  # type: ignore[arg-type]
+        mods[v] = ImplicitKernelAttention(e, H, variant=v, num_samples=8, p=p, seed=0)
     mods["mikan linear mode"] = ImplicitKernelAttention(e, H, variant="mikan", num_samples=8, p=1.5,
                                                         mode="linear", seed=0)
     for name, mod in mods.items():
@@ -132,7 +134,7 @@ def _train_step(mod: nn.Module, x: torch.Tensor) -> Callable[[], object]:
     def step() -> None:
         out = mod(x, x, x, need_weights=False)[0] if isinstance(mod, nn.MultiheadAttention) else mod(x)[0]
         loss = out.square().mean()
-        if hasattr(mod, "kl"):
+        if isinstance(mod, ImplicitKernelAttention):
             loss = loss + mod.kl()
         opt.zero_grad()
         loss.backward()
@@ -147,11 +149,10 @@ def _train_step_rows(ctx: BenchContext, repeat: int) -> Iterator[Measurement]:
     x = torch.randn(8, n, e, device=ctx.device)
     base = "transformer (nn.MultiheadAttention)"
     mods: dict[str, nn.Module] = {base: nn.MultiheadAttention(e, h, batch_first=True)}
+    variants: tuple[Variant, ...] = ("ikan", "ikan-direct", "mikan")
     for r in (8, 16):
-        for v in ("ikan", "ikan-direct", "mikan"):
-            mods[f"{v} R={r}"] = ImplicitKernelAttention(
-                e, h, variant=v, num_samples=r, p=1.5, seed=0  # type: ignore[arg-type]
-            )
+        for v in variants:
+            mods[f"{v} R={r}"] = ImplicitKernelAttention(e, h, variant=v, num_samples=r, p=1.5, seed=0)
     for name, mod in mods.items():
         mod = mod.to(ctx.device).train()
         t = _best_cpu_time(_train_step(mod, x), repeat, ctx.device)
@@ -173,6 +174,8 @@ def long_module_factory(mode: str, n: int, device: str = "cpu") -> Callable[[], 
 
     torch.manual_seed(0)
     mod = make_attention("ikan", H * D, H, p=1.5, num_samples=8, seed=0, mode=mode).to(device)
+    if not isinstance(mod, ImplicitKernelAttention):
+        raise TypeError(f"the registry's 'ikan' built {type(mod).__name__}, not ImplicitKernelAttention")
     x, pad = _padded_input(n, device)
 
     def run() -> None:

@@ -122,6 +122,7 @@ def _bare_epoch_seconds(epochs: int) -> float:
 
     from attnopt.experiments import RunConfig, get_task
     from attnopt.experiments._engine import EpochSampler
+    from attnopt.experiments._task import dataset_len
 
     task = get_task("ot-vit")
     sc = task.quick
@@ -140,7 +141,7 @@ def _bare_epoch_seconds(epochs: int) -> float:
     data = task.build_data(cfg)
     model = task.build_model("vit", cfg, data)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    sampler = EpochSampler(len(data.train), seed=0)  # type: ignore[arg-type]
+    sampler = EpochSampler(dataset_len(data.train), seed=0)
     loader = DataLoader(data.train, batch_size=cfg.batch_size, sampler=sampler)
     gen = torch.Generator()
     t0 = time.perf_counter()  # the loop only: data and model are built outside the engine's clock too

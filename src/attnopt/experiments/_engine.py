@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from attnopt.experiments import get_task
 from attnopt.experiments._results import write_figures, write_results_md
-from attnopt.experiments._task import DataBundle, RunConfig, Task
+from attnopt.experiments._task import DataBundle, RunConfig, Task, dataset_len
 from attnopt.models import auxiliary_loss
 
 __all__ = ["run_task", "run_dir", "EpochSampler", "latest_checkpoint", "atomic_write_text"]
@@ -387,7 +387,7 @@ class _Session:
             default_root_dir=rdir,
         )
         sampler = EpochSampler(
-            len(data.train),
+            dataset_len(data.train),
             seed=cfg.seed,
             rank=trainer.global_rank,  # type: ignore[arg-type]
             world_size=trainer.world_size,

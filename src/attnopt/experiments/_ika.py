@@ -13,6 +13,7 @@ never change the model.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -119,10 +120,18 @@ def layer_weights(layer: nn.Module, call: tuple[tuple[Any, ...], dict[str, Any]]
     return w
 
 
-def _heads(layer: nn.Module, x: Tensor, proj: nn.Module) -> Tensor:
-    y = proj(x)
+def _heads(layer: nn.Module, x: Tensor, proj: str) -> Tensor:
+    """``layer``'s projection ``proj`` (a submodule name) of ``x`` (B, N, E), split into heads (B, H, N, E/H).
+
+    Raises:
+        TypeError: ``layer`` has no integer ``num_heads``.
+    """
+    y = layer.get_submodule(proj)(x)
     b, n, e = y.shape
-    h = int(layer.num_heads)
+    heads = getattr(layer, "num_heads", None)
+    if not isinstance(heads, numbers.Integral):
+        raise TypeError(f"{type(layer).__name__} needs an integer num_heads, got {heads!r}")
+    h = int(heads)
     return y.view(b, n, h, e // h).transpose(1, 2)
 
 
@@ -144,17 +153,18 @@ def similarity_magnitude(
     """
     from attnopt.analysis.decompose import decompose
     from attnopt.functional.kernel import log_magnitude
+    from attnopt.nn.implicit_kernel import ImplicitKernelAttention
 
     args, kwargs = call
     query = args[0]
     key = args[1] if len(args) > 1 and args[1] is not None else kwargs.get("key", query)
     key = query if key is None else key
     with torch.no_grad():
-        q = _heads(layer, query, layer.q_proj)  # type: ignore[arg-type]
-        k = _heads(layer, key, layer.k_proj)  # type: ignore[arg-type]
+        q = _heads(layer, query, "q_proj")
+        k = _heads(layer, key, "k_proj")
         d = q.shape[-1]
         allowed = _allowed(kwargs, q.shape[-2], k.shape[-2], q.device)  # (B|1, 1, Nq, Nk)
-        if hasattr(layer, "kernel_for"):  # implicit kernel attention
+        if isinstance(layer, ImplicitKernelAttention):
             was = layer.training
             layer.eval()
             add = (
@@ -162,7 +172,7 @@ def similarity_magnitude(
                 if allowed is None
                 else torch.zeros(allowed.shape, dtype=k.dtype).masked_fill(~allowed, -math.inf)
             )
-            kern = layer.kernel_for(k, add)  # type: ignore[operator]  # h over the admissible keys
+            kern = layer.kernel_for(k, add)  # h over the admissible keys
             layer.train(was)
             sim = kern(q, k).square() + float(getattr(layer, "eps", 1e-5))
             p = float(getattr(layer, "p", 2.0))

@@ -7,7 +7,7 @@ knows nothing of the science. See ``TRAINING_CONTRACT.md`` / design.md "Training
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sized
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["RunConfig", "DataBundle", "Scale", "Task", "Fit"]
+__all__ = ["RunConfig", "DataBundle", "Scale", "Task", "Fit", "dataset_len"]
 
 Fit = Callable[..., dict[str, Any]]
 
@@ -83,6 +83,18 @@ class DataBundle:
     val: Dataset | None = None
     collate_fn: Callable[..., Any] | None = None
     info: dict[str, Any] = field(default_factory=dict)
+
+
+def dataset_len(dataset: Dataset) -> int:
+    """The number of items of a map-style dataset (``torch.utils.data.Dataset`` declares no ``__len__``).
+
+    Raises:
+        TypeError: ``dataset`` has no length (an iterable-style dataset; the engine samples
+            map-style datasets by index).
+    """
+    if not isinstance(dataset, Sized):
+        raise TypeError(f"a task's datasets must be map-style with a length, got {type(dataset).__name__}")
+    return len(dataset)
 
 
 @dataclass(frozen=True)

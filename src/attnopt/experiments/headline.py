@@ -52,6 +52,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,7 @@ from torch import Tensor, nn
 
 from attnopt.experiments._data.cache import cached
 from attnopt.experiments._diagnostics import column_mass_over, hnas_weights
-from attnopt.experiments._task import DataBundle, RunConfig, Scale, Task
+from attnopt.experiments._task import DataBundle, RunConfig, Scale, Task, dataset_len
 
 __all__ = ["HeadlineTask", "TASK", "pad_batch"]
 
@@ -214,7 +215,7 @@ class HeadlineTask(Task):
             return fit(model, data, cfg, epochs=min(cfg.epochs, int(cap)))  # type: ignore[no-any-return]
         return fit(model, data, cfg)  # type: ignore[no-any-return]
 
-    def _pretrained_model(self, a: dict[str, Any], cfg: RunConfig, data: DataBundle) -> nn.Module:
+    def _pretrained_model(self, a: Mapping[str, Any], cfg: RunConfig, data: DataBundle) -> nn.Module:
         from attnopt.experiments._pretrained_seq2seq import PretrainedEncoderDecoder, minilm_encoder
 
         s = cfg.sizes
@@ -256,6 +257,10 @@ class HeadlineTask(Task):
         from rouge_score import rouge_scorer
 
         from attnopt.experiments._data.wordpiece import CompactVocab
+        from attnopt.models import EncoderDecoder
+
+        if not isinstance(model, EncoderDecoder):
+            raise TypeError(f"evaluate needs an attnopt.models.EncoderDecoder, got {type(model).__name__}")
 
         vocab = CompactVocab(data.info["orig_ids"])
         scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
@@ -282,7 +287,7 @@ class HeadlineTask(Task):
                           epoch: int) -> dict[str, float]:  # noqa: ARG002
         from torch.utils.data import DataLoader, Subset
 
-        probe = DataLoader(Subset(data.train, list(range(min(128, len(data.train))))),  # type: ignore[arg-type]
+        probe = DataLoader(Subset(data.train, list(range(min(128, dataset_len(data.train))))),
                            batch_size=64, collate_fn=_collate)
         stats = column_mass_over(model, probe, lambda m, b: m(b["src"], b["tgt_in"],
                                                               src_padding_mask=b["src_mask"],

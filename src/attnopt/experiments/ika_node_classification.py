@@ -52,7 +52,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -114,7 +114,7 @@ class GraphAttentionNet(nn.Module):
                 hidden * heads, num_classes, heads=1, concat=False, dropout=dropout
             )
         elif arm in ("ikan-direct", "mikan"):
-            kernel = "direct" if arm == "ikan-direct" else "mikan"
+            kernel: Literal["direct", "mikan"] = "direct" if arm == "ikan-direct" else "mikan"
             self.conv1 = KernelGATConv(
                 in_channels,
                 hidden,
@@ -168,20 +168,28 @@ def spectral_points(
     Raises:
         ValueError: the model's first layer has no learned spectral points (``gat``).
     """
+    from attnopt.integrations.pyg import KernelGATConv
+    from attnopt.nn.spectral import ImplicitSpectralDensity
+
     conv = model.conv1
-    points = getattr(conv, "spectral_points", None)
-    sampler = getattr(conv, "sampler", None)
-    if points is not None:
-        w = points.detach()  # (2, H, R, D)
+    not_kernel = "spectral_points needs a kernel arm ('ikan-direct', 'mikan'), not GAT"
+    if not isinstance(conv, KernelGATConv):
+        raise ValueError(not_kernel)
+    if conv.spectral_points is not None:
+        w = conv.spectral_points.detach()  # (2, H, R, D)
         heads = torch.arange(w.shape[1]).view(1, -1, 1).expand(w.shape[:3]).reshape(-1)
         return w.reshape(-1, w.shape[-1]), heads, 1.0 / 2**0.5
+    sampler = conv.sampler
     if sampler is None:
-        raise ValueError("spectral_points needs a kernel arm ('ikan-direct', 'mikan'), not GAT")
+        raise ValueError(not_kernel)
     h = conv.lin(x).view(x.shape[0], conv.heads, conv.out_channels).mean(dim=0)
     summary = torch.cat([h, h], dim=-1)  # (H, 2F), as KernelGATConv._sample_kernel
-    n_sets, n_heads, dim = len(sampler.densities), sampler.num_heads, sampler.dim
+    densities = [d for d in sampler.densities if isinstance(d, ImplicitSpectralDensity)]
+    if len(densities) != len(sampler.densities):
+        raise TypeError("spectral_points samples ImplicitSpectralDensity networks only")
+    n_sets, n_heads, dim = len(densities), sampler.num_heads, sampler.dim
     draws = []
-    for dens in sampler.densities:
+    for dens in densities:
         mu, log_sigma = dens.posterior(summary)
         noise = torch.randn(n, n_heads, 1, dim, generator=generator).to(summary)
         if sampler.copula is not None:
@@ -190,7 +198,7 @@ def spectral_points(
     j = torch.arange(n, device=summary.device)
     heads = (j // n_sets) % n_heads
     w = torch.stack(draws)[j % n_sets, j, heads]  # (n, D)
-    return w.detach(), heads, float(sampler.densities[0].base_scale)
+    return w.detach(), heads, densities[0].base_scale
 
 
 class _Graph(torch.utils.data.Dataset):

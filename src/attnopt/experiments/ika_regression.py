@@ -22,6 +22,7 @@ epoch 0.13 s SDPA, 0.24 s IKAN-direct, 0.42–0.48 s MIKAN); ~13 min for the thr
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Mapping
@@ -150,7 +151,7 @@ class Regression(Task):
         with torch.no_grad():
             for x, y in loader:
                 rmse.update(model(x).squeeze(-1), y)
-                call = capture_layer_inputs(model, layers, lambda x=x: model(x))[0]
+                call = capture_layer_inputs(model, layers, functools.partial(model, x))[0]
                 weights.append(layer_weights(layers[0], call))
         value = float(rmse.compute())
         w = torch.cat(weights)
@@ -172,7 +173,7 @@ class Regression(Task):
         import matplotlib.pyplot as plt
 
         mikan = [r for r in records if r["arm"] == "mikan" or r["arm"].startswith("mikan-p")]
-        ps = sorted({arm_p(r["arm"]) for r in mikan} - {None})
+        ps = sorted(p for p in {arm_p(r["arm"]) for r in mikan} if p is not None)
         if not ps:
             return []
         folder = Path(out_dir) / "attention"

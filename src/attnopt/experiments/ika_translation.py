@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader
 
 from attnopt.experiments._data.numbers import Vocab, detokenize_english, number_pairs
 from attnopt.experiments._ika import arm_options, attention_layers, capture_layer_inputs, similarity_magnitude
-from attnopt.experiments._task import DataBundle, RunConfig, Scale, Task
+from attnopt.experiments._task import DataBundle, RunConfig, Scale, Task, dataset_len
 
 __all__ = ["Translation", "TASK"]
 
@@ -180,7 +180,15 @@ class Translation(Task):
         )
 
     def decode(self, model: nn.Module, batch: dict[str, Tensor], data: DataBundle) -> list[str]:
-        """Greedy translations of a batch, detokenized."""
+        """Greedy translations of a batch, detokenized.
+
+        Raises:
+            TypeError: ``model`` is not an :class:`attnopt.models.EncoderDecoder` (no greedy decoding).
+        """
+        from attnopt.models import EncoderDecoder
+
+        if not isinstance(model, EncoderDecoder):
+            raise TypeError(f"decode needs an attnopt.models.EncoderDecoder, got {type(model).__name__}")
         vocab: Vocab = data.info["tgt_vocab"]
         with torch.no_grad():
             out = model.greedy_decode(
@@ -196,8 +204,11 @@ class Translation(Task):
         self, model: nn.Module, loader: DataLoader, data: DataBundle, cfg: RunConfig  # noqa: ARG002
     ) -> dict[str, float]:
         model.eval()
-        refs_all: list[str] = data.test.refs  # type: ignore[attr-defined]
-        hyps, refs = [], []
+        if not isinstance(data.test, _Pairs):
+            raise TypeError(f"evaluate needs the task's test set (from build_data), got {type(data.test)}")
+        refs_all = data.test.refs
+        hyps: list[str] = []
+        refs: list[str] = []
         for batch in loader:
             hyps.extend(self.decode(model, batch, data))
             refs.extend(refs_all[int(i)] for i in batch["index"])
@@ -208,7 +219,7 @@ class Translation(Task):
         self, model: nn.Module, data: DataBundle, cfg: RunConfig, epoch: int  # noqa: ARG002
     ) -> dict[str, float]:
         """Fig. 3's measures on the first 64 test pairs: encoder self- and cross-attention."""
-        batch = collate([data.test[i] for i in range(min(64, len(data.test)))])
+        batch = collate([data.test[i] for i in range(min(64, dataset_len(data.test)))])
         named = attention_layers(model)
         enc = [m for n, m in named if "encoder" in n]
         cross = [m for n, m in named if "cross" in n]

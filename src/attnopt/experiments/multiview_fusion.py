@@ -37,7 +37,7 @@ from torch.utils.data import Subset, TensorDataset
 
 from attnopt.experiments._data.cache import cached
 from attnopt.experiments._diagnostics import column_mass_over, hnas_weights
-from attnopt.experiments._task import DataBundle, RunConfig, Scale, Task
+from attnopt.experiments._task import DataBundle, RunConfig, Scale, Task, dataset_len
 from attnopt.nn.registry import make_attention
 
 __all__ = ["FusionClassifier", "MultiviewFusionTask", "TASK"]
@@ -184,7 +184,7 @@ class MultiviewFusionTask(Task):
         if attn is not None:
             from torch.utils.data import DataLoader
 
-            probe = Subset(data.train, list(range(min(512, len(data.train)))))  # type: ignore[arg-type]
+            probe = Subset(data.train, list(range(min(512, dataset_len(data.train)))))
             loader = DataLoader(probe, batch_size=256)
             out.update(column_mass_over(model, loader, lambda m, b: m(*b[:-1]),
                                         select=lambda _n, mod: mod is attn))

@@ -40,7 +40,7 @@ import json
 import random
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -48,8 +48,11 @@ from torch.utils.data import DataLoader
 
 from attnopt.experiments._data.cache import cached
 from attnopt.experiments._diagnostics import column_mass_over, hnas_weights
-from attnopt.experiments._task import DataBundle, RunConfig, Scale, Task
+from attnopt.experiments._task import DataBundle, RunConfig, Scale, Task, dataset_len
 from attnopt.experiments.headline import pad_batch
+
+if TYPE_CHECKING:
+    from attnopt.models import TransformerEncoder
 
 __all__ = ["PretrainFinetuneTask", "TASK", "ngram_mask"]
 
@@ -172,7 +175,7 @@ def _pair_ids(pairs: list[tuple[str, str]], seq_len: int) -> list[list[int]]:
 class _MLM(nn.Module):
     """Encoder + a linear masked-token head."""
 
-    def __init__(self, encoder: nn.Module, d_model: int, vocab_size: int) -> None:
+    def __init__(self, encoder: TransformerEncoder, d_model: int, vocab_size: int) -> None:
         super().__init__()
         self.encoder, self.head = encoder, nn.Linear(d_model, vocab_size)
 
@@ -183,7 +186,7 @@ class _MLM(nn.Module):
 class _Classifier(nn.Module):
     """Encoder + a linear head on the mean of the real positions (learns faster than [CLS] when small)."""
 
-    def __init__(self, encoder: nn.Module, d_model: int, n_out: int) -> None:
+    def __init__(self, encoder: TransformerEncoder, d_model: int, n_out: int) -> None:
         super().__init__()
         self.encoder, self.head = encoder, nn.Linear(d_model, n_out)
 
@@ -245,6 +248,10 @@ class PretrainFinetuneTask(Task):
 
     # ---- models -------------------------------------------------------------------------
     def build_model(self, arm: str, cfg: RunConfig, data: DataBundle) -> nn.Module:
+        return self._build_mlm(arm, cfg, data)
+
+    def _build_mlm(self, arm: str, cfg: RunConfig, data: DataBundle) -> _MLM:
+        """The pretraining model: an encoder of the arm's attention under a masked-token head."""
         from attnopt.models import TransformerEncoder
 
         if arm not in self.arms:
@@ -297,8 +304,8 @@ class PretrainFinetuneTask(Task):
                           epoch: int) -> dict[str, float]:  # noqa: ARG002
         if data.info["stage"] != "pretrain":
             return {}
-        probe = DataLoader(_List(list(data.train)[:128]), batch_size=64,  # type: ignore[arg-type]
-                           collate_fn=data.collate_fn)
+        first = [data.train[i] for i in range(min(128, dataset_len(data.train)))]
+        probe = DataLoader(_List(first), batch_size=64, collate_fn=data.collate_fn)
         stats = column_mass_over(model, probe, lambda m, b: m(b["ids"], b["mask"]))
         return {**stats, **hnas_weights(model)}
 
@@ -312,7 +319,7 @@ class PretrainFinetuneTask(Task):
         """
         pre = self.build_data(cfg, "pretrain")
         torch.manual_seed(cfg.seed)
-        mlm = self.build_model(cfg.arm, cfg, pre)
+        mlm = self._build_mlm(cfg.arm, cfg, pre)
         r_pre = fit(mlm, pre, cfg, stage="pretrain")
         metrics: dict[str, float] = dict(r_pre["metrics"])
         history = [dict(h, stage="pretrain") for h in r_pre.get("history", [])]
@@ -325,7 +332,8 @@ class PretrainFinetuneTask(Task):
             r = fit(model, data, ft_cfg, stage=stage)
             metrics[f"{stage}_accuracy"] = float(r["metrics"]["accuracy"])
             history += [dict(h, stage=stage) for h in r.get("history", [])]
-            majority = Counter(int(y) for _, y in data.test).most_common(1)[0][1] / len(data.test)
+            n_test = dataset_len(data.test)
+            majority = Counter(int(data.test[i][1]) for i in range(n_test)).most_common(1)[0][1] / n_test
             metrics[f"{stage}_majority"] = 100.0 * majority
         return {**r, "metrics": metrics, "history": history}
 

@@ -68,11 +68,12 @@ class TransformerEncoder(nn.Module):
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         self.pooling = pooling
-        self.embed: nn.Module = (
-            nn.Embedding(vocab_size, d_model)
-            if vocab_size is not None
-            else nn.Linear(int(input_dim), d_model)
-        )  # type: ignore[arg-type]
+        self.embed: nn.Module
+        if vocab_size is not None:
+            self.embed = nn.Embedding(vocab_size, d_model)
+        else:
+            assert input_dim is not None  # exactly one of the two is given (checked above)
+            self.embed = nn.Linear(int(input_dim), d_model)
         self.positions = make_positions(positions, d_model, max_len)
         self.cls = nn.Parameter(torch.zeros(1, 1, d_model)) if pooling == "cls" else None
         ff = dim_feedforward or 4 * d_model

@@ -84,7 +84,9 @@ class ViT(nn.Module):
         self.pos = nn.Parameter(torch.randn(1, n_patches + 1, d_model) * 0.02)
         self.drop = nn.Dropout(dropout)
         n_self = num_layers - 1 if ot_last_layer else num_layers
-        attns = layer_attentions(attention, attention_options, n_self, d_model, num_heads) if n_self else []
+        attns = nn.ModuleList()
+        if n_self:
+            attns = layer_attentions(attention, attention_options, n_self, d_model, num_heads)
         self.layers = nn.ModuleList(EncoderBlock(d_model, a, ff, dropout) for a in attns)
         if ot_last_layer:
             self.ot = make_attention("ot", d_model, num_heads, **dict(ot_options or {}))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,6 +98,7 @@ class TextSplit:
 
 
 def _examples(name: str, recs: list[DocRecord]) -> tuple[list[tuple[DocRecord, str, int]], tuple[str, ...]]:
+    classes: tuple[str, ...]
     if name == "docstring-module":
         classes = MODULE_CLASSES
         ex = [
@@ -166,7 +168,7 @@ def text_classification(
 
 
 def encode_batch(
-    vocab: Vocab, seqs: list[list[str]] | tuple, *, max_len: int
+    vocab: Vocab, seqs: Sequence[Sequence[str]], *, max_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids (B, L) padded with 0 and the padding mask (B, L) (True = padding), at most ``max_len``."""
     ids = [vocab.encode(list(s))[:max_len] or [3] for s in seqs]
