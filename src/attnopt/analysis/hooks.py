@@ -301,11 +301,11 @@ def capture_attention(
     previous = getattr(config, "_attn_implementation", None)
     switch = eager and previous not in (None, "eager") and hasattr(model, "set_attn_implementation")
     if switch:
-        model.set_attn_implementation("eager")  # type: ignore[operator]
+        model.set_attn_implementation("eager")  # type: ignore[operator]  # a transformers model (hasattr)
     try:
         yield capture
     finally:
         for h in handles:
             h.remove()
         if switch:
-            model.set_attn_implementation(previous)  # type: ignore[operator]
+            model.set_attn_implementation(previous)  # type: ignore[operator]  # a transformers model

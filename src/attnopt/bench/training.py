@@ -17,17 +17,18 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from attnopt.bench._harness import BenchContext, Measurement, bench_suite
 from attnopt.models import TransformerEncoder, auxiliary_loss
 from attnopt.nn import attention_names, attention_spec
 
 
-def _step_closure(name: str, n: int, device: str) -> tuple[object, object]:
+def _step_closure(name: str, n: int, device: str) -> tuple[Callable[[], None], nn.Module]:
     torch.manual_seed(0)
     model = TransformerEncoder(
         d_model=64,
@@ -107,7 +108,7 @@ def train_step(ctx: BenchContext) -> Iterator[Measurement]:
                                       note="skipped: Newton solve per forward; no issue-16 target")
                     continue
                 step, _ = _step_closure(name, n, ctx.device)
-                secs, wall = _best(step, repeat, ctx.device)  # type: ignore[arg-type]
+                secs, wall = _best(step, repeat, ctx.device)
                 if name == "softmax":
                     base = secs
                 note = f"{target_note(name, secs / base)}; wall {wall * 1e3:.1f} ms"
@@ -162,7 +163,9 @@ def train_engine(ctx: BenchContext) -> Iterator[Measurement]:
     epochs = 2 if ctx.quick else 5
     torch.set_num_threads(1)
     rounds = 1 if ctx.quick else 3
-    bare, engine, steps = [], [], {"vit": [], "ot-vit": []}  # type: ignore[var-annotated]
+    bare: list[float] = []
+    engine: list[float] = []
+    steps: dict[str, list[float]] = {"vit": [], "ot-vit": []}
     for _ in range(rounds):  # interleaved A/B rounds, min of each
         bare.append(_bare_epoch_seconds(epochs))
         with tempfile.TemporaryDirectory() as tmp:

@@ -22,11 +22,11 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
-from attnopt.claims import ClaimContext, ClaimResult, claim, verdict
+from attnopt.claims import ClaimContext, ClaimResult, Verdict, claim, verdict
 from attnopt.claims._training_common import (
     fmt_ci,
     mean_ci_or_nan,
@@ -40,8 +40,21 @@ from attnopt.report import markdown_table
 PAPER = "doubly_normalized"
 _CACHE: dict[tuple[Any, ...], list[dict]] = {}
 
+class _QuickPlanRequired(TypedDict):
+    arms: tuple[str, ...]
+    sizes: dict[str, Any]
+    epochs: int
+
+
+class QuickPlan(_QuickPlanRequired, total=False):
+    """What a claim trains of one task in quick mode: ``arms``, ``sizes`` (merged over the task's
+    quick sizes), ``epochs`` and optionally ``seeds`` (default: the task's quick seeds)."""
+
+    seeds: tuple[int, ...]
+
+
 #: What each task trains in quick mode (full mode: the task's own full scale and arms).
-QUICK: dict[str, dict[str, Any]] = {
+QUICK: dict[str, QuickPlan] = {
     "multiview-fusion": {
         "arms": ("single-view", "concat", "lnas", "dnas", "hnas"),
         "sizes": {},
@@ -104,9 +117,27 @@ def _values(recs: Sequence[dict], arm: str, metric: str) -> dict[int, float]:
     }
 
 
+class Comparison(TypedDict):
+    """Two arms on one metric (:func:`compare`).
+
+    Attributes:
+        better, base: (mean, 95 % CI half-width) of each arm over its seeds.
+        diff: (mean, half-width) of the paired per-seed difference, > 0 in the paper's direction.
+        n: number of seeds both arms ran.  holds: ``n > 0`` and the mean difference ≥ 0.
+        significant: ``n > 0`` and the difference's CI lies above 0.
+    """
+
+    better: tuple[float, float]
+    base: tuple[float, float]
+    diff: tuple[float, float]
+    n: int
+    holds: bool
+    significant: bool
+
+
 def compare(
     recs: Sequence[dict], better: str, base: str, metric: str, *, higher: bool = True
-) -> dict[str, Any]:
+) -> Comparison:
     """``better`` vs ``base`` on ``metric``: means ± CI and the paired per-seed difference ± CI.
 
     ``diff`` is signed so that > 0 means the paper's direction (``better`` is better).
@@ -126,7 +157,7 @@ def compare(
     }
 
 
-def _direction_verdict(cmps: Sequence[dict[str, Any]]) -> str:
+def _direction_verdict(cmps: Sequence[Comparison]) -> Verdict:
     """Reproduced: every comparison significant; partially: every mean difference ≥ 0."""
     if not cmps or any(c["n"] == 0 for c in cmps):
         return "not reproduced"
@@ -153,7 +184,7 @@ def _finish(
     return replace(res, details=res.details + _scale(ctx, recs, task, what))
 
 
-def _phrase(v: str) -> str:
+def _phrase(v: Verdict) -> str:
     return {
         "reproduced": "reproduced",
         "partially reproduced": "direction holds, within the CI",
@@ -191,7 +222,7 @@ def judge_table1(recs: Sequence[dict]) -> ClaimResult:
         figures["dnas_minus_lnas"] = round(cmps["dnas"]["diff"][0], 3)
         figures["ci_half_width"] = round(cmps["dnas"]["diff"][1], 3)
     return ClaimResult(
-        verdict=v,  # type: ignore[arg-type]
+        verdict=v,
         summary=(
             f"Multi-view fusion of three digit-region views: {'; '.join(parts)}. Paper (VQA v2 test-dev): "
             f"DNAS 69.70 vs LNAS 69.14 (+0.56). {_phrase(v)}."
@@ -256,7 +287,7 @@ def judge_fig3(recs: Sequence[dict], *, arm: str = "hnas", init: float = 0.5) ->
     m, h = mean_ci_or_nan(finals)
     v = verdict(bounded and m >= 0.9, partial=bounded and m - h > init)
     return ClaimResult(
-        verdict=v,  # type: ignore[arg-type]
+        verdict=v,
         summary=(
             f"HNAS fusion weight w (1 = DNAS): after epoch 1 {fmt_ci(*mean_ci_or_nan(firsts), digits=3)}, "
             f"at the end {fmt_ci(m, h, digits=3)} over {len(finals)} seeds (init {init}; all logged w in "
@@ -315,7 +346,7 @@ def judge_fig1(recs: Sequence[dict], *, lnas: str = "lnas", dnas: str = "dnas") 
     lower = sum(a < b for a, b in zip(sorted(ln), sorted(dn))) > len(ln) / 2
     v = verdict(bound_ok and away, partial=bound_ok and lower)
     return ClaimResult(
-        verdict=v,  # type: ignore[arg-type]
+        verdict=v,
         summary=(
             f"Minimum over training of N_k·min_j Σ_i π_ij: DNAS {min(dn):.3f} (Lemma 1 bound 1: "
             f"{'holds' if bound_ok else 'VIOLATED'}), LNAS per seed {', '.join(f'{x:.3g}' for x in ln)} "
@@ -391,7 +422,7 @@ def judge_table2(recs: Sequence[dict]) -> ClaimResult:
             "pretrained_diff": round(cp["diff"][0], 3),
         }
     return ClaimResult(
-        verdict=v,  # type: ignore[arg-type]
+        verdict=v,
         summary=(
             f"Docstring headlines, random initialization: ROUGE-L HNAS {fmt_ci(*c['better'])} vs LNAS "
             f"{fmt_ci(*c['base'])}, paired difference {fmt_ci(*c['diff'])} ({c['n']} seeds; paper (Gigaword) "
@@ -454,7 +485,7 @@ def judge_table3(recs: Sequence[dict]) -> ClaimResult:
         for a, p in PAPER_TABLE3.items()
     }
     return ClaimResult(
-        verdict=v,  # type: ignore[arg-type]
+        verdict=v,
         summary=(
             f"After MLM pretraining (n-gram masking) and fine-tuning: {txt}; test MLM loss HNAS "
             f"{fmt_ci(*mlm['better'], digits=3)} vs LNAS {fmt_ci(*mlm['base'], digits=3)}. Paper: HNAS ≥ "
@@ -516,7 +547,7 @@ def judge_fig4(recs: Sequence[dict]) -> ClaimResult:
     bounded = all(0.0 < w < 1.0 for s in per_seed for w in s)
     v = verdict(bounded and all_dnas and decreasing, partial=bounded and (all_dnas or decreasing))
     return ClaimResult(
-        verdict=v,  # type: ignore[arg-type]
+        verdict=v,
         summary=(
             f"HNAS weight per layer after pretraining (layer 1 → {n}): "
             + ", ".join(fmt_ci(*m, digits=3) for m in means)

@@ -179,7 +179,7 @@ def _move(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, Tensor):
         return batch.to(device)
     if isinstance(batch, Mapping):
-        return type(batch)({k: _move(v, device) for k, v in batch.items()})  # type: ignore[call-arg]
+        return type(batch)({k: _move(v, device) for k, v in batch.items()})  # type: ignore[call-arg]  # dict-like
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
         return type(batch)(*(_move(v, device) for v in batch))
     if isinstance(batch, (list, tuple)):
@@ -389,7 +389,7 @@ class _Session:
         sampler = EpochSampler(
             dataset_len(data.train),
             seed=cfg.seed,
-            rank=trainer.global_rank,  # type: ignore[arg-type]
+            rank=trainer.global_rank,
             world_size=trainer.world_size,
         )
         loader = DataLoader(
@@ -430,7 +430,7 @@ class _Session:
         was_training = model.training
         model.eval()
         with torch.no_grad():
-            metrics = self.task.evaluate(model, _OnDevice(loader, device), data, cfg)  # type: ignore[arg-type]
+            metrics = self.task.evaluate(model, _OnDevice(loader, device), data, cfg)
         model.train(was_training)
         return {k: float(v) for k, v in metrics.items()}
 

@@ -80,7 +80,7 @@ def minilm_encoder(
             table[ids].clone(), freeze=False, padding_idx=0)
         model.config.vocab_size = int(ids.numel())
     for _, m in hf.attention_modules(model):
-        m.dropout.p = 0.0  # type: ignore[union-attr]
+        m.dropout.p = 0.0  # type: ignore[union-attr]  # BERT attention: an nn.Dropout
     hf.register()
     if attention == "hnas":
         hf.add_hnas_weights(model, init_weight=hnas_init)

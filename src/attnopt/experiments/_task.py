@@ -7,14 +7,14 @@ knows nothing of the science. See ``TRAINING_CONTRACT.md`` / design.md "Training
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sized
+from collections.abc import Callable, Iterable, Mapping, Sized
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 __all__ = ["RunConfig", "DataBundle", "Scale", "Task", "Fit", "dataset_len"]
 
@@ -151,9 +151,13 @@ class Task:
         raise NotImplementedError
 
     def evaluate(
-        self, model: nn.Module, loader: DataLoader, data: DataBundle, cfg: RunConfig
+        self, model: nn.Module, loader: Iterable[Any], data: DataBundle, cfg: RunConfig
     ) -> dict[str, float]:
-        """Test metrics (``self.metric`` among them); the model is in eval mode, no grad."""
+        """Test metrics (``self.metric`` among them); the model is in eval mode, no grad.
+
+        ``loader`` yields the test set's batches (the engine's are already on the model's device);
+        it is an iterable, not necessarily a ``DataLoader``.
+        """
         raise NotImplementedError
 
     # --- optional hooks ----------------------------------------------------------------------

@@ -50,14 +50,13 @@ but accuracy GAT 83.5 ± 3.4 % vs IKAN-direct / MIKAN far lower (MIKAN 42.0 ± 7
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.data import DataLoader
 
 from attnopt.experiments._data.graphs import GRAPH_DATASETS, load_graph, node_folds, normalize_features
 from attnopt.experiments._ika import head_std
@@ -147,8 +146,10 @@ class GraphAttentionNet(nn.Module):
 
     def first_layer_weights(self, x: Tensor, edge_index: Tensor) -> tuple[Tensor, Tensor]:
         """``(edge_index with self loops, α (E, H))`` of the first layer (eval mode)."""
-        if hasattr(self.conv1, "edge_weights"):
-            return self.conv1.edge_weights(x, edge_index)  # type: ignore[operator]
+        from attnopt.integrations.pyg import KernelGATConv
+
+        if isinstance(self.conv1, KernelGATConv):
+            return self.conv1.edge_weights(x, edge_index)
         _, (ei, alpha) = self.conv1(x, edge_index, return_attention_weights=True)
         return ei, alpha
 
@@ -280,20 +281,22 @@ class NodeClassification(Task):
         return F.cross_entropy(model(x, edge_index)[mask], y[mask])
 
     def evaluate(
-        self, model: nn.Module, loader: DataLoader, data: DataBundle, cfg: RunConfig
+        self, model: nn.Module, loader: Iterable[Any], data: DataBundle, cfg: RunConfig
     ) -> dict[str, float]:
         from torchmetrics.classification import MulticlassAccuracy
 
+        if not isinstance(model, GraphAttentionNet):
+            raise TypeError(f"evaluate needs a GraphAttentionNet (build_model), got {type(model).__name__}")
         acc = MulticlassAccuracy(num_classes=int(data.info["num_classes"]), average="micro")
         model.eval()
         with torch.no_grad():
             for x, edge_index, y, mask in loader:
                 acc.update(model(x, edge_index)[mask].argmax(-1), y[mask])
-                _, alpha = model.first_layer_weights(x, edge_index)  # type: ignore[operator]
+                _, alpha = model.first_layer_weights(x, edge_index)
         # alpha (E, H): heads on -2
         metrics = {"accuracy": float(acc.compute()), "head_std": head_std(alpha.T)}
         if cfg.arm != "gat":
-            metrics.update(self._spectral(model, x, cfg, data))  # type: ignore[arg-type]
+            metrics.update(self._spectral(model, x, cfg, data))
         return metrics
 
     @staticmethod

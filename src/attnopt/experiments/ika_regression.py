@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
 from attnopt.experiments._data.tabular import REGRESSION_DATASETS, regression_fold
 from attnopt.experiments._ika import (
@@ -140,7 +140,7 @@ class Regression(Task):
         return F.mse_loss(model(x).squeeze(-1), y)
 
     def evaluate(
-        self, model: nn.Module, loader: DataLoader, data: DataBundle, cfg: RunConfig
+        self, model: nn.Module, loader: Iterable[Any], data: DataBundle, cfg: RunConfig
     ) -> dict[str, float]:
         from torchmetrics.regression import MeanSquaredError
 

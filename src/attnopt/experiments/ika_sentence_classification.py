@@ -26,14 +26,13 @@ about as much again for ``docstring-kind``.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.data import DataLoader
 
 from attnopt.experiments._data.text import TEXT_DATASETS, encode_batch, text_classification
 from attnopt.experiments._ika import (
@@ -223,7 +222,7 @@ class SentenceClassification(Task):
         return F.cross_entropy(model(ids, key_padding_mask=pad), y)
 
     def evaluate(
-        self, model: nn.Module, loader: DataLoader, data: DataBundle, cfg: RunConfig
+        self, model: nn.Module, loader: Iterable[Any], data: DataBundle, cfg: RunConfig
     ) -> dict[str, float]:
         from torchmetrics.classification import MulticlassAccuracy
 
@@ -242,7 +241,9 @@ class SentenceClassification(Task):
         """First-layer weights (H, N, N) of the figure sentence, and its tokens."""
         i = int(data.info["figure_index"])
         tokens = data.info["test_tokens"][i][: int(data.info["max_len"])]
-        ids, pad, _ = data.collate_fn([(tokens, 0)])  # type: ignore[misc]
+        if data.collate_fn is None:
+            raise ValueError("the sentence data carry no collate_fn (build them with build_data)")
+        ids, pad, _ = data.collate_fn([(tokens, 0)])
         layers = [m for _, m in attention_layers(model)][:1]
         call = capture_layer_inputs(model, layers, lambda: model(ids, key_padding_mask=pad))[0]
         return layer_weights(layers[0], call)[0], tokens

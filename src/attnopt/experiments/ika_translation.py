@@ -25,14 +25,13 @@ loaded, so its wall clock ran ~3× longer): about 49 min (3 arms × 5 seeds × 2
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.data import DataLoader
 
 from attnopt.experiments._data.numbers import Vocab, detokenize_english, number_pairs
 from attnopt.experiments._ika import arm_options, attention_layers, capture_layer_inputs, similarity_magnitude
@@ -201,7 +200,7 @@ class Translation(Task):
         return [detokenize_english(vocab.decode(row.tolist())) for row in out]
 
     def evaluate(
-        self, model: nn.Module, loader: DataLoader, data: DataBundle, cfg: RunConfig  # noqa: ARG002
+        self, model: nn.Module, loader: Iterable[Any], data: DataBundle, cfg: RunConfig  # noqa: ARG002
     ) -> dict[str, float]:
         model.eval()
         if not isinstance(data.test, _Pairs):

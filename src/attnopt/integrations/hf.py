@@ -285,7 +285,7 @@ def add_hnas_weights(model: nn.Module, *, init_weight: float = 0.5, switch: bool
 
         if "attnopt_hnas" not in AttentionInterface._global_mapping:
             register()
-        model.set_attn_implementation("attnopt_hnas")  # type: ignore[operator]
+        model.set_attn_implementation("attnopt_hnas")  # type: ignore[operator]  # PreTrainedModel method
     return out
 
 

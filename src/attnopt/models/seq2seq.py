@@ -69,7 +69,7 @@ class EncoderDecoder(nn.Module):
         if isinstance(opts, dict) and set(opts) and set(opts) <= {"encoder", "decoder", "cross"}:
             enc_o, dec_o, cross_o = opts.get("encoder"), opts.get("decoder"), opts.get("cross")
         else:
-            enc_o = dec_o = cross_o = opts  # type: ignore[assignment]
+            enc_o = dec_o = cross_o = opts
         ff = dim_feedforward or 4 * d_model
         self.pad_id, self.d_model = pad_id, d_model
         self.src_embed = nn.Embedding(src_vocab_size, d_model)
@@ -80,7 +80,7 @@ class EncoderDecoder(nn.Module):
             enc_o,
             num_encoder_layers,
             d_model,
-            num_heads,  # type: ignore[arg-type]
+            num_heads,
             what="encoder_attention",
         )
         dec = layer_attentions(
@@ -88,7 +88,7 @@ class EncoderDecoder(nn.Module):
             dec_o,
             num_decoder_layers,
             d_model,
-            num_heads,  # type: ignore[arg-type]
+            num_heads,
             what="decoder_attention",
         )
         cross = layer_attentions(
@@ -96,7 +96,7 @@ class EncoderDecoder(nn.Module):
             cross_o,
             num_decoder_layers,
             d_model,
-            num_heads,  # type: ignore[arg-type]
+            num_heads,
             what="cross_attention",
         )
         self.encoder = nn.ModuleList(EncoderBlock(d_model, a, ff, dropout) for a in enc)

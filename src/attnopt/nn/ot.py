@@ -84,7 +84,7 @@ class OTAttention(MultiheadBase):
         self.alpha, self.gamma, self.cost = float(alpha), float(gamma), cost
         self.query = nn.Parameter(torch.randn(1, 1, embed_dim) * embed_dim**-0.5)
 
-    def forward(  # type: ignore[override]
+    def forward(  # type: ignore[override]  # a pooling layer: tokens in, (B, E) out, not (q, k, v)
         self,
         tokens: Tensor,
         *,

@@ -59,9 +59,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
+
+if TYPE_CHECKING:
+    from attnopt.nn.implicit_kernel import Variant
 
 __all__ = ["AttentionSpec", "attention_names", "attention_spec", "make_attention"]
 
@@ -147,11 +150,11 @@ def _kernel(which: str) -> Callable[..., nn.Module]:
     return build
 
 
-def _ika(variant: str) -> Callable[..., nn.Module]:
+def _ika(variant: Variant) -> Callable[..., nn.Module]:
     def build(e: int, h: int, **opts: Any) -> nn.Module:
         from attnopt.nn.implicit_kernel import ImplicitKernelAttention
 
-        return ImplicitKernelAttention(e, h, variant, **opts)  # type: ignore[arg-type]
+        return ImplicitKernelAttention(e, h, variant, **opts)
 
     return build
 

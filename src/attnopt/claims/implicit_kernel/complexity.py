@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Literal
 
 import numpy as np
 import torch
@@ -10,20 +11,22 @@ from torch import nn
 
 from attnopt.claims import ClaimContext, ClaimResult, claim, verdict
 from attnopt.claims._cost import count_flops, peak_bytes
-from attnopt.nn.implicit_kernel import ImplicitKernelAttention
+from attnopt.nn.implicit_kernel import ImplicitKernelAttention, Variant
 from attnopt.report import markdown_table
 
 PAPER = "implicit_kernel"
-VARIANTS = ("ika-s", "ika-ns", "ikan", "ikan-direct", "mikan")
+VARIANTS: tuple[Variant, ...] = ("ika-s", "ika-ns", "ikan", "ikan-direct", "mikan")
 
 
 def _slope(x: list[int], y: list[float] | list[int]) -> float:
     return float(np.polyfit(np.log(x), np.log(y), 1)[0])
 
 
-def _module(variant: str, e: int, h: int, r: int, mode: str = "quadratic") -> nn.Module:
+def _module(
+    variant: Variant, e: int, h: int, r: int, mode: Literal["quadratic", "linear"] = "quadratic"
+) -> nn.Module:
     p = 2.0 if variant.startswith("ika-") else 1.5
-    return ImplicitKernelAttention(e, h, variant=variant, num_samples=r, p=p, mode=mode, seed=0).eval()  # type: ignore[arg-type]
+    return ImplicitKernelAttention(e, h, variant=variant, num_samples=r, p=p, mode=mode, seed=0).eval()
 
 
 def _forward(mod: nn.Module, x: torch.Tensor) -> Callable[[], object]:
@@ -94,10 +97,11 @@ def _table1(ctx: ClaimContext) -> ClaimResult:
     t_exp = {name: _slope(fit, f[n_fit:]) for name, f in flops.items()}
     m_exp = {name: _slope(fit, m[n_fit:]) for name, m in mem.items()}
     w_exp = {name: _slope(fit, w[n_fit:]) for name, w in wall.items()}
-    r_flops: dict[str, list[int]] = {v: [] for v in ("ikan", "mikan")}
+    r_variants: tuple[Variant, ...] = ("ikan", "mikan")
+    r_flops: dict[str, list[int]] = {v: [] for v in r_variants}
     x0 = torch.randn(1, t0, e, generator=g)
     for r in r_grid:
-        for v in r_flops:
+        for v in r_variants:
             r_flops[v].append(count_flops(_forward(_module(v, e, h, r), x0)))
     r_exp = {v: _slope(r_grid, f) for v, f in r_flops.items()}
     # smallest T from which the exact linear mode costs fewer FLOPs at every larger T (R = 8)
