@@ -7,15 +7,19 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from attnopt._extras import MissingExtraError, as_missing_extra, install_command, missing_modules
-from attnopt.claims._registry import Claim, ClaimContext, ClaimResult, all_claims
+from attnopt.claims._registry import Claim, ClaimContext, ClaimResult, Verdict, all_claims
 from attnopt.report import Section, format_duration, format_value, write_report
 
 #: The one command that installs everything ``attnopt reproduce`` needs.
 REPRODUCE_INSTALL = install_command("reproduce")
 
-__all__ = ["ClaimRun", "run_claims", "write_claims_report"]
+__all__ = ["ClaimRun", "RunVerdict", "run_claims", "write_claims_report"]
+
+#: a claim run's outcome: the claim's verdict, or why there is none
+RunVerdict = Verdict | Literal["skipped", "error"]
 
 
 @dataclass
@@ -34,7 +38,7 @@ class ClaimRun:
     skip_reason: str | None = None
 
     @property
-    def verdict(self) -> str:
+    def verdict(self) -> RunVerdict:
         if self.skip_reason is not None:
             return "skipped"
         return self.result.verdict if self.result is not None else "error"
