@@ -61,7 +61,7 @@ def _available_gb() -> float:
     return float("inf")
 
 
-def _inputs(n: int, grad: bool, device: str):
+def _inputs(n: int, grad: bool, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(n)
     q, k, v = (torch.randn(1, H, n, D, generator=g).to(device).requires_grad_(grad) for _ in range(3))
     w = torch.tensor(0.5, device=device, requires_grad=grad)

@@ -38,7 +38,9 @@ def _impls(kind: str) -> dict[str, Callable[..., torch.Tensor]]:
     }
 
 
-def _inputs(n: int, kind: str, grad: bool, device: str, dtype: torch.dtype = torch.float32):
+def _inputs(
+    n: int, kind: str, grad: bool, device: str, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(n)
     q, k, v = (torch.randn(1, H, n, D, generator=g).to(device, dtype).requires_grad_(grad) for _ in range(3))
     shape = (1, H, n, n) if kind == "mask" else (1, H, 1, n)

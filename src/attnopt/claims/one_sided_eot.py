@@ -11,6 +11,7 @@ the theorems hold for every ``L``).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -122,7 +123,8 @@ def closed_forms(ctx: ClaimContext) -> ClaimResult:
     )
 
 
-def _minilm(ctx: ClaimContext):  # -> tuple[model, input_ids, attention_mask]
+def _minilm(ctx: ClaimContext) -> tuple[Any, torch.Tensor, torch.Tensor]:  # a transformers BertModel
+    """The bundled MiniLM in float64 (eval) and a tokenized corpus: ``(model, input_ids, attention_mask)``."""
     from attnopt.analysis.pretrained import bundled_model_path, default_corpus, load_model, tokenize
 
     model, tok = load_model(bundled_model_path())

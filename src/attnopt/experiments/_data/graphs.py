@@ -17,9 +17,13 @@ graph is seen, labels of the test fold are not). Everything is deterministic giv
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from torch_geometric.data import Data
 
 __all__ = [
     "GRAPH_DATASETS",
@@ -38,7 +42,7 @@ PLANETOID = ("cora", "citeseer", "pubmed")
 PLANETOID_FILES = ("x", "tx", "allx", "y", "ty", "ally", "graph", "test.index")
 
 
-def karate_club():  # -> torch_geometric.data.Data
+def karate_club() -> Data:
     """Zachary's karate club as PyG ships it (34 nodes, 78 undirected edges, 4 classes)."""
     from torch_geometric.datasets import KarateClub
 
@@ -55,7 +59,7 @@ def sbm_graph(
     num_features: int = 16,
     signal: float = 0.3,
     seed: int = 0,
-):
+) -> Data:
     """Planted-partition graph with weakly informative Gaussian features (module docstring).
 
     Raises:
@@ -88,7 +92,7 @@ def sbm_graph(
     )
 
 
-def read_planetoid(data_dir: str | Path, name: str):
+def read_planetoid(data_dir: str | Path, name: str) -> Data:
     """Read Planetoid's raw files ``ind.<name>.*`` from ``data_dir`` (no download).
 
     Raises:
@@ -114,7 +118,7 @@ def read_planetoid(data_dir: str | Path, name: str):
     return data.__class__(x=data.x, edge_index=edge_index, y=data.y)
 
 
-def load_graph(name: str, *, data_dir: str | Path | None = None, seed: int = 0, **sbm_options):
+def load_graph(name: str, *, data_dir: str | Path | None = None, seed: int = 0, **sbm_options: Any) -> Data:
     """The graph ``name`` (see :data:`GRAPH_DATASETS`); Planetoid sets need ``data_dir``.
 
     Raises:
