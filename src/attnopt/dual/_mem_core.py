@@ -221,7 +221,10 @@ def newton_mem(
             phi0 = -bGb / (2 * alpha) - lse.squeeze(-1)
             slope = -(Gd * r).sum(-1)
 
-            def phi_lr(t: Tensor, s=s, Gd=Gd, bGb=bGb, dGb=dGb, dGd=dGd) -> Tensor:
+            def phi_lr(
+                t: Tensor, s: Tensor = s, Gd: Tensor = Gd, bGb: Tensor = bGb, dGb: Tensor = dGb,
+                dGd: Tensor = dGd,
+            ) -> Tensor:
                 quad = bGb + 2 * t * dGb + t * t * dGd
                 return -quad / (2 * alpha) - torch.logsumexp(s + t.unsqueeze(-1) * Gd, dim=-1)
 
@@ -254,7 +257,10 @@ def newton_mem(
             phi0 = lb - ll / (2 * alpha) - lse.squeeze(-1)
             slope = (g * delta).sum(-1)
 
-            def phi_dense(t: Tensor, s=s, Td=Td, lb=lb, db=db, ll=ll, dl=dl, dd=dd) -> Tensor:
+            def phi_dense(
+                t: Tensor, s: Tensor = s, Td: Tensor = Td, lb: Tensor = lb, db: Tensor = db, ll: Tensor = ll,
+                dl: Tensor = dl, dd: Tensor = dd,
+            ) -> Tensor:
                 quad = ll + 2 * t * dl + t * t * dd
                 lin = lb + t * db
                 return lin - quad / (2 * alpha) - torch.logsumexp(s + t.unsqueeze(-1) * Td, dim=-1)
