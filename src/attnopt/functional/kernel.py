@@ -37,6 +37,7 @@ from attnopt._validation import (
 )
 from attnopt.functional import dispatch
 from attnopt.functional._autograd import double_backward
+from attnopt.functional._kernel_chunked import chunked_feature_kernel_attention
 from attnopt.functional._kernel_fused import (
     fused_feature_kernel_attention,
     fused_fourier_attention,
@@ -52,6 +53,8 @@ __all__ = ["kernel_attention", "kernel_weights", "log_magnitude", "split_key_que
 
 Mode = Literal["quadratic", "linear"]
 _CHUNK_ELEMS = 1 << 24  # logits held at once by the chunked quadratic path
+# exp-free path of squared kernels without a feature map (kernels with one take the cache-blocked
+# node of ._kernel_chunked above the crossover, the fused one below it)
 _DIRECT_CHUNK_ELEMS = 1 << 20  # score blocks of the exp-free path (measured best on CPU)
 # ... but at least 64 query rows a block up to 2^22 scores: train step N = 512 (B·H = 128, d = 16)
 # linear 2.8-3.0x -> 2.2-2.4x softmax, ika-s 2.5-2.6x -> 2.1-2.3x; ika-s fwd+bwd B·H = 64, N = 1024,
@@ -274,8 +277,9 @@ def _quadratic(
                 check_dim("spectral points", sets[0], q)
                 return fused_fourier_attention(q, k, m, v, eps, coef, sets)
             return fused_feature_kernel_attention(kernel.features(q), kernel.features(k), m, v, eps)
-    else:
-        dispatch.record("kernel", "streaming")
+        kernel._check(q, k)
+        return chunked_feature_kernel_attention(kernel.features(q), kernel.features(k), m, v, eps)
+    dispatch.record("kernel", "streaming")
     vm: Tensor | None = None
     if direct and v is not None:
         mt = torch.ones_like(v[..., :1]) if m is None else m.transpose(-2, -1).to(v.dtype)
