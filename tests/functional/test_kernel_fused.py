@@ -6,8 +6,18 @@ import math
 import pytest
 import torch
 
+import attnopt.functional._kernel_chunked as kc
 from attnopt.functional._kernel_fused import fused_fourier_attention
 from tests.reference import kernel as ref
+
+
+@pytest.fixture(params=["whole", "heads", "rows"])
+def blocks(request, monkeypatch):
+    """The node's Nq × Nk passes at once (F kept), by blocks of heads, by blocks of query rows."""
+    if request.param != "whole":
+        monkeypatch.setattr(kc, "WHOLE_ELEMS", 0)
+        monkeypatch.setattr(kc, "BLOCK_ELEMS", 45 if request.param == "heads" else 7)
+    return request.param
 
 
 def _setup(n_sets, w_batch, seed=0, b=2, h=2, nq=4, nk=5, d=3, r=3):
@@ -47,7 +57,7 @@ def _oracle(q, k, v, ws, m, eps):
 
 @pytest.mark.parametrize("n_sets", [1, 2])
 @pytest.mark.parametrize("w_batch", [(), (2, 2)])
-def test_values_and_gradcheck(n_sets, w_batch):
+def test_values_and_gradcheck(n_sets, w_batch, blocks):
     q, k, v, ws, m = _setup(n_sets, w_batch, seed=len(w_batch) + 3 * n_sets)
     r = ws[0].shape[-2]
     coef = 1 / math.sqrt(r) if n_sets == 1 else 1 / (2 * math.sqrt(r))
@@ -60,7 +70,7 @@ def test_values_and_gradcheck(n_sets, w_batch):
     assert torch.autograd.gradcheck(fn, (q, k, v, m, *ws), fast_mode=True)
 
 
-def test_fully_masked_rows_are_zero_with_finite_gradients():
+def test_fully_masked_rows_are_zero_with_finite_gradients(blocks):
     q, k, v, ws, m = _setup(2, (2,))
     m = torch.zeros_like(m).requires_grad_()
     out = fused_fourier_attention(q, k, m, v, 1e-5, 0.5, ws)
@@ -97,7 +107,7 @@ def test_lp_magnitude_node_values_and_gradcheck(p):
 
 
 @pytest.mark.parametrize(("p", "n_sets"), [(None, 2), (1.0, 1), (1.5, 2), (2.0, 1)])
-def test_magnitude_node_matches_loop_oracle_and_gradcheck(p, n_sets):
+def test_magnitude_node_matches_loop_oracle_and_gradcheck(p, n_sets, blocks):
     """Features, L^p key magnitude and key mask in one node vs eq. 9 + 11 with loops."""
     from attnopt.functional._kernel_fused import fused_fourier_magnitude_attention
 

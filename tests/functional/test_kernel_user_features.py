@@ -1,10 +1,11 @@
 """User-supplied bounded feature kernels through ``kernel_attention``: the fused feature-kernel node.
 
 A :class:`~attnopt.kernels.Kernel` subclass that is ``squared``, ``bounded`` and has
-``features`` but no ``fourier_sets`` takes the materialized path's generic node
-(``_kernel_fused._FusedFeatureKernel``) at short sequences. Checked in float64 against the
-loop oracle of ``tests/reference/kernel.py`` (values, masks, fully masked rows), with
-``gradcheck`` through the node and the user's feature map, and against the streaming path.
+``features`` but no ``fourier_sets`` takes the generic feature node
+(``_kernel_chunked._ChunkedFeatureKernel``: whole at short sequences, cache-sized blocks at
+long ones). Checked in float64 against the loop oracle of ``tests/reference/kernel.py``
+(values, masks, fully masked rows), with ``gradcheck`` through the node and the user's
+feature map, and against the streaming path (blocks forced).
 """
 from __future__ import annotations
 
@@ -88,19 +89,21 @@ def _fused(q, k, v, kern, **kw):
 @pytest.mark.parametrize("p", [2.0, 1.0, None])
 @pytest.mark.parametrize("masked", [False, True])
 def test_values_match_the_oracle_and_the_streaming_path(name, p, masked, monkeypatch):
-    import attnopt.functional._kernel_fused as kf
+    import attnopt.functional._kernel_chunked as kc
 
     make, sim = KERNELS[name]
     q, k, v = _qkv(0)
     keep = torch.tensor([[1, 0, 1, 1, 0], [1, 1, 1, 0, 1]], dtype=torch.bool) if masked else None
     mask = None if keep is None else keep.view(2, 1, 1, 5)
     calls = []
-    original = kf._FusedFeatureKernel.apply
-    monkeypatch.setattr(kf._FusedFeatureKernel, "apply", lambda *a: calls.append(1) or original(*a))
+    original = kc._ChunkedFeatureKernel.apply
+    monkeypatch.setattr(kc._ChunkedFeatureKernel, "apply", lambda *a: calls.append(1) or original(*a))
     out = _fused(q, k, v, make(), magnitude_p=p, attn_mask=mask, eps=1e-3)
     assert calls, "the generic fused feature node did not run"
     torch.testing.assert_close(out, _oracle(q, k, v, sim, p=p, eps=1e-3, keep=keep), rtol=1e-10, atol=1e-12)
     monkeypatch.setitem(dispatch.CROSSOVERS, "kernel", dict.fromkeys(("float32", "float64", "half"), 0))
+    monkeypatch.setattr(kc, "WHOLE_ELEMS", 0)
+    monkeypatch.setattr(kc, "BLOCK_ELEMS", 7)  # blocks of query rows, F recomputed in the backward
     streamed = kernel_attention(q, k, v, kernel=make(), magnitude_p=p, attn_mask=mask, eps=1e-3)
     assert dispatch.last_dispatch["kernel"] == "streaming"
     torch.testing.assert_close(out, streamed, rtol=1e-10, atol=1e-12)

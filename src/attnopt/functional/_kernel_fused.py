@@ -1,4 +1,4 @@
-r"""Fused materialized kernel attention for feature-map kernels at short sequences (internal).
+r"""Fused kernel attention for Fourier-feature kernels at short sequences (internal).
 
 implicit-kernel-attention eq. (9), (12)–(16), the bounded squared kernels (IKA / IKAN with
 Fourier features, ``|f| <= 1``): with ``F = φ(Q) φ(K)ᵀ``, ``W = F² + ε`` and the key weight
@@ -13,12 +13,14 @@ backward with ``A_ij = W_ij m_j``, ``g_i = dO_i / den_i``, ``δ_i = <g_i, O_i>``
           dV = m \odot (W^\top g),\quad dF = 2F \odot dA \odot m,\quad
           d\phi(Q) = dF\,\phi(K),\ d\phi(K) = dF^\top \phi(Q).
 
-:func:`fused_feature_kernel_attention` takes the feature maps as inputs (ordinary autograd ops).
-:func:`fused_fourier_attention` / :func:`fused_fourier_magnitude_attention` (Fourier kernels)
-also compute the feature maps, and the latter the L^p key magnitude and key mask, inside the
-node, with their gradients in closed form (the short path of
-:func:`~attnopt.functional.kernel.kernel_attention`: at N = 64 the ~20 separate autograd nodes
-of features and magnitude cost as much as the attention). Rows whose denominator is 0 give zeros.
+:func:`fused_fourier_attention` / :func:`fused_fourier_magnitude_attention` also compute the
+feature maps, and the latter the L^p key magnitude and key mask, inside the node, with their
+gradients in closed form (the short path of :func:`~attnopt.functional.kernel.kernel_attention`:
+at N = 64 the ~20 separate autograd nodes of features and magnitude cost as much as the
+attention). The ``Nq × Nk`` part runs by the blocks of :mod:`._kernel_chunked` (whole up to
+``WHOLE_ELEMS`` scores, ``F`` recomputed in the backward above). Feature maps without the
+Fourier form (Linear, user kernels) take :mod:`._kernel_chunked`'s node directly. Rows whose
+denominator is 0 give zeros.
 """
 from __future__ import annotations
 
@@ -29,72 +31,9 @@ from torch import Tensor
 
 from attnopt._validation import broadcast_shapes
 from attnopt.functional._autograd import double_backward
+from attnopt.functional._kernel_chunked import blocked_backward, blocked_forward
 
-__all__ = ["fused_feature_kernel_attention", "fused_fourier_attention", "fused_fourier_magnitude_attention"]
-
-
-class _FusedFeatureKernel(torch.autograd.Function):
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, pq: Tensor, pk: Tensor, mt: Tensor, v: Tensor, eps: float
-    ) -> Tensor:
-        f = torch.matmul(pq, pk.transpose(-2, -1))
-        w = f * f
-        if eps:
-            w.add_(eps)
-        num = torch.matmul(w, torch.cat([v * mt, mt], dim=-1))
-        den = num[..., -1:]
-        ok = den > 0
-        den = torch.where(ok, den, torch.ones_like(den))
-        out = torch.where(ok, num[..., :-1] / den, torch.zeros_like(den))
-        ctx.eps = eps
-        ctx.save_for_backward(pq, pk, mt, v, f, den, ok, out)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        if double_backward(ctx):  # create_graph=True: differentiate the plain ops (exact double backward)
-            return (*_plain_backward(ctx, dout), None)
-        pq, pk, mt, v, f, den, ok, out = ctx.saved_tensors
-        g = torch.where(ok, dout / den, torch.zeros_like(den))
-        delta = (g * out).sum(-1, keepdim=True)
-        da = torch.matmul(g, v.transpose(-2, -1)).sub_(delta)
-        w = f * f
-        if ctx.eps:
-            w.add_(ctx.eps)
-        dm = (da * w).sum(-2).unsqueeze(-1)
-        dv = torch.matmul(w.transpose(-2, -1), g).mul_(mt)
-        df = da.mul_(mt.transpose(-2, -1)).mul_(f).mul_(2.0)
-        dpq = torch.matmul(df, pk)
-        dpk = torch.matmul(df.transpose(-2, -1), pq)
-        return dpq, dpk, dm, dv, None
-
-
-def _plain_backward(ctx: Any, dout: Tensor) -> list[Tensor | None]:
-    """The gradients of :class:`_FusedFeatureKernel` from the same function in plain autograd ops,
-    with a graph (for ``create_graph=True``: the closed form uses untracked intermediates)."""
-    xs = ctx.saved_tensors[:4]  # pq, pk, mt, v: the inputs, tracked
-    need = [x for x, n in zip(xs, ctx.needs_input_grad[:4]) if n]
-    with torch.enable_grad():
-        f = torch.matmul(xs[0], xs[1].transpose(-2, -1))
-        num = torch.matmul(f * f + ctx.eps, torch.cat([xs[3] * xs[2], xs[2]], dim=-1))
-        den = num[..., -1:]
-        ok = den > 0
-        out = torch.where(ok, num[..., :-1] / torch.where(ok, den, torch.ones_like(den)), 0.0)
-    grads = iter(torch.autograd.grad(out, need, dout, create_graph=True, allow_unused=True))
-    return [next(grads) if n else None for n in ctx.needs_input_grad[:4]]
-
-
-def fused_feature_kernel_attention(
-    phi_q: Tensor, phi_k: Tensor, key_weight: Tensor | None, v: Tensor, eps: float
-) -> Tensor:
-    """``O`` for features ``phi_q (…, Nq, D)``, ``phi_k (…, Nk, D)``, ``key_weight (…, 1, Nk)`` or None."""
-    batch = broadcast_shapes(phi_q.shape[:-2], phi_k.shape[:-2], v.shape[:-2],
-                             () if key_weight is None else key_weight.shape[:-2])
-    mt = torch.ones_like(v[..., :1]) if key_weight is None else key_weight.transpose(-2, -1).to(v.dtype)
-    xs = [x.expand(*batch, *x.shape[-2:]) for x in (phi_q, phi_k, mt, v)]
-    out: Tensor = _FusedFeatureKernel.apply(*xs, float(eps))
-    return out
+__all__ = ["fused_fourier_attention", "fused_fourier_magnitude_attention"]
 
 
 def _magnitude(k: Tensor, p: float, scale: float, grad: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
@@ -175,18 +114,19 @@ class _FusedFourier(torch.autograd.Function):
                 if mask is not None:  # a fully masked row: every weight 0, no NaN
                     c = torch.where(torch.isfinite(c), c, 0.0)
                 kw = torch.exp(a - c).unsqueeze(-1).expand(*v.shape[:-1], 1)
-        f = torch.matmul(pq, pk.transpose(-2, -1))  # F/c²
-        wgt = torch.addcmul(f.new_full((), eps), f, f, value=c4)  # one pass over Nq×Nk
         if kw is None:
             vm = torch.cat([v, v.new_ones(()).expand(*v.shape[:-1], 1)], dim=-1)
         else:
             vm = torch.cat([v * kw, kw], dim=-1)
-        num = torch.matmul(wgt, vm)
+        # W = c⁴F'² + ε (F' = φ'(Q)φ'(K)ᵀ) and W vm, by blocks of heads that stay in the cache
+        num, kept = blocked_forward(_flat3(pq), _flat3(pk), _flat3(vm), c4, eps)
+        num = num.view(*vm.shape[:-2], nq, vm.shape[-1])
         den = num[..., -1:]
         inv = torch.where(den > 0, den.reciprocal(), 0.0)  # a row with no weight gives zeros
         out = num[..., :-1] * inv
         ctx.c4, ctx.nq, ctx.nsets, ctx.r = c4, nq, nsets, r
-        ctx.save_for_backward(x, w, cp, sp, pq, pk, kw, v, vm, f, wgt, inv, out, u, cm)
+        ctx.eps = eps
+        ctx.save_for_backward(x, w, cp, sp, pq, pk, kw, v, vm, inv, out, u, cm, *(kept or ()))
         return out
 
     @staticmethod
@@ -198,14 +138,18 @@ class _FusedFourier(torch.autograd.Function):
         # With A_ij = W_ij m_j, g = dO/den, δ_i = <g_i, O_i>, dA_ij = <g_i, v_j> − δ_i:
         # dW_ij = <[g_i, −δ_i], [m_j v_j, m_j]> (one matmul), T = Wᵀ[g, −δ] gives
         # dv_j = m_j T_j[:dv] and dm_j = <v_j, T_j[:dv]> + T_j[dv]: one pass over Nq×Nk (dW ⊙ f).
-        x, w, cp, sp, pq, pk, kw, v, vm, f, wgt, inv, out, u, cm = ctx.saved_tensors
+        x, w, cp, sp, pq, pk, kw, v, vm, inv, out, u, cm, *kept = ctx.saved_tensors
         need_q, need_k, need_v, need_w, need_kw = (ctx.needs_input_grad[i] for i in range(5))
         need_mag = need_k and u is not None
         g = dout * inv
         gn = torch.cat([g, (g * out).sum(-1, keepdim=True).neg_()], dim=-1)
         dkw = dv = dmag = None
-        if need_v or need_kw or need_mag:
-            t = torch.matmul(wgt.transpose(-2, -1), gn)
+        need_t, need_f = need_v or need_kw or need_mag, need_q or need_k or need_w
+        lead = vm.shape[:-2]
+        t, dpq, dpk = blocked_backward(_flat3(pq), _flat3(pk), _flat3(vm), _flat3(gn), ctx.c4, ctx.eps,
+                                       (kept[0], kept[1]) if kept else None, need_t, need_f, need_f)
+        if t is not None:
+            t = t.view(*lead, *t.shape[-2:])
             tv = t[..., :-1]
             if need_v:
                 dv = tv if kw is None else tv * kw
@@ -216,9 +160,9 @@ class _FusedFourier(torch.autograd.Function):
                 if need_mag:  # m = exp(a − c): da = dm·m (c is a constant shift)
                     dmag = u * (dm * kw).mul_(cm.unsqueeze(-1))
         dq = dk = dw = None
-        if need_q or need_k or need_w:
-            df = torch.matmul(gn * (2.0 * ctx.c4), vm.transpose(-2, -1)).mul_(f)
-            dphi = torch.cat([torch.matmul(df, pk), torch.matmul(df.transpose(-2, -1), pq)], dim=-2)
+        if need_f:
+            assert dpq is not None and dpk is not None
+            dphi = torch.cat([dpq.view(*lead, *dpq.shape[-2:]), dpk.view(*lead, *dpk.shape[-2:])], dim=-2)
             s, r = ctx.nsets, ctx.r
             # every set's cos (sin) gets the same dφ_cos (dφ_sin)
             dc, ds = dphi[..., :r], dphi[..., r:]
@@ -236,6 +180,11 @@ class _FusedFourier(torch.autograd.Function):
         elif dmag is not None:
             dk = dmag
         return (dq, dk, dv, dw, dkw, None, None, None, None, None, None)
+
+
+def _flat3(x: Tensor) -> Tensor:
+    """``(…, N, D)`` as ``(G, N, D)`` (a view where the batch dimensions allow it)."""
+    return x.reshape(-1, *x.shape[-2:])
 
 
 def _stack_sets(ws: list[Tensor], dtype: torch.dtype) -> Tensor:

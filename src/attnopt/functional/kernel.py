@@ -39,7 +39,6 @@ from attnopt.functional import dispatch
 from attnopt.functional._autograd import double_backward
 from attnopt.functional._kernel_chunked import chunked_feature_kernel_attention
 from attnopt.functional._kernel_fused import (
-    fused_feature_kernel_attention,
     fused_fourier_attention,
     fused_fourier_magnitude_attention,
 )
@@ -276,7 +275,8 @@ def _quadratic(
                 sets, coef = fourier
                 check_dim("spectral points", sets[0], q)
                 return fused_fourier_attention(q, k, m, v, eps, coef, sets)
-            return fused_feature_kernel_attention(kernel.features(q), kernel.features(k), m, v, eps)
+        # other feature maps (Linear, user kernels): one node at every size (whole below
+        # _kernel_chunked.WHOLE_ELEMS scores, cache-sized blocks above)
         kernel._check(q, k)
         return chunked_feature_kernel_attention(kernel.features(q), kernel.features(k), m, v, eps)
     dispatch.record("kernel", "streaming")
