@@ -93,15 +93,13 @@ def blocked_forward(
         w = torch.addcmul(f.new_full((), eps), f, f, value=c4)
         torch.bmm(w, vm, out=num)
         return num, (f, w)
-    buf = pq.new_empty(*_block_shape(blocks), nk)
+    fbuf, wbuf = pq.new_empty(*_block_shape(blocks), nk), pq.new_empty(*_block_shape(blocks), nk)
+    epst = torch.full((), eps, dtype=pq.dtype, device=pq.device)
     for h0, h1, r0, r1 in blocks:
-        f = buf[: h1 - h0, : r1 - r0]
+        f, w = fbuf[: h1 - h0, : r1 - r0], wbuf[: h1 - h0, : r1 - r0]
         torch.bmm(pq[h0:h1, r0:r1], pkt[h0:h1], out=f)
-        f.mul_(f)
-        if c4 != 1.0:
-            f.mul_(c4)
-        f.add_(eps)  # W, in the cache
-        torch.bmm(f, vm[h0:h1], out=num[h0:h1, r0:r1])
+        torch.addcmul(epst, f, f, value=c4, out=w)  # one pass, in the cache (in place: three)
+        torch.bmm(w, vm[h0:h1], out=num[h0:h1, r0:r1])
     return num, None
 
 
