@@ -110,3 +110,20 @@ def test_kernel_attention_streaming_path_matches_the_reference(name, monkeypatch
     assert torch.autograd.gradcheck(
         lambda a, b, c: kernel_attention(a, b, c, kernel=kern, magnitude_p=1.5, attn_mask=keep), args
     )
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize(("g", "nq", "nk"), [(3, 5, 6), (64, 512, 512), (2, 4096, 2048), (1, 1, 1)])
+def test_blocks_cover_every_score_once(device, g, nq, nk):
+    """Blocks tile heads × query rows exactly; on the CPU within BLOCK_ELEMS (or one whole block up
+    to WHOLE_ELEMS), off it (no device needed: only the torch.device is read) DEVICE_BLOCK_ELEMS."""
+    blocks = kc._blocks(g, nq, nk, torch.device(device))
+    seen = torch.zeros(g, nq, dtype=torch.int64)
+    for h0, h1, r0, r1 in blocks:
+        seen[h0:h1, r0:r1] += 1
+    assert torch.equal(seen, torch.ones_like(seen))
+    whole, size = (kc.WHOLE_ELEMS, kc.BLOCK_ELEMS) if device == "cpu" else (kc.DEVICE_BLOCK_ELEMS,) * 2
+    if g * nq * nk <= whole:
+        assert blocks == [(0, g, 0, nq)]
+    else:
+        assert all((h1 - h0) * (r1 - r0) * nk <= max(size, nk) for h0, h1, r0, r1 in blocks)

@@ -39,8 +39,12 @@ BLOCK_ELEMS = 1 << 18
 #: Up to this many scores (all heads) one block is used and ``F``, ``W`` are kept for the backward:
 #: measured (fwd+bwd, 1 thread, loaded machine) blocked vs whole, d = 64: B·H = 8, N = 512 and
 #: B·H = 64, N = 256 equal within noise (±5 %); train step (B·H = 128, d = 16) N = 128 equal,
-#: N = 256 ika-s 1.24x vs 2.13x softmax, N = 512 linear 1.19x vs 1.55x (keeping F whole).
+#: N = 256 ika-s 1.24x vs 2.13x softmax. Keeping all of ``F`` (blocked ``W`` only) instead of
+#: recomputing it: N = 512 linear 1.55x vs 1.19x softmax.
 WHOLE_ELEMS = 1 << 20
+#: Off the CPU (no small cache to fit, launches cost): whole up to this many scores (the previous
+#: materialized crossover), blocks of this size beyond (not measured on a GPU).
+DEVICE_BLOCK_ELEMS = 1 << 24
 
 
 def _plain_backward(ctx: Any, dout: Tensor) -> list[Tensor | None]:
@@ -59,15 +63,17 @@ def _plain_backward(ctx: Any, dout: Tensor) -> list[Tensor | None]:
     return [next(grads) if n else None for n in ctx.needs_input_grad[:4]]
 
 
-def _blocks(g: int, nq: int, nk: int) -> list[tuple[int, int, int, int]]:
+def _blocks(g: int, nq: int, nk: int, device: torch.device) -> list[tuple[int, int, int, int]]:
     """``(h0, h1, r0, r1)``: heads ``[h0, h1)`` × query rows ``[r0, r1)`` of about BLOCK_ELEMS scores."""
+    cpu = device.type == "cpu"
+    whole, size = (WHOLE_ELEMS, BLOCK_ELEMS) if cpu else (DEVICE_BLOCK_ELEMS, DEVICE_BLOCK_ELEMS)
     per_head = nq * max(nk, 1)
-    if g * per_head <= WHOLE_ELEMS:
+    if g * per_head <= whole:
         return [(0, g, 0, nq)]
-    if per_head <= BLOCK_ELEMS:
-        step = max(1, BLOCK_ELEMS // per_head)
+    if per_head <= size:
+        step = max(1, size // per_head)
         return [(h, min(h + step, g), 0, nq) for h in range(0, g, step)]
-    rows = max(1, BLOCK_ELEMS // max(nk, 1))
+    rows = max(1, size // max(nk, 1))
     return [(h, h + 1, r, min(r + rows, nq)) for h in range(g) for r in range(0, nq, rows)]
 
 
@@ -86,7 +92,7 @@ def blocked_forward(
     """
     g, nq, nk = pq.shape[0], pq.shape[1], pk.shape[1]
     num = vm.new_empty(g, nq, vm.shape[-1])
-    blocks = _blocks(g, nq, nk)
+    blocks = _blocks(g, nq, nk, pq.device)
     pkt = pk.transpose(-2, -1)
     if len(blocks) == 1:
         f = torch.bmm(pq, pkt)
@@ -122,7 +128,7 @@ def blocked_backward(
             dpq = torch.bmm(df, pk) if need_q else None
             dpk = torch.bmm(df.transpose(-2, -1), pq) if need_k else None
         return t, dpq, dpk
-    blocks = _blocks(g, nq, nk)
+    blocks = _blocks(g, nq, nk, pq.device)
     fbuf, wbuf = pq.new_empty(*_block_shape(blocks), nk), pq.new_empty(*_block_shape(blocks), nk)
     t = vm.new_zeros(vm.shape) if need_t else None
     dpq = pq.new_empty(pq.shape) if need_q else None
