@@ -53,7 +53,10 @@ CROSSOVERS: dict[str, dict[str, int]] = {
     # d = 64: N = 1024 111 vs 105, N = 2048 410 vs 327 / 424 vs 329; B·H = 64, N = 1024, d = 64
     # (2^26) 866 vs 1193 / 1130 vs 2010, +1.15 vs +1.02 GiB. Train step (E = 64, H = 4, B = 32,
     # N = 512) with 2^26: ika-s 2.55–2.60× -> 2.54–2.64× softmax, ikan 2.61–2.68× -> 2.55–2.65×,
-    # linear 2.82–2.90× -> 3.5–3.6×: no gain at the train step's size, so 2^24 stays
+    # linear 2.82–2.90× -> 3.5–3.6×: no gain at the train step's size, so 2^24 stays. Since both
+    # paths run the Nq×Nk passes by cache-sized blocks (._kernel_chunked) the train step at
+    # N = 512 is the same either way (2^24 vs 2^30: ika-s 1.35× vs 1.30×, ikan 1.38× vs 1.36×,
+    # mikan 1.36× vs 1.36× softmax): the crossover now only picks where the features are computed
     "kernel": {"float32": 1 << 24, "float64": 1 << 24, "half": 1 << 23},
 }
 
