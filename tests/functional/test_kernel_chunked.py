@@ -127,3 +127,25 @@ def test_blocks_cover_every_score_once(device, g, nq, nk):
         assert blocks == [(0, g, 0, nq)]
     else:
         assert all((h1 - h0) * (r1 - r0) * nk <= max(size, nk) for h0, h1, r0, r1 in blocks)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+@pytest.mark.parametrize("name", ["linear", "rff"])
+def test_torch_func_grad_takes_the_plain_ops_and_matches_autograd(name, streaming, monkeypatch):
+    """torch.func's wrapped tensors have no storage for the fused / blocked nodes (old-style
+    autograd Functions): they take the plain-op path, with the same gradient."""
+    if streaming:
+        monkeypatch.setitem(dispatch.CROSSOVERS, "kernel", dict.fromkeys(("float32", "float64", "half"), 0))
+    gen = torch.Generator().manual_seed(9)
+    pts = torch.randn(6, 4, generator=gen, dtype=torch.float64)
+    kern = Linear() if name == "linear" else RandomFourier(pts)
+    q, k, v = (torch.randn(1, 2, 5, 4, generator=gen, dtype=torch.float64) for _ in range(3))
+    keep = torch.tensor([True, True, False, True, True]).view(1, 1, 1, 5)
+
+    def loss(q):
+        return kernel_attention(q, k, v, kernel=kern, magnitude_p=2.0, attn_mask=keep).square().sum()
+
+    got = torch.func.grad(loss)(q)
+    qg = q.clone().requires_grad_()
+    loss(qg).backward()
+    torch.testing.assert_close(got, qg.grad, rtol=1e-10, atol=1e-12)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnopt._native import has_storage
 from attnopt._validation import (
     additive_mask,
     broadcast_shapes,
@@ -265,7 +266,8 @@ def _quadratic(
         if a is not None:
             c = a.amax(dim=-1, keepdim=True).detach()
             m = torch.exp(a - torch.where(torch.isfinite(c), c, torch.zeros_like(c)))
-    if direct and v is not None and kernel.has_features:
+    # the fused / blocked nodes need real storage: torch.func's wrapped tensors take the plain ops
+    if direct and v is not None and kernel.has_features and has_storage(q, k, v, m):
         rows = math.prod(broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
         path = dispatch.choose_impl("kernel", nq=nq, nk=nk, batch=rows, dtype=q.dtype)
         if dispatch.record("kernel", path) == "materialized":
@@ -349,7 +351,7 @@ def _fused_fourier(
     assert isinstance(kernel, Kernel)
     if mode != "quadratic" or is_causal or not (kernel.squared and kernel.bounded and eps > 0):
         return None
-    if q.dtype not in (torch.float32, torch.float64):
+    if q.dtype not in (torch.float32, torch.float64) or not has_storage(q, k, v, attn_mask):
         return None
     if magnitude_p is not None and not 1.0 <= float(magnitude_p) <= 2.0:
         return None
