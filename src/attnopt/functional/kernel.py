@@ -53,8 +53,9 @@ __all__ = ["kernel_attention", "kernel_weights", "log_magnitude", "split_key_que
 
 Mode = Literal["quadratic", "linear"]
 _CHUNK_ELEMS = 1 << 24  # logits held at once by the chunked quadratic path
-# exp-free path of squared kernels without a feature map (kernels with one take the cache-blocked
-# node of ._kernel_chunked above the crossover, the fused one below it)
+# query blocks of the exp-free path in plain ops: kernels without a feature map, the weights
+# (kernel_weights) and torch.func's wrapped tensors (feature kernels otherwise take the node of
+# ._kernel_chunked, or below the crossover the fused Fourier node)
 _DIRECT_CHUNK_ELEMS = 1 << 20  # score blocks of the exp-free path (measured best on CPU)
 # ... but at least 64 query rows a block up to 2^22 scores: train step N = 512 (B·H = 128, d = 16)
 # linear 2.8-3.0x -> 2.2-2.4x softmax, ika-s 2.5-2.6x -> 2.1-2.3x; ika-s fwd+bwd B·H = 64, N = 1024,
