@@ -129,9 +129,10 @@ def test_blocks_cover_every_score_once(device, g, nq, nk):
         assert all((h1 - h0) * (r1 - r0) * nk <= max(size, nk) for h0, h1, r0, r1 in blocks)
 
 
+@pytest.mark.parametrize("magnitude_p", [2.0, 1.5])
 @pytest.mark.parametrize("streaming", [False, True])
 @pytest.mark.parametrize("name", ["linear", "rff"])
-def test_torch_func_grad_takes_the_plain_ops_and_matches_autograd(name, streaming, monkeypatch):
+def test_torch_func_grad_takes_the_plain_ops_and_matches_autograd(name, streaming, magnitude_p, monkeypatch):
     """torch.func's wrapped tensors have no storage for the fused / blocked nodes (old-style
     autograd Functions): they take the plain-op path, with the same gradient."""
     if streaming:
@@ -142,10 +143,10 @@ def test_torch_func_grad_takes_the_plain_ops_and_matches_autograd(name, streamin
     q, k, v = (torch.randn(1, 2, 5, 4, generator=gen, dtype=torch.float64) for _ in range(3))
     keep = torch.tensor([True, True, False, True, True]).view(1, 1, 1, 5)
 
-    def loss(q):
-        return kernel_attention(q, k, v, kernel=kern, magnitude_p=2.0, attn_mask=keep).square().sum()
+    def loss(q, k):  # p = 1.5: the L^p magnitude's own autograd Function under torch.func too
+        return kernel_attention(q, k, v, kernel=kern, magnitude_p=magnitude_p, attn_mask=keep).square().sum()
 
-    got = torch.func.grad(loss)(q)
-    qg = q.clone().requires_grad_()
-    loss(qg).backward()
-    torch.testing.assert_close(got, qg.grad, rtol=1e-10, atol=1e-12)
+    got = torch.func.grad(loss, argnums=(0, 1))(q, k)
+    qg, kg = q.clone().requires_grad_(), k.clone().requires_grad_()
+    loss(qg, kg).backward()
+    torch.testing.assert_close(got, (qg.grad, kg.grad), rtol=1e-10, atol=1e-12)

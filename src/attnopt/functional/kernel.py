@@ -78,7 +78,7 @@ def log_magnitude(x: Tensor, p: float, scale: float) -> Tensor:
         if p == 2:
             total = x.to(dt).square().sum(-1)
             return (0.5 * scale * total).clamp(max=torch.finfo(dt).max / 8)
-        out: Tensor = _LpHalfSquare.apply(x.to(dt), float(p), float(scale))
+        out: Tensor = _LpHalfSquare.apply(x.to(dt), float(p), float(scale))[0]
         return out
     if p < 1:
         dt = torch.float64
@@ -114,18 +114,27 @@ class _LpHalfSquare(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, p: float, scale: float) -> Tensor:  # type: ignore[override]
+    def forward(x: Tensor, p: float, scale: float) -> tuple[Tensor, Tensor, Tensor]:  # type: ignore[override]
         ax = x.abs()
         pw = _abs_pow(ax, p - 1.0)  # |x|^{p-1}
         total = (ax * pw).sum(-1)
         cap = torch.finfo(x.dtype).max / 8
-        out = (0.5 * scale * total.pow(2.0 / p)).clamp_(max=cap)
-        ctx.p, ctx.scale = p, scale
-        ctx.save_for_backward(x, pw, total, out < cap)
-        return out
+        out = (0.5 * scale * total.pow(2.0 / p)).clamp(max=cap)
+        return out, pw, total
 
     @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, None, None]:  # type: ignore[override]
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tensor]) -> None:
+        # new-style (forward without ctx) so that torch.func transforms accept it
+        x, p, scale = inputs
+        out, pw, total = output
+        ctx.p, ctx.scale = p, scale
+        ctx.mark_non_differentiable(pw, total)
+        ctx.save_for_backward(x, pw, total, out < torch.finfo(x.dtype).max / 8)
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, g: Tensor, _gpw: Tensor | None, _gtotal: Tensor | None
+    ) -> tuple[Tensor | None, None, None]:
         x, pw, total, live = ctx.saved_tensors
         if double_backward(ctx):  # create_graph=True: recompute with tracked ops (exact double backward)
             ax = x.abs()
