@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from attnopt._validation import broadcast_shapes
+from attnopt.functional import _generalized_native
 from attnopt.functional._autograd import refuse_double_backward
 from attnopt.functional._denormal import flush_denormal
 
@@ -232,7 +233,11 @@ def biased_softmax_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scal
     """``softmax(scale·QKᵀ + bias) V``, materialized in L2-sized chunks (inputs validated)."""
     orig, compute = q.dtype, _compute_dtype(q)
     (qc, kc, vc), b4, batch = _batched(q.to(compute), k.to(compute), v.to(compute), bias.to(compute))
-    out: Tensor = _BiasedSoftmax.apply(qc, kc, vc, b4, scale)
+    lib = _generalized_native.library(qc, b4) if qc.numel() and kc.numel() and vc.numel() else None
+    if lib is not None:  # the elementwise passes in C (see _generalized_native)
+        out: Tensor = _generalized_native.native_biased_softmax(lib, qc, kc, vc, b4, scale)
+    else:
+        out = _BiasedSoftmax.apply(qc, kc, vc, b4, scale)
     return out.reshape(*batch, q.shape[-2], v.shape[-1]).to(orig)
 
 

@@ -1,0 +1,167 @@
+/* Softmax with an additive bias: the N x N elementwise passes of
+ * attnopt.functional._generalized_native, float32 (suffix f32) and float64 (f64).
+ *
+ * Layout. A call works on the heads [g0, g1) of one chunk and on the query rows [i0, i1) of
+ * each of them: "s" (and "dp") hold the chunk's (g1 - g0, nq, nk) scores row-major, head g0
+ * first. Row (g, i) has its bias row at bias + (g / heads) * sb + (g % heads) * sh + i * si
+ * (a stride 0 broadcasts; the key dimension is contiguous) and its O(1) state (row maximum m,
+ * inverse row sum r, delta) at index g * nq + i. Rows are independent, so
+ * attnopt._native.parallel_rows may split [0, nq) over threads; the bias gradient "gb" is
+ * indexed like the bias, so threads write disjoint rows of it unless si = 0.
+ *
+ * Forward: s <- P = e / sum_j e, e = exp(s + bias - m), m the row maximum, entries below the
+ * smallest normal number flushed to 0. A row with no admissible key (m = -inf: bias -inf
+ * everywhere) gets P = 0, m = -inf, r = 0. Returns the number of rows with a NaN or +inf
+ * (from the bias: the caller checks q and k), which are left as they are.
+ * Backward: P again (bitwise as in the forward, from S or as given), dS = P (dP - delta),
+ * s <- P, dp <- dS (flushed like P), gb += dS.
+ *
+ * float32's exponential is a vectorizable Cephes-style polynomial (~2 ulp on [-87, 0], exactly
+ * 0 below -87, as in dnas.c); float64's is libm's exp.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float pexpf(float x) {
+    const int live = x > -87.0f;
+    x = live ? (x < 0.0f ? x : 0.0f) : 0.0f;
+    const float t = __builtin_fmaf(x, 1.44269504088896341f, 12582912.0f);
+    const float n = t - 12582912.0f;
+    float r = __builtin_fmaf(n, -0.693359375f, x);
+    r = __builtin_fmaf(n, 2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = __builtin_fmaf(p, r, 1.3981999507e-3f);
+    p = __builtin_fmaf(p, r, 8.3334519073e-3f);
+    p = __builtin_fmaf(p, r, 4.1665795894e-2f);
+    p = __builtin_fmaf(p, r, 1.6666665459e-1f);
+    p = __builtin_fmaf(p, r, 5.0000001201e-1f);
+    p = __builtin_fmaf(p, r * r, r) + 1.0f;
+    int32_t ti;
+    memcpy(&ti, &t, sizeof ti);
+    const int32_t bits = (ti - 0x4B400000 + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return live ? p * scale : 0.0f;
+}
+
+static inline double pexpd(double x) { return exp(x < 0.0 ? x : 0.0); }
+
+/* Exponential of x[r0, r1) in place (for tests against torch.exp). */
+void bs_exp_f32(float *x, int64_t r0, int64_t r1) {
+    #pragma omp simd
+    for (int64_t j = r0; j < r1; ++j) x[j] = pexpf(x[j]);
+}
+
+#define BIASED_SOFTMAX(T, SUF, EXP, TINY)                                                              \
+int64_t bs_fwd_##SUF(T *s, const T *bias, int64_t sb, int64_t sh, int64_t si, T *mx, T *rinv,        \
+                     int64_t g0, int64_t g1, int64_t heads, int64_t i0, int64_t i1, int64_t nq,      \
+                     int64_t nk) {                                                                   \
+    int64_t bad = 0;                                                                                 \
+    for (int64_t g = g0; g < g1; ++g) {                                                              \
+        const T *bh = bias ? bias + (g / heads) * sb + (g % heads) * sh : NULL;                      \
+        for (int64_t i = i0; i < i1; ++i) {                                                          \
+            T *row = s + ((g - g0) * nq + i) * nk;                                                   \
+            const T *br = bh ? bh + i * si : NULL;                                                   \
+            T m = -(T)INFINITY;                                                                      \
+            int nan = 0;                                                                             \
+            if (br) {                                                                                \
+                _Pragma("omp simd reduction(max : m) reduction(| : nan)")                            \
+                for (int64_t j = 0; j < nk; ++j) {                                                   \
+                    const T x = row[j] + br[j];                                                      \
+                    row[j] = x;                                                                      \
+                    m = x > m ? x : m;                                                               \
+                    nan |= x != x;                                                                   \
+                }                                                                                    \
+            } else {                                                                                 \
+                _Pragma("omp simd reduction(max : m) reduction(| : nan)")                            \
+                for (int64_t j = 0; j < nk; ++j) {                                                   \
+                    m = row[j] > m ? row[j] : m;                                                     \
+                    nan |= row[j] != row[j];                                                         \
+                }                                                                                    \
+            }                                                                                        \
+            const int64_t r = g * nq + i;                                                            \
+            if (nan || m == (T)INFINITY) {                                                           \
+                ++bad;                                                                               \
+                mx[r] = m;                                                                           \
+                rinv[r] = (T)NAN;                                                                    \
+                continue;                                                                            \
+            }                                                                                        \
+            if (m == -(T)INFINITY) { /* no admissible key */                                         \
+                memset(row, 0, sizeof(T) * (size_t)nk);                                              \
+                mx[r] = m;                                                                           \
+                rinv[r] = 0;                                                                         \
+                continue;                                                                            \
+            }                                                                                        \
+            T z = 0;                                                                                 \
+            _Pragma("omp simd reduction(+ : z)")                                                     \
+            for (int64_t j = 0; j < nk; ++j) {                                                       \
+                const T e = EXP(row[j] - m);                                                         \
+                row[j] = e;                                                                          \
+                z += e;                                                                              \
+            }                                                                                        \
+            const T c = 1 / z; /* z >= 1: the maximum contributes e^0 */                             \
+            _Pragma("omp simd")                                                                      \
+            for (int64_t j = 0; j < nk; ++j) {                                                       \
+                const T p = row[j] * c;                                                              \
+                row[j] = p >= TINY ? p : 0;                                                          \
+            }                                                                                        \
+            mx[r] = m;                                                                               \
+            rinv[r] = c;                                                                             \
+        }                                                                                            \
+    }                                                                                                \
+    return bad;                                                                                      \
+}                                                                                                    \
+                                                                                                     \
+void bs_bwd_##SUF(T *s, T *dp, int recompute, const T *bias, int64_t sb, int64_t sh, int64_t si,     \
+                  const T *mx, const T *rinv, const T *delta, T *gb, int64_t gsb, int64_t gsh,       \
+                  int64_t gsi, int64_t g0, int64_t g1, int64_t heads, int64_t i0, int64_t i1,        \
+                  int64_t nq, int64_t nk) {                                                          \
+    for (int64_t g = g0; g < g1; ++g) {                                                              \
+        const T *bh = bias ? bias + (g / heads) * sb + (g % heads) * sh : NULL;                      \
+        T *gh = gb ? gb + (g / heads) * gsb + (g % heads) * gsh : NULL;                              \
+        for (int64_t i = i0; i < i1; ++i) {                                                          \
+            T *row = s + ((g - g0) * nq + i) * nk, *d = dp + ((g - g0) * nq + i) * nk;               \
+            const int64_t r = g * nq + i;                                                            \
+            const T m = mx[r], c = rinv[r], dl = delta[r];                                           \
+            T *gr = gh ? gh + i * gsi : NULL;                                                        \
+            if (recompute) {                                                                         \
+                if (m == -(T)INFINITY) {                                                             \
+                    memset(row, 0, sizeof(T) * (size_t)nk);                                          \
+                } else if (bh) {                                                                     \
+                    const T *br = bh + i * si;                                                       \
+                    _Pragma("omp simd")                                                              \
+                    for (int64_t j = 0; j < nk; ++j) {                                               \
+                        const T p = EXP((row[j] + br[j]) - m) * c;                                   \
+                        row[j] = p >= TINY ? p : 0;                                                  \
+                    }                                                                                \
+                } else {                                                                             \
+                    _Pragma("omp simd")                                                              \
+                    for (int64_t j = 0; j < nk; ++j) {                                               \
+                        const T p = EXP(row[j] - m) * c;                                             \
+                        row[j] = p >= TINY ? p : 0;                                                  \
+                    }                                                                                \
+                }                                                                                    \
+            }                                                                                        \
+            if (gr) {                                                                                \
+                _Pragma("omp simd")                                                                  \
+                for (int64_t j = 0; j < nk; ++j) {                                                   \
+                    const T x = row[j] * (d[j] - dl);                                                \
+                    const T y = (x >= TINY || x <= -TINY) ? x : 0;                                   \
+                    d[j] = y;                                                                        \
+                    gr[j] += y;                                                                      \
+                }                                                                                    \
+            } else {                                                                                 \
+                _Pragma("omp simd")                                                                  \
+                for (int64_t j = 0; j < nk; ++j) {                                                   \
+                    const T x = row[j] * (d[j] - dl);                                                \
+                    d[j] = (x >= TINY || x <= -TINY) ? x : 0;                                        \
+                }                                                                                    \
+            }                                                                                        \
+        }                                                                                            \
+    }                                                                                                \
+}
+
+BIASED_SOFTMAX(float, f32, pexpf, FLT_MIN)
+BIASED_SOFTMAX(double, f64, pexpd, DBL_MIN)
