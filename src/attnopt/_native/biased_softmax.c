@@ -9,12 +9,13 @@
  * attnopt._native.parallel_rows may split [0, nq) over threads; the bias gradient "gb" is
  * indexed like the bias, so threads write disjoint rows of it unless si = 0.
  *
- * Forward: s <- P = e / sum_j e, e = exp(s + bias - m), m the row maximum, entries below the
- * smallest normal number flushed to 0. A row with no admissible key (m = -inf: bias -inf
- * everywhere) gets P = 0, m = -inf, r = 0. Returns the number of rows with a NaN or +inf
+ * Forward: s <- E = exp(s + bias - m), m the row maximum; r = 1 / sum_j E (the caller scales
+ * E V by r: P = r E is never formed). A row with no admissible key (m = -inf: bias -inf
+ * everywhere) gets E = 0, m = -inf, r = 0. Returns the number of rows with a NaN or +inf
  * (from the bias: the caller checks q and k), which are left as they are.
- * Backward: P again (bitwise as in the forward, from S or as given), dS = P (dP - delta),
- * s <- P, dp <- dS (flushed like P), gb += dS.
+ * Backward: E again (bitwise as in the forward, from S, or as given), dS = E (dP' - delta')
+ * with the caller's dP' = r dP and delta' = r delta (so dS = P (dP - delta)), flushed to 0
+ * below the smallest normal number; s <- E, dp <- dS, gb += dS.
  *
  * float32's exponential is a vectorizable Cephes-style polynomial (~2 ulp on [-87, 0], exactly
  * 0 below -87, as in dnas.c); float64's is libm's exp.
@@ -46,7 +47,12 @@ static inline float pexpf(float x) {
     return live ? p * scale : 0.0f;
 }
 
-static inline double pexpd(double x) { return exp(x < 0.0 ? x : 0.0); }
+/* exp of x <= 0, results below the smallest normal number flushed to 0 (float32's pexpf has
+ * none: its smallest nonzero value is e^-87) */
+static inline double pexpd(double x) {
+    const double e = exp(x < 0.0 ? x : 0.0);
+    return e >= DBL_MIN ? e : 0.0;
+}
 
 /* Exponential of x[r0, r1) in place (for tests against torch.exp). */
 void bs_exp_f32(float *x, int64_t r0, int64_t r1) {
@@ -101,14 +107,8 @@ int64_t bs_fwd_##SUF(T *s, const T *bias, int64_t sb, int64_t sh, int64_t si, T 
                 row[j] = e;                                                                          \
                 z += e;                                                                              \
             }                                                                                        \
-            const T c = 1 / z; /* z >= 1: the maximum contributes e^0 */                             \
-            _Pragma("omp simd")                                                                      \
-            for (int64_t j = 0; j < nk; ++j) {                                                       \
-                const T p = row[j] * c;                                                              \
-                row[j] = p >= TINY ? p : 0;                                                          \
-            }                                                                                        \
             mx[r] = m;                                                                               \
-            rinv[r] = c;                                                                             \
+            rinv[r] = 1 / z; /* z >= 1: the maximum contributes e^0 */                               \
         }                                                                                            \
     }                                                                                                \
     return bad;                                                                                      \
@@ -124,7 +124,7 @@ void bs_bwd_##SUF(T *s, T *dp, int recompute, const T *bias, int64_t sb, int64_t
         for (int64_t i = i0; i < i1; ++i) {                                                          \
             T *row = s + ((g - g0) * nq + i) * nk, *d = dp + ((g - g0) * nq + i) * nk;               \
             const int64_t r = g * nq + i;                                                            \
-            const T m = mx[r], c = rinv[r], dl = delta[r];                                           \
+            const T m = mx[r], dl = delta[r];                                                        \
             T *gr = gh ? gh + i * gsi : NULL;                                                        \
             if (recompute) {                                                                         \
                 if (m == -(T)INFINITY) {                                                             \
@@ -133,14 +133,12 @@ void bs_bwd_##SUF(T *s, T *dp, int recompute, const T *bias, int64_t sb, int64_t
                     const T *br = bh + i * si;                                                       \
                     _Pragma("omp simd")                                                              \
                     for (int64_t j = 0; j < nk; ++j) {                                               \
-                        const T p = EXP((row[j] + br[j]) - m) * c;                                   \
-                        row[j] = p >= TINY ? p : 0;                                                  \
+                        row[j] = EXP((row[j] + br[j]) - m);                                          \
                     }                                                                                \
                 } else {                                                                             \
                     _Pragma("omp simd")                                                              \
                     for (int64_t j = 0; j < nk; ++j) {                                               \
-                        const T p = EXP(row[j] - m) * c;                                             \
-                        row[j] = p >= TINY ? p : 0;                                                  \
+                        row[j] = EXP(row[j] - m);                                                    \
                     }                                                                                \
                 }                                                                                    \
             }                                                                                        \

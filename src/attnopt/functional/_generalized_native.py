@@ -7,13 +7,14 @@ L1, and the bias read where it lies (a T5 bias ``(1, H, Nq, Nk)`` is shared by t
 copy per chunk):
 
 * forward: ``S = (scale·Q) Kᵀ`` (``bmm``); in C, per row: ``x = S + b``, its maximum ``m``,
-  ``e = exp(x − m)``, ``z = Σ e``, ``P = e / z``; ``out = P V``. Saved: ``m`` and ``1/z``
-  (O(N) per head), and ``P`` itself up to :data:`._generalized_fused.SAVE_BYTES` or at
-  ``d ≥ 64`` (as the PyTorch path);
-* backward: ``dP = dO Vᵀ`` (``bmm``) and, where ``P`` was not saved, ``S`` again; in C, per row:
-  ``P`` (bitwise as in the forward), ``dS = P ⊙ (dP − δ)``, ``δ_i = <dO_i, O_i>``, and the bias
-  gradient ``db += dS`` summed over the bias's broadcast batch / head dims in the same pass;
-  then ``dV = Pᵀ dO``, ``dQ = scale·dS K``, ``dK = dSᵀ(scale·Q)``.
+  ``E = exp(x − m)``, ``r = 1 / Σ E``; ``out = r ⊙ (E V)`` (the normalization on the small
+  output instead of an ``Nq × Nk`` pass). Saved: ``m`` and ``r`` (O(N) per head), and ``E``
+  itself up to :data:`._generalized_fused.SAVE_BYTES` or at ``d ≥ 64`` (as the PyTorch path);
+* backward: with ``dO' = r ⊙ dO``: ``dP' = dO' Vᵀ`` (``bmm``) and, where ``E`` was not saved,
+  ``S`` again; in C, per row: ``E`` (bitwise as in the forward), ``dS = E ⊙ (dP' − r δ)``
+  ``= P ⊙ (dP − δ)``, ``δ_i = <dO_i, O_i>``, and the bias gradient ``db += dS`` summed over the
+  bias's broadcast batch / head dims in the same pass; then ``dV = Eᵀ dO'``,
+  ``dQ = scale·dS K``, ``dK = dSᵀ(scale·Q)``.
 
 Rows whose bias is ``-inf`` everywhere get zeros and zero gradients; NaN or ``+inf`` in the
 bias raise (the C pass counts such rows). Weights and ``dS`` below the smallest normal
@@ -106,6 +107,7 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
 
                 _native.parallel_rows(rows, nq, (h1 - h0) * nk)
                 torch.bmm(s, v3[h0:h1], out=out[h0:h1])
+        out.mul_(rinv.unsqueeze(-1))
         if bad[0]:  # q and k are finite (validated): NaN or +inf came from the bias
             if not bool(bias.amax(-1).max() < float("inf")):
                 raise ValueError("log_preference must not contain NaN or +inf (-inf masks a key)")
@@ -124,8 +126,9 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
         nk, dv = k.shape[-2], v.shape[-1]
         g = b * h
         lib = ctx.lib
-        do3 = dout.to(v.dtype).reshape(g, nq, dv).contiguous()
-        delta = (do3 * out).sum(-1)  # (g, nq)
+        do3 = dout.to(v.dtype).reshape(g, nq, dv)
+        delta = (do3 * out).sum(-1).mul_(rinv)  # r δ, (g, nq)
+        do3 = do3 * rinv.unsqueeze(-1)  # dO' = r dO (contiguous)
         q3, k3, v3 = qs.view(g, nq, d), k.view(g, nk, d), v.view(g, nk, dv)
         dq, dk, dvv = torch.empty_like(q3), torch.empty_like(k3), torch.empty_like(v3)
         gb = qs.new_zeros(ctx.bias_shape) if ctx.needs_input_grad[3] else None
