@@ -35,6 +35,7 @@ from attnopt._validation import broadcast_shapes
 from attnopt.functional import _generalized_native
 from attnopt.functional._autograd import refuse_double_backward
 from attnopt.functional._denormal import flush_denormal
+from attnopt.functional._toeplitz import toeplitz_offsets
 
 __all__ = ["biased_softmax_attention", "biased_flash_attention", "flash_bias_available", "CHUNK_BYTES"]
 
@@ -232,10 +233,13 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
 def biased_softmax_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
     """``softmax(scale·QKᵀ + bias) V``, materialized in L2-sized chunks (inputs validated)."""
     orig, compute = q.dtype, _compute_dtype(q)
+    offsets = toeplitz_offsets(bias)  # a relative-position bias's values per offset j − i, or None
     (qc, kc, vc), b4, batch = _batched(q.to(compute), k.to(compute), v.to(compute), bias.to(compute))
     lib = _generalized_native.library(qc, b4) if qc.numel() and kc.numel() and vc.numel() else None
     if lib is not None:  # the elementwise passes in C (see _generalized_native)
-        out: Tensor = _generalized_native.native_biased_softmax(lib, qc, kc, vc, b4, scale)
+        if len(batch) != 2:
+            offsets = None  # heads flattened: no longer one row of offsets per head
+        out: Tensor = _generalized_native.native_biased_softmax(lib, qc, kc, vc, b4, scale, offsets)
     else:
         out = _BiasedSoftmax.apply(qc, kc, vc, b4, scale)
     return out.reshape(*batch, q.shape[-2], v.shape[-1]).to(orig)

@@ -71,12 +71,24 @@ def _strides(t: Tensor | None) -> tuple[ctypes.c_int64, ...]:
     return tuple(_I64(0 if t.shape[i] == 1 else t.stride(i)) for i in range(3))
 
 
+def _layout(t: Tensor, toeplitz: bool, nq: int) -> tuple[ctypes.c_void_p, tuple[ctypes.c_int64, ...]]:
+    """The C kernel's bias pointer and (batch, head, row) strides for ``t``.
+
+    A Toeplitz bias's row ``i`` of head ``h`` starts at ``offsets[h, Nq − 1 − i]``: the pointer
+    to ``offsets[0, Nq − 1]`` and row stride −1."""
+    if not toeplitz:
+        return ctypes.c_void_p(t.data_ptr()), _strides(t)
+    ptr = ctypes.c_void_p(t.data_ptr() + (nq - 1) * t.element_size())
+    return ptr, (_I64(0), _I64(0 if t.shape[0] == 1 else t.stride(0)), _I64(-1))
+
+
 class _NativeBiasedSoftmax(torch.autograd.Function):
-    """q, k, v: contiguous (B, H, N, ·); bias: 4-D (B|1, H|1, Nq|1, Nk), unit key stride."""
+    """q, k, v: contiguous (B, H, N, ·); bias: 4-D (B|1, H|1, Nq|1, Nk) with unit key stride, or
+    (``toeplitz``) contiguous per-offset values (H|1, Nq + Nk − 1) of a bias (1, H|1, Nq, Nk)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float, lib: ctypes.CDLL
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float, lib: ctypes.CDLL, toeplitz: bool
     ) -> Tensor:
         from attnopt.functional._generalized_fused import SAVE_BYTES
 
@@ -94,7 +106,7 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
         q3, k3, v3 = qs.view(g, nq, d), k.view(g, nk, d), v.view(g, nk, dv)
         fwd = lib.bs_fwd_f64 if q.dtype == torch.float64 else lib.bs_fwd_f32
         fwd.restype = ctypes.c_int64
-        sb, sh, si = _strides(bias)
+        base, (sb, sh, si) = _layout(bias, toeplitz, nq)
         bad = [0]
         with flush_denormal():
             for h0, h1 in parts:
@@ -102,7 +114,7 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
                 torch.bmm(q3[h0:h1], k3[h0:h1].transpose(1, 2), out=s)
 
                 def rows(i0: int, i1: int, s: Tensor = s, h0: int = h0, h1: int = h1) -> None:
-                    bad[0] += fwd(_p(s), _p(bias), sb, sh, si, _p(mx), _p(rinv), _I64(h0), _I64(h1), _I64(h),
+                    bad[0] += fwd(_p(s), base, sb, sh, si, _p(mx), _p(rinv), _I64(h0), _I64(h1), _I64(h),
                                   _I64(i0), _I64(i1), _I64(nq), _I64(nk))
 
                 _native.parallel_rows(rows, nq, (h1 - h0) * nk)
@@ -113,8 +125,7 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
                 raise ValueError("log_preference must not contain NaN or +inf (-inf masks a key)")
             raise ValueError("the biased scores overflowed to +inf")
         ctx.scale = scale
-        ctx.lib = lib
-        ctx.bias_shape = bias.shape
+        ctx.lib, ctx.toeplitz = lib, toeplitz
         ctx.save_for_backward(qs, k, v, p if save else None, out, bias, mx, rinv)
         return out.view(b, h, nq, dv)
 
@@ -131,7 +142,12 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
         do3 = do3 * rinv.unsqueeze(-1)  # dO' = r dO (contiguous)
         q3, k3, v3 = qs.view(g, nq, d), k.view(g, nk, d), v.view(g, nk, dv)
         dq, dk, dvv = torch.empty_like(q3), torch.empty_like(k3), torch.empty_like(v3)
-        gb = qs.new_zeros(ctx.bias_shape) if ctx.needs_input_grad[3] else None
+        toeplitz = ctx.toeplitz
+        # the bias gradient: in place of the bias (threads write disjoint rows), or for a Toeplitz
+        # bias one (H, Nq + Nk − 1) buffer of diagonal sums per thread (rows share offsets)
+        gb = bias.new_zeros(bias.shape) if ctx.needs_input_grad[3] and not toeplitz else None
+        parts_t: dict[int, Tensor] = {}
+        need_t = ctx.needs_input_grad[3] and toeplitz
         block = nq * nk * qs.element_size()
         parts = _chunks(g, block)
         size = parts[0][1] - parts[0][0]
@@ -139,8 +155,10 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
         s_buf = qs.new_empty(size, nq, nk) if recompute else None
         dp_buf = qs.new_empty(size, nq, nk)
         bwd = lib.bs_bwd_f64 if qs.dtype == torch.float64 else lib.bs_bwd_f32
-        sb, sh, si = _strides(bias)
-        gsb, gsh, gsi = _strides(gb)
+        base, (sb, sh, si) = _layout(bias, toeplitz, nq)
+        gbase, (gsb, gsh, gsi) = (None, _strides(None)) if gb is None else _layout(gb, False, nq)
+        if need_t:
+            gsb, gsh, gsi = sb, sh, si
         # a bias broadcast over query rows: every row adds into the same gradient row (one thread)
         one = gb is not None and gb.shape[2] == 1 and nq > 1
         with flush_denormal():
@@ -152,9 +170,14 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
                 dp = torch.bmm(do3[h0:h1], v3[h0:h1].transpose(1, 2), out=dp_buf[: h1 - h0])
 
                 def rows(i0: int, i1: int, s: Tensor = s, dp: Tensor = dp, h0: int = h0, h1: int = h1) -> None:
-                    bwd(_p(s), _p(dp), _INT(int(recompute)), _p(bias), sb, sh, si, _p(mx), _p(rinv), _p(delta),
-                        _p(gb), gsb, gsh, gsi, _I64(h0), _I64(h1), _I64(h), _I64(i0), _I64(i1), _I64(nq),
-                        _I64(nk))
+                    gp = gbase
+                    if need_t:  # this row range's own buffer (the same range in every chunk)
+                        buf = parts_t.get(i0)
+                        if buf is None:
+                            buf = parts_t.setdefault(i0, bias.new_zeros(bias.shape))
+                        gp = _layout(buf, True, nq)[0]
+                    bwd(_p(s), _p(dp), _INT(int(recompute)), base, sb, sh, si, _p(mx), _p(rinv), _p(delta),
+                        gp, gsb, gsh, gsi, _I64(h0), _I64(h1), _I64(h), _I64(i0), _I64(i1), _I64(nq), _I64(nk))
 
                 if one:
                     rows(0, nq)
@@ -164,18 +187,28 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
                 torch.bmm(dp, k3[h0:h1], out=dq[h0:h1])
                 torch.bmm(dp.transpose(1, 2), q3[h0:h1], out=dk[h0:h1])
         dq.mul_(ctx.scale)
-        return (dq.view(b, h, nq, d), dk.view(b, h, nk, d), dvv.view(b, h, nk, dv), gb, None, None)
+        if need_t:
+            gb = sum(parts_t.values()) if parts_t else bias.new_zeros(bias.shape)  # type: ignore[assignment]
+        return (dq.view(b, h, nq, d), dk.view(b, h, nk, d), dvv.view(b, h, nk, dv), gb, None, None, None)
 
 
 def native_biased_softmax(
-    lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float
+    lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float, offsets: Tensor | None = None
 ) -> Tensor:
     """``softmax(scale·QKᵀ + bias) V`` on contiguous ``(B, H, N, ·)`` q, k, v and a 4-D bias
-    broadcastable to ``(B, H, Nq, Nk)`` (same dtype; see :func:`library`)."""
-    nk = k.shape[-2]
+    broadcastable to ``(B, H, Nq, Nk)`` (same dtype; see :func:`library`).
+
+    ``offsets``: the bias's per-offset values (:func:`._toeplitz.toeplitz_offsets`) where it
+    is a ``(1, H|1, Nq, Nk)`` Toeplitz bias; then they are read instead of the bias and get
+    its gradient."""
+    nq, nk = q.shape[-2], k.shape[-2]
+    if (offsets is not None and bias.shape[0] == 1 and bias.shape[1] in (1, q.shape[1])
+            and offsets.shape == (bias.shape[1], nq + nk - 1) and offsets.device == q.device):
+        out_t: Tensor = _NativeBiasedSoftmax.apply(q, k, v, offsets.to(q.dtype).contiguous(), scale, lib, True)
+        return out_t
     if bias.shape[-1] != nk:  # constant along keys: broadcast it (rare; it cancels in the softmax)
         bias = bias.expand(*bias.shape[:-1], nk)
     if bias.stride(-1) != 1 and nk > 1:
         bias = bias.contiguous()
-    out: Tensor = _NativeBiasedSoftmax.apply(q, k, v, bias, scale, lib)
+    out: Tensor = _NativeBiasedSoftmax.apply(q, k, v, bias, scale, lib, False)
     return out

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attnopt.functional._toeplitz import mark_toeplitz
+
 __all__ = [
     "PreferenceModule",
     "T5RelativePreference",
@@ -108,7 +110,10 @@ class T5RelativePreference(PreferenceModule):
         # lays them out as a Toeplitz matrix; its backward sums the gradient over diagonals and
         # adds the sums into the buckets (instead of scattering Nq·Nk embedding rows)
         buckets, index = self._buckets(query_len, key_len, weight.device)
-        return _ToeplitzBias.apply(weight, buckets, index, query_len, key_len)
+        bias: Tensor = _ToeplitzBias.apply(weight, buckets, index, query_len, key_len)
+        # the per-offset values (H, Nq + Nk − 1) ride along: the C path of generalized attention
+        # reads the bias rows from them and returns their gradient (no (H, Nq, Nk) gradient)
+        return mark_toeplitz(bias, weight.index_select(0, buckets).t().contiguous())
 
     def _buckets(self, query_len: int, key_len: int, device: torch.device) -> tuple[Tensor, Tensor | None]:
         """Bucket of each offset ``j − i = −(Nq−1) … Nk−1`` and, up to :data:`GATHER_LIMIT`

@@ -1,0 +1,37 @@
+"""A bias that depends on the offset ``j − i`` only, with its per-offset values attached (internal).
+
+A relative-position bias (T5's buckets, ALiBi) is a Toeplitz matrix per head,
+``bias[0, h, i, j] = offsets[h, j − i + Nq − 1]``. Its builder lays it out as the usual
+``(1, H, Nq, Nk)`` tensor and records ``offsets (H, Nq + Nk − 1)`` on it with
+:func:`mark_toeplitz`; a consumer that can use the structure (the C path of
+:mod:`._generalized_native`: the bias row ``i`` is the window of ``offsets`` that starts at
+``Nq − 1 − i``, and its gradient collects into ``Nq + Nk − 1`` sums per head) takes
+:func:`toeplitz_offsets` instead of the bias — and the gradient then reaches the parameters
+through ``offsets``. Any other use of the tensor (or a copy, a sum with a mask, a reshape,
+an in-place change: its version counter is checked) sees an ordinary tensor.
+"""
+from __future__ import annotations
+
+from torch import Tensor
+
+__all__ = ["mark_toeplitz", "toeplitz_offsets"]
+
+_ATTR = "_attnopt_toeplitz_offsets"
+
+
+def mark_toeplitz(bias: Tensor, offsets: Tensor) -> Tensor:
+    """Record on ``bias (1, H, Nq, Nk)`` that it equals ``offsets (H, Nq + Nk − 1)`` laid out by offset."""
+    _, h, nq, nk = bias.shape
+    if offsets.shape != (h, nq + nk - 1):
+        raise ValueError(f"offsets must be ({h}, {nq + nk - 1}), got {tuple(offsets.shape)}")
+    setattr(bias, _ATTR, (offsets, bias._version))
+    return bias
+
+
+def toeplitz_offsets(bias: Tensor) -> Tensor | None:
+    """The ``offsets`` recorded on ``bias`` by :func:`mark_toeplitz`, or ``None`` (none, or changed since)."""
+    hit = getattr(bias, _ATTR, None)
+    if hit is None or hit[1] != bias._version or bias.dim() != 4 or bias.shape[0] != 1:
+        return None
+    offsets: Tensor = hit[0]
+    return offsets
