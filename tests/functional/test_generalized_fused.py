@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from attnopt.functional import _generalized_fused as fused
+from attnopt.functional import _generalized_native as native
 from attnopt.functional import dispatch, generalized
 from attnopt.functional._denormal import flush_denormal, flush_denormal_on
 from attnopt.functional.generalized import generalized_attention
@@ -29,9 +30,10 @@ def _ref(q, k, v, bias, is_causal=False):
 @pytest.mark.parametrize("chunk_bytes", [1, 5 * 7 * 8 * 2, 1 << 20])  # one head, two heads, everything
 @pytest.mark.parametrize("save_bytes", [1 << 40, 0], ids=["P-saved", "P-recomputed"])
 def test_materialized_chunks_match_reference_with_bias_gradient(
-    monkeypatch, bias_shape, chunk_bytes, save_bytes
+    monkeypatch, native_or_torch, bias_shape, chunk_bytes, save_bytes
 ):
     monkeypatch.setattr(fused, "CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(native, "CHUNK_BYTES", chunk_bytes)
     monkeypatch.setattr(fused, "SAVE_BYTES", save_bytes)
     monkeypatch.setattr(generalized, "SDPA_BELOW", 0)  # auto: SDPA itself at these tiny sizes otherwise
     q, k, v = _qkv(2, 3, 5, 7)
@@ -51,8 +53,9 @@ def test_materialized_chunks_match_reference_with_bias_gradient(
 
 
 @pytest.mark.parametrize("save_bytes", [1 << 40, 0], ids=["P-saved", "P-recomputed"])
-def test_materialized_chunks_gradcheck(monkeypatch, save_bytes):
+def test_materialized_chunks_gradcheck(monkeypatch, native_or_torch, save_bytes):
     monkeypatch.setattr(fused, "CHUNK_BYTES", 1)
+    monkeypatch.setattr(native, "CHUNK_BYTES", 1)
     monkeypatch.setattr(fused, "SAVE_BYTES", save_bytes)
     q, k, v = _qkv(2, 2, 3, 4, seed=2)
     bias = torch.randn(1, 2, 3, 4, dtype=torch.float64, requires_grad=True)

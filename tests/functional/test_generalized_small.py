@@ -33,7 +33,9 @@ def test_learned_bias_goes_to_sdpa_below_the_threshold_and_to_the_node_above(mon
     size = b * 2 * 6 * 6
     for limit, expected in ((size, "streaming"), (size - 1, "materialized")):
         monkeypatch.setattr(generalized, "SDPA_BELOW", limit)
-        bias = t5(6, 6)
+        # a copy: the C node reads a T5 bias through its offsets (no gradient for the tensor itself;
+        # tests/functional/test_generalized_native.py checks that route via the bucket table)
+        bias = t5(6, 6).clone()
         out = generalized_attention(q, k, v, log_preference=bias, is_causal=True)
         assert dispatch.last_dispatch["generalized"] == expected
         _check_against_reference(out, q, k, v, bias, is_causal=True)  # (1, H, …) bias, B = 1 or 2
@@ -77,7 +79,7 @@ def test_log_preference_range_is_cached_per_version_and_rechecked_after_an_inpla
 
 @pytest.mark.parametrize("impl", ["auto", "materialized", "streaming"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_nan_or_posinf_in_a_learned_bias_is_rejected_on_every_path(impl, bad):
+def test_nan_or_posinf_in_a_learned_bias_is_rejected_on_every_path(native_or_torch, impl, bad):
     q, k, v = _qkv(1, 2, 5)
     bias = torch.zeros(1, 2, 5, 5, dtype=torch.float64)
     bias[0, 1, 3, 2] = bad
@@ -85,7 +87,7 @@ def test_nan_or_posinf_in_a_learned_bias_is_rejected_on_every_path(impl, bad):
         generalized_attention(q, k, v, log_preference=bias.requires_grad_(), impl=impl)
 
 
-def test_rows_with_no_key_are_zero_in_the_node_after_its_posthoc_check():
+def test_rows_with_no_key_are_zero_in_the_node_after_its_posthoc_check(native_or_torch):
     q, k, v = _qkv(2, 2, 5, seed=3)
     bias = torch.randn(1, 2, 5, 5, dtype=torch.float64)
     bias[..., 2, :] = float("-inf")

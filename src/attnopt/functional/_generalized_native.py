@@ -1,4 +1,4 @@
-r"""Softmax attention with an additive bias, its elementwise passes in C (internal; ``_native/biased_softmax.c``).
+r"""Softmax attention with an additive bias, elementwise passes in C (internal; ``_native/biased_softmax.c``).
 
 The same math and chunking as :class:`._generalized_fused._BiasedSoftmax`
 (fenchel-dual-attention eq. (16)–(18), ``O = softmax(scale·QKᵀ + b) V``), with every
@@ -88,7 +88,8 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float, lib: ctypes.CDLL, toeplitz: bool
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float, lib: ctypes.CDLL,
+        toeplitz: bool,
     ) -> Tensor:
         from attnopt.functional._generalized_fused import SAVE_BYTES
 
@@ -169,7 +170,8 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
                     s = p[h0:h1]
                 dp = torch.bmm(do3[h0:h1], v3[h0:h1].transpose(1, 2), out=dp_buf[: h1 - h0])
 
-                def rows(i0: int, i1: int, s: Tensor = s, dp: Tensor = dp, h0: int = h0, h1: int = h1) -> None:
+                def rows(i0: int, i1: int, s: Tensor = s, dp: Tensor = dp, h0: int = h0, h1: int = h1
+                         ) -> None:
                     gp = gbase
                     if need_t:  # this row range's own buffer (the same range in every chunk)
                         buf = parts_t.get(i0)
@@ -177,7 +179,8 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
                             buf = parts_t.setdefault(i0, bias.new_zeros(bias.shape))
                         gp = _layout(buf, True, nq)[0]
                     bwd(_p(s), _p(dp), _INT(int(recompute)), base, sb, sh, si, _p(mx), _p(rinv), _p(delta),
-                        gp, gsb, gsh, gsi, _I64(h0), _I64(h1), _I64(h), _I64(i0), _I64(i1), _I64(nq), _I64(nk))
+                        gp, gsb, gsh, gsi, _I64(h0), _I64(h1), _I64(h), _I64(i0), _I64(i1), _I64(nq),
+                        _I64(nk))
 
                 if one:
                     rows(0, nq)
@@ -193,7 +196,8 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
 
 
 def native_biased_softmax(
-    lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float, offsets: Tensor | None = None
+    lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float,
+    offsets: Tensor | None = None,
 ) -> Tensor:
     """``softmax(scale·QKᵀ + bias) V`` on contiguous ``(B, H, N, ·)`` q, k, v and a 4-D bias
     broadcastable to ``(B, H, Nq, Nk)`` (same dtype; see :func:`library`).
@@ -204,7 +208,8 @@ def native_biased_softmax(
     nq, nk = q.shape[-2], k.shape[-2]
     if (offsets is not None and bias.shape[0] == 1 and bias.shape[1] in (1, q.shape[1])
             and offsets.shape == (bias.shape[1], nq + nk - 1) and offsets.device == q.device):
-        out_t: Tensor = _NativeBiasedSoftmax.apply(q, k, v, offsets.to(q.dtype).contiguous(), scale, lib, True)
+        values = offsets.to(q.dtype).contiguous()
+        out_t: Tensor = _NativeBiasedSoftmax.apply(q, k, v, values, scale, lib, True)
         return out_t
     if bias.shape[-1] != nk:  # constant along keys: broadcast it (rare; it cancels in the softmax)
         bias = bias.expand(*bias.shape[:-1], nk)

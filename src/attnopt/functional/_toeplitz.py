@@ -12,9 +12,10 @@ an in-place change: its version counter is checked) sees an ordinary tensor.
 """
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
-__all__ = ["mark_toeplitz", "toeplitz_offsets"]
+__all__ = ["causal_toeplitz", "mark_toeplitz", "toeplitz_offsets"]
 
 _ATTR = "_attnopt_toeplitz_offsets"
 
@@ -35,3 +36,17 @@ def toeplitz_offsets(bias: Tensor) -> Tensor | None:
         return None
     offsets: Tensor = hit[0]
     return offsets
+
+
+def causal_toeplitz(log_u: Tensor, combined: Tensor) -> Tensor:
+    """``combined = log_u + causal mask``, marked when ``log_u`` is: SDPA's top-left causal mask
+    (key ``j`` hidden from query ``i`` when ``j > i``) depends on ``j − i`` only as well."""
+    offsets = toeplitz_offsets(log_u)
+    if (offsets is None or combined.dim() != 4 or combined.shape[0] != 1
+            or combined.shape[1] != offsets.shape[0]):
+        return combined
+    nq = combined.shape[-2]
+    hidden = torch.arange(offsets.shape[-1], device=offsets.device) > nq - 1  # offset j − i > 0
+    mask = torch.zeros(hidden.shape, dtype=offsets.dtype, device=offsets.device)
+    mask.masked_fill_(hidden, float("-inf"))
+    return mark_toeplitz(combined, offsets + mask)

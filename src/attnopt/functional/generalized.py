@@ -38,6 +38,7 @@ from attnopt.functional._generalized_fused import (
     flash_bias_available,
 )
 from attnopt.functional._softmax import safe_softmax
+from attnopt.functional._toeplitz import causal_toeplitz
 
 __all__ = [
     "generalized_attention",
@@ -240,6 +241,8 @@ def generalized_attention(
         )
     # log_preference's values are checked below, once per path (the fused node checks its output)
     bias = score_bias(q, k, preference, log_preference, attn_mask, is_causal, check_values=False)
+    if is_causal and log_preference is not None and attn_mask is None and bias is not None:
+        bias = causal_toeplitz(log_preference, bias)  # a relative-position bias stays one (see _toeplitz)
     path = _path(q, k, v, bias, dropout_p, impl)
     if path == "materialized":
         return biased_softmax_attention(q, k, v, bias, alpha)  # type: ignore[arg-type]

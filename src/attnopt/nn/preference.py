@@ -82,7 +82,11 @@ class T5RelativePreference(PreferenceModule):
         A learned bias requires grad: :func:`attnopt.generalized_attention` then runs its fused
         materialized node (O(Nq·Nk) memory, as SDPA's math kernel would), whose gradient for
         the bias reaches the ``num_buckets × H`` table through one diagonal-sum node.
-        The offset → bucket table is cached per (Nq, Nk, device).
+        The offset → bucket table is cached per (Nq, Nk, device). The returned tensor carries
+        its per-offset values (:mod:`attnopt.functional._toeplitz`): the C path of that node
+        reads the bias rows from them and sends the gradient to the table through them — so
+        ``torch.autograd.grad(out, bias)`` for this very tensor finds it unused there; ask for
+        the gradient of the table, or of a copy (``bias.clone()`` is an ordinary tensor).
     """
 
     def __init__(
