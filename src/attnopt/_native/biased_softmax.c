@@ -126,6 +126,27 @@ void bs_bwd_##SUF(T *s, T *dp, int recompute, const T *bias, int64_t sb, int64_t
             const int64_t r = g * nq + i;                                                            \
             const T m = mx[r], dl = delta[r];                                                        \
             T *gr = gh ? gh + i * gsi : NULL;                                                        \
+            if (recompute && bh && m != -(T)INFINITY) { /* the common case in one loop */            \
+                const T *br = bh + i * si;                                                           \
+                if (gr) {                                                                            \
+                    _Pragma("omp simd")                                                              \
+                    for (int64_t j = 0; j < nk; ++j) {                                               \
+                        const T e = EXP((row[j] + br[j]) - m), x = e * (d[j] - dl);                  \
+                        const T y = (x >= TINY || x <= -TINY) ? x : 0;                               \
+                        row[j] = e;                                                                  \
+                        d[j] = y;                                                                    \
+                        gr[j] += y;                                                                  \
+                    }                                                                                \
+                } else {                                                                             \
+                    _Pragma("omp simd")                                                              \
+                    for (int64_t j = 0; j < nk; ++j) {                                               \
+                        const T e = EXP((row[j] + br[j]) - m), x = e * (d[j] - dl);                  \
+                        row[j] = e;                                                                  \
+                        d[j] = (x >= TINY || x <= -TINY) ? x : 0;                                    \
+                    }                                                                                \
+                }                                                                                    \
+                continue;                                                                            \
+            }                                                                                        \
             if (recompute) {                                                                         \
                 if (m == -(T)INFINITY) {                                                             \
                     memset(row, 0, sizeof(T) * (size_t)nk);                                          \

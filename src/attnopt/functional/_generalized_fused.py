@@ -211,16 +211,19 @@ class _FlashBias(torch.autograd.Function):
 
 
 def _batched(
-    q: Tensor, k: Tensor, v: Tensor, bias: Tensor
+    q: Tensor, k: Tensor, v: Tensor, bias: Tensor, contiguous: bool = True
 ) -> tuple[tuple[Tensor, ...], Tensor, tuple[int, ...]]:
-    """q, k, v as contiguous (B, H, N, ·) of one batch shape and ``bias`` 4-D (views unless needed)."""
+    """q, k, v as (B, H, N, ·) of one batch shape (contiguous unless told) and ``bias`` 4-D
+    (views unless needed)."""
     batch = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], bias.shape[:-2])
     if len(batch) != 2:  # any other batch rank: one flat head dimension
         bias = bias.expand(*batch, *bias.shape[-2:]).reshape(1, -1, *bias.shape[-2:])
         qkv = tuple(x.expand(*batch, *x.shape[-2:]).reshape(1, -1, *x.shape[-2:]).contiguous()
                     for x in (q, k, v))
     else:
-        qkv = tuple(x.expand(*batch, *x.shape[-2:]).contiguous() for x in (q, k, v))
+        qkv = tuple(x.expand(*batch, *x.shape[-2:]) for x in (q, k, v))
+        if contiguous:
+            qkv = tuple(x.contiguous() for x in qkv)
     if bias.dim() < 4:
         bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
     return qkv, bias, batch
@@ -234,8 +237,10 @@ def biased_softmax_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scal
     """``softmax(scale·QKᵀ + bias) V``, materialized in L2-sized chunks (inputs validated)."""
     orig, compute = q.dtype, _compute_dtype(q)
     offsets = toeplitz_offsets(bias)  # a relative-position bias's values per offset j − i, or None
-    (qc, kc, vc), b4, batch = _batched(q.to(compute), k.to(compute), v.to(compute), bias.to(compute))
-    lib = _generalized_native.library(qc, b4) if qc.numel() and kc.numel() and vc.numel() else None
+    qkv = q.to(compute), k.to(compute), v.to(compute)
+    lib = _generalized_native.library(*qkv, bias) if all(x.numel() for x in qkv) else None
+    # the C path takes q, k, v of any strides (they are copied into its own layout anyway)
+    (qc, kc, vc), b4, batch = _batched(*qkv, bias.to(compute), contiguous=lib is None)
     if lib is not None:  # the elementwise passes in C (see _generalized_native)
         if len(batch) != 2:
             offsets = None  # heads flattened: no longer one row of offsets per head

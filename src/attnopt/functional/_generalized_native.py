@@ -43,17 +43,14 @@ __all__ = ["CHUNK_BYTES", "library", "native_biased_softmax"]
 CHUNK_BYTES = 1 << 20
 
 _I64, _INT = ctypes.c_int64, ctypes.c_int
-_p = _native.pointer
 
 
-def library(q: Tensor, bias: Tensor) -> ctypes.CDLL | None:
-    """The compiled ``biased_softmax.c`` when the native path applies, else ``None``.
-
-    CPU float32/64 tensors with storage (not ``torch.func`` / fake tensors), a bias whose key
-    dimension is full (a bias constant along keys cancels; the PyTorch path takes it).
-    """
+def library(q: Tensor, *others: Tensor) -> ctypes.CDLL | None:
+    """The compiled ``biased_softmax.c`` when the native path applies to ``q`` (and ``others``:
+    k, v, the bias), else ``None``: CPU float32/64 tensors with storage (not ``torch.func`` /
+    fake tensors)."""
     if (q.dtype not in (torch.float32, torch.float64) or q.device.type != "cpu"
-            or not _native.has_storage(q, bias) or bias.dtype != q.dtype or bias.device != q.device):
+            or not _native.has_storage(q, *others) or any(t.device != q.device for t in others)):
         return None
     return _native.library("biased_softmax")
 
@@ -64,27 +61,50 @@ def _chunks(g: int, block: int) -> list[tuple[int, int]]:
     return [(h, min(h + step, g)) for h in range(0, g, step)]
 
 
-def _strides(t: Tensor | None) -> tuple[ctypes.c_int64, ...]:
+def _strides(t: Tensor | None) -> tuple[int, int, int]:
     """Batch, head and row strides of a 4-D tensor in elements, 0 along size-1 dims."""
     if t is None:
-        return _I64(0), _I64(0), _I64(0)
-    return tuple(_I64(0 if t.shape[i] == 1 else t.stride(i)) for i in range(3))
+        return 0, 0, 0
+    return (0 if t.shape[0] == 1 else t.stride(0), 0 if t.shape[1] == 1 else t.stride(1),
+            0 if t.shape[2] == 1 else t.stride(2))
 
 
-def _layout(t: Tensor, toeplitz: bool, nq: int) -> tuple[ctypes.c_void_p, tuple[ctypes.c_int64, ...]]:
-    """The C kernel's bias pointer and (batch, head, row) strides for ``t``.
+def _layout(t: Tensor, toeplitz: bool, nq: int) -> tuple[int, tuple[int, int, int]]:
+    """The C kernel's bias address and (batch, head, row) strides for ``t``.
 
-    A Toeplitz bias's row ``i`` of head ``h`` starts at ``offsets[h, Nq − 1 − i]``: the pointer
-    to ``offsets[0, Nq − 1]`` and row stride −1."""
+    A Toeplitz bias's row ``i`` of head ``h`` starts at ``offsets[h, Nq − 1 − i]``: the address
+    of ``offsets[0, Nq − 1]`` and row stride −1."""
     if not toeplitz:
-        return ctypes.c_void_p(t.data_ptr()), _strides(t)
-    ptr = ctypes.c_void_p(t.data_ptr() + (nq - 1) * t.element_size())
-    return ptr, (_I64(0), _I64(0 if t.shape[0] == 1 else t.stride(0)), _I64(-1))
+        return t.data_ptr(), _strides(t)
+    return t.data_ptr() + (nq - 1) * t.element_size(), (0, 0 if t.shape[0] == 1 else t.stride(0), -1)
+
+
+_VP = ctypes.c_void_p
+
+
+def _functions(lib: ctypes.CDLL, dtype: torch.dtype) -> tuple[Any, Any]:
+    """The forward and backward C functions for ``dtype``, with their argument types declared
+    (plain Python ints are passed: no ctypes objects per call). Declared on every call: a test
+    may load the library anew, and an ``id`` of a freed library object can be reused."""
+    suffix = "f64" if dtype == torch.float64 else "f32"
+    fwd, bwd = getattr(lib, f"bs_fwd_{suffix}"), getattr(lib, f"bs_bwd_{suffix}")
+    fwd.restype, bwd.restype = _I64, None
+    fwd.argtypes = [_VP, _VP, _I64, _I64, _I64, _VP, _VP] + [_I64] * 7
+    bwd.argtypes = [_VP, _VP, _INT, _VP, _I64, _I64, _I64, _VP, _VP, _VP, _VP] + [_I64] * 10
+    return fwd, bwd
+
+
+def _run(call: Any, rows: int, row_len: int, threads: int) -> None:
+    """``call(0, rows)`` directly on one thread, else split by :func:`attnopt._native.parallel_rows`."""
+    if threads <= 1:
+        call(0, rows)
+    else:
+        _native.parallel_rows(call, rows, row_len)
 
 
 class _NativeBiasedSoftmax(torch.autograd.Function):
-    """q, k, v: contiguous (B, H, N, ·); bias: 4-D (B|1, H|1, Nq|1, Nk) with unit key stride, or
-    (``toeplitz``) contiguous per-offset values (H|1, Nq + Nk − 1) of a bias (1, H|1, Nq, Nk)."""
+    """q, k, v: (B, H, N, ·) of any strides; bias: 4-D (B|1, H|1, Nq|1, Nk) with unit key stride,
+    or (``toeplitz``) contiguous per-offset values (H|1, Nq + Nk − 1) of a bias (1, H|1, Nq, Nk)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -96,30 +116,31 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
         b, h, nq, d = q.shape
         nk, dv = k.shape[-2], v.shape[-1]
         g = b * h
-        qs = q * scale
+        qs = torch.mul(q, scale, out=q.new_empty(b, h, nq, d))  # scaled and made contiguous at once
+        k, v = k.contiguous(), v.contiguous()
         block = nq * nk * q.element_size()
         save = g * block <= SAVE_BYTES or d >= 64  # as the PyTorch path (see _BiasedSoftmax)
         parts = _chunks(g, block)
-        size = parts[0][1] - parts[0][0]
-        p = q.new_empty(g if save else size, nq, nk)
+        step = parts[0][1] - parts[0][0]
+        p = q.new_empty(g if save else step, nq, nk)
         mx, rinv = q.new_empty(g, nq), q.new_empty(g, nq)
         out = q.new_empty(g, nq, dv)
         q3, k3, v3 = qs.view(g, nq, d), k.view(g, nk, d), v.view(g, nk, dv)
-        fwd = lib.bs_fwd_f64 if q.dtype == torch.float64 else lib.bs_fwd_f32
-        fwd.restype = ctypes.c_int64
+        fwd, _ = _functions(lib, q.dtype)
         base, (sb, sh, si) = _layout(bias, toeplitz, nq)
+        pmx, prinv, threads = mx.data_ptr(), rinv.data_ptr(), torch.get_num_threads()
         bad = [0]
         with flush_denormal():
-            for h0, h1 in parts:
-                s = p[h0:h1] if save else p[: h1 - h0]
-                torch.bmm(q3[h0:h1], k3[h0:h1].transpose(1, 2), out=s)
+            for (h0, h1), qc, kc, vc, oc in zip(parts, q3.split(step), k3.transpose(1, 2).split(step),
+                                                v3.split(step), out.split(step)):
+                s = torch.bmm(qc, kc, out=p[h0:h1] if save else p[: h1 - h0])
+                ps = s.data_ptr()
 
-                def rows(i0: int, i1: int, s: Tensor = s, h0: int = h0, h1: int = h1) -> None:
-                    bad[0] += fwd(_p(s), base, sb, sh, si, _p(mx), _p(rinv), _I64(h0), _I64(h1), _I64(h),
-                                  _I64(i0), _I64(i1), _I64(nq), _I64(nk))
+                def rows(i0: int, i1: int, ps: int = ps, h0: int = h0, h1: int = h1) -> None:
+                    bad[0] += fwd(ps, base, sb, sh, si, pmx, prinv, h0, h1, h, i0, i1, nq, nk)
 
-                _native.parallel_rows(rows, nq, (h1 - h0) * nk)
-                torch.bmm(s, v3[h0:h1], out=out[h0:h1])
+                _run(rows, nq, (h1 - h0) * nk, threads)
+                torch.bmm(s, vc, out=oc)
         out.mul_(rinv.unsqueeze(-1))
         if bad[0]:  # q and k are finite (validated): NaN or +inf came from the bias
             if not bool(bias.amax(-1).max() < float("inf")):
@@ -137,10 +158,10 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
         b, h, nq, d = qs.shape
         nk, dv = k.shape[-2], v.shape[-1]
         g = b * h
-        lib = ctx.lib
-        do3 = dout.to(v.dtype).reshape(g, nq, dv)
-        delta = (do3 * out).sum(-1).mul_(rinv)  # r δ, (g, nq)
-        do3 = do3 * rinv.unsqueeze(-1)  # dO' = r dO (contiguous)
+        # dO' = r dO, contiguous (dO of any strides, e.g. the transposed view of merged heads)
+        do3 = torch.mul(dout.to(v.dtype), rinv.view(b, h, nq, 1), out=qs.new_empty(b, h, nq, dv))
+        do3 = do3.view(g, nq, dv)
+        delta = (do3 * out).sum(-1)  # r δ, (g, nq)
         q3, k3, v3 = qs.view(g, nq, d), k.view(g, nk, d), v.view(g, nk, dv)
         dq, dk, dvv = torch.empty_like(q3), torch.empty_like(k3), torch.empty_like(v3)
         toeplitz = ctx.toeplitz
@@ -151,44 +172,44 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
         need_t = ctx.needs_input_grad[3] and toeplitz
         block = nq * nk * qs.element_size()
         parts = _chunks(g, block)
-        size = parts[0][1] - parts[0][0]
-        recompute = p is None
-        s_buf = qs.new_empty(size, nq, nk) if recompute else None
-        dp_buf = qs.new_empty(size, nq, nk)
-        bwd = lib.bs_bwd_f64 if qs.dtype == torch.float64 else lib.bs_bwd_f32
+        step = parts[0][1] - parts[0][0]
+        recompute = int(p is None)
+        s_buf = qs.new_empty(step, nq, nk) if recompute else None
+        dp_buf = qs.new_empty(step, nq, nk)
+        _, bwd = _functions(ctx.lib, qs.dtype)
         base, (sb, sh, si) = _layout(bias, toeplitz, nq)
-        gbase, (gsb, gsh, gsi) = (None, _strides(None)) if gb is None else _layout(gb, False, nq)
+        gbase, (gsb, gsh, gsi) = (0, (0, 0, 0)) if gb is None else _layout(gb, False, nq)
         if need_t:
             gsb, gsh, gsi = sb, sh, si
+        pmx, prinv, pdelta = mx.data_ptr(), rinv.data_ptr(), delta.data_ptr()
         # a bias broadcast over query rows: every row adds into the same gradient row (one thread)
-        one = gb is not None and gb.shape[2] == 1 and nq > 1
+        threads = 1 if gb is not None and gb.shape[2] == 1 else torch.get_num_threads()
         with flush_denormal():
-            for h0, h1 in parts:
+            for (h0, h1), qc, kt, vt, dc, dqc, dkc, dvc in zip(
+                parts, q3.split(step), k3.transpose(1, 2).split(step), v3.transpose(1, 2).split(step),
+                do3.split(step), dq.split(step), dk.split(step), dvv.split(step),
+            ):
                 if s_buf is not None:
-                    s = torch.bmm(q3[h0:h1], k3[h0:h1].transpose(1, 2), out=s_buf[: h1 - h0])
+                    s = torch.bmm(qc, kt, out=s_buf[: h1 - h0])
                 else:
                     s = p[h0:h1]
-                dp = torch.bmm(do3[h0:h1], v3[h0:h1].transpose(1, 2), out=dp_buf[: h1 - h0])
+                dp = torch.bmm(dc, vt, out=dp_buf[: h1 - h0])
+                ps, pdp = s.data_ptr(), dp.data_ptr()
 
-                def rows(i0: int, i1: int, s: Tensor = s, dp: Tensor = dp, h0: int = h0, h1: int = h1
-                         ) -> None:
+                def rows(i0: int, i1: int, ps: int = ps, pdp: int = pdp, h0: int = h0, h1: int = h1) -> None:
                     gp = gbase
                     if need_t:  # this row range's own buffer (the same range in every chunk)
                         buf = parts_t.get(i0)
                         if buf is None:
                             buf = parts_t.setdefault(i0, bias.new_zeros(bias.shape))
                         gp = _layout(buf, True, nq)[0]
-                    bwd(_p(s), _p(dp), _INT(int(recompute)), base, sb, sh, si, _p(mx), _p(rinv), _p(delta),
-                        gp, gsb, gsh, gsi, _I64(h0), _I64(h1), _I64(h), _I64(i0), _I64(i1), _I64(nq),
-                        _I64(nk))
+                    bwd(ps, pdp, recompute, base, sb, sh, si, pmx, prinv, pdelta, gp, gsb, gsh, gsi,
+                        h0, h1, h, i0, i1, nq, nk)
 
-                if one:
-                    rows(0, nq)
-                else:
-                    _native.parallel_rows(rows, nq, (h1 - h0) * nk)
-                torch.bmm(s.transpose(1, 2), do3[h0:h1], out=dvv[h0:h1])
-                torch.bmm(dp, k3[h0:h1], out=dq[h0:h1])
-                torch.bmm(dp.transpose(1, 2), q3[h0:h1], out=dk[h0:h1])
+                _run(rows, nq, (h1 - h0) * nk, threads)
+                torch.bmm(s.transpose(1, 2), dc, out=dvc)
+                torch.bmm(dp, kt.transpose(1, 2), out=dqc)
+                torch.bmm(dp.transpose(1, 2), qc, out=dkc)
         dq.mul_(ctx.scale)
         if need_t:
             gb = sum(parts_t.values()) if parts_t else bias.new_zeros(bias.shape)  # type: ignore[assignment]
