@@ -36,6 +36,7 @@ def test_materialized_chunks_match_reference_with_bias_gradient(
     monkeypatch.setattr(native, "CHUNK_BYTES", chunk_bytes)
     monkeypatch.setattr(fused, "SAVE_BYTES", save_bytes)
     monkeypatch.setattr(generalized, "SDPA_BELOW", 0)  # auto: SDPA itself at these tiny sizes otherwise
+    monkeypatch.setattr(generalized, "SDPA_BELOW_LEARNED_NATIVE", 0)
     q, k, v = _qkv(2, 3, 5, 7)
     bias = torch.randn(bias_shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     if bias_shape[-2] > 1:

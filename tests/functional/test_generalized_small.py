@@ -33,6 +33,7 @@ def test_learned_bias_goes_to_sdpa_below_the_threshold_and_to_the_node_above(mon
     size = b * 2 * 6 * 6
     for limit, expected in ((size, "streaming"), (size - 1, "materialized")):
         monkeypatch.setattr(generalized, "SDPA_BELOW", limit)
+        monkeypatch.setattr(generalized, "SDPA_BELOW_LEARNED_NATIVE", limit)
         # a copy: the C node reads a T5 bias through its offsets (no gradient for the tensor itself;
         # tests/functional/test_generalized_native.py checks that route via the bucket table)
         bias = t5(6, 6).clone()
@@ -43,6 +44,7 @@ def test_learned_bias_goes_to_sdpa_below_the_threshold_and_to_the_node_above(mon
 
 def test_narrow_constant_bias_calls_sdpa_itself_and_a_wide_one_the_flushing_kernel(monkeypatch):
     monkeypatch.setattr(generalized, "SDPA_BELOW", 0)
+    monkeypatch.setattr(generalized, "SDPA_BELOW_LEARNED_NATIVE", 0)
     calls: list[float] = []
     real = fused.biased_flash_attention
 

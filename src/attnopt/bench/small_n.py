@@ -252,7 +252,10 @@ def _function_rows(ctx: BenchContext) -> Iterator[Measurement]:
                     limit = dispatch.CROSSOVERS[key]["float32"]
                     rule = "a learned bias: always" if "learned" in name else f"crossover B*H*N^2 <= {limit}"
                     if key == "generalized":
-                        rule = f"SDPA itself at B*H*N^2 <= {generalized.SDPA_BELOW}; above, {rule}"
+                        native = generalized._generalized_native.library(*qkv) is not None
+                        below = (generalized.SDPA_BELOW_LEARNED_NATIVE if "learned" in name and native
+                                 else generalized.SDPA_BELOW)
+                        rule = f"SDPA itself at B*H*N^2 <= {below}; above, {rule}"
                     note = f"auto -> {path} ({rule}); {note}"
                     if not ctx.quick:
                         other: dispatch.Impl = "streaming" if path == "materialized" else "materialized"

@@ -28,6 +28,7 @@ disjoint rows of the bias gradient.
 from __future__ import annotations
 
 import ctypes
+import os
 from typing import Any
 
 import torch
@@ -52,7 +53,16 @@ def library(q: Tensor, *others: Tensor) -> ctypes.CDLL | None:
     if (q.dtype not in (torch.float32, torch.float64) or q.device.type != "cpu"
             or not _native.has_storage(q, *others) or any(t.device != q.device for t in others)):
         return None
+    if os.environ.get("ATTNOPT_NATIVE", "1") == "0":
+        return None
+    if "biased_softmax" in _native._LIBS:  # loaded (or failed) before: skip the compiler lookup on PATH,
+        return _native._LIBS["biased_softmax"]  # ~0.1 ms a call, more than the kernel at B·H = 8, N = 64
     return _native.library("biased_softmax")
+
+
+def _pieces(x: Tensor, step: int) -> Any:
+    """``x.split(step)`` (``[x]`` when one piece: the Python split costs ~10 µs a call)."""
+    return (x,) if x.shape[0] <= step else x.split(step)
 
 
 def _chunks(g: int, block: int) -> list[tuple[int, int]]:
@@ -131,8 +141,8 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
         pmx, prinv, threads = mx.data_ptr(), rinv.data_ptr(), torch.get_num_threads()
         bad = [0]
         with flush_denormal():
-            for (h0, h1), qc, kc, vc, oc in zip(parts, q3.split(step), k3.transpose(1, 2).split(step),
-                                                v3.split(step), out.split(step)):
+            for (h0, h1), qc, kc, vc, oc in zip(parts, _pieces(q3, step), _pieces(k3.transpose(1, 2), step),
+                                                _pieces(v3, step), _pieces(out, step)):
                 s = torch.bmm(qc, kc, out=p[h0:h1] if save else p[: h1 - h0])
                 ps = s.data_ptr()
 
@@ -186,8 +196,9 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
         threads = 1 if gb is not None and gb.shape[2] == 1 else torch.get_num_threads()
         with flush_denormal():
             for (h0, h1), qc, kt, vt, dc, dqc, dkc, dvc in zip(
-                parts, q3.split(step), k3.transpose(1, 2).split(step), v3.transpose(1, 2).split(step),
-                do3.split(step), dq.split(step), dk.split(step), dvv.split(step),
+                parts, _pieces(q3, step), _pieces(k3.transpose(1, 2), step),
+                _pieces(v3.transpose(1, 2), step), _pieces(do3, step), _pieces(dq, step), _pieces(dk, step),
+                _pieces(dvv, step),
             ):
                 if s_buf is not None:
                     s = torch.bmm(qc, kt, out=s_buf[: h1 - h0])

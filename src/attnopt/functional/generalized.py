@@ -31,7 +31,7 @@ from attnopt._validation import (
     to_rank,
     validate_attention,
 )
-from attnopt.functional import dispatch
+from attnopt.functional import _generalized_native, dispatch
 from attnopt.functional._generalized_fused import (
     biased_flash_attention,
     biased_softmax_attention,
@@ -203,7 +203,9 @@ def generalized_attention(
             bias on CPU under autograd, ``auto`` streams through SDPA itself when
             ``B·H·Nq·Nk <= SDPA_BELOW`` (2^17: B·H = 8 at N = 128; with the bias as its
             ``attn_mask``, its math kernel when the bias needs a gradient — the Python node's
-            per-call cost made it 1.2–2× that at B·H = 8, N = 64–128); above it,
+            per-call cost made it 1.2–2× that at B·H = 8, N = 64–128; a bias that needs a
+            gradient: ``SDPA_BELOW_LEARNED_NATIVE`` = 2^14 where the node's C passes run, which
+            beat SDPA's math kernel from B·H = 8, N = 64 on); above it,
             materialized when the bias requires grad, or, for a constant bias, when
             ``B·H·Nq·Nk <= dispatch.CROSSOVERS["generalized"]`` (2^20: B·H = 64 at
             N = 128; the chunked materialized path was 0.9–1.0× plain SDPA there, the flash
@@ -266,6 +268,18 @@ SUBNORMAL_FREE_RANGE = 64.0
 #: (its math kernel when the bias needs a gradient): at B·H = 8, N = 64–128 the fused node's
 #: per-call cost (a Python autograd node, six small matmuls) made it 1.2–2× SDPA with the same bias.
 SDPA_BELOW = 1 << 17
+#: The same bound for a bias that needs a gradient when the node's C passes run
+#: (:mod:`._generalized_native`): fwd+bwd with a learned T5 bias, d = 64, 1 thread, vs SDPA
+#: (math kernel) with the same bias: B·H = 8, N = 64: 2.30× vs 2.40× plain SDPA; N = 128:
+#: 1.33× vs 1.59×; B·H = 64, N = 32: 1.52× vs 1.89×; B·H = 8, N = 32 (2^13): 4.25× vs 3.94×.
+SDPA_BELOW_LEARNED_NATIVE = 1 << 14
+
+
+def _sdpa_below(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> int:
+    """:data:`SDPA_BELOW`, or :data:`SDPA_BELOW_LEARNED_NATIVE` for a learned bias on the C path."""
+    if bias.requires_grad and _generalized_native.library(q, k, v, bias) is not None:
+        return SDPA_BELOW_LEARNED_NATIVE
+    return SDPA_BELOW
 
 
 def _path(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, dropout_p: float, impl: str) -> str:
@@ -282,7 +296,7 @@ def _path(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, dropout_p: float
         rows = math.prod(broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], bias.shape[:-2]))
     if impl != "auto":
         path = impl
-    elif rows and rows * q.shape[-2] * k.shape[-2] <= SDPA_BELOW:
+    elif rows and rows * q.shape[-2] * k.shape[-2] <= _sdpa_below(q, k, v, bias):
         path = "streaming"  # SDPA itself: its C++ autograd beats a Python node's per-call cost here
     elif bias.requires_grad and grad:
         path = "materialized"  # the fastest path with a bias gradient above SDPA_BELOW
