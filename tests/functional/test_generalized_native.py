@@ -38,12 +38,14 @@ def calls(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("nq,nk,threads,causal", [(6, 9, 1, True), (9, 6, 1, True), (9, 6, 1, False),
-                                                  (40, 48, 2, False)])
+@pytest.mark.parametrize("nq,nk,threads,causal,chunk", [
+    (6, 9, 1, True, "heads"), (9, 6, 1, True, "heads"), (9, 6, 1, False, "rows"), (40, 48, 2, False, "heads"),
+    (40, 48, 2, True, "rows")])
 def test_t5_bias_through_its_offsets_matches_reference(
-    monkeypatch, native_or_torch, calls, nq, nk, threads, causal
+    monkeypatch, native_or_torch, calls, nq, nk, threads, causal, chunk
 ):
-    monkeypatch.setattr(native, "CHUNK_BYTES", nq * nk * 8 * 3)  # chunks of a few heads, across batches
+    # chunks of a few heads across batches, or blocks of 7 query rows of one head
+    monkeypatch.setattr(native, "CHUNK_BYTES", nq * nk * 8 * 3 if chunk == "heads" else nk * 8 * 7 // threads)
     monkeypatch.setattr(_native, "_MIN_PARALLEL", 0)  # split rows over threads even at this size
     t5 = T5RelativePreference(3, num_buckets=8, max_distance=16).double()
     q, k, v = _qkv(2, 3, nq, nk, seed=1)

@@ -2,8 +2,9 @@
  * attnopt.functional._generalized_native, float32 (suffix f32) and float64 (f64).
  *
  * Layout. A call works on the heads [g0, g1) of one chunk and on the query rows [i0, i1) of
- * each of them: "s" (and "dp") hold the chunk's (g1 - g0, nq, nk) scores row-major, head g0
- * first. Row (g, i) has its bias row at bias + (g / heads) * sb + (g % heads) * sh + i * si
+ * each of them: "s" (and "dp") hold the chunk's scores row-major, rh rows per head starting at
+ * row r0 (all rows: r0 = 0, rh = nq; a row block of one head when a head's scores exceed the
+ * cache), head g0 first. Row (g, i) has its bias row at bias + (g / heads) * sb + (g % heads) * sh + i * si
  * (a stride 0 broadcasts; the key dimension is contiguous) and its O(1) state (row maximum m,
  * inverse row sum r, delta) at index g * nq + i. Rows are independent, so
  * attnopt._native.parallel_rows may split [0, nq) over threads; the bias gradient "gb" is
@@ -62,13 +63,13 @@ void bs_exp_f32(float *x, int64_t r0, int64_t r1) {
 
 #define BIASED_SOFTMAX(T, SUF, EXP, TINY)                                                              \
 int64_t bs_fwd_##SUF(T *s, const T *bias, int64_t sb, int64_t sh, int64_t si, T *mx, T *rinv,        \
-                     int64_t g0, int64_t g1, int64_t heads, int64_t i0, int64_t i1, int64_t nq,      \
-                     int64_t nk) {                                                                   \
+                     int64_t g0, int64_t g1, int64_t heads, int64_t r0, int64_t rh, int64_t i0,      \
+                     int64_t i1, int64_t nq, int64_t nk) {                                           \
     int64_t bad = 0;                                                                                 \
     for (int64_t g = g0; g < g1; ++g) {                                                              \
         const T *bh = bias ? bias + (g / heads) * sb + (g % heads) * sh : NULL;                      \
         for (int64_t i = i0; i < i1; ++i) {                                                          \
-            T *row = s + ((g - g0) * nq + i) * nk;                                                   \
+            T *row = s + ((g - g0) * rh + (i - r0)) * nk;                                            \
             const T *br = bh ? bh + i * si : NULL;                                                   \
             T m = -(T)INFINITY;                                                                      \
             int nan = 0;                                                                             \
@@ -116,13 +117,14 @@ int64_t bs_fwd_##SUF(T *s, const T *bias, int64_t sb, int64_t sh, int64_t si, T 
                                                                                                      \
 void bs_bwd_##SUF(T *s, T *dp, int recompute, const T *bias, int64_t sb, int64_t sh, int64_t si,     \
                   const T *mx, const T *rinv, const T *delta, T *gb, int64_t gsb, int64_t gsh,       \
-                  int64_t gsi, int64_t g0, int64_t g1, int64_t heads, int64_t i0, int64_t i1,        \
-                  int64_t nq, int64_t nk) {                                                          \
+                  int64_t gsi, int64_t g0, int64_t g1, int64_t heads, int64_t r0, int64_t rh,        \
+                  int64_t i0, int64_t i1, int64_t nq, int64_t nk) {                                  \
     for (int64_t g = g0; g < g1; ++g) {                                                              \
         const T *bh = bias ? bias + (g / heads) * sb + (g % heads) * sh : NULL;                      \
         T *gh = gb ? gb + (g / heads) * gsb + (g % heads) * gsh : NULL;                              \
         for (int64_t i = i0; i < i1; ++i) {                                                          \
-            T *row = s + ((g - g0) * nq + i) * nk, *d = dp + ((g - g0) * nq + i) * nk;               \
+            const int64_t at = ((g - g0) * rh + (i - r0)) * nk;                                      \
+            T *row = s + at, *d = dp + at;                                                           \
             const int64_t r = g * nq + i;                                                            \
             const T m = mx[r], dl = delta[r];                                                        \
             T *gr = gh ? gh + i * gsi : NULL;                                                        \

@@ -71,6 +71,12 @@ def _chunks(g: int, block: int) -> list[tuple[int, int]]:
     return [(h, min(h + step, g)) for h in range(0, g, step)]
 
 
+def _row_step(nq: int, nk: int, size: int) -> int:
+    """Query rows per block when one head's ``Nq × Nk`` scores exceed the chunk, else 0."""
+    per_chunk = CHUNK_BYTES * max(1, torch.get_num_threads())
+    return 0 if nq * nk * size <= per_chunk else max(1, per_chunk // (nk * size))
+
+
 def _strides(t: Tensor | None) -> tuple[int, int, int]:
     """Batch, head and row strides of a 4-D tensor in elements, 0 along size-1 dims."""
     if t is None:
@@ -99,8 +105,8 @@ def _functions(lib: ctypes.CDLL, dtype: torch.dtype) -> tuple[Any, Any]:
     suffix = "f64" if dtype == torch.float64 else "f32"
     fwd, bwd = getattr(lib, f"bs_fwd_{suffix}"), getattr(lib, f"bs_bwd_{suffix}")
     fwd.restype, bwd.restype = _I64, None
-    fwd.argtypes = [_VP, _VP, _I64, _I64, _I64, _VP, _VP] + [_I64] * 7
-    bwd.argtypes = [_VP, _VP, _INT, _VP, _I64, _I64, _I64, _VP, _VP, _VP, _VP] + [_I64] * 10
+    fwd.argtypes = [_VP, _VP, _I64, _I64, _I64, _VP, _VP] + [_I64] * 9
+    bwd.argtypes = [_VP, _VP, _INT, _VP, _I64, _I64, _I64, _VP, _VP, _VP, _VP] + [_I64] * 12
     return fwd, bwd
 
 
@@ -140,14 +146,31 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
         base, (sb, sh, si) = _layout(bias, toeplitz, nq)
         pmx, prinv, threads = mx.data_ptr(), rinv.data_ptr(), torch.get_num_threads()
         bad = [0]
+        rstep = _row_step(nq, nk, q.element_size())
         with flush_denormal():
+            if rstep:  # one head at a time, in blocks of query rows whose scores fit the cache
+                for gi in range(g):
+                    for r0 in range(0, nq, rstep):
+                        r1 = min(nq, r0 + rstep)
+                        s = torch.mm(q3[gi, r0:r1], k3[gi].t(), out=p[gi, r0:r1] if save else p[0, : r1 - r0])
+                        ps = s.data_ptr()
+
+                        def piece(a: int, e: int, ps: int = ps, gi: int = gi, r0: int = r0, r1: int = r1
+                                  ) -> None:
+                            bad[0] += fwd(ps, base, sb, sh, si, pmx, prinv, gi, gi + 1, h, r0, r1 - r0,
+                                          r0 + a, r0 + e, nq, nk)
+
+                        _run(piece, r1 - r0, nk, threads)
+                        torch.mm(s, v3[gi], out=out[gi, r0:r1])
             for (h0, h1), qc, kc, vc, oc in zip(parts, _pieces(q3, step), _pieces(k3.transpose(1, 2), step),
                                                 _pieces(v3, step), _pieces(out, step)):
+                if rstep:
+                    break
                 s = torch.bmm(qc, kc, out=p[h0:h1] if save else p[: h1 - h0])
                 ps = s.data_ptr()
 
                 def rows(i0: int, i1: int, ps: int = ps, h0: int = h0, h1: int = h1) -> None:
-                    bad[0] += fwd(ps, base, sb, sh, si, pmx, prinv, h0, h1, h, i0, i1, nq, nk)
+                    bad[0] += fwd(ps, base, sb, sh, si, pmx, prinv, h0, h1, h, 0, nq, i0, i1, nq, nk)
 
                 _run(rows, nq, (h1 - h0) * nk, threads)
                 torch.bmm(s, vc, out=oc)
@@ -194,12 +217,50 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
         pmx, prinv, pdelta = mx.data_ptr(), rinv.data_ptr(), delta.data_ptr()
         # a bias broadcast over query rows: every row adds into the same gradient row (one thread)
         threads = 1 if gb is not None and gb.shape[2] == 1 else torch.get_num_threads()
+        def grad_buffer(i0: int) -> int:
+            """The bias-gradient address for the call whose rows start at ``i0``: for a Toeplitz
+            bias that range's own buffer (the same range in every chunk; threads never share one)."""
+            if not need_t:
+                return gbase
+            buf = parts_t.get(i0)
+            if buf is None:
+                buf = parts_t.setdefault(i0, bias.new_zeros(bias.shape))
+            return _layout(buf, True, nq)[0]
+
+        rstep = _row_step(nq, nk, qs.element_size())
         with flush_denormal():
+            if rstep:  # one head at a time, in blocks of query rows (dK and dV accumulate)
+                for gi in range(g):
+                    for r0 in range(0, nq, rstep):
+                        r1 = min(nq, r0 + rstep)
+                        qr, dr = q3[gi, r0:r1], do3[gi, r0:r1]
+                        if s_buf is not None:
+                            s = torch.mm(qr, k3[gi].t(), out=s_buf[0, : r1 - r0])
+                        else:
+                            s = p[gi, r0:r1]
+                        dp = torch.mm(dr, v3[gi].t(), out=dp_buf[0, : r1 - r0])
+                        ps, pdp = s.data_ptr(), dp.data_ptr()
+
+                        def piece(a: int, e: int, ps: int = ps, pdp: int = pdp, gi: int = gi, r0: int = r0,
+                                  r1: int = r1) -> None:
+                            bwd(ps, pdp, recompute, base, sb, sh, si, pmx, prinv, pdelta, grad_buffer(r0 + a),
+                                gsb, gsh, gsi, gi, gi + 1, h, r0, r1 - r0, r0 + a, r0 + e, nq, nk)
+
+                        _run(piece, r1 - r0, nk, threads)
+                        if r0 == 0:
+                            torch.mm(s.t(), dr, out=dvv[gi])
+                            torch.mm(dp.t(), qr, out=dk[gi])
+                        else:
+                            dvv[gi].addmm_(s.t(), dr)
+                            dk[gi].addmm_(dp.t(), qr)
+                        torch.mm(dp, k3[gi], out=dq[gi, r0:r1])
             for (h0, h1), qc, kt, vt, dc, dqc, dkc, dvc in zip(
                 parts, _pieces(q3, step), _pieces(k3.transpose(1, 2), step),
                 _pieces(v3.transpose(1, 2), step), _pieces(do3, step), _pieces(dq, step), _pieces(dk, step),
                 _pieces(dvv, step),
             ):
+                if rstep:
+                    break
                 if s_buf is not None:
                     s = torch.bmm(qc, kt, out=s_buf[: h1 - h0])
                 else:
@@ -207,15 +268,10 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
                 dp = torch.bmm(dc, vt, out=dp_buf[: h1 - h0])
                 ps, pdp = s.data_ptr(), dp.data_ptr()
 
-                def rows(i0: int, i1: int, ps: int = ps, pdp: int = pdp, h0: int = h0, h1: int = h1) -> None:
-                    gp = gbase
-                    if need_t:  # this row range's own buffer (the same range in every chunk)
-                        buf = parts_t.get(i0)
-                        if buf is None:
-                            buf = parts_t.setdefault(i0, bias.new_zeros(bias.shape))
-                        gp = _layout(buf, True, nq)[0]
-                    bwd(ps, pdp, recompute, base, sb, sh, si, pmx, prinv, pdelta, gp, gsb, gsh, gsi,
-                        h0, h1, h, i0, i1, nq, nk)
+                def rows(i0: int, i1: int, ps: int = ps, pdp: int = pdp, h0: int = h0, h1: int = h1
+                         ) -> None:
+                    bwd(ps, pdp, recompute, base, sb, sh, si, pmx, prinv, pdelta, grad_buffer(i0), gsb, gsh,
+                        gsi, h0, h1, h, 0, nq, i0, i1, nq, nk)
 
                 _run(rows, nq, (h1 - h0) * nk, threads)
                 torch.bmm(s.transpose(1, 2), dc, out=dvc)
