@@ -172,3 +172,19 @@ def test_learned_bias_leaves_sdpa_earlier_on_the_c_path(native_or_torch):
     generalized_attention(q, k, v, log_preference=t5(100, 100)).sum().backward()
     expected = "materialized" if native_or_torch == "native" else "streaming"
     assert dispatch.last_dispatch["generalized"] == expected
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_alibi_bias_through_its_offsets_matches_reference(native_or_torch, calls, causal):
+    from attnopt.nn.preference import ALiBiPreference
+
+    alibi = ALiBiPreference(2, slopes=torch.tensor([40.0, 0.5]))  # steep: weights far below the normal range
+    q, k, v = _qkv(2, 2, 7, 9, seed=9)
+    log_u = alibi.log_preference(q, k)
+    out = generalized_attention(q, k, v, log_preference=log_u, is_causal=causal, impl="materialized")
+    ref = generalized_attention_ref(q, k, v, attn_mask=log_u, is_causal=causal)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    go = torch.randn_like(out)
+    for a, r in zip(torch.autograd.grad(out, (q, k, v), go), torch.autograd.grad(ref, (q, k, v), go)):
+        torch.testing.assert_close(a, r, rtol=1e-9, atol=1e-11)
+    assert calls == ([True] if native_or_torch == "native" else [])

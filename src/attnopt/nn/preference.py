@@ -259,17 +259,24 @@ class ALiBiPreference(PreferenceModule):
             return hit[1]
         if len(cache) >= 8:
             cache.clear()
-        bias = self._build(query_len, key_len).to(dtype).contiguous()
+        per_offset = self._per_offset(query_len, key_len)
+        bias = self._build(query_len, key_len, per_offset).to(dtype).contiguous()
+        if per_offset is not None:  # the C path of generalized attention reads these (see _toeplitz)
+            mark_toeplitz(bias, per_offset.to(dtype))
         cache[key] = (stamp, bias, bias._version)
         return bias
 
-    def _build(self, query_len: int, key_len: int) -> Tensor:
-        device = self.slopes.device
-        # the same products per offset j − i, laid out as a Toeplitz matrix (as in T5RelativePreference)
+    def _per_offset(self, query_len: int, key_len: int) -> Tensor | None:
+        """``−m_h |j − i|`` per offset ``j − i = −(Nq−1) … Nk−1``: (H, Nq + Nk − 1); ``None`` if empty."""
         if query_len == 0 or key_len == 0:
+            return None
+        dist = torch.arange(-(query_len - 1), key_len, device=self.slopes.device)
+        return -(self.slopes.view(self.num_heads, 1) * dist.abs().to(self.slopes.dtype))
+
+    def _build(self, query_len: int, key_len: int, per_offset: Tensor | None) -> Tensor:
+        # the same products per offset j − i, laid out as a Toeplitz matrix (as in T5RelativePreference)
+        if per_offset is None:
             return self.slopes.new_zeros(1, self.num_heads, query_len, key_len)
-        dist = torch.arange(-(query_len - 1), key_len, device=device)
-        per_offset = -(self.slopes.view(self.num_heads, 1) * dist.abs().to(self.slopes.dtype))
         return per_offset.unfold(-1, key_len, 1).flip(-2).unsqueeze(0)
 
     def log_preference(self, query: Tensor, key: Tensor) -> Tensor:
