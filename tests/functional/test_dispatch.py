@@ -215,6 +215,7 @@ def test_generalized_biased_paths_match_reference_and_dispatch(monkeypatch):
 
     monkeypatch.setattr(generalized, "SDPA_BELOW", 0)  # these tiny sizes would go to SDPA itself
     monkeypatch.setattr(generalized, "SDPA_BELOW_LEARNED_NATIVE", 0)
+    monkeypatch.setattr(generalized, "NATIVE_CROSSOVER", 0)  # the crossover below decides, C path or not
 
     q, k, v = _qkv(5, 7, seed=6)
     bias = torch.randn(1, 3, 5, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(1))

@@ -188,3 +188,18 @@ def test_alibi_bias_through_its_offsets_matches_reference(native_or_torch, calls
     for a, r in zip(torch.autograd.grad(out, (q, k, v), go), torch.autograd.grad(ref, (q, k, v), go)):
         torch.testing.assert_close(a, r, rtol=1e-9, atol=1e-11)
     assert calls == ([True] if native_or_torch == "native" else [])
+
+
+def test_constant_bias_takes_the_node_up_to_the_native_crossover(monkeypatch, native_or_torch):
+    from attnopt.functional import dispatch, generalized
+
+    monkeypatch.setattr(generalized, "SDPA_BELOW", 0)
+    monkeypatch.setitem(dispatch.CROSSOVERS, "generalized", {"float32": 1, "float64": 1, "half": 1})
+    q, k, v = _qkv(1, 2, 6, 6)
+    bias = torch.randn(1, 2, 6, 6, dtype=torch.float64)
+    for limit, on_c in ((72, "materialized"), (71, "streaming")):
+        monkeypatch.setattr(generalized, "NATIVE_CROSSOVER", limit)
+        out = generalized_attention(q, k, v, log_preference=bias)
+        out.sum().backward()
+        assert dispatch.last_dispatch["generalized"] == (on_c if native_or_torch == "native" else "streaming")
+        torch.testing.assert_close(out, generalized_attention_ref(q, k, v, attn_mask=bias))

@@ -209,7 +209,8 @@ def generalized_attention(
             materialized when the bias requires grad, or, for a constant bias, when
             ``B·H·Nq·Nk <= dispatch.CROSSOVERS["generalized"]`` (2^20: B·H = 64 at
             N = 128; the chunked materialized path was 0.9–1.0× plain SDPA there, the flash
-            path 1.1–1.2×; above it they tie and streaming keeps O(N) memory); otherwise
+            path 1.1–1.2×; above it they tie and streaming keeps O(N) memory) — or
+            ``NATIVE_CROSSOVER`` (2^26) where the node's C passes run; otherwise
             streaming. Forward-only calls, a key-only bias and ``dropout_p > 0`` (SDPA) stream.
             A streaming call whose ``log_preference`` spreads over at most
             :data:`SUBNORMAL_FREE_RANGE` (ALiBi up to N = 128, T5) calls SDPA directly; a
@@ -273,6 +274,14 @@ SDPA_BELOW = 1 << 17
 #: (math kernel) with the same bias: B·H = 8, N = 64: 2.30× vs 2.40× plain SDPA; N = 128:
 #: 1.33× vs 1.59×; B·H = 64, N = 32: 1.52× vs 1.89×; B·H = 8, N = 32 (2^13): 4.25× vs 3.94×.
 SDPA_BELOW_LEARNED_NATIVE = 1 << 14
+#: ``B·H·Nq·Nk`` up to which ``auto`` takes the materialized node for a *constant* full bias when
+#: its C passes run (else ``dispatch.CROSSOVERS["generalized"]``, 2^20): it held O(chunk) memory
+#: (``E`` recomputed) and beat the flash kernel at every size measured — ALiBi, d = 64, fwd+bwd,
+#: 1 thread, materialized vs streaming × plain SDPA: B·H = 8, N = 512 0.97 vs 1.13; B·H = 64,
+#: N = 256 0.94 vs 1.12; B·H = 64, N = 512 0.99 vs 1.14; B·H = 8, N = 1024 1.11 vs 1.16;
+#: B·H = 64, N = 1024 (2^26) 1.08 vs 1.15; d = 16, B·H = 128, N = 512 1.13–1.17 vs 1.18–1.20.
+#: 2^26 is where measuring stopped.
+NATIVE_CROSSOVER = 1 << 26
 
 
 def _sdpa_below(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> int:
@@ -302,6 +311,9 @@ def _path(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, dropout_p: float
         path = "materialized"  # the fastest path with a bias gradient above SDPA_BELOW
     elif rows:
         path = dispatch.choose_impl("generalized", nq=q.shape[-2], nk=k.shape[-2], batch=rows, dtype=q.dtype)
+        if (path == "streaming" and rows * q.shape[-2] * k.shape[-2] <= NATIVE_CROSSOVER
+                and _generalized_native.library(q, k, v, bias) is not None):
+            path = "materialized"
     else:
         path = "streaming"
     if dispatch.record("generalized", path) == "materialized":
