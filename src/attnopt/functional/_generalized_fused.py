@@ -13,6 +13,10 @@ fenchel-dual-attention eq. (16)–(18): ``O = softmax(scale·QKᵀ + b) V`` with
             dQ = \mathrm{scale}\, dS\, K,\ dK = dS^\top(\mathrm{scale}\,Q),\ dV = P^\top dO,\
             db = \textstyle\sum_{\text{broadcast dims}} dS.
 
+  Where the native kernels run (CPU float32/64, a C compiler, ``ATTNOPT_NATIVE`` not ``0``,
+  tensors with storage) the same node runs its elementwise passes in C
+  (:mod:`._generalized_native`); the PyTorch version here is the fallback.
+
 * :func:`biased_flash_attention` — *streaming*: PyTorch's fused CPU flash kernel
   (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward) with the bias as
   its float mask, O(N) memory beyond the bias; no gradient for the bias.

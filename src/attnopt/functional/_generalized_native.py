@@ -3,8 +3,11 @@ r"""Softmax attention with an additive bias, elementwise passes in C (internal; 
 The same math and chunking as :class:`._generalized_fused._BiasedSoftmax`
 (fenchel-dual-attention eq. (16)–(18), ``O = softmax(scale·QKᵀ + b) V``), with every
 ``Nq × Nk`` elementwise pass of a chunk in one C call that works row by row while the row is in
-L1, and the bias read where it lies (a T5 bias ``(1, H, Nq, Nk)`` is shared by the batch: no
-copy per chunk):
+L1, and the bias read where it lies (a ``(1, H, Nq, Nk)`` bias is shared by the batch: no copy
+per chunk). A relative-position bias (T5, ALiBi) that carries its values per offset ``j − i``
+(:mod:`._toeplitz`) is read from those, ``(H, Nq + Nk − 1)``: row ``i`` is the window from
+``Nq − 1 − i``, a few kB that stay in L1, and its gradient collects into per-thread sums by
+offset (no ``(H, Nq, Nk)`` gradient, no diagonal-sum pass after).
 
 * forward: ``S = (scale·Q) Kᵀ`` (``bmm``); in C, per row: ``x = S + b``, its maximum ``m``,
   ``E = exp(x − m)``, ``r = 1 / Σ E``; ``out = r ⊙ (E V)`` (the normalization on the small
@@ -21,9 +24,14 @@ bias raise (the C pass counts such rows). Weights and ``dS`` below the smallest 
 number are flushed to zero (as the PyTorch path does with the CPU's FTZ mode). float32's
 exponential is a polynomial (about 2 ulp, see ``dnas.c``), float64's is libm's.
 
-A chunk holds about :data:`CHUNK_BYTES` of scores per thread; its query rows are split over
-``torch.get_num_threads()`` threads (:func:`attnopt._native.parallel_rows`), so threads write
-disjoint rows of the bias gradient.
+A chunk holds about :data:`CHUNK_BYTES` of scores per thread (whole heads; a head whose scores
+exceed twice that goes in equal blocks of query rows, ``dK`` and ``dV`` accumulated); its query
+rows are split over ``torch.get_num_threads()`` threads (:func:`attnopt._native.parallel_rows`),
+so threads write disjoint rows of the bias gradient.
+
+Measured (1 thread, loaded 2-core machine): train step of ``TransformerEncoder`` (E = 64,
+H = 4, B = 32, N = 512, 2 layers) with ``attention="t5"`` 1.44–1.52× → 1.07–1.10× the softmax
+arm; the attention alone at B·H = 128, N = 512, d = 16 1.76× → 1.09× plain SDPA.
 """
 from __future__ import annotations
 
