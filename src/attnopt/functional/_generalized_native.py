@@ -161,7 +161,7 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
         fwd, _ = _functions(lib, q.dtype)
         base, (sb, sh, si) = _layout(bias, toeplitz, nq)
         pmx, prinv, threads = mx.data_ptr(), rinv.data_ptr(), torch.get_num_threads()
-        bad = [0]
+        bad: list[int] = []  # rows with NaN / +inf per call (list.append is atomic across threads)
         rstep = _row_step(nq, nk, q.element_size())
         with flush_denormal():
             if rstep:  # one head at a time, in blocks of query rows whose scores fit the cache
@@ -173,8 +173,8 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
 
                         def piece(a: int, e: int, ps: int = ps, gi: int = gi, r0: int = r0, r1: int = r1
                                   ) -> None:
-                            bad[0] += fwd(ps, base, sb, sh, si, pmx, prinv, gi, gi + 1, h, r0, r1 - r0,
-                                          r0 + a, r0 + e, nq, nk)
+                            bad.append(fwd(ps, base, sb, sh, si, pmx, prinv, gi, gi + 1, h, r0, r1 - r0,
+                                           r0 + a, r0 + e, nq, nk))
 
                         _run(piece, r1 - r0, nk, threads)
                         torch.mm(s, v3[gi], out=out[gi, r0:r1])
@@ -186,12 +186,12 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
                 ps = s.data_ptr()
 
                 def rows(i0: int, i1: int, ps: int = ps, h0: int = h0, h1: int = h1) -> None:
-                    bad[0] += fwd(ps, base, sb, sh, si, pmx, prinv, h0, h1, h, 0, nq, i0, i1, nq, nk)
+                    bad.append(fwd(ps, base, sb, sh, si, pmx, prinv, h0, h1, h, 0, nq, i0, i1, nq, nk))
 
                 _run(rows, nq, (h1 - h0) * nk, threads)
                 torch.bmm(s, vc, out=oc)
         out.mul_(rinv.unsqueeze(-1))
-        if bad[0]:  # q and k are finite (validated): NaN or +inf came from the bias
+        if any(bad):  # q and k are finite (validated): NaN or +inf came from the bias
             if not bool(bias.amax(-1).max() < float("inf")):
                 raise ValueError("log_preference must not contain NaN or +inf (-inf masks a key)")
             raise ValueError("the biased scores overflowed to +inf")
