@@ -194,6 +194,7 @@ def test_constant_bias_takes_the_node_up_to_the_native_crossover(monkeypatch, na
     from attnopt.functional import dispatch, generalized
 
     monkeypatch.setattr(generalized, "SDPA_BELOW", 0)
+    monkeypatch.setattr(generalized, "NATIVE_MIN_HEAD_SCORES", 36)
     monkeypatch.setitem(dispatch.CROSSOVERS, "generalized", {"float32": 1, "float64": 1, "half": 1})
     q, k, v = _qkv(1, 2, 6, 6)
     bias = torch.randn(1, 2, 6, 6, dtype=torch.float64)
@@ -203,3 +204,6 @@ def test_constant_bias_takes_the_node_up_to_the_native_crossover(monkeypatch, na
         out.sum().backward()
         assert dispatch.last_dispatch["generalized"] == (on_c if native_or_torch == "native" else "streaming")
         torch.testing.assert_close(out, generalized_attention_ref(q, k, v, attn_mask=bias))
+    monkeypatch.setattr(generalized, "NATIVE_MIN_HEAD_SCORES", 37)  # heads too small: the flash kernel
+    generalized_attention(q, k, v, log_preference=bias).sum().backward()
+    assert dispatch.last_dispatch["generalized"] == "streaming"

@@ -254,7 +254,8 @@ def _function_rows(ctx: BenchContext) -> Iterator[Measurement]:
                     if key == "generalized":
                         native = generalized._generalized_native.library(*qkv) is not None
                         if native and "learned" not in name:
-                            rule += f" (C passes: <= {generalized.NATIVE_CROSSOVER})"
+                            rule += (f" (C passes, Nq*Nk >= {generalized.NATIVE_MIN_HEAD_SCORES}: "
+                                     f"<= {generalized.NATIVE_CROSSOVER})")
                         below = (generalized.SDPA_BELOW_LEARNED_NATIVE if "learned" in name and native
                                  else generalized.SDPA_BELOW)
                         rule = f"SDPA itself at B*H*N^2 <= {below}; above, {rule}"

@@ -210,8 +210,8 @@ def generalized_attention(
             ``B·H·Nq·Nk <= dispatch.CROSSOVERS["generalized"]`` (2^20: B·H = 64 at
             N = 128; the chunked materialized path was 0.9–1.0× plain SDPA there, the flash
             path 1.1–1.2×; above it they tie and streaming keeps O(N) memory) — or
-            ``NATIVE_CROSSOVER`` (2^26) where the node's C passes run; otherwise
-            streaming. Forward-only calls, a key-only bias and ``dropout_p > 0`` (SDPA) stream.
+            ``NATIVE_CROSSOVER`` (2^26) where the node's C passes run and ``Nq·Nk >= 2^16``;
+            otherwise streaming. Forward-only calls, a key-only bias and ``dropout_p > 0`` (SDPA) stream.
             A streaming call whose ``log_preference`` spreads over at most
             :data:`SUBNORMAL_FREE_RANGE` (ALiBi up to N = 128, T5) calls SDPA directly; a
             wider one (or a mask) runs the flash kernel with subnormals flushed.
@@ -282,6 +282,12 @@ SDPA_BELOW_LEARNED_NATIVE = 1 << 14
 #: B·H = 64, N = 1024 (2^26) 1.08 vs 1.15; d = 16, B·H = 128, N = 512 1.13–1.17 vs 1.18–1.20.
 #: 2^26 is where measuring stopped.
 NATIVE_CROSSOVER = 1 << 26
+#: ... provided one head's ``Nq·Nk`` is at least this: in the ``TransformerEncoder`` train step
+#: (E = 64, H = 4, B = 32, d = 16, inputs the strided views of split heads) ALiBi on the node's C
+#: path vs the flash kernel × the softmax arm: N = 128 1.06–1.07 vs 1.01–1.02 (the flash kernel
+#: reads the strided heads in place; the node copies them), N = 256 1.05 vs 1.04, N = 512 1.08–1.10
+#: vs 1.10–1.12.
+NATIVE_MIN_HEAD_SCORES = 1 << 16
 
 
 def _sdpa_below(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> int:
@@ -311,7 +317,8 @@ def _path(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, dropout_p: float
         path = "materialized"  # the fastest path with a bias gradient above SDPA_BELOW
     elif rows:
         path = dispatch.choose_impl("generalized", nq=q.shape[-2], nk=k.shape[-2], batch=rows, dtype=q.dtype)
-        if (path == "streaming" and rows * q.shape[-2] * k.shape[-2] <= NATIVE_CROSSOVER
+        per_head = q.shape[-2] * k.shape[-2]
+        if (path == "streaming" and rows * per_head <= NATIVE_CROSSOVER and per_head >= NATIVE_MIN_HEAD_SCORES
                 and _generalized_native.library(q, k, v, bias) is not None):
             path = "materialized"
     else:
