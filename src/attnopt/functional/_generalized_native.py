@@ -63,8 +63,9 @@ def library(q: Tensor, *others: Tensor) -> ctypes.CDLL | None:
         return None
     if os.environ.get("ATTNOPT_NATIVE", "1") == "0":
         return None
-    if "biased_softmax" in _native._LIBS:  # loaded (or failed) before: skip the compiler lookup on PATH,
-        return _native._LIBS["biased_softmax"]  # ~0.1 ms a call, more than the kernel at B·H = 8, N = 64
+    loaded = getattr(_native, "_LIBS", {})  # the loader's cache
+    if "biased_softmax" in loaded:  # loaded (or failed) before: skip enabled()'s compiler lookup on
+        return loaded["biased_softmax"]  # PATH, ~0.1 ms a call — more than the kernel at B·H = 8, N = 64
     return _native.library("biased_softmax")
 
 
