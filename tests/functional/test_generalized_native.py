@@ -207,3 +207,19 @@ def test_constant_bias_takes_the_node_up_to_the_native_crossover(monkeypatch, na
     monkeypatch.setattr(generalized, "NATIVE_MIN_HEAD_SCORES", 37)  # heads too small: the flash kernel
     generalized_attention(q, k, v, log_preference=bias).sum().backward()
     assert dispatch.last_dispatch["generalized"] == "streaming"
+
+
+def test_forward_only_calls_take_the_node_from_the_native_head_size(monkeypatch, native_or_torch, calls):
+    from attnopt.functional import dispatch, generalized
+
+    q, k, v = (x.detach() for x in _qkv(2, 2, 6, 7))
+    bias = torch.randn(1, 2, 6, 7, dtype=torch.float64)
+    bias[0, 1, 2] = float("-inf")  # a row with no key
+    for limit, on_c in ((42, "materialized"), (43, "streaming")):
+        monkeypatch.setattr(generalized, "NATIVE_FORWARD_MIN_HEAD_SCORES", limit)
+        with torch.no_grad():
+            out = generalized_attention(q, k, v, log_preference=bias)
+        assert dispatch.last_dispatch["generalized"] == (on_c if native_or_torch == "native" else "streaming")
+        ref = generalized_attention_ref(q, k, v, attn_mask=bias)
+        torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    assert calls == ([False] if native_or_torch == "native" else [])

@@ -152,7 +152,7 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
         # E is recomputed above SAVE_BYTES at any head dimension (the PyTorch path saves P at d >= 64):
         # learned T5 bias, d = 64, fwd+bwd vs SDPA: B·H = 64, N = 512 1.14x saved -> 1.01x recomputed;
         # B·H = 8, N = 1024 1.46x -> 1.36x
-        save = g * block <= SAVE_BYTES
+        save = g * block <= SAVE_BYTES and any(ctx.needs_input_grad[:4])  # no backward: chunk buffer only
         parts = _chunks(g, block)
         step = parts[0][1] - parts[0][0]
         p = q.new_empty(g if save else step, nq, nk)

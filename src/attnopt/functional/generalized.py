@@ -211,7 +211,8 @@ def generalized_attention(
             N = 128; the chunked materialized path was 0.9–1.0× plain SDPA there, the flash
             path 1.1–1.2×; above it they tie and streaming keeps O(N) memory) — or
             ``NATIVE_CROSSOVER`` (2^26) where the node's C passes run and ``Nq·Nk >= 2^16``;
-            otherwise streaming. Forward-only calls, a key-only bias and ``dropout_p > 0`` (SDPA) stream.
+            otherwise streaming. Forward-only calls stream (on the C path: from ``Nq·Nk >= 2^18``
+            they take the node), as do a key-only bias and ``dropout_p > 0`` (SDPA).
             A streaming call whose ``log_preference`` spreads over at most
             :data:`SUBNORMAL_FREE_RANGE` (ALiBi up to N = 128, T5) calls SDPA directly; a
             wider one (or a mask) runs the flash kernel with subnormals flushed.
@@ -288,6 +289,11 @@ NATIVE_CROSSOVER = 1 << 26
 #: reads the strided heads in place; the node copies them), N = 256 1.05 vs 1.04, N = 512 1.08–1.10
 #: vs 1.10–1.12.
 NATIVE_MIN_HEAD_SCORES = 1 << 16
+#: One head's ``Nq·Nk`` from which a forward-only call (no autograd) takes the node's C passes
+#: rather than streaming (forward, 1 thread, × plain SDPA's forward, node vs flash kernel with the
+#: bias): N = 512: ALiBi 1.23 vs 1.31, T5 1.45 vs 1.60 (B·H = 8, d = 64); 1.21 vs 1.33, 1.20 vs 1.38
+#: (B·H = 128, d = 16); N = 256, d = 64: 1.78 vs 1.58, 1.88 vs 1.87; N = 128, d = 16: 1.44 vs 1.30.
+NATIVE_FORWARD_MIN_HEAD_SCORES = 1 << 18
 
 
 def _sdpa_below(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> int:
@@ -321,6 +327,10 @@ def _path(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, dropout_p: float
         if (path == "streaming" and rows * per_head <= NATIVE_CROSSOVER and per_head >= NATIVE_MIN_HEAD_SCORES
                 and _generalized_native.library(q, k, v, bias) is not None):
             path = "materialized"
+    elif (not grad and impl == "auto" and bias.shape[-2] != 1 and q.device.type == "cpu"
+          and q.shape[-2] * k.shape[-2] >= NATIVE_FORWARD_MIN_HEAD_SCORES
+          and _generalized_native.library(q, k, v, bias) is not None):
+        path = "materialized"  # a forward-only call on the node's C passes (one chunk of memory)
     else:
         path = "streaming"
     if dispatch.record("generalized", path) == "materialized":
