@@ -34,6 +34,22 @@ def test_check_finite_names_the_argument(value, dtype):
         check_finite(q=ok, k=bad, v=ok)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_check_finite_tells_an_overflowing_sum_from_a_non_finite_entry(dtype):
+    """The check sums each tensor: finite entries whose sum overflows pass (an exact second
+    look), +inf next to -inf (a NaN sum) and a lone NaN among huge values are rejected."""
+    big = torch.finfo(dtype).max
+    huge = torch.full((4, 8), big, dtype=dtype)
+    assert not torch.isfinite(huge.sum(dtype=torch.float64 if dtype == torch.float64 else torch.float32)) \
+        or dtype == torch.float16  # float16 sums in float32 and does not overflow
+    check_finite(q=huge, k=-huge, v=torch.arange(6).view(2, 3))
+    for bad_values in ([float("inf"), float("-inf")], [float("nan"), big]):
+        bad = huge.clone()
+        bad[0, :2] = torch.tensor(bad_values, dtype=dtype)
+        with pytest.raises(ValueError, match=r"^v contains NaN"):
+            check_finite(q=huge, k=None, v=bad)
+
+
 def test_validate_attention_rejects_a_mask_with_the_accepted_shapes():
     q = torch.randn(2, 3, 4, 5)
     with pytest.raises(ValueError, match=r"accepted: .*\(Nk,\)"):

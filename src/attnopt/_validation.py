@@ -16,8 +16,8 @@ The policies, one for every op (README "Layout and conventions"):
   singleton dims (a view) before it reaches PyTorch; anything else is a ``ValueError`` that
   names the accepted shapes.
 * **Non-finite inputs** (:func:`check_finite`): NaN or ±inf in ``q``, ``k``, ``v`` is a
-  ``ValueError`` naming the argument (one ``aminmax`` pass per tensor; ``-inf`` belongs in
-  masks, not in the inputs). Skipped while ``torch.compile`` traces.
+  ``ValueError`` naming the argument (one sum per tensor; ``-inf`` belongs in masks, not in
+  the inputs). Skipped while ``torch.compile`` traces.
 """
 from __future__ import annotations
 
@@ -51,6 +51,9 @@ def broadcast_shapes(*shapes: Sequence[int]) -> tuple[int, ...]:
     Raises:
         RuntimeError: the shapes do not broadcast (as torch's).
     """
+    first = shapes[0] if shapes else ()
+    if all(sh == first for sh in shapes):  # the common case: one batch shape (a third of the cost)
+        return tuple(first)
     rank = 0
     for sh in shapes:  # not max(..., default=0): torch.compile logs a warning per call site for it
         rank = max(rank, len(sh))
@@ -126,23 +129,38 @@ def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor | None = None) -> tup
 def check_finite(**tensors: Tensor | None) -> None:
     """Raise ``ValueError`` naming the first argument that holds NaN or ±inf (``None`` skipped).
 
-    One ``aminmax`` reduction per tensor (NaN propagates into it), no full-size temporary.
+    One sum per tensor (a NaN or ±inf entry makes the sum NaN or ±inf; finite entries whose
+    sum overflows are told apart by an exact ``aminmax`` pass, only then), no full-size
+    temporary. A sum is 3-4x cheaper than ``aminmax`` on CPU (float32, 1 thread: 5.6 vs 18 µs
+    at 8·64·64 entries, 24 vs 102 µs at 8·512·64), the largest cost of an N = 64 attention call.
     Skipped while ``torch.compile`` traces (a data-dependent check would break the graph).
     """
     if torch.compiler.is_compiling():
         return
-    named = [(name, x) for name, x in tensors.items() if x is not None and x.numel()]
+    named = [(name, x.detach() if x.requires_grad else x) for name, x in tensors.items()
+             if x is not None and x.numel()]
     if named and named[0][1].device.type != "cpu":  # one host sync for all tensors
-        ends = torch.cat([torch.stack(torch.aminmax(x.detach())).float() for _, x in named])
+        ends = torch.stack([_total(x) for _, x in named])
         if bool(torch.isfinite(ends).all()):
             return
-    for name, x in named:  # on CPU, reading the two 0-d results directly is the cheapest
-        low, high = torch.aminmax(x.detach())  # one pass; NaN propagates into both
+    for name, x in named:  # on CPU, reading each 0-d result directly is the cheapest
+        if math.isfinite(float(_total(x))):
+            continue
+        low, high = torch.aminmax(x)  # exact: NaN propagates into both, a finite overflow does not
         if not (math.isfinite(float(low)) and math.isfinite(float(high))):
             raise ValueError(
                 f"{name} contains NaN or ±inf; attnopt rejects non-finite inputs (mask keys with "
                 "attn_mask instead of -inf in the inputs)"
             )
+
+
+def _total(x: Tensor) -> Tensor:
+    """Sum of ``x`` (float32 or float64), non-finite iff ``x`` holds NaN/±inf or the sum overflows."""
+    if not x.is_floating_point():
+        return torch.zeros((), dtype=torch.float32, device=x.device)  # integers are finite
+    if x.dtype in (torch.float32, torch.float64):
+        return x.sum()
+    return x.sum(dtype=torch.float32)
 
 
 _MASK_SHAPES = (
