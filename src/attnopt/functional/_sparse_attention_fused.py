@@ -319,9 +319,52 @@ class _FusedEntmaxAttention(torch.autograd.Function):
 NATIVE_MIN_ENTRIES = 1 << 21
 
 
-def _native_map(q: Tensor, nk: int) -> bool:
+#: Without autograd (inference) the C map runs from this many scores on, at any thread count:
+#: nothing is saved, the scale rides on the GEMM and ``P`` is written over the scores (no second
+#: ``N × N`` buffer). Measured (forward, no grad, d = 64, B·H = 8, float32, loaded 2-core machine,
+#: CPU ms, the autograd path -> this one, sparsemax / 1.5-entmax): 1 thread N = 64 0.47 -> 0.28 /
+#: 0.55 -> 0.31 (SDPA 0.11), N = 256 3.9 -> 1.9 / 6.1 -> 2.0 (SDPA 1.25), N = 512 7.5 -> 7.0 /
+#: 7.3 -> 6.7 (SDPA 4.7); 2 threads N = 64 1.28 -> 0.71 / 2.56 -> 0.66, N = 256 9.1 -> 5.3 /
+#: 14.0 -> 4.9, N = 512 26 -> 11 / 20 -> 14: faster at every size measured, hence 0.
+NO_GRAD_MIN_ENTRIES = 0
+
+
+def _needs_graph(*xs: Tensor | None) -> bool:
+    """Whether autograd records this call (grad mode on and an input that requires grad)."""
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
+
+
+def _no_grad_forward(
+    q: Tensor, k: Tensor, v: Tensor, batch: tuple[int, ...], mask: Tensor | None, beta: Tensor | None,
+    alpha: float, scale: float, causal: bool,
+) -> Tensor:
+    """Inference: the scores (scale on the GEMM), the C map of :mod:`._sparse_native` (exact
+    thresholds, rows it does not settle redone by the PyTorch search), ``P V``; nothing saved."""
+    nq, nk = q.shape[-2], k.shape[-2]
+
+    def scores() -> Tensor:
+        s = torch.baddbmm(q.new_empty(1, 1, 1), q, k.transpose(-2, -1), beta=0.0, alpha=scale)
+        s = s.view(*batch, nq, nk)
+        if mask is not None:
+            s.add_(mask)
+        if beta is not None:
+            dist = _distance(nq, nk, beta.dtype, s.device)
+            s.sub_((beta * dist if beta.dim() == 0 else beta.view(-1, 1, 1) * dist).to(s.dtype))
+        if causal:
+            s.masked_fill_(torch.ones(nq, nk, dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
+        return s
+
+    max_iter = _MAX_ITER_SPARSEMAX if alpha == 2.0 else _MAX_ITER_ENTMAX
+    p, _, redo = _sparse_native.forward(scores(), alpha, max_iter, in_place=True)  # P over S: no N×N alloc
+    if redo.numel():  # rows the C search did not settle (rare): the whole map again, with its fallback
+        p = _threshold_map(scores(), alpha, -1, max_iter, _default_tol(q.dtype))[0]
+    return torch.bmm(p.view(-1, nq, nk), v).view(*batch, nq, v.shape[-1])
+
+
+def _native_map(q: Tensor, nk: int, min_entries: int | None = None) -> bool:
     """Whether the C sparse-map kernel runs the threshold search for these (flattened) queries."""
-    return (q.shape[0] * q.shape[1] * nk >= NATIVE_MIN_ENTRIES and q.device.type == "cpu"
+    limit = NATIVE_MIN_ENTRIES if min_entries is None else min_entries
+    return (q.shape[0] * q.shape[1] * nk >= limit and q.device.type == "cpu"
             and q.dtype in (torch.float32, torch.float64) and _native.has_storage(q)
             and _sparse_native.library_available())
 
@@ -344,6 +387,10 @@ def fused_sparse_attention(
             x = x.expand(*batch, *x.shape[-2:])
         qkv.append(x.reshape(-1, *x.shape[-2:]))
     m = None if mask is None else mask.detach().to(compute)
+    inference = not _needs_graph(*qkv, beta)
+    if alpha in (1.5, 2.0) and inference and _native_map(qkv[0], k.shape[-2], NO_GRAD_MIN_ENTRIES):
+        plain = _no_grad_forward(*qkv, batch, m, beta, alpha, scale, is_causal)
+        return plain if orig == compute else plain.to(orig)
     fn = _FusedSparseAttention if alpha in (1.5, 2.0) and not _native_map(qkv[0], k.shape[-2]) \
         else _FusedEntmaxAttention
     out: Tensor = fn.apply(*qkv, batch, m, beta, alpha, scale, is_causal)

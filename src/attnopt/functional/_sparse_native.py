@@ -63,8 +63,14 @@ has_storage = _native.has_storage
 _ptr = _native.pointer
 
 
-def forward(x: Tensor, alpha: float, max_iter: int) -> tuple[Tensor, Tensor, Tensor]:
+def forward(
+    x: Tensor, alpha: float, max_iter: int, *, in_place: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
     """``(p, θ, redo)`` of sparsemax (``alpha = 2``) or 1.5-entmax along the last dim of ``x``.
+
+    ``in_place=True`` writes ``p`` over a contiguous ``x`` (the kernels read each entry of a row
+    before writing it, and later sweeps read only ``p``); the ``redo`` rows then hold a shifted
+    copy of their input, not the input.
 
     ``θ`` (shape ``(..., 1)``) is the threshold of :func:`attnopt.functional.entmax._map_from_threshold`:
     ``p = [(α−1)(x − max x) − θ]₊^{1/(α−1)}``. ``redo`` holds the flat indices of the rows whose
@@ -75,10 +81,12 @@ def forward(x: Tensor, alpha: float, max_iter: int) -> tuple[Tensor, Tensor, Ten
     """
     lib = _native.library(_LIB)
     assert lib is not None and x.dtype in _SUFFIX
+    p = x if in_place and x.is_contiguous() else None
     x = x.contiguous()
     n = x.shape[-1]
     rows = x.numel() // n
-    p = torch.empty_like(x)
+    if p is None:
+        p = torch.empty_like(x)
     theta = torch.empty((*x.shape[:-1], 1), dtype=x.dtype)
     status = torch.empty(rows, dtype=torch.int8)
     counter = torch.zeros(1, dtype=torch.int64)
@@ -92,8 +100,11 @@ def forward(x: Tensor, alpha: float, max_iter: int) -> tuple[Tensor, Tensor, Ten
         fn(*args, ctypes.c_int64(n), ctypes.c_int64(max_iter))
 
     _native.parallel_rows(call, rows, n)
-    if bool((status == 2).any()):
+    worst = int(status.max())  # one reduction for the common all-settled case
+    if worst == 2:
         raise ValueError("scores must not contain NaN or +inf (use -inf to mask an entry)")
+    if worst == 0:
+        return p, theta, status.new_empty(0, dtype=torch.int64)
     return p, theta, (status == 1).nonzero().view(-1)
 
 

@@ -39,6 +39,7 @@ from torch import Tensor
 
 from attnopt._validation import (
     additive_mask,
+    broadcast_shapes,
     causal_additive_mask,
     check_attention_inputs,
     check_tensor,
@@ -236,7 +237,7 @@ def regularized_attention(
     dispatch.check_impl(impl)
     if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    batch = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     target = (*batch, nq, nk)
     mask = additive_mask(attn_mask, target, _compute(q.dtype))
     loc = None if locality is None else _checked_locality(locality, q, nq, nk)
