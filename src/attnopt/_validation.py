@@ -139,7 +139,7 @@ def check_finite(**tensors: Tensor | None) -> None:
         return
     named = [(name, x.detach() if x.requires_grad else x) for name, x in tensors.items()
              if x is not None and x.numel()]
-    if named and named[0][1].device.type != "cpu":  # one host sync for all tensors
+    if named and not named[0][1].is_cpu:  # one host sync for all tensors
         ends = torch.stack([_total(x) for _, x in named])
         if bool(torch.isfinite(ends).all()):
             return
@@ -291,6 +291,8 @@ def empty_attention(q: Tensor, k: Tensor, v: Tensor, *extra: Tensor | None) -> T
     ``v`` (and the ``extra`` tensors, e.g. a preference), and no kernel ever sees an empty
     tensor.
     """
+    if q.numel() and k.numel() and v.numel():  # no empty dim anywhere: the common case, no shape work
+        return None
     batch = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     shape = (*batch, q.shape[-2], v.shape[-1])
     if q.shape[-2] and k.shape[-2] and 0 not in batch:
