@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import attnopt.functional._dnas_materialized as dm
+from attnopt.functional import _dnas_native
 from attnopt.functional.doubly_normalized import doubly_normalized_attention, hybrid_normalized_attention
 from tests.reference.doubly_normalized import attention_ref, hybrid_ref
 
@@ -107,3 +108,24 @@ def test_a_dominated_row_is_handed_back_to_the_log_domain(calls, iterations):
     ref = hybrid_ref(q.double(), k.double(), v.double(), w.double(), iterations, scale=1.0)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_float32_c_pass_and_its_fallback(native_or_torch, calls, monkeypatch, causal):
+    """K = 1 float32: one C call over all heads (native) or the PyTorch ops; DNAS and HNAS with a
+    scalar and a per-head weight, against the float64 reference."""
+    c_calls = []
+    real = _dnas_native.no_grad_small
+    monkeypatch.setattr(_dnas_native, "no_grad_small", lambda *a: c_calls.append(1) or real(*a))
+    q, k, v = (x.float() for x in _qkv((2, 3), 9, 8 if causal else 10, seed=6))
+    k = k.expand(2, 3, -1, -1)  # a broadcast (stride-0) batch dim
+    d64 = [x.double() for x in (q, k, v)]
+    with torch.no_grad():
+        out = doubly_normalized_attention(q, k, v, is_causal=causal)
+        torch.testing.assert_close(out.double(), attention_ref(*d64, is_causal=causal), rtol=2e-5, atol=2e-6)
+        for w in (torch.tensor(0.3), torch.tensor([0.0, 0.6, 1.0])):
+            hyb = hybrid_normalized_attention(q, k, v, w, is_causal=causal)
+            ref = hybrid_ref(*d64, w.double(), is_causal=causal)
+            torch.testing.assert_close(hyb.double(), ref, rtol=2e-5, atol=2e-6)
+    assert calls == [True, True, True]
+    assert len(c_calls) == (3 if native_or_torch == "native" else 0)

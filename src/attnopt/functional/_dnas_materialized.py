@@ -246,9 +246,13 @@ def _no_grad_forward(
     that the column softmax is a softmax over the contiguous last dim (at N = 256 one third
     cheaper than over dim −2); the last row normalization divides the ``Nq × dv`` output instead
     of the weights (``P = diag(1/σ) E``: ``P V = (E V) / σ``). HNAS mixes in the row softmax
-    (over dim −2 of ``Sᵀ``) before one product with ``V``. Measured (B·H = 8, d = 64, float32,
-    1 thread, loaded 2-core machine, ms, before -> after): N = 64 DNAS 0.23 -> 0.16, Sinkhorn
-    K = 3 0.37 -> 0.24 (peer K = 1 / 3: 0.17 / 0.31); N = 256 Sinkhorn K = 3 5.7 -> 2.6 (peer 6.3).
+    (over dim −2 of ``Sᵀ``) before one product with ``V``. K = 1 in float32 with the native
+    kernel built instead runs the C pass of :func:`._dnas_native.no_grad_small` (one call over
+    all heads: ``P`` written over the scores, no softmax / division / mixing passes). Measured
+    (B·H = 8, d = 64, float32, 1 thread, loaded 2-core machine, ms, the autograd Function ->
+    this): N = 64 DNAS 0.25 -> 0.16 (PyTorch ops 0.17), HNAS 0.33 -> 0.19 (0.21), Sinkhorn
+    K = 3 0.38 -> 0.23 (peer K = 1 / 3: 0.17 / 0.31); N = 256 Sinkhorn K = 3 4.8 -> 2.4 (peer 5-6).
+    The function alone at N = 64: C pass 0.100 / 0.107 ms vs PyTorch ops 0.126 / 0.171 (DNAS / HNAS).
     An underflowing first row sum (a dominated row) returns ``None``: the caller recomputes with
     :class:`_MaterializedSinkhorn` (log domain).
     """
@@ -256,6 +260,11 @@ def _no_grad_forward(
     batch = q.shape[:-2]
     q3, k3 = q.reshape(-1, nq, q.shape[-1]), k.reshape(-1, nk, k.shape[-1])
     v3 = v.reshape(-1, nk, v.shape[-1])
+    lib = _dnas_native.library(q, iterations)
+    if lib is not None:  # K = 1, float32, CPU: the C pass of _native/dnas.c over all heads at once
+        wf = None if w is None else w.expand(*batch, 1, 1).reshape(-1).contiguous()
+        out = _dnas_native.no_grad_small(lib, q3, k3, v3, wf, causal, scale)
+        return None if out is None else out.view(*batch, nq, v.shape[-1])
     st = torch.baddbmm(q3.new_empty(1, 1, 1), k3, q3.transpose(-2, -1), beta=0.0, alpha=scale)  # (G, Nk, Nq)
     if causal:  # key j > query i is dropped
         st.masked_fill_(torch.ones(nk, nq, dtype=torch.bool, device=st.device).tril_(-1), float("-inf"))

@@ -42,7 +42,7 @@ from torch import Tensor
 from attnopt import _native
 from attnopt.functional._autograd import refuse_double_backward
 
-__all__ = ["library", "native_sinkhorn", "CHUNK_ENTRIES"]
+__all__ = ["library", "native_sinkhorn", "no_grad_small", "CHUNK_ENTRIES"]
 
 #: Score entries per thread in one chunk (1 MiB of float32: ``S`` and ``dP`` of the backward fit a
 #: 2 MiB L2 together; measured at N = 512, d = 16: 2^18 ran faster than 2^20).
@@ -174,6 +174,42 @@ class _NativeSinkhorn(torch.autograd.Function):
             dw = _reduce_to(drow.view(b, h, nq, 1), ctx.w_shape)
         return (dq.view(b, h, nq, -1), dk.view(b, h, nk, -1), dvv.view(b, h, nk, dv_), dw,
                 None, None, None, None, None)
+
+
+def no_grad_small(
+    lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, causal: bool, scale: float,
+) -> Tensor | None:
+    """DNAS / HNAS (K = 1) forward without autograd on 3-D ``(G, N, ·)`` float32, no mask (and
+    ``is_causal`` only with ``Nk <= Nq``: every row and key admissible); ``None`` on underflow.
+
+    One C call over all heads (below :data:`attnopt.functional._dnas_materialized.NATIVE_MIN_ENTRIES`
+    the scores of every head fit in cache at once) on scores scaled in the GEMM, then ``P V``: no
+    autograd Function, no chunking, one flat buffer for the per-head vectors. ``w``: ``None``
+    (DNAS) or a float32 tensor of ``G`` contiguous entries.
+    """
+    g, nq, _ = q.shape
+    nk = k.shape[-2]
+    s = torch.baddbmm(q.new_empty(1, 1, 1), q, k.transpose(-2, -1), beta=0.0, alpha=scale)
+    hyb = w is not None
+    per_k, per_q = (3 if hyb else 2) * g * nk, (4 if hyb else 2) * g * nq
+    buf = q.new_empty(per_k + per_q)
+    base, f = buf.data_ptr(), 4  # float32: m, beta, [u] | rs, [rho], alpha, [binv]
+    m, beta = base, base + g * nk * f
+    u = base + 2 * g * nk * f if hyb else None
+    rs = base + per_k * f
+    rho = rs + g * nq * f if hyb else None
+    alpha = rs + (2 if hyb else 1) * g * nq * f
+    binv = alpha + g * nq * f if hyb else None
+    ptr = ctypes.c_void_p
+    c = _INT(int(causal))
+    _native.parallel_rows(lambda a, e: lib.dn_fwd(
+        ptr(s.data_ptr()), _I64(0), None, _p(w), ptr(m), ptr(beta), None if u is None else ptr(u), ptr(alpha),
+        None if binv is None else ptr(binv), ptr(rs), None if rho is None else ptr(rho), _I64(a), _I64(e),
+        _I64(nq), _I64(nk), c), g, nq * nk)
+    dens = buf[per_k : per_k + (2 if hyb else 1) * g * nq]  # rs (and rho): every row is admissible
+    if float(dens.min()) < torch.finfo(torch.float32).tiny * 2.0**40:
+        return None
+    return torch.bmm(s, v)
 
 
 def native_sinkhorn(
