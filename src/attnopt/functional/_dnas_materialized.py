@@ -223,7 +223,7 @@ def materialized_sinkhorn_attention(
         if fused is not None:
             return fused.to(orig)
     if m is None and not (is_causal and nk > nq) and not _needs_graph(*qkv, wc):
-        plain = _no_grad_forward(*qkv, wc, is_causal, scale, iterations)
+        plain = _no_grad_forward(qkv[0], qkv[1], qkv[2], wc, is_causal, scale, iterations)
         if plain is not None:
             return plain if orig == compute else plain.to(orig)
     out: Tensor = _MaterializedSinkhorn.apply(*qkv, wc, m, is_causal, scale, iterations)

@@ -389,7 +389,7 @@ def fused_sparse_attention(
     m = None if mask is None else mask.detach().to(compute)
     inference = not _needs_graph(*qkv, beta)
     if alpha in (1.5, 2.0) and inference and _native_map(qkv[0], k.shape[-2], NO_GRAD_MIN_ENTRIES):
-        plain = _no_grad_forward(*qkv, batch, m, beta, alpha, scale, is_causal)
+        plain = _no_grad_forward(qkv[0], qkv[1], qkv[2], batch, m, beta, alpha, scale, is_causal)
         return plain if orig == compute else plain.to(orig)
     fn = _FusedSparseAttention if alpha in (1.5, 2.0) and not _native_map(qkv[0], k.shape[-2]) \
         else _FusedEntmaxAttention
