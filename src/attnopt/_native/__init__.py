@@ -152,6 +152,11 @@ def _build(name: str, cc: str) -> ctypes.CDLL:
 
 def library(name: str) -> ctypes.CDLL | None:
     """The compiled ``_native/{name}.c``, or ``None`` where native kernels cannot be used."""
+    if os.environ.get("ATTNOPT_NATIVE", "1") == "0":
+        return None
+    built = _LIBS.get(name)
+    if built is not None:  # built already (so a compiler was found): skip the lookup, ~2 µs a call
+        return built
     if not enabled():
         return None
     with _LOCK:

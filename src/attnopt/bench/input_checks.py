@@ -1,9 +1,10 @@
 """Bench rows for the shared entry checks (issue 17): the cost of the non-finite policy.
 
 Every attention op rejects NaN/±inf in ``q``, ``k``, ``v`` with one sum per tensor (an exact
-``aminmax`` pass only when a sum of finite values overflows; :func:`attnopt._validation.check_finite`). Per case (B=1, H=8, d=64, float32,
-forward): SDPA (baseline), the check alone, and ``generalized_attention`` (checks + SDPA)
-end to end, so the check's share of one attention call reads off the ratio column.
+``aminmax`` pass only when a sum of finite values overflows;
+:func:`attnopt._validation.check_finite`). Per case (B=1, H=8, d=64, float32, forward): SDPA
+(baseline), the check alone, and ``generalized_attention`` (checks + SDPA) end to end, so the
+check's share of one attention call reads off the ratio column.
 """
 from __future__ import annotations
 
