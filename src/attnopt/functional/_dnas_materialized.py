@@ -217,17 +217,28 @@ def materialized_sinkhorn_attention(
     entries = nq * nk
     for n in batch:
         entries *= n
+    if entries <= NO_GRAD_MAX_ENTRIES and m is None and not (is_causal and nk > nq) \
+            and not _needs_graph(*qkv, wc):
+        plain = _no_grad_forward(qkv[0], qkv[1], qkv[2], wc, is_causal, scale, iterations)
+        if plain is not None:
+            return plain if orig == compute else plain.to(orig)
     native = entries >= NATIVE_MIN_ENTRIES and _dnas_native.library(qkv[0], iterations) is not None
     if entries > FUSED_MIN_ENTRIES or native:  # more than one cache-sized chunk, or the C passes
         fused = _fused_4d(qkv, wc, m, is_causal, scale, batch, iterations)
         if fused is not None:
             return fused.to(orig)
-    if m is None and not (is_causal and nk > nq) and not _needs_graph(*qkv, wc):
-        plain = _no_grad_forward(qkv[0], qkv[1], qkv[2], wc, is_causal, scale, iterations)
-        if plain is not None:
-            return plain if orig == compute else plain.to(orig)
     out: Tensor = _MaterializedSinkhorn.apply(*qkv, wc, m, is_causal, scale, iterations)
     return out.to(orig)
+
+
+#: Without autograd, no mask (and no dead key), :func:`_no_grad_forward` runs up to this many
+#: scores, ahead of the chunked native / fused kernels: nothing saved, one C call over all heads
+#: (K = 1, float32) or in-place PyTorch ops. Measured (forward, no grad, d = 64, float32, 1 thread,
+#: loaded 2-core machine, ms, chunked native -> this): B·H = 64, N = 64 (2^18) DNAS 1.40 -> 1.10,
+#: HNAS 2.40 -> 1.26 (peer K = 1: 1.69); B·H = 8, N = 256 (2^19) 1.66 -> 1.47, 1.72 -> 1.57;
+#: B·H = 64, N = 128 (2^20) 3.48 -> 3.19, 3.74 -> 3.90 (peer 8.3); Sinkhorn K = 3 at 2^19
+#: 3.1 (fused) -> 2.3. Above it the chunked kernels keep the ``N × N`` work in cache.
+NO_GRAD_MAX_ENTRIES = FUSED_MIN_ENTRIES
 
 
 def _needs_graph(*xs: Tensor | None) -> bool:

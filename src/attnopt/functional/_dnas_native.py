@@ -182,9 +182,9 @@ def no_grad_small(
     """DNAS / HNAS (K = 1) forward without autograd on 3-D ``(G, N, ·)`` float32, no mask (and
     ``is_causal`` only with ``Nk <= Nq``: every row and key admissible); ``None`` on underflow.
 
-    One C call over all heads (below :data:`attnopt.functional._dnas_materialized.NATIVE_MIN_ENTRIES`
-    the scores of every head fit in cache at once) on scores scaled in the GEMM, then ``P V``: no
-    autograd Function, no chunking, one flat buffer for the per-head vectors. ``w``: ``None``
+    One C call over all heads (up to :data:`attnopt.functional._dnas_materialized.NO_GRAD_MAX_ENTRIES`
+    scores, split over threads by heads) on scores scaled in the GEMM, then ``P V``: no autograd
+    Function, no chunking, one flat buffer for the per-head vectors. ``w``: ``None``
     (DNAS) or a float32 tensor of ``G`` contiguous entries.
     """
     g, nq, _ = q.shape
