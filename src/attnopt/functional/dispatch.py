@@ -24,6 +24,13 @@ for B·H = 8 and 64 (faster at 8·512² and 64·256², slower at 8·1024² and 6
 every device (no GPU was measured). Both paths compute the same function up to float
 rounding; both are tested against the float64 reference.
 
+Inference (grad mode off, or no input that requires grad) runs a no-grad forward on the
+materialized side, which saves nothing: DNAS / Sinkhorn / HNAS without a mask up to
+``B·H·Nq·Nk = 2^20`` (:data:`._dnas_materialized.NO_GRAD_MAX_ENTRIES`: in-place PyTorch ops, or one
+C pass for K = 1 in float32), sparsemax / 1.5-entmax with the C map in place on the scores at
+every size (:data:`._sparse_attention_fused.NO_GRAD_MIN_ENTRIES`). ``last_dispatch`` still says
+``"materialized"`` for them.
+
 The choice of the last call is observable: :data:`last_dispatch` maps a mechanism name to
 ``"materialized"`` or ``"streaming"``.
 """
