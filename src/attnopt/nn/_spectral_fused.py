@@ -10,7 +10,10 @@ implicit-kernel-attention eq. 6–8 and the analytic KL of eq. 5, for ``S`` sets
           \mathrm{KL} = \tfrac{R}{2} \textstyle\sum_s \sum_{m,j} \tfrac12
           (\sigma^2 + \mu^2 - 1 - 2\log\sigma)
 
-with ``e`` the (possibly copula-correlated) standard-normal base noise. Autograd through the
+with ``e`` the standard-normal base noise, for MIKAN correlated across the heads inside the node
+(``e = L̃ε``, ``L̃`` the copula's factor from its raw parameter, and ``−(R/2)·S·(d/2)·log det C``
+added to the KL; backward ``dε = L̃ᵀde``, ``dL̃ = Σ de εᵀ``, through the row normalization
+``dL = (dL̃ − L̃ Σ_k dL̃_k L̃_k)/‖L_m‖`` and ``L_mm = exp(raw_mm)``). Autograd through the
 same math records ~25 nodes per set; at the lengths models train at (N = 64–128) their
 backward cost more than the attention. Here the forward runs without recording and the
 backward is closed form (``t = tanh u``: ``du = dt (1 − t²)``; ``∂|z|/∂z = sign z``;
@@ -26,7 +29,7 @@ from torch import Tensor, nn
 
 from attnopt.functional._autograd import double_backward
 
-__all__ = ["fusable", "sample_spectral_points"]
+__all__ = ["copula_factor", "fusable", "sample_spectral_points"]
 
 _PER_SET = 8  # W_1a, b_1a, W_1b, b_1b, W_2a, b_2a, W_2b, b_2b
 _LS_MIN, _LS_MAX = -10.0, 5.0
@@ -63,25 +66,60 @@ def _stack(params: tuple[Tensor, ...], i: int, n_sets: int) -> Tensor:
     return out if out.dim() == 3 else out.unsqueeze(1)
 
 
+def _stacked(params: tuple[Tensor, ...], n_sets: int) -> list[Tensor]:
+    return [_stack(params, i, n_sets) for i in range(_PER_SET)]
+
+
+def copula_factor(raw: Tensor) -> tuple[Tensor, Tensor]:
+    """``(L, L̃)`` of the Gaussian copula: ``L = tril(raw, −1) + diag(exp(diag raw))``, ``L̃`` its rows
+    scaled to unit norm (:meth:`attnopt.nn.spectral.GaussianCopula.factor`)."""
+    low = torch.where(_strictly_lower(raw), raw, 0.0) + torch.diag(raw.diagonal().exp())
+    return low, low / low.norm(dim=-1, keepdim=True)
+
+
+def _strictly_lower(x: Tensor) -> Tensor:
+    """``i > j`` mask of a square ``x``. (Not ``torch.tril``: on CPU it enters the thread pool even
+    for an 8 × 8 matrix, measured 10–12 ms a call with 2 threads on the loaded 2-core machine
+    against 2 µs for ``where``; its backward is another ``tril``.)"""
+    i = torch.arange(x.shape[-1], device=x.device)
+    return i.unsqueeze(-1) > i
+
+
+def _factor_backward(low: Tensor, fac: Tensor, dfac: Tensor, gld: Tensor) -> Tensor:
+    """``d raw`` from ``dL̃`` and ``gld = ∂/∂ log L̃_mm`` (the same for every ``m``).
+
+    ``L̃ = L/r`` with ``r = ‖L_m‖``: ``dL = (dL̃ − L̃ Σ_k dL̃_k L̃_k)/r``; ``L_mm = exp(raw_mm)``.
+    """
+    dfac = dfac.clone()
+    dfac.diagonal().add_(gld / fac.diagonal())
+    dlow = (dfac - fac * (dfac * fac).sum(-1, keepdim=True)) / low.norm(dim=-1, keepdim=True)
+    return torch.where(_strictly_lower(dlow), dlow, 0.0) + torch.diag(dlow.diagonal() * low.diagonal())
+
+
 class _SpectralSample(torch.autograd.Function):
     """Every set at once: the S networks as batched matmuls over a leading set axis."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, h: Tensor, noise: Tensor, scales: tuple[float, ...], *params: Tensor
+        ctx: Any, h: Tensor, noise: Tensor, raw: Tensor | None, scales: tuple[float, ...], *params: Tensor
     ) -> tuple[Tensor, Tensor]:
         n_sets = len(scales)
         half, d = noise.shape[-2], noise.shape[-1]
         lead = h.shape[:-1]  # (..., H)
         rows = h.reshape(1, -1, d).expand(n_sets, -1, d)  # (S, M, d), M = prod(lead)
         m = rows.shape[1]
-        w1a, b1a, w1b, b1b, w2a, b2a, w2b, b2b = (_stack(params, i, n_sets) for i in range(_PER_SET))
+        w1a, b1a, w1b, b1b, w2a, b2a, w2b, b2b = _stacked(params, n_sets)
+        e = noise.expand(n_sets, *lead, half, d)
+        low = fac = None
+        if raw is not None:  # the copula: e = L̃ε along the heads
+            low, fac = copula_factor(raw)
+            e = torch.matmul(fac.to(e.dtype), e.reshape(-1, lead[-1], half * d))
+        e = e.reshape(n_sets, m, half, d)
         t1 = torch.baddbmm(b1a, rows, w1a.transpose(1, 2)).tanh_()  # (S, M, hid)
         o1 = torch.baddbmm(b1b, t1, w1b.transpose(1, 2))  # (S, M, 2d)
         mu, rho = o1[..., :d], o1[..., d:]
         ls = rho.clamp(_LS_MIN, _LS_MAX)
         sig = ls.exp()
-        e = noise.expand(n_sets, *lead, half, d).reshape(n_sets, m, half, d)
         z = torch.addcmul(mu.unsqueeze(-2), sig.unsqueeze(-2), e)  # (S, M, n, d)
         a = z.abs().reshape(n_sets, m * half, d)
         sg = z.sign()
@@ -95,15 +133,19 @@ class _SpectralSample(torch.autograd.Function):
         pts = torch.cat([hp, -hp], dim=2).view(*lead, n_sets * 2 * half, d)
         kl_terms = (sig * sig).add_(mu * mu).sub_(1.0).sub_(ls, alpha=2.0)  # (S, M, d)
         kl = kl_terms.view(n_sets, *lead, d).sum(0).flatten(-2).sum(-1).mul_(0.5 * half)
+        if fac is not None:  # − (d/2)·log det C per base point, log det C = 2 Σ log L̃_mm
+            kl = kl - (0.5 * d * half * n_sets) * (2 * fac.diagonal().log().sum().to(kl.dtype))
         ctx.scales, ctx.half, ctx.lead = scales, half, lead
-        ctx.save_for_backward(h, noise, e, w1a, w1b, w2a, w2b, t1, mu, rho, sig, a, sg, t2, *params)
+        ctx.save_for_backward(h, noise, e, w1a, w1b, w2a, w2b, t1, mu, rho, sig, a, sg, t2, raw, low, fac,
+                              *params)
         return pts, kl
 
     @staticmethod
     def backward(ctx: Any, gpts: Tensor, gkl: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        h, noise, e, w1a, w1b, w2a, w2b, t1, mu, rho, sig, a, sg, t2, *params = ctx.saved_tensors
+        h, noise, e, w1a, w1b, w2a, w2b, t1, mu, rho, sig, a, sg, t2, raw, low, fac, *params = (
+            ctx.saved_tensors)
         if double_backward(ctx):  # create_graph=True: differentiate the plain ops (exact double backward)
-            return _plain_backward(ctx, h, noise, params, gpts, gkl)
+            return _plain_backward(ctx, h, noise, raw, params, gpts, gkl)
         live = (rho >= _LS_MIN) & (rho <= _LS_MAX)  # the clamp passes the gradient inside [min, max]
         n_sets, half, lead = len(ctx.scales), ctx.half, ctx.lead
         d = h.shape[-1]
@@ -123,9 +165,18 @@ class _SpectralSample(torch.autograd.Function):
         gk = (gkl * half).reshape(1, -1, 1).expand(n_sets, -1, len(lead) and lead[-1]).reshape(n_sets, m, 1)
         dmu = dz.sum(-2).addcmul_(gk, mu)
         dls = (dz * e).sum(-2).mul_(sig).addcmul_(gk, sig * sig - 1.0).mul_(live)
-        de = None
-        if ctx.needs_input_grad[1]:
-            de = (dz * sig.unsqueeze(-2)).view(n_sets, *lead, half, d).sum_to_size(noise.shape)
+        de = draw = None
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            de = dz * sig.unsqueeze(-2)  # d e (S, M, n, d)
+            if fac is not None:  # e = L̃ε: dε = L̃ᵀ de, dL̃ = Σ de εᵀ (over sets, batch and points)
+                eps = noise.expand(n_sets, *lead, half, d).reshape(-1, lead[-1], half * d)
+                de = de.view(-1, lead[-1], half * d)
+                if ctx.needs_input_grad[2]:
+                    gld = gkl.sum() * (-(d * half * n_sets))  # d log L̃_mm
+                    dfac = torch.matmul(de, eps.transpose(1, 2)).sum(0).to(fac.dtype)
+                    draw = _factor_backward(low, fac, dfac, gld.to(fac.dtype))
+                de = torch.matmul(fac.t().to(de.dtype), de)
+            de = de.view(n_sets, *lead, half, d).sum_to_size(noise.shape) if ctx.needs_input_grad[1] else None
         do1 = torch.cat([dmu, dls], dim=-1)  # (S, M, 2d)
         dw1b, db1b = torch.bmm(do1.transpose(1, 2), t1), do1.sum(1)
         du1 = torch.bmm(do1, w1b).mul_(1.0 - t1 * t1)
@@ -135,14 +186,18 @@ class _SpectralSample(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dh = torch.bmm(du1, w1a).sum(0).view_as(h)
         per_set = [gr.unbind(0) for gr in (dw1a, db1a, dw1b, db1b, dw2a, db2a, dw2b, db2b)]
-        return (dh, de, None, *(gr for s in range(n_sets) for gr in (g[s] for g in per_set)))
+        return (dh, de, draw, None, *(gr for s in range(n_sets) for gr in (g[s] for g in per_set)))
 
 
 def _plain(
-    h: Tensor, noise: Tensor, scales: tuple[float, ...], params: list[Tensor]
+    h: Tensor, noise: Tensor, raw: Tensor | None, scales: tuple[float, ...], params: list[Tensor]
 ) -> tuple[Tensor, Tensor]:
-    """The node's function in plain autograd ops (eq. 6–8 and the KL, set by set)."""
+    """The node's function in plain autograd ops (eq. 6–8, the copula and the KL, set by set)."""
     d, half = h.shape[-1], noise.shape[-2]
+    fac = None
+    if raw is not None:
+        fac = copula_factor(raw)[1]
+        noise = torch.einsum("mh,...hnd->...mnd", fac.to(noise.dtype), noise)
     sets, kl = [], h.new_zeros(h.shape[:-2])
     for s, scale in enumerate(scales):
         w1a, b1a, w1b, b1b, w2a, b2a, w2b, b2b = params[s * _PER_SET : (s + 1) * _PER_SET]
@@ -154,35 +209,40 @@ def _plain(
         hp = torch.sign(z) * (a * scale + torch.nn.functional.linear(t2, w2b, b2b))
         sets += [hp, -hp]
         kl = kl + 0.5 * half * (torch.exp(2 * ls) + mu * mu - 1.0 - 2 * ls).sum((-2, -1))
+    if fac is not None:
+        kl = kl - (0.5 * d * half * len(scales)) * (2 * fac.diagonal().log().sum().to(kl.dtype))
     return torch.cat(sets, dim=-2), kl
 
 
 def _plain_backward(
-    ctx: Any, h: Tensor, noise: Tensor, params: list[Tensor], gpts: Tensor, gkl: Tensor
+    ctx: Any, h: Tensor, noise: Tensor, raw: Tensor | None, params: list[Tensor], gpts: Tensor, gkl: Tensor
 ) -> tuple[Tensor | None, ...]:
-    inputs = [h, noise, None, *params]
+    inputs = [h, noise, raw, None, *params]
     need = [x for x, n in zip(inputs, ctx.needs_input_grad, strict=True) if n and x is not None]
     with torch.enable_grad():
-        pts, kl = _plain(h, noise, ctx.scales, params)
+        pts, kl = _plain(h, noise, raw, ctx.scales, params)
     grads = iter(torch.autograd.grad((pts, kl), need, (gpts, gkl), create_graph=True, allow_unused=True))
     return tuple(next(grads) if n and x is not None else None
                  for x, n in zip(inputs, ctx.needs_input_grad, strict=True))
 
 
 def sample_spectral_points(
-    h: Tensor, noise: Tensor, densities: nn.ModuleList, params: list[Tensor]
+    h: Tensor, noise: Tensor, densities: nn.ModuleList, params: list[Tensor], copula_raw: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
-    """All sets' spectral points and the KL without the copula term, one node.
+    """All sets' spectral points and the KL, one node.
 
     Args:
         h: (..., H, d) head summaries.
-        noise: (S, ..., H, R/2, d) base noise (already copula-correlated), broadcastable.
+        noise: (S, ..., H, R/2, d) standard-normal base noise, broadcastable.
         densities: the ``S`` :class:`~attnopt.nn.spectral.ImplicitSpectralDensity` modules.
         params: :func:`fusable` of ``densities``.
+        copula_raw: the :class:`~attnopt.nn.spectral.GaussianCopula`'s ``raw`` (H, H) parameter, or
+            None: the noise is correlated across the heads by its factor ``L̃`` inside the node.
     Returns:
         ``(points (..., H, S·R, d), kl (...))``: set ``s`` is rows ``[sR, (s+1)R)``, each
-        ``[w⁺ ‖ −w⁺]``; ``kl = (R/2) Σ_s Σ_{m,j} KL(N(μ, σ²) ‖ N(0, 1))``.
+        ``[w⁺ ‖ −w⁺]``; ``kl = (R/2) Σ_s [Σ_{m,j} KL(N(μ, σ²) ‖ N(0, 1)) − (d/2)·log det C]``
+        (the copula term with ``copula_raw`` only).
     """
     scales = tuple(float(getattr(dens, "base_scale")) for dens in densities)  # noqa: B009
-    pts, kl = _SpectralSample.apply(h, noise, scales, *params)
+    pts, kl = _SpectralSample.apply(h, noise, copula_raw, scales, *params)
     return pts, kl

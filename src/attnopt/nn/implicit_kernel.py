@@ -136,25 +136,25 @@ class ImplicitKernelAttention(MultiheadBase):
             return list(w), None, k.new_zeros(b)
         h = self._head_summary(k, mask)
         n_sets, half = len(self.densities), self.num_samples // 2
-        # every set's base noise in one draw (eval: the fixed buffer), correlated by the copula
-        # in one einsum with its factor computed once per forward
+        # every set's base noise in one draw (eval: the fixed buffer); the copula correlates it
+        # (inside the sampling node, or in one einsum with its factor computed once per forward)
         if self.training:
             noise = torch.randn(n_sets, b, self.num_heads, half, self.head_dim, generator=self._generator)
             noise = noise.to(device=k.device, dtype=k.dtype)
         else:
             noise = self.get_buffer("eval_noise").to(k.dtype).unsqueeze(1).expand(-1, b, -1, -1, -1)
+        params = fusable(self.densities)
+        if params is not None and (self.copula is None or type(self.copula) is GaussianCopula):
+            # the stock density networks (and copula): every set and the copula in one node
+            raw = None if self.copula is None else self.copula.raw
+            pts, kl = sample_spectral_points(h, noise, self.densities, params, raw)
+            r = self.num_samples
+            return [pts[..., i * r : (i + 1) * r, :] for i in range(n_sets)], pts, kl
         log_det = None
         if self.copula is not None:
             factor = self.copula.factor()
             noise = self.copula.correlate(noise, factor)
             log_det = 2 * factor.diagonal().log().sum().to(k.dtype)
-        params = fusable(self.densities)
-        if params is not None:  # the stock density networks: every set in one node
-            pts, kl = sample_spectral_points(h, noise, self.densities, params)
-            if log_det is not None:
-                kl = kl - (0.5 * self.head_dim * half * n_sets) * log_det
-            r = self.num_samples
-            return [pts[..., i * r : (i + 1) * r, :] for i in range(n_sets)], pts, kl
         sets, kl = [], k.new_zeros(b)
         for i, dens in enumerate(self.densities):
             assert isinstance(dens, ImplicitSpectralDensity)

@@ -22,7 +22,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from attnopt.nn._spectral_fused import fusable, sample_spectral_points
+from attnopt.nn._spectral_fused import copula_factor, fusable, sample_spectral_points
 
 __all__ = ["ImplicitSpectralDensity", "ImplicitSpectralPoints", "GaussianCopula"]
 
@@ -42,8 +42,7 @@ class GaussianCopula(nn.Module):
 
     def factor(self) -> Tensor:
         """``L̃`` (H, H), lower-triangular with unit-norm rows."""
-        low = torch.tril(self.raw, diagonal=-1) + torch.diag(self.raw.diagonal().exp())
-        return low / low.norm(dim=-1, keepdim=True)
+        return copula_factor(self.raw)[1]
 
     def correlation(self) -> Tensor:
         """``C = L̃L̃ᵀ`` (H, H)."""
@@ -197,10 +196,14 @@ class ImplicitSpectralPoints(nn.Module):
                     noise = noise.expand(*batch, -1, -1, -1)
                 noises.append(noise)
             stacked = torch.stack(noises)
+            raw = None
             if self.copula is not None:
-                stacked = self.copula.correlate(stacked)
-            pts, kl = sample_spectral_points(h, stacked, self.densities, params)
-            if self.copula is not None:
+                if type(self.copula) is GaussianCopula:  # correlated inside the node
+                    raw = self.copula.raw
+                else:
+                    stacked = self.copula.correlate(stacked)
+            pts, kl = sample_spectral_points(h, stacked, self.densities, params, raw)
+            if self.copula is not None and raw is None:
                 kl = kl - (0.5 * self.dim * half * len(self.densities)) * self.copula.log_det().to(h.dtype)
             r = self.num_samples
             return [pts[..., i * r : (i + 1) * r, :] for i in range(len(self.densities))], kl
