@@ -205,7 +205,7 @@ def fused_fourier_attention(
     """
     batch = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2],
                              () if key_weight is None else key_weight.shape[:-2])
-    q, k, v = (x.expand(*batch, *x.shape[-2:]) for x in (q, k, v))
+    q, k, v = (x if x.shape[:-2] == batch else x.expand(*batch, *x.shape[-2:]) for x in (q, k, v))
     kw = None if key_weight is None else key_weight.transpose(-2, -1).to(v.dtype).expand(*v.shape[:-1], 1)
     out: Tensor = _FusedFourier.apply(q, k, v, _stack_sets(ws, q.dtype), kw, None, float(eps), float(coef),
                                       len(ws), None, 1.0)
@@ -222,11 +222,15 @@ def fused_fourier_magnitude_attention(
     ``[sR, (s+1)R)``); ``p`` in ``[1, 2]`` or None (no magnitude); ``scale`` the ``s`` of the
     magnitude; ``key_mask (…, Nk)`` additive, no gradient, or None. Batch dimensions broadcast.
     """
-    shapes = [q.shape[:-2], k.shape[:-2], v.shape[:-2]]
-    if key_mask is not None:
-        shapes.append(key_mask.shape[:-1])
-    batch = broadcast_shapes(*shapes)
-    q, k, v = (x.expand(*batch, *x.shape[-2:]) for x in (q, k, v))
+    batch = q.shape[:-2]
+    same = k.shape[:-2] == batch and v.shape[:-2] == batch
+    if not (same and (key_mask is None or key_mask.shape[:-1] == batch)):
+        shapes = [q.shape[:-2], k.shape[:-2], v.shape[:-2]]
+        if key_mask is not None:
+            shapes.append(key_mask.shape[:-1])
+        batch = broadcast_shapes(*shapes)
+        # (an expand of a tensor already of this shape would add a backward node per input)
+        q, k, v = (x if x.shape[:-2] == batch else x.expand(*batch, *x.shape[-2:]) for x in (q, k, v))
     out: Tensor = _FusedFourier.apply(q, k, v, points.to(q.dtype), None, key_mask, float(eps), float(coef),
                                       nsets, None if p is None else float(p), float(scale))
     return out

@@ -119,6 +119,7 @@ class _SpectralSample(torch.autograd.Function):
         o1 = torch.baddbmm(b1b, t1, w1b.transpose(1, 2))  # (S, M, 2d)
         mu, rho = o1[..., :d], o1[..., d:]
         ls = rho.clamp(_LS_MIN, _LS_MAX)
+        live = ls == rho  # the clamp passes the gradient inside [min, max] (NaN: neither)
         sig = ls.exp()
         z = torch.addcmul(mu.unsqueeze(-2), sig.unsqueeze(-2), e)  # (S, M, n, d)
         a = z.abs().reshape(n_sets, m * half, d)
@@ -136,17 +137,16 @@ class _SpectralSample(torch.autograd.Function):
         if fac is not None:  # − (d/2)·log det C per base point, log det C = 2 Σ log L̃_mm
             kl = kl - (0.5 * d * half * n_sets) * (2 * fac.diagonal().log().sum().to(kl.dtype))
         ctx.scales, ctx.half, ctx.lead = scales, half, lead
-        ctx.save_for_backward(h, noise, e, w1a, w1b, w2a, w2b, t1, mu, rho, sig, a, sg, t2, raw, low, fac,
+        ctx.save_for_backward(h, noise, e, w1a, w1b, w2a, w2b, t1, mu, live, sig, a, sg, t2, raw, low, fac,
                               *params)
         return pts, kl
 
     @staticmethod
     def backward(ctx: Any, gpts: Tensor, gkl: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        h, noise, e, w1a, w1b, w2a, w2b, t1, mu, rho, sig, a, sg, t2, raw, low, fac, *params = (
+        h, noise, e, w1a, w1b, w2a, w2b, t1, mu, live, sig, a, sg, t2, raw, low, fac, *params = (
             ctx.saved_tensors)
         if double_backward(ctx):  # create_graph=True: differentiate the plain ops (exact double backward)
             return _plain_backward(ctx, h, noise, raw, params, gpts, gkl)
-        live = (rho >= _LS_MIN) & (rho <= _LS_MAX)  # the clamp passes the gradient inside [min, max]
         n_sets, half, lead = len(ctx.scales), ctx.half, ctx.lead
         d = h.shape[-1]
         m = t1.shape[1]
