@@ -128,8 +128,13 @@ class ImplicitKernelAttention(MultiheadBase):
         sets, _, kl = self._sample(k, mask)
         return sets, kl
 
-    def _sample(self, k: Tensor, mask: Tensor | None) -> tuple[list[Tensor], Tensor | None, Tensor]:
-        """(point sets, the same sets stacked along the points or None, KL per example)."""
+    def _sample(
+        self, k: Tensor, mask: Tensor | None, split: bool = True
+    ) -> tuple[list[Tensor], Tensor | None, Tensor]:
+        """(point sets, the same sets stacked along the points or None, KL per example).
+
+        With ``split=False`` the sets are left out (an empty list) where the stacked tensor is given.
+        """
         b = k.shape[0]
         if self.variant == "ikan-direct":
             w = self.spectral_points.to(k.dtype)  # (S, H, R, d)
@@ -149,6 +154,8 @@ class ImplicitKernelAttention(MultiheadBase):
             raw = None if self.copula is None else self.copula.raw
             pts, kl = sample_spectral_points(h, noise, self.densities, params, raw)
             r = self.num_samples
+            if not split:  # the caller takes the stacked points (no slice views, no autograd nodes)
+                return [], pts, kl
             return [pts[..., i * r : (i + 1) * r, :] for i in range(n_sets)], pts, kl
         log_det = None
         if self.copula is not None:
@@ -169,10 +176,10 @@ class ImplicitKernelAttention(MultiheadBase):
 
     def kernel_for(self, k: Tensor, mask: Tensor | None = None) -> Kernel:
         """The kernel used for keys ``k`` (B, H, Nk, d); records the KL for :meth:`kl`."""
-        sets, stacked, kl = self._sample(k, mask)
+        sets, stacked, kl = self._sample(k, mask, split=False)
         self._kl = kl.mean()
-        if self.variant == "ika-s":
-            return RandomFourier(sets[0])
+        if self.variant == "ika-s":  # one set: the stacked tensor is that set
+            return RandomFourier(sets[0] if stacked is None else stacked)
         if stacked is not None:  # one tensor holds both sets: attention takes it without a copy
             return NonStationaryFourier.stacked(stacked)
         return NonStationaryFourier(sets[0], sets[1])
