@@ -150,11 +150,13 @@ class _SpectralSample(torch.autograd.Function):
         n_sets, half, lead = len(ctx.scales), ctx.half, ctx.lead
         d = h.shape[-1]
         m = t1.shape[1]
-        g = gpts.reshape(m, n_sets, 2, half, d)
-        gi = (g[:, :, 0] - g[:, :, 1]).transpose(0, 1).mul_(sg)  # d inner (S, M, n, d)
-        gi_r = gi.reshape(n_sets, m * half, d)
+        g = gpts.reshape(m, n_sets, 2, half, d).transpose(0, 1)  # (S, M, 2, n, d)
+        # d inner (S, M, n, d), written in the sets-first layout (no copy for the reshape below)
+        gi = torch.sub(g[:, :, 0], g[:, :, 1], out=torch.empty_like(sg)).mul_(sg)
+        gi_r = gi.view(n_sets, m * half, d)
         dw2b, db2b = torch.bmm(gi_r.transpose(1, 2), t2), gi_r.sum(1)  # weight grads as (S, out, in)
-        du2 = torch.bmm(gi_r, w2b).mul_(1.0 - t2 * t2)
+        du2 = torch.bmm(gi_r, w2b)
+        du2 = torch.addcmul(du2, du2 * t2, t2, value=-1.0)  # ⊙ (1 − t²)
         dw2a, db2a = torch.bmm(du2.transpose(1, 2), a), du2.sum(1)
         da = torch.bmm(du2, w2a)
         if len(set(ctx.scales)) == 1:
@@ -162,9 +164,16 @@ class _SpectralSample(torch.autograd.Function):
         else:
             da.addcmul_(gi_r, torch.tensor(ctx.scales, dtype=da.dtype, device=da.device).view(-1, 1, 1))
         dz = da.view_as(sg).mul_(sg)  # (S, M, n, d)
-        gk = (gkl * half).reshape(1, -1, 1).expand(n_sets, -1, len(lead) and lead[-1]).reshape(n_sets, m, 1)
-        dmu = dz.sum(-2).addcmul_(gk, mu)
-        dls = (dz * e).sum(-2).mul_(sig).addcmul_(gk, sig * sig - 1.0).mul_(live)
+        # the KL's gradient g_b = (R/2)·dkl_b per example b, broadcast over sets, heads and coordinates:
+        # dμ += g μ, d log σ += g (σ² − 1) = σ (… + g σ) − g
+        per_ex = (n_sets, -1, lead[-1], d)
+        gk = gkl.reshape(1, -1, 1, 1)
+        dmu = dz.sum(-2)
+        dmu.view(per_ex).addcmul_(gk, mu.view(per_ex), value=half)
+        dls = (dz * e).sum(-2)
+        dls.view(per_ex).addcmul_(gk, sig.view(per_ex), value=half)
+        dls.mul_(sig).view(per_ex).sub_(gk, alpha=half)
+        dls.mul_(live)
         de = draw = None
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             de = dz * sig.unsqueeze(-2)  # d e (S, M, n, d)
@@ -179,7 +188,8 @@ class _SpectralSample(torch.autograd.Function):
             de = de.view(n_sets, *lead, half, d).sum_to_size(noise.shape) if ctx.needs_input_grad[1] else None
         do1 = torch.cat([dmu, dls], dim=-1)  # (S, M, 2d)
         dw1b, db1b = torch.bmm(do1.transpose(1, 2), t1), do1.sum(1)
-        du1 = torch.bmm(do1, w1b).mul_(1.0 - t1 * t1)
+        du1 = torch.bmm(do1, w1b)
+        du1 = torch.addcmul(du1, du1 * t1, t1, value=-1.0)
         rows = h.reshape(1, m, d).expand(n_sets, m, d)
         dw1a, db1a = torch.bmm(du1.transpose(1, 2), rows), du1.sum(1)
         dh = None
