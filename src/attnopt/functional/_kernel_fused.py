@@ -222,7 +222,7 @@ def fused_fourier_magnitude_attention(
     ``[sR, (s+1)R)``); ``p`` in ``[1, 2]`` or None (no magnitude); ``scale`` the ``s`` of the
     magnitude; ``key_mask (…, Nk)`` additive, no gradient, or None. Batch dimensions broadcast.
     """
-    batch = q.shape[:-2]
+    batch: tuple[int, ...] = q.shape[:-2]
     same = k.shape[:-2] == batch and v.shape[:-2] == batch
     if not (same and (key_mask is None or key_mask.shape[:-1] == batch)):
         shapes = [q.shape[:-2], k.shape[:-2], v.shape[:-2]]

@@ -372,7 +372,7 @@ def _fused_fourier(
     if stack is None:
         return None
     nq, nk, d = q.shape[-2], k.shape[-2], q.shape[-1]
-    batch = q.shape[:-2]
+    batch: tuple[int, ...] = q.shape[:-2]
     if not k.shape[:-2] == v.shape[:-2] == batch:
         batch = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     path = dispatch.choose_impl("kernel", nq=nq, nk=nk, batch=math.prod(batch), dtype=q.dtype)
