@@ -225,7 +225,8 @@ def _batched(
         qkv = tuple(x.expand(*batch, *x.shape[-2:]).reshape(1, -1, *x.shape[-2:]).contiguous()
                     for x in (q, k, v))
     else:
-        qkv = tuple(x.expand(*batch, *x.shape[-2:]) for x in (q, k, v))
+        # an expand to the same shape is still an autograd node (~10 µs fwd+bwd at N = 64): skip it
+        qkv = tuple(x if x.shape[:-2] == batch else x.expand(*batch, *x.shape[-2:]) for x in (q, k, v))
         if contiguous:
             qkv = tuple(x.contiguous() for x in qkv)
     if bias.dim() < 4:
@@ -251,7 +252,10 @@ def biased_softmax_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scal
         out: Tensor = _generalized_native.native_biased_softmax(lib, qc, kc, vc, b4, scale, offsets)
     else:
         out = _BiasedSoftmax.apply(qc, kc, vc, b4, scale)
-    return out.reshape(*batch, q.shape[-2], v.shape[-1]).to(orig)
+    shape = (*batch, q.shape[-2], v.shape[-1])
+    if out.shape != shape:  # (a reshape to the same shape is an autograd node too)
+        out = out.reshape(shape)
+    return out.to(orig)
 
 
 def flash_bias_available(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> bool:

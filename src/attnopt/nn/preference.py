@@ -114,10 +114,12 @@ class T5RelativePreference(PreferenceModule):
         # lays them out as a Toeplitz matrix; its backward sums the gradient over diagonals and
         # adds the sums into the buckets (instead of scattering Nq·Nk embedding rows)
         buckets, index = self._buckets(query_len, key_len, weight.device)
-        bias: Tensor = _ToeplitzBias.apply(weight, buckets, index, query_len, key_len)
-        # the per-offset values (H, Nq + Nk − 1) ride along: the C path of generalized attention
-        # reads the bias rows from them and returns their gradient (no (H, Nq, Nk) gradient)
-        return mark_toeplitz(bias, weight.index_select(0, buckets).t().contiguous())
+        # the per-offset values (H, Nq + Nk − 1), one gather (contiguous, one autograd node); they
+        # ride along: the C path of generalized attention reads the bias rows from them and
+        # returns their gradient (no (H, Nq, Nk) gradient)
+        per_offset = weight.t().index_select(1, buckets)
+        bias: Tensor = _ToeplitzBias.apply(per_offset, index, query_len, key_len)
+        return mark_toeplitz(bias, per_offset)
 
     def _buckets(self, query_len: int, key_len: int, device: torch.device) -> tuple[Tensor, Tensor | None]:
         """Bucket of each offset ``j − i = −(Nq−1) … Nk−1`` and, up to :data:`GATHER_LIMIT`
@@ -163,20 +165,19 @@ GATHER_LIMIT = 1 << 20
 
 
 class _ToeplitzBias(torch.autograd.Function):
-    """``weight (num_buckets, H)``, ``buckets (Nq + Nk − 1,)`` -> contiguous ``(1, H, Nq, Nk)``.
+    """``per_offset (H, Nq + Nk − 1)`` -> contiguous ``(1, H, Nq, Nk)``.
 
-    Entry ``(h, i, j)`` is ``weight[buckets[j − i + Nq − 1], h]``; the backward sums the
-    gradient over each diagonal ``j − i`` and adds the sums into the buckets. ``index`` (the
-    flat offsets ``j − i + Nq − 1``, or ``None``) selects the index-add route of the backward.
+    Entry ``(h, i, j)`` is ``per_offset[h, j − i + Nq − 1]``; the backward sums the gradient
+    over each diagonal ``j − i`` (autograd's gather backward then adds the sums into the
+    buckets). ``index`` (the flat offsets ``j − i + Nq − 1``, or ``None``) selects the
+    index-add route of the backward.
     """
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, weight: Tensor, buckets: Tensor, index: Tensor | None, nq: int, nk: int
+        ctx: Any, per_offset: Tensor, index: Tensor | None, nq: int, nk: int
     ) -> Tensor:
-        ctx.save_for_backward(buckets, index)
-        ctx.num_buckets = weight.shape[0]
-        per_offset = weight.index_select(0, buckets).t().contiguous()  # (H, Nq + Nk − 1)
+        ctx.save_for_backward(index)
         # window w of length Nk starts at offset index w; row i is window Nq − 1 − i (ALiBi's
         # layout): one contiguous copy, 2× faster than gathering through the flat index (N = 512)
         return per_offset.unfold(-1, nk, 1).flip(-2).contiguous().view(1, -1, nq, nk)
@@ -184,7 +185,7 @@ class _ToeplitzBias(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         # exact double backward: linear in grad, no forward state (index_add_ / copy_ are tracked)
-        buckets, index = ctx.saved_tensors
+        (index,) = ctx.saved_tensors
         g = grad[0] if grad.shape[0] == 1 else grad.sum(0)  # (H, Nq, Nk)
         h, nq, nk = g.shape
         if index is not None:
@@ -193,8 +194,7 @@ class _ToeplitzBias(torch.autograd.Function):
             buf = g.new_zeros(h, nq, nq + nk - 1)
             _toeplitz_view(buf, nq, nk).copy_(g)
             sums = buf.sum(1)  # (H, Nq + Nk − 1): the diagonal sums, by offset j − i
-        out = sums.new_zeros(ctx.num_buckets, h).index_add_(0, buckets, sums.t())
-        return out, None, None, None, None
+        return sums, None, None, None
 
 
 def alibi_slopes(num_heads: int) -> Tensor:
