@@ -275,7 +275,8 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
                         else:
                             dvv[gi].addmm_(s.t(), dr)
                             dk[gi].addmm_(dp.t(), qr)
-                        torch.mm(dp, k3[gi], out=dq[gi, r0:r1])
+                        dqr = dq[gi, r0:r1]  # dQ = scale·dS K: the scale applied inside the GEMM (alpha)
+                        torch.addmm(dqr, dp, k3[gi], beta=0, alpha=ctx.scale, out=dqr)
             for (h0, h1), qc, kt, vt, dc, dqc, dkc, dvc in zip(
                 parts, _pieces(q3, step), _pieces(k3.transpose(1, 2), step),
                 _pieces(v3.transpose(1, 2), step), _pieces(do3, step), _pieces(dq, step), _pieces(dk, step),
@@ -297,11 +298,15 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
 
                 _run(rows, nq, (h1 - h0) * nk, threads)
                 torch.bmm(s.transpose(1, 2), dc, out=dvc)
-                torch.bmm(dp, kt.transpose(1, 2), out=dqc)
+                # dQ = scale·dS K, the scale inside the GEMM (beta = 0: dqc is not read)
+                torch.baddbmm(dqc, dp, kt.transpose(1, 2), beta=0, alpha=ctx.scale, out=dqc)
                 torch.bmm(dp.transpose(1, 2), qc, out=dkc)
-        dq.mul_(ctx.scale)
         if need_t:
-            gb = sum(parts_t.values()) if parts_t else bias.new_zeros(bias.shape)  # type: ignore[assignment]
+            sums = list(parts_t.values())
+            if len(sums) == 1:  # one thread: its buffer (Python's sum would add it to 0: a copy)
+                gb = sums[0]
+            else:
+                gb = sum(sums) if sums else bias.new_zeros(bias.shape)  # type: ignore[assignment]
         return (dq.view(b, h, nq, d), dk.view(b, h, nk, d), dvv.view(b, h, nk, dv), gb, None, None, None)
 
 
