@@ -274,6 +274,10 @@ SDPA_BELOW = 1 << 17
 #: (:mod:`._generalized_native`): fwd+bwd with a learned T5 bias, d = 64, 1 thread, vs SDPA
 #: (math kernel) with the same bias: B·H = 8, N = 64: 2.30× vs 2.40× plain SDPA; N = 128:
 #: 1.33× vs 1.59×; B·H = 64, N = 32: 1.52× vs 1.89×; B·H = 8, N = 32 (2^13): 4.25× vs 3.94×.
+#: Rechecked after the T5 module and the node shed per-call work (the same call through
+#: ``generalized_attention``, node vs SDPA's math kernel, × plain SDPA, interleaved rounds, loaded
+#: machine): N = 32 3.78× vs 3.74× (a tie), N = 64 2.06× vs 2.41×, N = 96 1.49× vs 1.94×,
+#: N = 128 1.23× vs 1.57×.
 SDPA_BELOW_LEARNED_NATIVE = 1 << 14
 #: ``B·H·Nq·Nk`` up to which ``auto`` takes the materialized node for a *constant* full bias when
 #: its C passes run (else ``dispatch.CROSSOVERS["generalized"]``, 2^20): it held O(chunk) memory
