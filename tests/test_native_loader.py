@@ -59,6 +59,26 @@ def test_builds_caches_and_runs_in_parallel(fresh):
     assert len(list((fresh / "cache").glob("*"))) == 1  # no temporary left behind
 
 
+@pytest.mark.skipif(_native.compiler() is None, reason="no C compiler on this machine")
+def test_shared_header_is_found_and_part_of_the_cache_key(fresh):
+    src = fresh / "src"
+    (src / "factor.h").write_text("static inline double factor(void) { return 3.0; }\n")
+    (src / "thrice.c").write_text('#include <stdint.h>\n#include "factor.h"\n'
+                                  "double thrice(double x) { return factor() * x; }\n")
+    lib = _native.library("thrice")
+    assert lib is not None
+    lib.thrice.restype, lib.thrice.argtypes = ctypes.c_double, [ctypes.c_double]
+    assert lib.thrice(2.0) == 6.0
+    # a changed header is a new library, not the stale cached one
+    (src / "factor.h").write_text("static inline double factor(void) { return 4.0; }\n")
+    _native._LIBS.clear()
+    lib = _native.library("thrice")
+    assert lib is not None
+    lib.thrice.restype, lib.thrice.argtypes = ctypes.c_double, [ctypes.c_double]
+    assert lib.thrice(2.0) == 8.0
+    assert len(list((fresh / "cache").glob("thrice-*.so"))) == 2
+
+
 def test_small_inputs_take_one_call(fresh):
     seen = []
     _native.parallel_rows(lambda r0, r1: seen.append((r0, r1)), 10, 10)

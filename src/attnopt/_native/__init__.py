@@ -131,15 +131,16 @@ def _version(cc: str) -> str:
 
 def _build(name: str, cc: str) -> ctypes.CDLL:
     source = (_HERE / f"{name}.c").read_bytes()
-    key = hashlib.sha256(
-        b"\0".join([source, " ".join(FLAGS).encode(), _version(cc).encode(), _cpu_signature().encode()])
-    ).hexdigest()[:20]
+    headers = b"".join(h.read_bytes() for h in sorted(_HERE.glob("*.h")))  # shared "pexp.h" etc.
+    key = hashlib.sha256(b"\0".join(
+        [source, headers, " ".join(FLAGS).encode(), _version(cc).encode(), _cpu_signature().encode()]
+    )).hexdigest()[:20]
     target = _cache_dir() / f"{name}-{key}.so"
     if not target.exists():
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:
-            cmd = [cc, *FLAGS, "-o", tmp, str(_HERE / f"{name}.c"), "-lm"]
+            cmd = [cc, *FLAGS, "-I", str(_HERE), "-o", tmp, str(_HERE / f"{name}.c"), "-lm"]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if done.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
