@@ -57,11 +57,12 @@ def _magnitude(k: Tensor, p: float, scale: float, grad: bool) -> tuple[Tensor, T
     else:
         pw = ax.sqrt() if p == 1.5 else ax.pow(p - 1.0)
         total = (ax * pw).sum(-1)
-    a = total.pow(2.0 / p).mul_(0.5 * scale).clamp_(max=cap)
+    tp = total.pow(2.0 / p - 1.0)  # T^{2/p−1}: a = s·T·T^{2/p−1}/2 (one pow on the rows, not two)
+    a = torch.mul(total, tp).mul_(0.5 * scale).clamp_(max=cap)
     if not grad:
         return a, None, None
-    u = k.sign() if pw is None else pw.mul_(k.sign())
-    c = torch.where(a < cap, total.pow(2.0 / p - 1.0).mul_(scale), 0.0)
+    u = k.sign() if pw is None else torch.copysign(pw, k, out=pw)  # |k|^{p−1}·sign(k) (sign(0) = 0: pw = 0)
+    c = torch.where(a < cap, tp.mul_(scale), 0.0)
     return a, u, c
 
 
@@ -103,6 +104,8 @@ class _FusedFourier(torch.autograd.Function):
         phi = torch.cat([_sum_sets(cp, nsets, r), _sum_sets(sp, nsets, r)], dim=-1)  # φ/c
         pq, pk = phi[..., :nq, :], phi[..., nq:, :]
         u = cm = None
+        # without a mask every key weight is > 0 with max 1 (or absent): den >= ε > 0, no guard
+        guard = kw is not None or mask is not None
         if kw is None:
             a = None
             if p is not None:
@@ -122,7 +125,9 @@ class _FusedFourier(torch.autograd.Function):
         num, kept = blocked_forward(_flat3(pq), _flat3(pk), _flat3(vm), c4, eps)
         num = num.view(*vm.shape[:-2], nq, vm.shape[-1])
         den = num[..., -1:]
-        inv = torch.where(den > 0, den.reciprocal(), 0.0)  # a row with no weight gives zeros
+        inv = den.reciprocal()
+        if guard:  # a row with no weight gives zeros
+            inv = torch.where(den > 0, inv, 0.0)
         out = num[..., :-1] * inv
         ctx.c4, ctx.nq, ctx.nsets, ctx.r = c4, nq, nsets, r
         ctx.eps = eps
@@ -158,10 +163,11 @@ class _FusedFourier(torch.autograd.Function):
                 if need_kw:
                     dkw = dm
                 if need_mag:  # m = exp(a − c): da = dm·m (c is a constant shift)
-                    dmag = u * (dm * kw).mul_(cm.unsqueeze(-1))
+                    dmag = (dm * kw).mul_(cm.unsqueeze(-1))  # the factor of u: ∂L/∂k += u ⊙ dmag
         dq = dk = dw = None
         if need_f:
             assert dpq is not None and dpk is not None
+            # (a cat: bmm with out= rows of one buffer was slower, 25 vs 15 µs a bmm at N = 64)
             dphi = torch.cat([dpq.view(*lead, *dpq.shape[-2:]), dpk.view(*lead, *dpk.shape[-2:])], dim=-2)
             s, r = ctx.nsets, ctx.r
             # every set's cos (sin) gets the same dφ_cos (dφ_sin)
@@ -172,13 +178,13 @@ class _FusedFourier(torch.autograd.Function):
             if need_q or need_k:
                 dx = torch.matmul(dp, w)
                 dq, dk = dx[..., : ctx.nq, :], dx[..., ctx.nq :, :]
-                if dmag is not None:
-                    dk = dk + dmag
+                if dmag is not None:  # in place: dx is this node's own buffer
+                    dk = dk.addcmul_(u, dmag)
             if need_w:
                 dw = torch.matmul(dp.transpose(-2, -1), x)  # (…, S·R, d)
                 dw = dw.sum_to_size(w.shape)
         elif dmag is not None:
-            dk = dmag
+            dk = u * dmag
         return (dq, dk, dv, dw, dkw, None, None, None, None, None, None)
 
 

