@@ -118,16 +118,20 @@ def blocked_backward(
     ``T = Wᵀ G``, ``dF = 2c4·F ⊙ (G vmᵀ)``, ``dpq = dF pk``, ``dpk = dFᵀ pq``.
     """
     g, nq, nk = pq.shape[0], pq.shape[1], pk.shape[1]
-    gn2 = gn * (2.0 * c4)
     if kept is not None:
         f, w = kept
         t = torch.bmm(w.transpose(-2, -1), gn) if need_t else None
         dpq = dpk = None
         if need_q or need_k:
-            df = torch.bmm(gn2, vm.transpose(-2, -1)).mul_(f)
+            df = torch.bmm(gn, vm.transpose(-2, -1))
+            if c4 == 0.5:
+                df.mul_(f)
+            else:  # 2c4·F ⊙ dW in one pass (0 + 2c4·dW·F), not a pass scaling G first
+                torch.addcmul(df.new_zeros(()), df, f, value=2.0 * c4, out=df)
             dpq = torch.bmm(df, pk) if need_q else None
             dpk = torch.bmm(df.transpose(-2, -1), pq) if need_k else None
         return t, dpq, dpk
+    gn2 = gn * (2.0 * c4)
     blocks = _blocks(g, nq, nk, pq.device)
     fbuf, wbuf = pq.new_empty(*_block_shape(blocks), nk), pq.new_empty(*_block_shape(blocks), nk)
     t = vm.new_zeros(vm.shape) if need_t else None

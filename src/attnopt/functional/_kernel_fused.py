@@ -98,11 +98,14 @@ class _FusedFourier(torch.autograd.Function):
         nq, sr = q.shape[-2], w.shape[-2]
         r = sr // nsets
         c4 = coef**4
-        x = torch.cat([q, k], dim=-2)
+        # Nq = Nk: [Q; K] stacked on a new leading axis, so that φ(Q), φ(K) and the gradients of
+        # q and k are contiguous (a strided gradient is copied by AccumulateGrad)
+        stacked = nq == k.shape[-2]
+        x = torch.stack([q, k]) if stacked else torch.cat([q, k], dim=-2)
         pr = torch.matmul(x, w.transpose(-2, -1))  # (…, Nq+Nk, S·R)
         cp, sp = pr.cos(), pr.sin()
         phi = torch.cat([_sum_sets(cp, nsets, r), _sum_sets(sp, nsets, r)], dim=-1)  # φ/c
-        pq, pk = phi[..., :nq, :], phi[..., nq:, :]
+        pq, pk = (phi[0], phi[1]) if stacked else (phi[..., :nq, :], phi[..., nq:, :])
         u = cm = None
         # without a mask every key weight is > 0 with max 1 (or absent): den >= ε > 0, no guard
         guard = kw is not None or mask is not None
@@ -129,7 +132,7 @@ class _FusedFourier(torch.autograd.Function):
         if guard:  # a row with no weight gives zeros
             inv = torch.where(den > 0, inv, 0.0)
         out = num[..., :-1] * inv
-        ctx.c4, ctx.nq, ctx.nsets, ctx.r = c4, nq, nsets, r
+        ctx.c4, ctx.nq, ctx.nsets, ctx.r, ctx.stacked = c4, nq, nsets, r, stacked
         ctx.eps = eps
         ctx.save_for_backward(x, w, cp, sp, pq, pk, kw, v, vm, inv, out, u, cm, *(kept or ()))
         return out
@@ -168,7 +171,8 @@ class _FusedFourier(torch.autograd.Function):
         if need_f:
             assert dpq is not None and dpk is not None
             # (a cat: bmm with out= rows of one buffer was slower, 25 vs 15 µs a bmm at N = 64)
-            dphi = torch.cat([dpq.view(*lead, *dpq.shape[-2:]), dpk.view(*lead, *dpk.shape[-2:])], dim=-2)
+            dpq, dpk = dpq.view(*lead, *dpq.shape[-2:]), dpk.view(*lead, *dpk.shape[-2:])
+            dphi = torch.stack([dpq, dpk]) if ctx.stacked else torch.cat([dpq, dpk], dim=-2)
             s, r = ctx.nsets, ctx.r
             # every set's cos (sin) gets the same dφ_cos (dφ_sin)
             dc, ds = dphi[..., :r], dphi[..., r:]
@@ -177,7 +181,7 @@ class _FusedFourier(torch.autograd.Function):
             dp = torch.addcmul(cp * ds, sp, dc, value=-1.0)
             if need_q or need_k:
                 dx = torch.matmul(dp, w)
-                dq, dk = dx[..., : ctx.nq, :], dx[..., ctx.nq :, :]
+                dq, dk = (dx[0], dx[1]) if ctx.stacked else (dx[..., : ctx.nq, :], dx[..., ctx.nq :, :])
                 if dmag is not None:  # in place: dx is this node's own buffer
                     dk = dk.addcmul_(u, dmag)
             if need_w:
