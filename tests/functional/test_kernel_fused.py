@@ -57,8 +57,9 @@ def _oracle(q, k, v, ws, m, eps):
 
 @pytest.mark.parametrize("n_sets", [1, 2])
 @pytest.mark.parametrize("w_batch", [(), (2, 2)])
-def test_values_and_gradcheck(n_sets, w_batch, blocks):
-    q, k, v, ws, m = _setup(n_sets, w_batch, seed=len(w_batch) + 3 * n_sets)
+@pytest.mark.parametrize("nq", [4, 5])  # Nq = Nk = 5: [Q; K] stacked on a leading axis
+def test_values_and_gradcheck(n_sets, w_batch, nq, blocks):
+    q, k, v, ws, m = _setup(n_sets, w_batch, seed=len(w_batch) + 3 * n_sets, nq=nq)
     r = ws[0].shape[-2]
     coef = 1 / math.sqrt(r) if n_sets == 1 else 1 / (2 * math.sqrt(r))
     out = fused_fourier_attention(q, k, m, v, 1e-3, coef, ws)
@@ -106,12 +107,14 @@ def test_lp_magnitude_node_values_and_gradcheck(p):
     assert torch.equal(g[1, 2], torch.zeros(4, dtype=torch.float64))
 
 
-@pytest.mark.parametrize(("p", "n_sets"), [(None, 2), (1.0, 1), (1.5, 2), (2.0, 1)])
-def test_magnitude_node_matches_loop_oracle_and_gradcheck(p, n_sets, blocks):
-    """Features, L^p key magnitude and key mask in one node vs eq. 9 + 11 with loops."""
+@pytest.mark.parametrize(("p", "n_sets", "nq"), [(None, 2, 4), (1.0, 1, 4), (1.5, 2, 4), (2.0, 1, 4),
+                                                 (1.5, 2, 5), (2.0, 1, 5)])
+def test_magnitude_node_matches_loop_oracle_and_gradcheck(p, n_sets, nq, blocks):
+    """Features, L^p key magnitude and key mask in one node vs eq. 9 + 11 with loops (Nq = Nk = 5:
+    the layout with [Q; K] stacked on a leading axis)."""
     from attnopt.functional._kernel_fused import fused_fourier_magnitude_attention
 
-    q, k, v, ws, _ = _setup(n_sets, (2, 1), seed=7 + n_sets)
+    q, k, v, ws, _ = _setup(n_sets, (2, 1), seed=7 + n_sets, nq=nq)
     with torch.no_grad():
         k[0, 1, 2, 1] = 0.0  # an exact zero coordinate (p = 1: sign 0; p > 1: |k|^{p-1} = 0)
     r = ws[0].shape[-2]
@@ -133,7 +136,7 @@ def test_magnitude_node_matches_loop_oracle_and_gradcheck(p, n_sets, blocks):
                 else:
                     sim = lambda x, y, pts=pts: ref.nonstationary_fourier(x, y, *pts)  # noqa: E731
                 wts = ref.kernel_weights(q[b, h].detach(), k[b, h].detach(), sim, squared=True, p=p,
-                                         scale=scale, eps=1e-3, mask=mask[b, 0].expand(4, 5))
+                                         scale=scale, eps=1e-3, mask=mask[b, 0].expand(nq, 5))
                 torch.testing.assert_close(out[b, h], wts @ v[b, h].detach(), rtol=1e-10, atol=1e-12)
 
         def fn(q, k, v, w, key_mask=key_mask):
