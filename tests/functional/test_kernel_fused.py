@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import attnopt.functional._kernel_chunked as kc
+from attnopt import _native
 from attnopt.functional._kernel_fused import fused_fourier_attention
 from tests.reference import kernel as ref
 
@@ -187,3 +188,44 @@ def test_stacked_kernel_equals_two_sets():
         NonStationaryFourier.stacked(torch.randn(3, 5))
     with pytest.raises(ValueError, match="finite"):
         NonStationaryFourier.stacked(torch.full((4, 5), float("nan")))
+
+
+@pytest.mark.skipif(_native.compiler() is None, reason="no C compiler on this machine")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_native_lp_magnitude_matches_torch_path(dtype, monkeypatch):
+    """``_native/lp_magnitude.c`` and the PyTorch ops of ``_magnitude``: a, u, c to rounding
+    (exact zeros, an all-zero row, a row past the clamp), and the node's output and gradients."""
+    from attnopt.functional import _kernel_fused as kf
+
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn(2, 3, 6, 7, generator=g, dtype=dtype)
+    k[0, 0, 1, 2] = 0.0
+    k[1, 2, 3] = 0.0
+    k[1, 1, 4] = torch.finfo(dtype).max / 4  # past the clamp: a = cap, c = 0
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-14}
+    for p in (1.0, 1.3, 1.5, 2.0):
+        for grad in (True, False):
+            native = kf._magnitude(k, p, 0.3, grad)
+            assert kf._magnitude_native(k, p, 0.3, grad, torch.finfo(dtype).max / 8) is not None
+            with monkeypatch.context() as m:
+                m.setenv("ATTNOPT_NATIVE", "0")
+                m.setattr(_native, "_LIBS", {})
+                plain = kf._magnitude(k, p, 0.3, grad)
+            for x, y in zip(native, plain, strict=True):
+                if y is None:
+                    assert x is None
+                else:
+                    torch.testing.assert_close(x, y, **tol)
+    q, kk, v = (torch.randn(2, 2, 5, 4, generator=g, dtype=dtype).requires_grad_() for _ in range(3))
+    pts = torch.randn(6, 4, generator=g, dtype=dtype)
+
+    def run():
+        coef = 1 / (2 * math.sqrt(3))
+        out = kf.fused_fourier_magnitude_attention(q, kk, v, pts, 2, coef, 1e-3, 1.5, 0.5, None)
+        return (out, *torch.autograd.grad(out.square().sum(), (q, kk, v)))
+
+    got = run()
+    monkeypatch.setenv("ATTNOPT_NATIVE", "0")
+    monkeypatch.setattr(_native, "_LIBS", {})
+    for x, y in zip(got, run(), strict=True):
+        torch.testing.assert_close(x, y, **tol)

@@ -24,11 +24,13 @@ denominator is 0 give zeros.
 """
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from attnopt import _native
 from attnopt._validation import broadcast_shapes
 from attnopt.functional._autograd import double_backward
 from attnopt.functional._kernel_chunked import blocked_backward, blocked_forward
@@ -36,20 +38,50 @@ from attnopt.functional._kernel_chunked import blocked_backward, blocked_forward
 __all__ = ["fused_fourier_attention", "fused_fourier_magnitude_attention"]
 
 
+_LP_MODES = {1.0: 1, 1.5: 2, 2.0: 3}
+_F64P = ctypes.c_double
+
+
+def _magnitude_native(
+    k: Tensor, p: float, scale: float, grad: bool, cap: float
+) -> tuple[Tensor, Tensor | None, Tensor | None] | None:
+    """:func:`_magnitude` by ``_native/lp_magnitude.c`` (one pass per row instead of ~11 ops), or
+    None where it does not apply (no native library, not a contiguous float32/float64 CPU tensor)."""
+    if k.device.type != "cpu" or k.dtype not in (torch.float32, torch.float64) or not k.is_contiguous():
+        return None
+    lib = _native.library("lp_magnitude")
+    if lib is None:
+        return None
+    d = k.shape[-1]
+    rows = k.numel() // d if d else 0
+    a = k.new_empty(k.shape[:-1])
+    u = torch.empty_like(k) if grad else None
+    c = k.new_empty(k.shape[:-1]) if grad else None
+    fn = lib.lp_magnitude_f32 if k.dtype == torch.float32 else lib.lp_magnitude_f64
+    ptr = _native.pointer
+    fn(ptr(k), ctypes.c_int64(rows), ctypes.c_int64(d), ctypes.c_int(_LP_MODES.get(p, 0)), _F64P(p),
+       _F64P(scale), _F64P(cap), ptr(a), ptr(u), ptr(c))
+    return a, u, c
+
+
 def _magnitude(k: Tensor, p: float, scale: float, grad: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """``a = s·(Σ|k|^p)^{2/p}/2`` (clamped below the dtype's max/8) and, with ``grad``, its gradient
     factors: ``∂a_j/∂k_j = c_j·u_j`` with ``u = |k|^{p−1}·sign(k)`` and ``c = s·T^{2/p−1}``
     (``T = Σ|k|^p``; 0 where the clamp is active).
 
-    :func:`attnopt.functional.kernel.log_magnitude`'s ``1 <= p <= 2`` branch, without autograd.
+    :func:`attnopt.functional.kernel.log_magnitude`'s ``1 <= p <= 2`` branch, without autograd;
+    by the native kernel where it applies (N = 64, d = 64, p = 1.5: ~10 µs instead of ~55).
     """
     cap = torch.finfo(k.dtype).max / 8
+    native = _magnitude_native(k, p, scale, grad, cap) if k.numel() else None
+    if native is not None:
+        return native
     if p == 2.0:
         total = (k * k).sum(-1)
         a = total.mul(0.5 * scale).clamp_(max=cap)
         if not grad:
             return a, None, None
-        return a, k, torch.where(a < cap, scale, 0.0)
+        return a, k, (a < cap).to(k.dtype).mul_(scale)  # (a where of Python scalars would be float32)
     ax = k.abs()
     if p == 1.0:  # |k|^{p−1} = 1
         pw = None
