@@ -229,3 +229,16 @@ def test_native_lp_magnitude_matches_torch_path(dtype, monkeypatch):
     monkeypatch.setattr(_native, "_LIBS", {})
     for x, y in zip(got, run(), strict=True):
         torch.testing.assert_close(x, y, **tol)
+
+
+@pytest.mark.skipif(_native.compiler() is None, reason="no C compiler on this machine")
+def test_native_lp_magnitude_split_over_threads(monkeypatch):
+    """Rows split over threads (``parallel_rows``) give the one-call result."""
+    from attnopt.functional import _kernel_fused as kf
+
+    k = torch.randn(3, 41, 16, generator=torch.Generator().manual_seed(2))
+    one = kf._magnitude(k, 1.5, 0.25, True)
+    monkeypatch.setattr(_native, "_MIN_PARALLEL", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    for x, y in zip(kf._magnitude(k, 1.5, 0.25, True), one, strict=True):
+        assert torch.equal(x, y)

@@ -58,9 +58,17 @@ def _magnitude_native(
     u = torch.empty_like(k) if grad else None
     c = k.new_empty(k.shape[:-1]) if grad else None
     fn = lib.lp_magnitude_f32 if k.dtype == torch.float32 else lib.lp_magnitude_f64
-    ptr = _native.pointer
-    fn(ptr(k), ctypes.c_int64(rows), ctypes.c_int64(d), ctypes.c_int(_LP_MODES.get(p, 0)), _F64P(p),
-       _F64P(scale), _F64P(cap), ptr(a), ptr(u), ptr(c))
+    size = k.element_size()
+    mode = ctypes.c_int(_LP_MODES.get(p, 0))
+
+    def at(t: Tensor | None, offset: int) -> ctypes.c_void_p | None:
+        return None if t is None else ctypes.c_void_p(t.data_ptr() + offset * size)
+
+    def call(r0: int, r1: int) -> None:  # rows [r0, r1)
+        fn(at(k, r0 * d), ctypes.c_int64(r1 - r0), ctypes.c_int64(d), mode, _F64P(p), _F64P(scale),
+           _F64P(cap), at(a, r0), at(u, r0 * d), at(c, r0))
+
+    _native.parallel_rows(call, rows, d)
     return a, u, c
 
 
