@@ -147,8 +147,9 @@ class _FusedFourier(torch.autograd.Function):
         phi = torch.cat([_sum_sets(cp, nsets, r), _sum_sets(sp, nsets, r)], dim=-1)  # φ/c
         pq, pk = (phi[0], phi[1]) if stacked else (phi[..., :nq, :], phi[..., nq:, :])
         u = cm = None
-        # without a mask every key weight is > 0 with max 1 (or absent): den >= ε > 0, no guard
-        guard = kw is not None or mask is not None
+        # without a mask every key weight is > 0 with max 1 (or absent): den >= ε > 0 (the callers
+        # give ε > 0), no guard
+        guard = kw is not None or mask is not None or not eps > 0
         if kw is None:
             a = None
             if p is not None:
