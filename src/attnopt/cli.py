@@ -133,13 +133,13 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_train(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def _add_train(sub: argparse._SubParsersAction) -> None:
     from attnopt.cli_train import add_train_parser
 
     add_train_parser(sub)
 
 
-def _add_analyze(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def _add_analyze(sub: argparse._SubParsersAction) -> None:
     from attnopt.cli_analyze import add_analyze_parser  # stdlib only at import time
 
     add_analyze_parser(sub)

@@ -17,7 +17,7 @@ __all__ = ["add_analyze_parser"]
 
 
 def add_analyze_parser(
-    subparsers: argparse._SubParsersAction,  # type: ignore[type-arg]
+    subparsers: argparse._SubParsersAction,
 ) -> argparse.ArgumentParser:
     """Add the ``analyze`` subcommand to ``attnopt``'s sub-parsers."""
     p = subparsers.add_parser("analyze",

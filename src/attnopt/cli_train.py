@@ -21,7 +21,7 @@ __all__ = ["add_train_parser"]
 _NEEDS = "error: attnopt train needs the 'train' extra: pip install 'attnopt[train]'"
 
 
-def add_train_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+def add_train_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``train`` subcommand to ``attnopt``'s sub-parsers."""
     p = subparsers.add_parser("train", help="train the papers' experiments (Lightning; --list for the tasks)")
     p.add_argument("task", nargs="?", default=None, help="task name (see --list)")

@@ -37,7 +37,7 @@ class _MEMWeights(torch.autograd.Function):
     """Canonical ``T (K,n,d), z (K,Q,d), logu (K,Q|1,n)`` -> exact weights ``p̃ (K,Q,n)``."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         T: Tensor, z: Tensor, logu: Tensor, alpha: float, tol: float, max_iter: int, lowrank: bool
     ) -> tuple[Tensor, Tensor]:
         lam, w, _, gnorm, tol_eff = newton_mem(T, z, logu, alpha, tol, max_iter, lowrank)

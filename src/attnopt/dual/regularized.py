@@ -53,7 +53,7 @@ def _omega_fn(regularizer: Any) -> Callable[[Tensor], Tensor]:
     if callable(value):
         return lambda p: value(p, -1)
     if callable(regularizer):
-        return regularizer  # type: ignore[no-any-return]
+        return regularizer
     raise TypeError(
         "regularizer must be a callable omega(p) -> (...) or an object with value(p, dim), "
         f"got {type(regularizer).__name__}"

@@ -86,7 +86,7 @@ def minilm_encoder(
         hf.add_hnas_weights(model, init_weight=hnas_init)
     else:
         model.set_attn_implementation("attnopt_lnas")
-    return model.train()  # type: ignore[no-any-return]
+    return model.train()
 
 
 class PretrainedEncoderDecoder(EncoderDecoder):
@@ -133,4 +133,4 @@ class PretrainedEncoderDecoder(EncoderDecoder):
         """Encoder states ``(B, Ns, E)`` of the pretrained encoder."""
         pad = (src == self.pad_id) if src_padding_mask is None else src_padding_mask
         out = self.pretrained(input_ids=src, attention_mask=(~pad).long())
-        return out.last_hidden_state  # type: ignore[no-any-return]
+        return out.last_hidden_state

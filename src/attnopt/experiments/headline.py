@@ -130,7 +130,7 @@ def _build(cfg: RunConfig, dataset: str) -> dict[str, Any]:
     return out
 
 
-class _Pairs(torch.utils.data.Dataset):  # type: ignore[type-arg]
+class _Pairs(torch.utils.data.Dataset):
     def __init__(self, part: dict[str, Any]) -> None:
         self.src, self.tgt = part["src"], part["tgt"]
 
@@ -212,8 +212,8 @@ class HeadlineTask(Task):
         model = self.build_model(cfg.arm, cfg, data)
         cap = cfg.sizes.get("pretrained_epochs")
         if self.arms[cfg.arm].get("pretrained") and cap is not None:
-            return fit(model, data, cfg, epochs=min(cfg.epochs, int(cap)))  # type: ignore[no-any-return]
-        return fit(model, data, cfg)  # type: ignore[no-any-return]
+            return fit(model, data, cfg, epochs=min(cfg.epochs, int(cap)))
+        return fit(model, data, cfg)
 
     def _pretrained_model(self, a: Mapping[str, Any], cfg: RunConfig, data: DataBundle) -> nn.Module:
         from attnopt.experiments._pretrained_seq2seq import PretrainedEncoderDecoder, minilm_encoder

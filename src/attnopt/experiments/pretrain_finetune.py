@@ -114,7 +114,7 @@ def _collate_cls(items: list[tuple[Tensor, int]]) -> dict[str, Any]:
     return {"stage": "finetune", "ids": ids, "mask": mask, "label": torch.tensor([y for _, y in items])}
 
 
-class _List(torch.utils.data.Dataset):  # type: ignore[type-arg]
+class _List(torch.utils.data.Dataset):
     def __init__(self, items: list[Any]) -> None:
         self.items = items
 

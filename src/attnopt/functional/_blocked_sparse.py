@@ -79,7 +79,7 @@ def _plain(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, beta: Tensor | 
 
 class _BlockedSparseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         q: Tensor,
         k: Tensor,
         v: Tensor,
@@ -114,7 +114,7 @@ class _BlockedSparseAttention(torch.autograd.Function):
         ctx.mark_non_differentiable(output[1])
 
     @staticmethod
-    def backward(ctx: Any, dout: Tensor, _dtheta: Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, dout: Tensor, _dtheta: Tensor | None) -> tuple[Any, ...]:
         if double_backward(ctx):  # create_graph=True: the plain ops (exact double backward)
             args = (*ctx.saved_tensors[:5], ctx.alpha, ctx.scale, ctx.causal, 0)
             return tracked_vjp(ctx, _plain, args, dout)

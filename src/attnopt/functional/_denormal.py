@@ -60,7 +60,7 @@ class _FlushedFlash(torch.autograd.Function):
     """PyTorch's fused CPU flash kernel (no mask) with subnormals flushed in forward and backward."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float | None
     ) -> Tensor:
         with flush_denormal():
@@ -70,7 +70,7 @@ class _FlushedFlash(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         if double_backward(ctx):  # create_graph=True: SDPA's math form, tracked (exact double backward)
             return tracked_vjp(ctx, _math_sdpa, (q, k, v, ctx.is_causal, ctx.scale), dout)

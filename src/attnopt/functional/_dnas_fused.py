@@ -252,7 +252,7 @@ class _FusedSinkhorn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, causal: bool,
         scale: float, iterations: int, info: list[bool],
     ) -> Tensor:
@@ -279,7 +279,7 @@ class _FusedSinkhorn(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         refuse_double_backward(ctx, "doubly/hybrid_normalized_attention (materialized)", _INSTEAD)
         need_qk = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         need_w = ctx.w_shape is not None and ctx.needs_input_grad[3]

@@ -140,7 +140,7 @@ class _MaterializedSinkhorn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, causal: bool,
         scale: float, iterations: int,
     ) -> Tensor:
@@ -161,7 +161,7 @@ class _MaterializedSinkhorn(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         refuse_double_backward(ctx, "doubly/hybrid_normalized_attention (materialized)", _INSTEAD)
         k, v, w, out, qs, p, sigma, *rest = ctx.saved_tensors
         dout = dout.to(v.dtype).contiguous()  # a stride-0 gradient (from .sum()) sends bmm to a slow path

@@ -91,7 +91,7 @@ class _NativeSinkhorn(torch.autograd.Function):
     """DNAS (``w is None``) or HNAS, K = 1, on contiguous 4-D ``(B, H, N, ·)`` float32 inputs."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, causal: bool,
         scale: float, lib: ctypes.CDLL, info: list[bool],
     ) -> Tensor:
@@ -141,7 +141,7 @@ class _NativeSinkhorn(torch.autograd.Function):
         return out.view(b, h, nq, dv)
 
     @staticmethod
-    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         refuse_double_backward(ctx, "DNAS/HNAS (native C path)", "use *_normalized_weights(...) @ v")
         qs, k3, v3, wv, full, m, beta, u, alpha, binv = ctx.saved_tensors
         b, h, nq, nk, causal, scale, lib, _ = ctx.shape

@@ -162,7 +162,7 @@ class _Dnas1(torch.autograd.Function):
     """DNAS (one Sinkhorn step) with O(N) memory in forward and backward."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         q: Tensor, k: Tensor, v: Tensor, row_valid: Tensor, col_valid: Tensor,
         full_mask: Tensor | None, causal: bool, scale: float,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -184,7 +184,7 @@ class _Dnas1(torch.autograd.Function):
         ctx.mark_non_differentiable(r, output[2], a, bias)
 
     @staticmethod
-    def backward(ctx: Any, dout: Tensor, *_: Any) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, dout: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
         refuse_double_backward(ctx, *_NO_DOUBLE)
         q, k, v, out, r, a, bias, col_valid = ctx.saved_tensors
         scale, causal = ctx.scale, ctx.causal
@@ -217,7 +217,7 @@ class _LsePass(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         a: Tensor, b: Tensor, pot: Tensor, valid: Tensor, full_mask: Tensor | None, causal: bool, scale: float
     ) -> tuple[Tensor, Tensor]:
         bias = key_bias(pot, valid, full_mask)
@@ -233,7 +233,7 @@ class _LsePass(torch.autograd.Function):
         ctx.mark_non_differentiable(out)
 
     @staticmethod
-    def backward(ctx: Any, dl: Tensor, *_: Any) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, dl: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
         refuse_double_backward(ctx, *_NO_DOUBLE)
         a, b, out, lse, pot, valid, full_mask = ctx.saved_tensors
         scale, pdt, d = ctx.scale, lse.dtype, a.shape[-1]
@@ -265,7 +265,7 @@ class _AttnPass(torch.autograd.Function):
     """``out_i = Σ_j softmax_j(scale <q_i, k_j> + m_ij − pot_j) v_j`` (``pot`` differentiable)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         q: Tensor, k: Tensor, v: Tensor, pot: Tensor, valid: Tensor, full_mask: Tensor | None,
         causal: bool, scale: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
@@ -282,7 +282,7 @@ class _AttnPass(torch.autograd.Function):
         ctx.mark_non_differentiable(lse, bias)
 
     @staticmethod
-    def backward(ctx: Any, dout: Tensor, *_: Any) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, dout: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
         refuse_double_backward(ctx, *_NO_DOUBLE)
         q, k, v, out, lse, bias, valid = ctx.saved_tensors
         dq, dk, dv, colsum = _augmented_backward(dout, q, k, v, out, lse, bias, ctx.causal, ctx.scale)

@@ -94,7 +94,7 @@ class _BiasedSoftmax(torch.autograd.Function):
     than the recompute)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float
     ) -> Tensor:
         b, h, nq, d = q.shape
@@ -137,7 +137,7 @@ class _BiasedSoftmax(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         refuse_double_backward(ctx, "generalized_attention (fused bias)", "use generalized_weights(...) @ v")
         qs, k, v, p, out, bias, dead = ctx.saved_tensors
         b, h, nq, d = qs.shape
@@ -195,7 +195,7 @@ class _FlashBias(torch.autograd.Function):
     """The CPU flash kernel with a constant float mask, subnormals flushed (no bias gradient)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float
     ) -> Tensor:
         with flush_denormal():
@@ -205,7 +205,7 @@ class _FlashBias(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         refuse_double_backward(ctx, "generalized_attention (fused bias)", "use generalized_weights(...) @ v")
         q, k, v, bias, out, lse = ctx.saved_tensors
         with flush_denormal():

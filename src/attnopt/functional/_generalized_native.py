@@ -136,7 +136,7 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
     or (``toeplitz``) contiguous per-offset values (H|1, Nq + Nk − 1) of a bias (1, H|1, Nq, Nk)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float, lib: ctypes.CDLL,
         toeplitz: bool,
     ) -> Tensor:
@@ -201,7 +201,7 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
         return out.view(b, h, nq, dv)
 
     @staticmethod
-    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         refuse_double_backward(ctx, "generalized_attention (fused bias)", "use generalized_weights(...) @ v")
         qs, k, v, p, out, bias, mx, rinv = ctx.saved_tensors
         b, h, nq, d = qs.shape
@@ -300,7 +300,7 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
             if len(sums) == 1:  # one thread: its buffer (Python's sum would add it to 0: a copy)
                 gb = sums[0]
             else:
-                gb = sum(sums) if sums else bias.new_zeros(bias.shape)  # type: ignore[assignment]
+                gb = sum(sums) if sums else bias.new_zeros(bias.shape)
         return (dq.view(b, h, nq, d), dk.view(b, h, nk, d), dvv.view(b, h, nk, dv), gb, None, None, None)
 
 

@@ -158,7 +158,7 @@ def blocked_backward(
 
 class _ChunkedFeatureKernel(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, pq: Tensor, pk: Tensor, mt: Tensor, v: Tensor, eps: float
     ) -> Tensor:
         vm = torch.cat([v * mt, mt], dim=-1)  # (G, Nk, dv + 1)
@@ -171,7 +171,7 @@ class _ChunkedFeatureKernel(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         if double_backward(ctx):  # create_graph=True: differentiate the plain ops (exact double backward)
             return (*_plain_backward(ctx, dout), None)
         pq, pk, mt, v, vm, inv, out, *kept = ctx.saved_tensors

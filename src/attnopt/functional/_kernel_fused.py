@@ -131,7 +131,7 @@ class _FusedFourier(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, w: Tensor, kw: Tensor | None, mask: Tensor | None,
         eps: float, coef: float, nsets: int, p: float | None, scale: float,
     ) -> Tensor:
@@ -179,7 +179,7 @@ class _FusedFourier(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         if double_backward(ctx):  # the closed form below uses untracked intermediates
             raise RuntimeError(
                 "kernel_attention's fused Fourier-feature node has no double backward (create_graph=True)"

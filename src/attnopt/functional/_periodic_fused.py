@@ -95,7 +95,7 @@ class _FusedPeriodic(torch.autograd.Function):
     and ``W`` for the backward (else it recomputes them)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, e: Tensor | None, mask: Tensor | None,
         rep: int, om2: float, c: float, s: float, save: bool,
     ) -> Tensor:
@@ -136,7 +136,7 @@ class _FusedPeriodic(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         refuse_double_backward(ctx, "kernel_attention (fused Expsin)",
                                "use kernel_weights(q, k, kernel=...) @ v")
         q, k, v, qa, ka, kb, mask, inv, out, th_all, w_all = ctx.saved_tensors

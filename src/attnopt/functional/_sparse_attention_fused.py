@@ -228,7 +228,7 @@ class _FusedSparseAttention(torch.autograd.Function):
     """α ∈ {1.5, 2}: the in-place threshold search above, ``P`` (and ``√P``) saved."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, batch: tuple[int, ...], mask: Tensor | None,
         beta: Tensor | None, alpha: float, scale: float, causal: bool,
     ) -> Tensor:
@@ -253,7 +253,7 @@ class _FusedSparseAttention(torch.autograd.Function):
         return torch.bmm(p3, v)
 
     @staticmethod
-    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         if double_backward(ctx):
             return _plain_vjp(ctx, dout)
         q, k, v, p, g, gsum, beta = ctx.saved_tensors
@@ -280,7 +280,7 @@ class _FusedEntmaxAttention(torch.autograd.Function):
     """Any other float α > 1: the threshold search of :mod:`.entmax` on the scores, ``P`` saved."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, batch: tuple[int, ...], mask: Tensor | None,
         beta: Tensor | None, alpha: float, scale: float, causal: bool,
     ) -> Tensor:
@@ -293,7 +293,7 @@ class _FusedEntmaxAttention(torch.autograd.Function):
         return torch.bmm(p, v)
 
     @staticmethod
-    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         if double_backward(ctx):
             return _plain_vjp(ctx, dout)
         q, k, v, p, beta = ctx.saved_tensors

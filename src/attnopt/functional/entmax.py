@@ -460,7 +460,7 @@ def _rowwise_vmap(fn: Any, in_dims: tuple[Any, ...], x: Tensor, dim: int, *rest:
 
 class _Sparsemax(torch.autograd.Function):
     @staticmethod
-    def forward(x: Tensor, dim: int, max_iter: int) -> Tensor:  # type: ignore[override]
+    def forward(x: Tensor, dim: int, max_iter: int) -> Tensor:
         compute = _compute_dtype(x.dtype)
         return _threshold_map(x.to(compute), 2.0, dim, max_iter, 0.0)[0].to(x.dtype)
 
@@ -474,7 +474,7 @@ class _Sparsemax(torch.autograd.Function):
         return _rowwise_vmap(_Sparsemax.apply, in_dims, x, dim, max_iter)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
         (p,) = ctx.saved_tensors
         compute = _compute_dtype(p.dtype)
         gx = _entmax_backward(p.to(compute), grad.to(compute), 2.0, ctx.dim, double_backward(ctx))
@@ -485,7 +485,7 @@ class _Entmax(torch.autograd.Function):
     """Entmax for a fixed Python-float α (no gradient with respect to α)."""
 
     @staticmethod
-    def forward(x: Tensor, alpha: float, dim: int, tol: float, max_iter: int) -> Tensor:  # type: ignore[override]
+    def forward(x: Tensor, alpha: float, dim: int, tol: float, max_iter: int) -> Tensor:
         compute = _compute_dtype(x.dtype)
         return _threshold_map(x.to(compute), alpha, dim, max_iter, tol)[0].to(x.dtype)
 
@@ -495,14 +495,14 @@ class _Entmax(torch.autograd.Function):
         ctx.save_for_backward(output)
 
     @staticmethod
-    def vmap(  # type: ignore[override]
+    def vmap(
         info: Any, in_dims: tuple[Any, ...], x: Tensor, alpha: float, dim: int, tol: float, max_iter: int  # noqa: ARG004
     ) -> tuple[Tensor, int]:
         apply = lambda xb, d: _Entmax.apply(xb, alpha, d, tol, max_iter)  # noqa: E731
         return _rowwise_vmap(apply, in_dims, x, dim)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None, None]:
         (p,) = ctx.saved_tensors
         compute = _compute_dtype(p.dtype)
         gx = _entmax_backward(p.to(compute), grad.to(compute), ctx.alpha, ctx.dim, double_backward(ctx))
@@ -513,7 +513,7 @@ class _EntmaxAlpha(torch.autograd.Function):
     """Entmax for a tensor α (broadcastable, size 1 along ``dim``), differentiable in α."""
 
     @staticmethod
-    def forward(x: Tensor, alpha: Tensor, dim: int, tol: float, max_iter: int) -> Tensor:  # type: ignore[override]
+    def forward(x: Tensor, alpha: Tensor, dim: int, tol: float, max_iter: int) -> Tensor:
         compute = _compute_dtype(x.dtype)
         p = _entmax_general_forward(x.to(compute), alpha.to(compute), dim, tol, max_iter)[0]
         return p.to(x.dtype)
@@ -524,7 +524,7 @@ class _EntmaxAlpha(torch.autograd.Function):
         ctx.save_for_backward(output, inputs[1])
 
     @staticmethod
-    def vmap(  # type: ignore[override]
+    def vmap(
         info: Any, in_dims: tuple[Any, ...], x: Tensor, alpha: Tensor, dim: int, tol: float, max_iter: int  # noqa: ARG004
     ) -> tuple[Tensor, int]:
         if in_dims[1] is not None:  # entmax() validates α's values, which vmap cannot do batched
@@ -533,7 +533,7 @@ class _EntmaxAlpha(torch.autograd.Function):
         return _rowwise_vmap(apply, in_dims, x, dim)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None]:
         p, alpha = ctx.saved_tensors
         compute = _compute_dtype(p.dtype)
         pc, gc, ac = p.to(compute), grad.to(compute), alpha.to(compute)

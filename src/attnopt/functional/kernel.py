@@ -114,7 +114,7 @@ class _LpHalfSquare(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(x: Tensor, p: float, scale: float) -> tuple[Tensor, Tensor, Tensor]:  # type: ignore[override]
+    def forward(x: Tensor, p: float, scale: float) -> tuple[Tensor, Tensor, Tensor]:
         ax = x.abs()
         pw = _abs_pow(ax, p - 1.0)  # |x|^{p-1}
         total = (ax * pw).sum(-1)
@@ -132,7 +132,7 @@ class _LpHalfSquare(torch.autograd.Function):
         ctx.save_for_backward(x, pw, total, out < torch.finfo(x.dtype).max / 8)
 
     @staticmethod
-    def backward(  # type: ignore[override]
+    def backward(
         ctx: Any, g: Tensor, _gpw: Tensor | None, _gtotal: Tensor | None
     ) -> tuple[Tensor | None, None, None]:
         x, pw, total, live = ctx.saved_tensors

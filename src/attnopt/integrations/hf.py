@@ -106,7 +106,7 @@ def _resolve(target: str) -> Callable[..., Tensor]:
     fn = getattr(importlib.import_module(module), attr)
     if not callable(fn):
         raise TypeError(f"{target} is not callable")
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 def _bool_mask_function(*args: Any, **kwargs: Any) -> Tensor | None:
@@ -115,7 +115,7 @@ def _bool_mask_function(*args: Any, **kwargs: Any) -> Tensor | None:
 
     kwargs["allow_is_causal_skip"] = False
     kwargs["allow_is_bidirectional_skip"] = False
-    return sdpa_mask(*args, **kwargs)  # type: ignore[no-any-return]
+    return sdpa_mask(*args, **kwargs)
 
 
 def _masks(module: Any, query: Tensor, key: Tensor, attention_mask: Tensor | None,

@@ -100,7 +100,7 @@ class _SpectralSample(torch.autograd.Function):
     """Every set at once: the S networks as batched matmuls over a leading set axis."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, h: Tensor, noise: Tensor, raw: Tensor | None, scales: tuple[float, ...], *params: Tensor
     ) -> tuple[Tensor, Tensor]:
         n_sets = len(scales)
@@ -142,7 +142,7 @@ class _SpectralSample(torch.autograd.Function):
         return pts, kl
 
     @staticmethod
-    def backward(ctx: Any, gpts: Tensor, gkl: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, gpts: Tensor, gkl: Tensor) -> tuple[Tensor | None, ...]:
         h, noise, e, w1a, w1b, w2a, w2b, t1, mu, live, sig, a, sg, t2, raw, low, fac, *params = (
             ctx.saved_tensors)
         if double_backward(ctx):  # create_graph=True: differentiate the plain ops (exact double backward)

@@ -174,7 +174,7 @@ class _ToeplitzBias(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, per_offset: Tensor, index: Tensor | None, nq: int, nk: int
     ) -> Tensor:
         ctx.save_for_backward(index)
@@ -183,7 +183,7 @@ class _ToeplitzBias(torch.autograd.Function):
         return per_offset.unfold(-1, nk, 1).flip(-2).contiguous().view(1, -1, nq, nk)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         # exact double backward: linear in grad, no forward state (index_add_ / copy_ are tracked)
         (index,) = ctx.saved_tensors
         g = grad[0] if grad.shape[0] == 1 else grad.sum(0)  # (H, Nq, Nk)

@@ -40,7 +40,7 @@ def cached(path: str | os.PathLike[str] | None, build: Callable[[], T]) -> T:
         data = path.read_bytes()
         if hashlib.sha256(data).hexdigest() == digest_path.read_text().strip():
             obj: Any = torch.load(io.BytesIO(data), weights_only=True)
-            return obj  # type: ignore[no-any-return]
+            return obj
     except (OSError, RuntimeError, ValueError, EOFError):
         pass
     obj = build()
