@@ -30,7 +30,13 @@ import torch
 import torch._C._functorch as _ft
 from torch import Tensor
 
-__all__ = ["double_backward", "refuse_double_backward", "tracked_vjp"]
+__all__ = ["double_backward", "records_graph", "refuse_double_backward", "tracked_vjp"]
+
+
+def records_graph(*xs: torch.Tensor | None) -> bool:
+    """Whether autograd records a call on ``xs`` (grad mode on and an input that requires grad);
+    the no-grad (inference) paths run when it does not."""
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
 
 
 def double_backward(ctx: Any) -> bool:

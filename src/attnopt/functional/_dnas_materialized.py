@@ -43,7 +43,7 @@ from torch import Tensor
 
 from attnopt._validation import additive_mask
 from attnopt.functional import _dnas_fused, _dnas_native, dispatch
-from attnopt.functional._autograd import refuse_double_backward
+from attnopt.functional._autograd import records_graph, refuse_double_backward
 from attnopt.functional._dnas_fused import _INSTEAD, _reduce_to, fused_sinkhorn
 
 __all__ = ["materialized_sinkhorn_attention", "dispatched_sinkhorn"]
@@ -218,7 +218,7 @@ def materialized_sinkhorn_attention(
     for n in batch:
         entries *= n
     if entries <= NO_GRAD_MAX_ENTRIES and m is None and not (is_causal and nk > nq) \
-            and not _needs_graph(*qkv, wc):
+            and not records_graph(*qkv, wc):
         plain = _no_grad_forward(qkv[0], qkv[1], qkv[2], wc, is_causal, scale, iterations)
         if plain is not None:
             return plain if orig == compute else plain.to(orig)
@@ -239,11 +239,6 @@ def materialized_sinkhorn_attention(
 #: B·H = 64, N = 128 (2^20) 3.48 -> 3.19, 3.74 -> 3.90 (peer 8.3); Sinkhorn K = 3 at 2^19
 #: 3.1 (fused) -> 2.3. Above it the chunked kernels keep the ``N × N`` work in cache.
 NO_GRAD_MAX_ENTRIES = FUSED_MIN_ENTRIES
-
-
-def _needs_graph(*xs: Tensor | None) -> bool:
-    """Whether autograd records this call (grad mode on and an input that requires grad)."""
-    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
 
 
 def _no_grad_forward(

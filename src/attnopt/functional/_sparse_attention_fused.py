@@ -64,7 +64,7 @@ from torch import Tensor
 from attnopt import _native
 from attnopt._validation import broadcast_shapes
 from attnopt.functional import _sparse_native
-from attnopt.functional._autograd import double_backward, tracked_vjp
+from attnopt.functional._autograd import double_backward, records_graph, tracked_vjp
 from attnopt.functional._blocked_sparse import _plain
 from attnopt.functional.entmax import _default_tol, _entmax_backward, _threshold_map
 
@@ -329,11 +329,6 @@ NATIVE_MIN_ENTRIES = 1 << 21
 NO_GRAD_MIN_ENTRIES = 0
 
 
-def _needs_graph(*xs: Tensor | None) -> bool:
-    """Whether autograd records this call (grad mode on and an input that requires grad)."""
-    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
-
-
 def _no_grad_forward(
     q: Tensor, k: Tensor, v: Tensor, batch: tuple[int, ...], mask: Tensor | None, beta: Tensor | None,
     alpha: float, scale: float, causal: bool,
@@ -387,7 +382,7 @@ def fused_sparse_attention(
             x = x.expand(*batch, *x.shape[-2:])
         qkv.append(x.reshape(-1, *x.shape[-2:]))
     m = None if mask is None else mask.detach().to(compute)
-    inference = not _needs_graph(*qkv, beta)
+    inference = not records_graph(*qkv, beta)
     if alpha in (1.5, 2.0) and inference and _native_map(qkv[0], k.shape[-2], NO_GRAD_MIN_ENTRIES):
         plain = _no_grad_forward(qkv[0], qkv[1], qkv[2], batch, m, beta, alpha, scale, is_causal)
         return plain if orig == compute else plain.to(orig)
