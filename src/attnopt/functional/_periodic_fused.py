@@ -42,6 +42,7 @@ from torch import Tensor
 from attnopt._validation import broadcast_shapes
 from attnopt.functional._autograd import refuse_double_backward
 from attnopt.functional._denormal import flush_denormal
+from attnopt.functional._periodic_native import library, native_periodic_attention
 
 __all__ = ["fused_periodic_attention", "periodic_fused_ok", "CHUNK_BYTES", "SAVE_BYTES", "MAX_C"]
 
@@ -233,6 +234,11 @@ def fused_periodic_attention(
     grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, key_bias))
     save = grad and bh * nq * nk * q.element_size() <= SAVE_BYTES
     s = 0.0 if magnitude_scale is None else float(magnitude_scale)
-    out: Tensor = _FusedPeriodic.apply(
-        flat(q), flat(k), flat(v), e3, m3, rep, omega * omega, float(c), s, save)
+    q3, k3, v3 = flat(q), flat(k), flat(v)
+    lib = library(q3, k3, v3, e3, m3)
+    if lib is not None:  # the same node with its elementwise passes in C (._periodic_native)
+        out = native_periodic_attention(lib, q3, k3, v3, e3, m3, rep, omega * omega, float(c), s, save,
+                                        CHUNK_BYTES)
+    else:
+        out = _FusedPeriodic.apply(q3, k3, v3, e3, m3, rep, omega * omega, float(c), s, save)
     return out.view(*batch, nq, dv)
