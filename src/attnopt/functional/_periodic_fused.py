@@ -234,11 +234,12 @@ def fused_periodic_attention(
     grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, key_bias))
     save = grad and bh * nq * nk * q.element_size() <= SAVE_BYTES
     s = 0.0 if magnitude_scale is None else float(magnitude_scale)
-    q3, k3, v3 = flat(q), flat(k), flat(v)
-    lib = library(q3, k3, v3, e3, m3)
+    lib = library(q, k, v, e3, m3)
     if lib is not None:  # the same node with its elementwise passes in C (._periodic_native)
-        out = native_periodic_attention(lib, q3, k3, v3, e3, m3, rep, omega * omega, float(c), s, save,
-                                        CHUNK_BYTES)
-    else:
-        out = _FusedPeriodic.apply(q3, k3, v3, e3, m3, rep, omega * omega, float(c), s, save)
+        def rows(x: Tensor) -> Tensor:  # no tracked view where the node can flatten x itself
+            return x if tuple(x.shape[:-2]) == batch and x.is_contiguous() else flat(x)
+
+        return native_periodic_attention(lib, rows(q), rows(k), rows(v), e3, m3, rep, omega * omega,
+                                         float(c), s, save, CHUNK_BYTES, batch)
+    out = _FusedPeriodic.apply(flat(q), flat(k), flat(v), e3, m3, rep, omega * omega, float(c), s, save)
     return out.view(*batch, nq, dv)

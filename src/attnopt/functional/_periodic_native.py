@@ -88,7 +88,9 @@ def _address(t: Tensor | None, offset: int = 0) -> int | None:
 
 
 class _NativePeriodic(torch.autograd.Function):
-    """q (BH, Nq, d), k (BH, Nk, d), v (BH, Nk, dv) contiguous; ``e`` (BH, 1, Nk) contiguous or
+    """q (…, Nq, d), k (…, Nk, d), v (…, Nk, dv) contiguous, the leading dims of each holding BH
+    rows (flattened here, not by a tracked view: each view is one more autograd node, ~7 µs in the
+    backward at N = 64); ``e`` (BH, 1, Nk) contiguous or
     None; mask (G, Nq, Nk) with unit key stride, constant, or None (row ``i`` of the batch reads
     ``mask[i // rep]``); ``om2 = ω²``, ``c``, ``s`` (0: no L2 magnitude); ``save``: keep ``P``
     and ``sin θ/θ`` for the backward; ``step``: heads per chunk."""
@@ -97,9 +99,12 @@ class _NativePeriodic(torch.autograd.Function):
     def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, e: Tensor | None, mask: Tensor | None,
         rep: int, om2: float, c: float, s: float, save: bool, step: int, lib: ctypes.CDLL,
+        lead: tuple[int, ...],
     ) -> Tensor:
-        bh, nq, d = q.shape
-        nk, dv = k.shape[1], v.shape[-1]
+        ctx.shapes = q.shape, k.shape, v.shape
+        nq, d, nk, dv = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
+        q, k, v = q.view(-1, nq, d), k.view(-1, nk, d), v.view(-1, nk, dv)
+        bh = q.shape[0]
         fwd = _functions(lib, q.dtype)[0]
         threads = torch.get_num_threads()
         p = q.new_empty(bh if save else min(step, bh), nq, nk)
@@ -125,7 +130,7 @@ class _NativePeriodic(torch.autograd.Function):
             torch.bmm(buf, v if whole else v[h0:h1], out=out if whole else out[h0:h1])
         ctx.om2, ctx.c, ctx.s, ctx.rep, ctx.step, ctx.lib = om2, c, s, rep, step, lib
         ctx.save_for_backward(q, k, v, mask, aux, state, out, p if save else None, sc)
-        return out
+        return out.view(*lead, nq, dv)
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
@@ -136,7 +141,7 @@ class _NativePeriodic(torch.autograd.Function):
         nk, dv = k.shape[1], v.shape[-1]
         _, bwd, fin = _functions(ctx.lib, q.dtype)
         threads, step = torch.get_num_threads(), ctx.step
-        do = dout.to(q.dtype).contiguous()
+        do = dout.to(q.dtype).contiguous().view(bh, nq, dv)
         need_q, need_k, need_v, need_e = ctx.needs_input_grad[:4]
         gq, gk, gv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         rs, colsums = q.new_empty(bh, nq), q.new_empty(2, bh, nk)  # Σ_j E; (Σ_i E, Σ_i dL)
@@ -184,19 +189,21 @@ class _NativePeriodic(torch.autograd.Function):
 
             _run(finish, bh, (nq + nk) * d, threads)
         ge = colsums[1].unsqueeze(1) if need_e else None
-        return (gq if need_q else None, gk if need_k else None, gv if need_v else None, ge,
-                None, None, None, None, None, None, None, None)
+        sq, sk, sv = ctx.shapes
+        return (gq.view(sq) if need_q else None, gk.view(sk) if need_k else None, gv.view(sv) if need_v else None, ge,
+                None, None, None, None, None, None, None, None, None)
 
 
 def native_periodic_attention(
     lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, e: Tensor | None, mask: Tensor | None, rep: int,
-    om2: float, c: float, s: float, save: bool, chunk_bytes: int,
+    om2: float, c: float, s: float, save: bool, chunk_bytes: int, batch: tuple[int, ...],
 ) -> Tensor:
     """:class:`._periodic_fused._FusedPeriodic`'s arguments, through the C passes of ``lib``
-    (:func:`library`); heads are taken ``chunk_bytes`` of scores per thread at a time."""
+    (:func:`library`); heads are taken ``chunk_bytes`` of scores per thread at a time. Returns
+    ``(*batch, Nq, dv)``."""
     if mask is not None and mask.stride(-1) != 1:
         mask = mask.contiguous()
-    block = q.shape[1] * k.shape[1] * q.element_size()
+    block = q.shape[-2] * k.shape[-2] * q.element_size()
     step = max(1, chunk_bytes * max(1, torch.get_num_threads()) // max(block, 1))
-    out: Tensor = _NativePeriodic.apply(q, k, v, e, mask, rep, om2, c, s, save, step, lib)
+    out: Tensor = _NativePeriodic.apply(q, k, v, e, mask, rep, om2, c, s, save, step, lib, batch)
     return out
