@@ -164,16 +164,15 @@ INLINE T row_shift_##SUF(const T *kb, const T *mr, T top, T c, int64_t nk) {    
     return top == -(T)INFINITY ? top : top + c;                                                       \
 }                                                                                                     \
                                                                                                       \
-/* P and (sc != NULL) sin(theta)/theta of row (g, i); the forward (have = 0: computes and stores     \
- * the shift and r) or the backward's recompute (have = 1: reads them) */                             \
-INLINE void row_weights_##SUF(T *s, T *sc, const T *qi, const T *kn, const T *kb, const T *mr,       \
-                              T top, T *shift, T *rinv, int64_t nk, int64_t d, T om2, T c, int have) { \
-    const T sh = have ? *shift : row_shift_##SUF(kb, mr, top, c, nk);                                 \
-    if (!have) *shift = sh;                                                                           \
+/* P and (sc != NULL) sin(theta)/theta of row (g, i) of the forward; stores its shift and r */        \
+INLINE void row_weights_##SUF(T *s, T *sc, const T *qi, const T *kn, const T *kb, const T *mr,        \
+                              T top, T *shift, T *rinv, int64_t nk, int64_t d, T om2, T c) {          \
+    const T sh = row_shift_##SUF(kb, mr, top, c, nk);                                                 \
+    *shift = sh;                                                                                      \
     if (sh == -(T)INFINITY) {                                                                         \
         memset(s, 0, sizeof(T) * (size_t)nk);                                                         \
         if (sc) memset(sc, 0, sizeof(T) * (size_t)nk);                                                \
-        if (!have) *rinv = 0;                                                                         \
+        *rinv = 0;                                                                                    \
         return;                                                                                       \
     }                                                                                                 \
     const T base = om2 * dot_##SUF(qi, qi, d);                                                        \
@@ -182,16 +181,10 @@ INLINE void row_weights_##SUF(T *s, T *sc, const T *qi, const T *kn, const T *kb
     else if (mr) z = row_exp_##SUF(s, sc, kn, kb, mr, base, om2, c, sh, nk, 1, 0);                    \
     else if (sc) z = row_exp_##SUF(s, sc, kn, kb, mr, base, om2, c, sh, nk, 0, 1);                    \
     else z = row_exp_##SUF(s, sc, kn, kb, mr, base, om2, c, sh, nk, 0, 0);                            \
-    T r;                                                                                              \
-    if (have) {                                                                                       \
-        r = *rinv; /* the forward's, bitwise */                                                       \
-    } else {                                                                                          \
-        r = z > 0 ? 1 / z : 0;                                                                        \
-        *rinv = r;                                                                                    \
-    }                                                                                                 \
+    const T r = z > 0 ? 1 / z : 0; /* z >= e^-2c: the row's largest exponent is >= -2c */             \
+    *rinv = r;                                                                                        \
     row_scale_##SUF(s, r, nk);                                                                        \
 }                                                                                                     \
-                                                                                                      \
 void px_fwd_##SUF(T *s, T *sc, const T *q, const T *k, const T *e, const T *mask, int64_t msg,      \
                   int64_t msi, int64_t rep, T *aux, T *shift, T *rinv, int64_t cg0, int64_t g0,      \
                   int64_t g1, int64_t nq, int64_t nk, int64_t d, T om2, T c, T s2) {                \
@@ -202,7 +195,7 @@ void px_fwd_##SUF(T *s, T *sc, const T *q, const T *k, const T *e, const T *mask
         for (int64_t i = 0; i < nq; ++i) {                                                            \
             const int64_t r = g * nq + i, at = ((g - cg0) * nq + i) * nk;                             \
             row_weights_##SUF(s + at, sc ? sc + at : NULL, q + r * d, kn, kb, mg ? mg + i * msi : NULL, \
-                              top, shift + r, rinv + r, nk, d, om2, c, 0);                            \
+                              top, shift + r, rinv + r, nk, d, om2, c);                                 \
         }                                                                                             \
     }                                                                                                 \
 }                                                                                                     \
@@ -218,6 +211,48 @@ INLINE T grad_entry_##SUF(const T *pr, const T *sr, T *dr, T *csg, T *dlg, T del
     dlg[j] += dl;                                                                                     \
     return ej;                                                                                        \
 }                                                                                                     \
+/* the backward's recompute fused with grad_entry: P_j from S_j (over s_j, with the forward's         \
+ * shift and r), sin(theta)/theta used at once (not stored) */                                        \
+INLINE T recompute_entry_##SUF(T *s, T *dr, T *csg, T *dlg, const T *kn, const T *kb, const T *mr,    \
+                               T base, T om2, T m2, T c, T shift, T r, T delta, int64_t j,            \
+                               const int MASKED) {                                                    \
+    T t2 = base + om2 * kn[j] + m2 * s[j];                                                            \
+    t2 = t2 > TH_TINY ? t2 : TH_TINY;                                                                 \
+    const T th = sqrt(t2);                                                                            \
+    T sn, cs;                                                                                         \
+    SINCOS(th, &sn, &cs);                                                                             \
+    const T x = c * cs + (MASKED ? kb[j] + mr[j] : kb[j]) - shift;                                    \
+    T p = EXP(x) * r;                                                                                 \
+    p = p >= TINY ? p : 0;                                                                            \
+    s[j] = p;                                                                                         \
+    T dl = p * (dr[j] - delta);                                                                       \
+    dl = (dl >= TINY || dl <= -TINY) ? dl : 0;                                                        \
+    T ej = dl * (sn / th);                                                                            \
+    ej = (ej >= TINY || ej <= -TINY) ? ej : 0;                                                        \
+    dr[j] = ej;                                                                                       \
+    csg[j] += ej;                                                                                     \
+    dlg[j] += dl;                                                                                     \
+    return ej;                                                                                        \
+}                                                                                                     \
+                                                                                                      \
+/* one row of the recomputing backward; returns sum_j E_j */                                          \
+INLINE T recompute_row_##SUF(T *s, T *dr, T *csg, T *dlg, const T *kn, const T *kb, const T *mr,      \
+                             T base, T om2, T c, T shift, T r, T delta, int64_t nk, const int MASKED) {\
+    const T m2 = (T)-2 * om2;                                                                         \
+    T acc[LANES(T)];                                                                                  \
+    for (int l = 0; l < LANES(T); ++l) acc[l] = 0;                                                    \
+    int64_t j = 0;                                                                                    \
+    for (; j + LANES(T) <= nk; j += LANES(T)) {                                                       \
+        _Pragma("omp simd")                                                                           \
+        for (int l = 0; l < LANES(T); ++l)                                                            \
+            acc[l] += recompute_entry_##SUF(s, dr, csg, dlg, kn, kb, mr, base, om2, m2, c, shift, r, delta,\
+                                            j + l, MASKED);                                           \
+    }                                                                                                 \
+    for (int l = 0; j + l < nk; ++l)                                                                  \
+        acc[l] += recompute_entry_##SUF(s, dr, csg, dlg, kn, kb, mr, base, om2, m2, c, shift, r, delta,\
+                                        j + l, MASKED);                                               \
+    return tree_sum_##SUF(acc);                                                                       \
+}                                                                                                     \
 void px_bwd_##SUF(T *s, T *sc, T *dp, int recompute, const T *q, const T *dout, const T *out,       \
                   int64_t dv, const T *mask, int64_t msg, int64_t msi, int64_t rep, const T *aux,    \
                   T *shift, T *rinv, T *rs, T *cs, T *dls, int64_t cg0, int64_t g0,                  \
@@ -230,17 +265,24 @@ void px_bwd_##SUF(T *s, T *sc, T *dp, int recompute, const T *q, const T *dout, 
         memset(dlg, 0, sizeof(T) * (size_t)nk);                                                       \
         for (int64_t i = 0; i < nq; ++i) {                                                            \
             const int64_t r = g * nq + i, at = ((g - cg0) * nq + i) * nk;                             \
-            T *pr = s + at, *sr = sc + at, *dr = dp + at;                                             \
-            if (recompute)                                                                            \
-                row_weights_##SUF(pr, sr, q + r * d, kn, kb, mg ? mg + i * msi : NULL, 0, shift + r,  \
-                                  rinv + r, nk, d, om2, c, 1);                                        \
-            if (rinv[r] == 0) {                                                                       \
+            T *pr = s + at, *sr = sc ? sc + at : NULL, *dr = dp + at;                                 \
+            if (rinv[r] == 0) { /* no admissible key: P = 0, E = 0 */                                 \
+                if (recompute) memset(pr, 0, sizeof(T) * (size_t)nk);                                 \
                 memset(dr, 0, sizeof(T) * (size_t)nk);                                                \
                 rs[r] = 0;                                                                            \
                 continue;                                                                             \
             }                                                                                         \
             const T *dor = dout + r * dv, *orow = out + r * dv;                                       \
             const T delta = dot_##SUF(dor, orow, dv);                                                 \
+            if (recompute) {                                                                          \
+                const T *mr = mg ? mg + i * msi : NULL;                                               \
+                const T base = om2 * dot_##SUF(q + r * d, q + r * d, d);                              \
+                rs[r] = mr ? recompute_row_##SUF(pr, dr, csg, dlg, kn, kb, mr, base, om2, c, shift[r], rinv[r], \
+                                                 delta, nk, 1)                                        \
+                           : recompute_row_##SUF(pr, dr, csg, dlg, kn, kb, mr, base, om2, c, shift[r], rinv[r], \
+                                                 delta, nk, 0);                                       \
+                continue;                                                                             \
+            }                                                                                         \
             T acc[LANES(T)];                                                                          \
             for (int l = 0; l < LANES(T); ++l) acc[l] = 0;                                            \
             int64_t j = 0;                                                                            \

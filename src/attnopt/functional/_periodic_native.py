@@ -147,8 +147,7 @@ class _NativePeriodic(torch.autograd.Function):
         rs, colsums = q.new_empty(bh, nq), q.new_empty(2, bh, nk)  # Σ_j E; (Σ_i E, Σ_i dL)
         recompute = int(p_all is None)
         per = min(step, bh)
-        s_buf = q.new_empty(per, nq, nk) if recompute else None
-        sc_buf = q.new_empty(per, nq, nk) if recompute else None
+        s_buf = q.new_empty(per, nq, nk) if recompute else None  # sin θ/θ is used at once, not stored
         dp_buf = q.new_empty(per, nq, nk)
         pq, pdo, pout, paux = q.data_ptr(), do.data_ptr(), out.data_ptr(), aux.data_ptr()
         pshift, prinv = state.data_ptr(), _address(state, bh * nq)
@@ -162,15 +161,17 @@ class _NativePeriodic(torch.autograd.Function):
             whole = h0 == 0 and h1 == bh
             qf, kf, dof = (q, k, do) if whole else (q[f], k[f], do[f])
             if recompute:
-                assert s_buf is not None and sc_buf is not None
+                assert s_buf is not None
                 pw = torch.bmm(qf, kt if whole else kt[f], out=s_buf[: h1 - h0])
-                scw = sc_buf[: h1 - h0]
+                psc = None
             else:
-                pw, scw = (p_all, sc_all) if whole else (p_all[f], sc_all[f])
+                pw = p_all if whole else p_all[f]
+                psc = sc_all.data_ptr() + h0 * nq * nk * sc_all.element_size()
             dp = torch.bmm(dof, vt if whole else vt[f], out=dp_buf[: h1 - h0])
-            ps, psc, pdp = pw.data_ptr(), scw.data_ptr(), dp.data_ptr()
+            ps, pdp = pw.data_ptr(), dp.data_ptr()
 
-            def rows(a: int, b: int, ps: int = ps, psc: int = psc, pdp: int = pdp, h0: int = h0) -> None:
+            def rows(a: int, b: int, ps: int = ps, psc: int | None = psc, pdp: int = pdp, h0: int = h0
+                     ) -> None:
                 bwd(ps, psc, pdp, recompute, pq, pdo, pout, dv, pm, msg, msi, ctx.rep, paux, pshift, prinv,
                     prs, pcs, pdls, h0, h0 + a, h0 + b, nq, nk, d, om2, c)
 
