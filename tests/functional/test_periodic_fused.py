@@ -1,4 +1,5 @@
-"""The fused Expsin (periodic kernel × magnitude) node behind kernel_attention vs float64 oracles."""
+"""The fused Expsin (periodic kernel × magnitude) node behind kernel_attention vs float64 oracles,
+on its C passes (``_periodic_native``) and on its PyTorch fallback (``native_or_torch``)."""
 import math
 
 import pytest
@@ -93,7 +94,7 @@ def _naive(q, k, v, kern, p, mask, causal):
 
 @pytest.mark.parametrize("mask_name", ["none", "keys", "rows", "dead-row", "padding", "causal", "float"])
 @pytest.mark.parametrize("p", [2.0, 1.5])  # p = None: tests/functional/test_kernel.py
-def test_matches_loop_oracle_and_autograd_composition(layout, mask_name, p):
+def test_matches_loop_oracle_and_autograd_composition(native_or_torch, layout, mask_name, p):
     q, k, v = _qkv(1, nq=4, nk=5)
     mask, causal, keep = _masks(2, 4, 5)[mask_name]
     kern = Periodic(2.5, 1.3)
@@ -112,7 +113,7 @@ def test_matches_loop_oracle_and_autograd_composition(layout, mask_name, p):
 
 
 @pytest.mark.parametrize("mask_name", ["keys", "dead-row", "causal"])
-def test_gradcheck(layout, mask_name):
+def test_gradcheck(native_or_torch, layout, mask_name):
     q, k, v = _qkv(2, b=2, h=1, nq=3, nk=4)
     mask, causal, _ = _masks(2, 3, 4)[mask_name]
     kern = Periodic(3.0)
@@ -123,7 +124,7 @@ def test_gradcheck(layout, mask_name):
     assert torch.autograd.gradcheck(fn, (q, k, v))
 
 
-def test_gradcheck_with_an_lp_magnitude_and_broadcast_batch(layout):
+def test_gradcheck_with_an_lp_magnitude_and_broadcast_batch(native_or_torch, layout):
     q, k, v = _qkv(3, b=2, h=2, nq=3, nk=4)
     k1, v1 = k[:1].detach().requires_grad_(), v[:1].detach().requires_grad_()  # (1, H, …) broadcast
 
@@ -133,7 +134,7 @@ def test_gradcheck_with_an_lp_magnitude_and_broadcast_batch(layout):
     assert torch.autograd.gradcheck(fn, (q, k1, v1))
 
 
-def test_coincident_query_and_key_has_the_kernels_zero_slope(layout):
+def test_coincident_query_and_key_has_the_kernels_zero_slope(native_or_torch, layout):
     """θ = 0 (q_i = k_j): sin θ/θ → 1 there, so the gradient is finite and the composition's."""
     q, _, v = _qkv(4, nq=4, nk=4)
     k = q.detach().clone().requires_grad_()
@@ -141,7 +142,7 @@ def test_coincident_query_and_key_has_the_kernels_zero_slope(layout):
         lambda a, b, c: kernel_attention(a, b, c, kernel=Periodic(2 * math.pi)), (q, k, v))
 
 
-def test_forward_without_grad_is_the_same(layout):
+def test_forward_without_grad_is_the_same(native_or_torch, layout):
     q, k, v = _qkv(5, b=3, h=2, nq=6, nk=7)
     mask, causal, _ = _masks(3, 6, 7)["rows"]
     with torch.no_grad():
@@ -174,7 +175,7 @@ def test_a_float_mask_with_grad_takes_the_autograd_path():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_lower_precision_error_is_bounded_by_the_naive_one(dtype):
+def test_lower_precision_error_is_bounded_by_the_naive_one(native_or_torch, dtype):
     q, k, v = (t.detach() for t in _qkv(8, b=2, h=4, nq=32, nk=32, d=16, dv=8))
     q, k = q * 0.5, k * 0.5
     gold = _naive(q, k, v, Periodic(2 * math.pi), 2.0, None, True)

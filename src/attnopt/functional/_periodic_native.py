@@ -191,8 +191,8 @@ class _NativePeriodic(torch.autograd.Function):
             _run(finish, bh, (nq + nk) * d, threads)
         ge = colsums[1].unsqueeze(1) if need_e else None
         sq, sk, sv = ctx.shapes
-        return (gq.view(sq) if need_q else None, gk.view(sk) if need_k else None, gv.view(sv) if need_v else None, ge,
-                None, None, None, None, None, None, None, None, None)
+        return (gq.view(sq) if need_q else None, gk.view(sk) if need_k else None,
+                gv.view(sv) if need_v else None, ge, None, None, None, None, None, None, None, None, None)
 
 
 def native_periodic_attention(

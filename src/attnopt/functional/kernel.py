@@ -396,10 +396,11 @@ def _periodic(
     attn_mask: Tensor | None, scale: float | None, is_causal: bool, eps: float,
 ) -> Tensor | None:
     """The fused Expsin node (:mod:`._periodic_fused`), or None where it does not apply (a
-    length-scale so small that ``c = 1/l²`` > ``MAX_C``, or a float mask that needs a gradient)."""
+    length-scale so small that ``c = 1/l²`` > ``MAX_C``, a float mask that needs a gradient, or
+    ``torch.func``'s wrapped tensors, which the plain ops of the general path take)."""
     compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     c = kernel.inv_sq_lengthscale(q.shape[-1])
-    if not periodic_fused_ok(c, compute, attn_mask):
+    if not (periodic_fused_ok(c, compute, attn_mask) and has_storage(q, k, v, attn_mask)):
         return None
     _check_options(kernel, magnitude_p, eps, "quadratic")
     s = resolve_scale(scale, q.shape[-1])
