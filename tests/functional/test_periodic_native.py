@@ -133,3 +133,23 @@ def test_double_backward_is_refused(calls):
     with pytest.raises(RuntimeError, match="double backward"):
         torch.autograd.grad(out.sum(), q, create_graph=True)
     assert calls == [1]
+
+
+def test_c_float64_sine_cosine_and_exponential_to_an_ulp_or_two():
+    lib = native.library(torch.zeros(1, dtype=torch.float64))
+    assert lib is not None
+    ptr = ctypes.c_void_p
+    x = torch.cat([torch.linspace(0, 10, 20001, dtype=torch.float64),
+                   torch.linspace(10, 1e6, 20001, dtype=torch.float64), torch.tensor([1e-300, 1e20])])
+    sn, cs = torch.empty_like(x), torch.empty_like(x)
+    lib.px_sincos_f64(ptr(x.data_ptr()), ptr(sn.data_ptr()), ptr(cs.data_ptr()), ctypes.c_int64(x.numel()))
+    ulp = torch.finfo(torch.float64).eps
+    assert (sn[:-1] - x[:-1].sin()).abs().max() <= 2 * ulp
+    assert (cs[:-1] - x[:-1].cos()).abs().max() <= 2 * ulp
+    assert sn[-2] == 1e-300 and cs[-2] == 1.0 and sn[-1].abs() <= 1 and cs[-1].abs() <= 1
+    y = torch.linspace(0, 720, 20001, dtype=torch.float64)
+    e = torch.empty_like(y)
+    lib.px_expneg_f64(ptr(y.data_ptr()), ptr(e.data_ptr()), ctypes.c_int64(y.numel()))
+    live = y < 708
+    assert ((e[live] - (-y[live]).exp()) / (-y[live]).exp()).abs().max() <= 2 * ulp
+    assert (e[~live] == 0).all()  # flushed below the smallest normal number

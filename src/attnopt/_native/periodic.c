@@ -21,9 +21,9 @@
  * first being cg0; every other array is indexed by the flat head g.
  *
  * float32's cos/sin: Cody-Waite reduction by pi/2 (three-part constant, fused multiply-adds) and
- * Cephes' polynomials on [-pi/4, pi/4] (about 1 ulp there), vectorizable; the reduced argument is
- * clamped to [-1, 1], so theta beyond ~1e6 (where a float32 theta has lost its phase anyway)
- * stays finite. float64 uses libm.
+ * Cephes' polynomials on [-pi/4, pi/4] (about 1 ulp there), vectorizable; theta is clamped at
+ * 4e6 (where a float32 theta has lost its phase anyway: its ulp is 0.25). float64: the same
+ * scheme with fdlibm's polynomials (theta clamped at 1e15) and a polynomial exp.
  */
 #include <float.h>
 #include <math.h>
@@ -32,9 +32,36 @@
 
 #include "pexp.h"
 
+/* exp(x) for x <= 0 in float64, vectorizable: n = round(x / ln 2) by the 1.5 * 2^52 trick,
+ * r = x - n ln 2 (two-part constant, |r| <= ln2 / 2), e^r by its Taylor series to degree 13
+ * (truncation below 2e-17 relative), times 2^n from the exponent bits. Results below the
+ * smallest normal number (x < -708.39) are 0; positive x is treated as 0. */
 static inline double pexpd(double x) {
-    const double e = exp(x < 0.0 ? x : 0.0);
-    return e >= DBL_MIN ? e : 0.0;
+    const int live = x > -708.0;
+    x = live ? (x < 0.0 ? x : 0.0) : 0.0;
+    const double t = __builtin_fma(x, 1.4426950408889634074, 6755399441055744.0);
+    const double n = t - 6755399441055744.0;
+    double r = __builtin_fma(n, -6.93147180369123816490e-01, x);
+    r = __builtin_fma(n, -1.90821492927058770002e-10, r);
+    double p = 1.0 / 6227020800.0;
+    p = __builtin_fma(p, r, 1.0 / 479001600.0);
+    p = __builtin_fma(p, r, 1.0 / 39916800.0);
+    p = __builtin_fma(p, r, 1.0 / 3628800.0);
+    p = __builtin_fma(p, r, 1.0 / 362880.0);
+    p = __builtin_fma(p, r, 1.0 / 40320.0);
+    p = __builtin_fma(p, r, 1.0 / 5040.0);
+    p = __builtin_fma(p, r, 1.0 / 720.0);
+    p = __builtin_fma(p, r, 1.0 / 120.0);
+    p = __builtin_fma(p, r, 1.0 / 24.0);
+    p = __builtin_fma(p, r, 1.0 / 6.0);
+    p = __builtin_fma(p, r, 0.5);
+    p = __builtin_fma(p, r * r, r) + 1.0;
+    int64_t ti;
+    memcpy(&ti, &t, sizeof ti);
+    const int64_t bits = (int64_t)((uint64_t)(ti - 0x4338000000000000LL + 1023) << 52);
+    double scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return live ? p * scale : 0.0;
 }
 
 static inline void sincos_f32(float x, float *sn, float *cs) {
@@ -57,9 +84,38 @@ static inline void sincos_f32(float x, float *sn, float *cs) {
     *cs = ((quad + 1) & 2) ? -c0 : c0;
 }
 
+/* float64 sin and cos of x >= 0, vectorizable: the reduction by pi/2 with fdlibm's three-part
+ * constant (fused multiply-adds), fdlibm's kernel polynomials on [-pi/4, pi/4]; x is clamped
+ * at 1e15 (n below 2^51 for the rounding trick) */
 static inline void sincos_f64(double x, double *sn, double *cs) {
-    *sn = sin(x);
-    *cs = cos(x);
+    x = x < 1e15 ? x : 1e15;
+    const double t = __builtin_fma(x, 6.36619772367581382433e-01, 6755399441055744.0);
+    const double n = t - 6755399441055744.0;
+    double r = __builtin_fma(n, -1.57079632673412561417e+00, x);
+    r = __builtin_fma(n, -6.07710050630396597660e-11, r);
+    r = __builtin_fma(n, -2.02226624871116645580e-21, r);
+    int64_t ti;
+    memcpy(&ti, &t, sizeof ti);
+    const int64_t quad = ti & 3;
+    const double z = r * r;
+    double ps = 1.58969099521155010221e-10;
+    ps = __builtin_fma(ps, z, -2.50507602534068634195e-08);
+    ps = __builtin_fma(ps, z, 2.75573137070700676789e-06);
+    ps = __builtin_fma(ps, z, -1.98412698298579493134e-04);
+    ps = __builtin_fma(ps, z, 8.33333333332248946124e-03);
+    ps = __builtin_fma(ps, z, -1.66666666666666324348e-01);
+    const double sp = __builtin_fma(r * z, ps, r);
+    double pc = -1.13596475577881948265e-11;
+    pc = __builtin_fma(pc, z, 2.08757232129817482790e-09);
+    pc = __builtin_fma(pc, z, -2.75573143513906633035e-07);
+    pc = __builtin_fma(pc, z, 2.48015872894767294178e-05);
+    pc = __builtin_fma(pc, z, -1.38888888888741095749e-03);
+    pc = __builtin_fma(pc, z, 4.16666666666666019037e-02);
+    const double hz = 0.5 * z, w = 1.0 - hz; /* fdlibm's cos: 1 - z/2 + z^2 pc, rounding kept */
+    const double cp = w + (((1.0 - w) - hz) + z * z * pc);
+    const double s0 = (quad & 1) ? cp : sp, c0 = (quad & 1) ? sp : cp;
+    *sn = (quad & 2) ? -s0 : s0;
+    *cs = ((quad + 1) & 2) ? -c0 : c0;
 }
 
 #define INLINE static inline __attribute__((always_inline))
@@ -325,8 +381,18 @@ void px_fin_##SUF(T *dq, const T *q, const T *rs, T *dk, const T *k, const T *cs
 PERIODIC(float, f32, attnopt_pexpf, sincos_f32, FLT_MIN, 1e-30f)
 PERIODIC(double, f64, pexpd, sincos_f64, DBL_MIN, 1e-30)
 
-/* sin and cos of x[0, n) (for tests against torch.sin / torch.cos) */
+/* sin and cos of x[0, n), exp of -x[0, n) (for tests against torch.sin / cos / exp) */
 void px_sincos_f32(const float *x, float *sn, float *cs, int64_t n) {
     #pragma omp simd
     for (int64_t j = 0; j < n; ++j) sincos_f32(x[j], sn + j, cs + j);
+}
+
+void px_sincos_f64(const double *x, double *sn, double *cs, int64_t n) {
+    #pragma omp simd
+    for (int64_t j = 0; j < n; ++j) sincos_f64(x[j], sn + j, cs + j);
+}
+
+void px_expneg_f64(const double *x, double *e, int64_t n) {
+    #pragma omp simd
+    for (int64_t j = 0; j < n; ++j) e[j] = pexpd(-x[j]);
 }
