@@ -140,7 +140,8 @@ def test_c_float64_sine_cosine_and_exponential_to_an_ulp_or_two():
     assert lib is not None
     ptr = ctypes.c_void_p
     x = torch.cat([torch.linspace(0, 10, 20001, dtype=torch.float64),
-                   torch.linspace(10, 1e6, 20001, dtype=torch.float64), torch.tensor([1e-300, 1e20])])
+                   torch.linspace(10, 1e6, 20001, dtype=torch.float64),
+                   torch.tensor([1e-300, 1e20], dtype=torch.float64)])
     sn, cs = torch.empty_like(x), torch.empty_like(x)
     lib.px_sincos_f64(ptr(x.data_ptr()), ptr(sn.data_ptr()), ptr(cs.data_ptr()), ctypes.c_int64(x.numel()))
     ulp = torch.finfo(torch.float64).eps
