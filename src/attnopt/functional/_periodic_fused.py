@@ -29,6 +29,14 @@ fresh buffers cost more than the recompute). ``sin θ/θ`` is smooth at ``θ = 0
 clamped at 1e-30, where it is 1), so the gradient at ``q_i = k_j`` is the kernel's, 0. A row
 with no admissible key gives zeros (and zero gradients). Subnormal weights are flushed to
 zero while the node runs (:mod:`._denormal`).
+
+On CPU float32/float64 tensors with storage the same node runs its elementwise passes in C
+(:mod:`._periodic_native`, ``_native/periodic.c``: one row pass in the forward, one in the
+backward, matmuls in torch); this PyTorch node is the fallback (no C compiler,
+``ATTNOPT_NATIVE=0``, CUDA). Measured fwd+bwd vs SDPA (one thread, loaded 2-core machine,
+d = 64, float32), this node → the C passes: B·H = 8, N = 64 2.3× → 1.4×; B·H = 64, N = 64
+1.4× → 0.9×; B·H = 8, N = 128 1.6× → 1.2×, N = 256 1.8× → 1.1×; training step of the
+encoder (``attention="expsin"``, d = 16) at N = 512 1.8× → 1.5× the softmax one.
 """
 from __future__ import annotations
 

@@ -25,8 +25,10 @@ vectorized polynomials (a few ulp; ``cos``/``sin`` after a Cody–Waite reductio
 are libm's. Heads of a chunk are split over ``torch.get_num_threads()`` threads
 (:func:`attnopt._native.parallel_rows`).
 
-Measured (1 thread, loaded 2-core machine, fwd+bwd vs SDPA, d = 64): see
-:mod:`._periodic_fused`.
+Measured: see :mod:`._periodic_fused`. At N = 64 the six matmuls are about half the time, the C
+passes a sixth (float32 ~1.5 ns per score in the forward, ~1.7 ns in a recomputing backward:
+a square root, a sine/cosine pair and an exponential each); float64 fwd+bwd 1.6 → 1.1 ms
+(B·H = 8, N = 64) against the PyTorch node.
 """
 from __future__ import annotations
 
