@@ -33,10 +33,12 @@ zero while the node runs (:mod:`._denormal`).
 On CPU float32/float64 tensors with storage the same node runs its elementwise passes in C
 (:mod:`._periodic_native`, ``_native/periodic.c``: one row pass in the forward, one in the
 backward, matmuls in torch); this PyTorch node is the fallback (no C compiler,
-``ATTNOPT_NATIVE=0``, CUDA). Measured fwd+bwd vs SDPA (one thread, loaded 2-core machine,
-d = 64, float32), this node → the C passes: B·H = 8, N = 64 2.3× → 1.4×; B·H = 64, N = 64
-1.4× → 0.9×; B·H = 8, N = 128 1.6× → 1.2×, N = 256 1.8× → 1.1×; training step of the
-encoder (``attention="expsin"``, d = 16) at N = 512 1.8× → 1.5× the softmax one.
+``ATTNOPT_NATIVE=0``, CUDA). Measured fwd+bwd vs SDPA in the same run (one thread, loaded
+2-core machine, d = 64, float32), this node → the C passes: B·H = 8, N = 64 2.4× → 1.4×;
+B·H = 64, N = 64 1.3–1.5× → 1.0×; B·H = 8, N = 128 1.7× → 1.1–1.2×, N = 256 1.4–1.5× →
+1.1–1.2×, N = 512 1.4× → 1.1×. Training step of the encoder (``attention="expsin"``, d = 16)
+1.4× → 1.3× the softmax one at N = 128, 1.8× → 1.5× at N = 512 (there, at d = 16, the
+sine/cosine and exponential of each score cost more than its matmuls).
 """
 from __future__ import annotations
 

@@ -26,9 +26,9 @@ are libm's. Heads of a chunk are split over ``torch.get_num_threads()`` threads
 (:func:`attnopt._native.parallel_rows`).
 
 Measured: see :mod:`._periodic_fused`. At N = 64 the six matmuls are about half the time, the C
-passes a sixth (float32 ~1.5 ns per score in the forward, ~1.7 ns in a recomputing backward:
-a square root, a sine/cosine pair and an exponential each); float64 fwd+bwd 1.6 → 1.1 ms
-(B·H = 8, N = 64) against the PyTorch node.
+passes a sixth (float32 about 1.2–1.7 ns per score in the forward and 1.6 ns in a recomputing
+backward: a square root, a sine/cosine pair, an exponential and in the backward a division);
+float64 fwd+bwd 1.6 → 1.1 ms (B·H = 8, N = 64) against the PyTorch node.
 """
 from __future__ import annotations
 
