@@ -91,11 +91,12 @@ def _address(t: Tensor | None, offset: int = 0) -> int | None:
 
 class _NativePeriodic(torch.autograd.Function):
     """q (…, Nq, d), k (…, Nk, d), v (…, Nk, dv) contiguous, the leading dims of each holding BH
-    rows (flattened here, not by a tracked view: each view is one more autograd node, ~7 µs in the
-    backward at N = 64); ``e`` (BH, 1, Nk) contiguous or
-    None; mask (G, Nq, Nk) with unit key stride, constant, or None (row ``i`` of the batch reads
-    ``mask[i // rep]``); ``om2 = ω²``, ``c``, ``s`` (0: no L2 magnitude); ``save``: keep ``P``
-    and ``sin θ/θ`` for the backward; ``step``: heads per chunk."""
+    rows (flattened here, not by a tracked view: each view is one more autograd node, ~7 µs in
+    the backward at N = 64); ``e`` (BH, 1, Nk) contiguous or None; mask (G, Nq, Nk) with unit
+    key stride, constant, or None (row ``i`` of the batch reads ``mask[i // rep]``);
+    ``om2 = ω²``, ``c``, ``s`` (0: no L2 magnitude); ``save``: keep ``P`` and ``sin θ/θ`` for the
+    backward (else the backward recomputes them from ``S``); ``step``: heads per chunk; ``lead``:
+    the output's batch dims. Gradients come back in the inputs' shapes."""
 
     @staticmethod
     def forward(
