@@ -406,7 +406,7 @@ def _periodic(
     s = resolve_scale(scale, q.shape[-1])
     l2 = magnitude_p is not None and float(magnitude_p) == 2.0
     bias = None if l2 else _key_bias(k, magnitude_p, s, compute)
-    mask = _full_mask(q, k, attn_mask, is_causal, compute)
+    mask = None if attn_mask is None and not is_causal else _full_mask(q, k, attn_mask, is_causal, compute)
     dispatch.record("kernel", "materialized")
     out = fused_periodic_attention(
         q.to(compute), k.to(compute), v.to(compute), omega=2.0 * math.pi / kernel.period, c=c,
