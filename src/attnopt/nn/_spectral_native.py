@@ -1,0 +1,189 @@
+r"""The implicit spectral densities' sampler in C (internal; ``_native/spectral_sample.c``).
+
+The same function as :class:`._spectral_fused._SpectralSample` (implicit-kernel-attention
+eq. 5–8 for ``S`` point sets, the MIKAN copula ``e = L̃ε`` and the analytic KL): the whole
+forward in one C call, the whole closed-form backward (``dh``, ``dε``, the copula's ``d raw``
+and every network parameter's gradient) in another. At the sizes models train at the PyTorch
+node is ~15 ops forward and ~30 backward on tensors of a few kB (B·H = 8: ~0.5–0.7 ms of per-op
+overhead, more than SDPA's whole forward and backward); the C calls do the same arithmetic in
+register-blocked loops, one thread.
+
+Used for CPU float32/float64 tensors with storage (not ``torch.func`` / fake tensors), all of
+one dtype, and the stock network shapes; elsewhere (and with ``ATTNOPT_NATIVE=0`` or no
+compiler) the PyTorch node runs. float32's ``tanh`` is a rational approximation (max error
+~4.5 ulp); float64 uses libm's. Double backward differentiates the plain PyTorch form of the
+function (exact second derivatives).
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnopt import _native
+from attnopt.functional._autograd import double_backward
+
+__all__ = ["library", "native_sample"]
+
+_I64, _VP = ctypes.c_int64, ctypes.c_void_p
+_PI64, _PF64 = ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_double)
+
+
+def library(h: Tensor, noise: Tensor, raw: Tensor | None, params: list[Tensor]) -> ctypes.CDLL | None:
+    """The compiled ``spectral_sample.c`` when the native path applies, else ``None``: CPU
+    float32/64 tensors with storage (not ``torch.func`` / fake tensors), one dtype, contiguous
+    parameters shaped as the stock networks' (``W₁ₐ (hid, d)``, ``b₁ₐ (hid)``, ``W₁ᵦ (2d, hid)``,
+    ``b₁ᵦ (2d)``, ``W₂ₐ (hid, d)``, ``b₂ₐ (hid)``, ``W₂ᵦ (d, hid)``, ``b₂ᵦ (d)`` per set)."""
+    dt = h.dtype
+    # inside a torch.func transform (its tensors are wrapped: no storage to read) the PyTorch node
+    # runs; outside one no tensor is wrapped, and subclasses (fake tensors) fail the type test
+    if (dt not in _DTYPES or not h.is_cpu or h.dim() < 2 or not params or len(params) % 8
+            or type(h) not in _PLAIN or type(noise) not in _PLAIN or noise.dtype != dt or not noise.is_cpu
+            or (raw is not None and (type(raw) not in _PLAIN or raw.dtype != dt or not raw.is_cpu))
+            or _LEVEL() is not None):
+        return None
+    shapes = _shapes(len(params) // 8, h.shape[-1], params[0].shape[0])
+    for p, shape in zip(params, shapes, strict=True):  # one pass: ~0.5 µs a parameter
+        if type(p) not in _PLAIN or p.dtype != dt or p.shape != shape or not p.is_cpu or not p.is_contiguous():
+            return None
+    return _native.library("spectral_sample")
+
+
+_DTYPES = (torch.float32, torch.float64)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_LEVEL = torch._C._functorch.maybe_current_level
+
+
+_SHAPES: dict[tuple[int, int, int], tuple[torch.Size, ...]] = {}
+
+
+def _shapes(n_sets: int, d: int, hid: int) -> tuple[torch.Size, ...]:
+    key = (n_sets, d, hid)
+    hit = _SHAPES.get(key)
+    if hit is None:
+        one = [(hid, d), (hid,), (2 * d, hid), (2 * d,), (hid, d), (hid,), (d, hid), (d,)]
+        hit = _SHAPES[key] = tuple(torch.Size(s) for s in one * n_sets)
+    return hit
+
+
+def _functions(lib: ctypes.CDLL, dtype: torch.dtype) -> tuple[Any, Any]:
+    """The forward and backward C functions for ``dtype``, argument types declared once per library object."""
+    suffix = "f64" if dtype == torch.float64 else "f32"
+    done: dict[str, tuple[Any, Any]] = lib.__dict__.setdefault("_attnopt_declared", {})
+    hit = done.get(suffix)
+    if hit is not None:
+        return hit
+    fwd, bwd = getattr(lib, f"ss_fwd_{suffix}"), getattr(lib, f"ss_bwd_{suffix}")
+    fwd.restype = bwd.restype = ctypes.c_int
+    head = [_I64] * 6 + [_VP, _VP, _I64, _I64, _I64, _VP, _PI64, _PF64]
+    fwd.argtypes = [*head, _VP, _VP, _VP]
+    bwd.argtypes = [*head, _VP, _VP, _VP, _VP, _VP, _VP, _PI64]
+    done[suffix] = (fwd, bwd)
+    return fwd, bwd
+
+
+def _noise_layout(noise: Tensor, n_sets: int, lead: tuple[int, ...], half: int, d: int) -> Tensor:
+    """The noise as ``(S, B, H, half, d)`` with unit strides inside each ``(half, d)`` block
+    (broadcast dims keep stride 0: the eval buffer is not copied per example)."""
+    ne = noise.expand(n_sets, *lead, half, d)
+    if len(lead) == 1:
+        ne = ne.unsqueeze(1)
+    elif len(lead) > 2:
+        ne = ne.reshape(n_sets, -1, lead[-1], half, d)
+    if ne.stride(-1) != 1 or ne.stride(-2) != d:
+        ne = ne.contiguous()
+    return ne
+
+
+def _set_stride(m: int, half: int, d: int, hid: int, cop: bool) -> int:
+    """Workspace entries per set (``set_stride`` of the C file)."""
+    r = m * half
+    return m * hid + 3 * m * d + r * d + r * hid + (r * d if cop else 0)
+
+
+class _NativeSpectralSample(torch.autograd.Function):
+    """Inputs as :class:`._spectral_fused._SpectralSample`, plus the library."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, h: Tensor, noise: Tensor, raw: Tensor | None, scales: tuple[float, ...], lib: ctypes.CDLL,
+        *params: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        n_sets = len(scales)
+        half, d = noise.shape[-2], noise.shape[-1]
+        lead = h.shape[:-1]
+        heads = lead[-1]
+        batch = math.prod(lead[:-1])
+        hid = params[0].shape[0]
+        m = batch * heads
+        hc = h.contiguous()
+        ne = _noise_layout(noise, n_sets, lead, half, d)
+        cop = raw is not None
+        rc = raw.contiguous() if raw is not None else None
+        pts = h.new_empty(*lead, n_sets * 2 * half, d)
+        kl = h.new_empty(lead[:-1])
+        ws = h.new_empty(n_sets * _set_stride(m, half, d, hid, cop) + (2 * heads * heads if cop else 0))
+        addrs = (ctypes.c_int64 * len(params))(*[p.data_ptr() for p in params])
+        sc = (ctypes.c_double * n_sets)(*scales)
+        fwd, _ = _functions(lib, h.dtype)
+        dims = (n_sets, batch, heads, half, d, hid)
+        strides = (ne.stride(0), ne.stride(1), ne.stride(2))
+        if fwd(*dims, hc.data_ptr(), ne.data_ptr(), *strides, None if rc is None else rc.data_ptr(), addrs, sc,
+               pts.data_ptr(), kl.data_ptr(), ws.data_ptr()):
+            raise MemoryError("spectral sampler (native): out of memory for its scratch")
+        ctx.dims, ctx.strides, ctx.scales, ctx.lib, ctx.addrs, ctx.sc = dims, strides, scales, lib, addrs, sc
+        ctx.save_for_backward(h, noise, raw, ws, ne, *params)
+        return pts, kl
+
+    @staticmethod
+    def backward(ctx: Any, gpts: Tensor, gkl: Tensor) -> tuple[Tensor | None, ...]:
+        h, noise, raw, ws, ne, *params = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        if double_backward(ctx):  # create_graph=True: differentiate the plain ops (exact double backward)
+            return _plain_backward(ctx, h, noise, raw, params, gpts, gkl)
+        n_sets, batch, heads, half, d, hid = ctx.dims
+        m = batch * heads
+        gp, gk = gpts.contiguous(), gkl.contiguous()
+        dh = h.new_empty(m, d) if need[0] else None
+        dn = h.new_empty(n_sets, m, half, d) if need[1] else None
+        draw = h.new_empty(heads, heads) if raw is not None and need[2] else None
+        grads = [torch.empty_like(p) for p in params]
+        gaddrs = (ctypes.c_int64 * len(grads))(*[g.data_ptr() for g in grads])
+        _, bwd = _functions(ctx.lib, h.dtype)
+        rc = raw.contiguous() if raw is not None else None
+        if bwd(*ctx.dims, h.contiguous().data_ptr(), ne.data_ptr(), *ctx.strides,
+               None if rc is None else rc.data_ptr(), ctx.addrs, ctx.sc, ws.data_ptr(), gp.data_ptr(), gk.data_ptr(),
+               None if dh is None else dh.data_ptr(), None if dn is None else dn.data_ptr(),
+               None if draw is None else draw.data_ptr(), gaddrs):
+            raise MemoryError("spectral sampler (native): out of memory for its scratch")
+        dnoise = None
+        if dn is not None:
+            dnoise = dn.view(n_sets, *h.shape[:-1], half, d).sum_to_size(noise.shape)
+        return (None if dh is None else dh.view_as(h), dnoise, draw, None, None,
+                *(g if n else None for g, n in zip(grads, need[5:], strict=True)))
+
+
+def _plain_backward(
+    ctx: Any, h: Tensor, noise: Tensor, raw: Tensor | None, params: list[Tensor], gpts: Tensor, gkl: Tensor
+) -> tuple[Tensor | None, ...]:
+    from attnopt.nn._spectral_fused import _plain
+
+    inputs = [h, noise, raw, None, None, *params]
+    need = [x for x, n in zip(inputs, ctx.needs_input_grad, strict=True) if n and x is not None]
+    with torch.enable_grad():
+        pts, kl = _plain(h, noise, raw, ctx.scales, params)
+    grads = iter(torch.autograd.grad((pts, kl), need, (gpts, gkl), create_graph=True, allow_unused=True))
+    return tuple(next(grads) if n and x is not None else None
+                 for x, n in zip(inputs, ctx.needs_input_grad, strict=True))
+
+
+def native_sample(
+    h: Tensor, noise: Tensor, raw: Tensor | None, scales: tuple[float, ...], params: list[Tensor],
+    lib: ctypes.CDLL,
+) -> tuple[Tensor, Tensor]:
+    """``(points, kl)`` of :func:`._spectral_fused.sample_spectral_points` in C (``lib`` from :func:`library`)."""
+    out: tuple[Tensor, Tensor] = _NativeSpectralSample.apply(h, noise, raw, scales, lib, *params)
+    return out
