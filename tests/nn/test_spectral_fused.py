@@ -10,6 +10,17 @@ from attnopt.nn.implicit_kernel import ImplicitKernelAttention
 from attnopt.nn.spectral import ImplicitSpectralDensity
 
 
+@pytest.fixture(autouse=True, params=["native", "pytorch"])
+def _path(request, monkeypatch):
+    """Every test here with the C sampler (where a compiler exists) and with the PyTorch node."""
+    from attnopt import _native
+
+    if request.param == "pytorch":
+        monkeypatch.setenv("ATTNOPT_NATIVE", "0")
+        monkeypatch.setattr(_native, "_LIBS", {})
+    return request.param
+
+
 def _densities(n_sets, d=3, r=4, hidden=5, scales=None, seed=0):
     torch.manual_seed(seed)
     dens = nn.ModuleList(ImplicitSpectralDensity(d, r, hidden) for _ in range(n_sets)).double()

@@ -10,7 +10,7 @@
  *
  * Sizes are tiny (S <= 3 sets, M = B H rows, d = 64, hidden 32, half = R/2 base points): the
  * time is in the small matrix products, done by one register-blocked kernel (gemm below).
- * float32's tanh is a rational approximation (max error ~4.5 ulp, vectorizable); float64's
+ * float32's tanh is a rational approximation (max error ~6 ulp, vectorizable); float64's
  * and the exponentials are libm's. One thread; the same file is compiled for float and double
  * (it includes itself).
  */
@@ -293,13 +293,13 @@ int SS_F(ss_fwd)(int64_t S, int64_t B, int64_t H, int64_t half, int64_t d, int64
     return 0;
 }
 
-/* Backward. The forward's arguments and workspace; gpts (B H, S, 2, half, d), gkl (B), both
- * contiguous. Out: dh (B H, d) or NULL; dnoise (S, B, H, half, d) contiguous or NULL (the
+/* Backward. The forward's arguments and workspace; gpts (B H, S, 2, half, d) contiguous, gkl
+ * (B) with element b at gkl[b gks]. Out: dh (B H, d) or NULL; dnoise (S, B, H, half, d) contiguous or NULL (the
  * gradient of the noise as broadcast to that shape); draw (H, H) or NULL (copula only); gparams:
  * 8 S addresses of contiguous gradients, written. Returns 0, or -1 when out of memory. */
 int SS_F(ss_bwd)(int64_t S, int64_t B, int64_t H, int64_t half, int64_t d, int64_t hid, const T *h,
                  const T *noise, int64_t ns, int64_t nb, int64_t nh, const T *raw, const int64_t *params,
-                 const double *scales, const T *ws, const T *gpts, const T *gkl, T *dh, T *dnoise, T *draw,
+                 const double *scales, const T *ws, const T *gpts, const T *gkl, int64_t gks, T *dh, T *dnoise, T *draw,
                  const int64_t *gparams) {
     const int64_t M = B * H, R = M * half;
     const int cop = raw != NULL;
@@ -315,7 +315,7 @@ int SS_F(ss_bwd)(int64_t S, int64_t B, int64_t H, int64_t half, int64_t d, int64
         for (int64_t i = 0; i < S * R * d; ++i) dnoise[i] = 0;
     const int need_de = dnoise != NULL || draw != NULL;
     T gsum = 0;
-    for (int64_t b = 0; b < B; ++b) gsum += gkl[b];
+    for (int64_t b = 0; b < B; ++b) gsum += gkl[b * gks];
     for (int64_t i = 0; i < H * H; ++i) dfac[i] = 0;
     for (int64_t s = 0; s < S; ++s) {
         const T *w1a = (const T *)(intptr_t)params[8 * s], *w1b = (const T *)(intptr_t)params[8 * s + 2];
@@ -354,7 +354,7 @@ int SS_F(ss_bwd)(int64_t S, int64_t B, int64_t H, int64_t half, int64_t d, int64
         /* NN_1's outputs: dmu = sum_n dz + half gk mu, dls = (sum_n dz e + half gk sig) sig - half gk */
         for (int64_t row = 0; row < M; ++row) {
             const int64_t b = row / H, m = row % H;
-            const T gk = (T)half * gkl[b];
+            const T gk = (T)half * gkl[b * gks];
             const T *mu = o1 + row * 2 * d, *rho = mu + d, *sg = sig + row * d;
             const T *dzr = dz + row * half * d;
             const T *er = cop ? e + row * half * d : noise + s * ns + b * nb + m * nh;

@@ -11,7 +11,7 @@ register-blocked loops, one thread.
 Used for CPU float32/float64 tensors with storage (not ``torch.func`` / fake tensors), all of
 one dtype, and the stock network shapes; elsewhere (and with ``ATTNOPT_NATIVE=0`` or no
 compiler) the PyTorch node runs. float32's ``tanh`` is a rational approximation (max error
-~4.5 ulp); float64 uses libm's. Double backward differentiates the plain PyTorch form of the
+~6 ulp); float64 uses libm's. Double backward differentiates the plain PyTorch form of the
 function (exact second derivatives).
 """
 from __future__ import annotations
@@ -47,7 +47,8 @@ def library(h: Tensor, noise: Tensor, raw: Tensor | None, params: list[Tensor]) 
         return None
     shapes = _shapes(len(params) // 8, h.shape[-1], params[0].shape[0])
     for p, shape in zip(params, shapes, strict=True):  # one pass: ~0.5 µs a parameter
-        if type(p) not in _PLAIN or p.dtype != dt or p.shape != shape or not p.is_cpu or not p.is_contiguous():
+        if (type(p) not in _PLAIN or p.dtype != dt or p.shape != shape or not p.is_cpu
+                or not p.is_contiguous()):
             return None
     return _native.library("spectral_sample")
 
@@ -80,7 +81,7 @@ def _functions(lib: ctypes.CDLL, dtype: torch.dtype) -> tuple[Any, Any]:
     fwd.restype = bwd.restype = ctypes.c_int
     head = [_I64] * 6 + [_VP, _VP, _I64, _I64, _I64, _VP, _PI64, _PF64]
     fwd.argtypes = [*head, _VP, _VP, _VP]
-    bwd.argtypes = [*head, _VP, _VP, _VP, _VP, _VP, _VP, _PI64]
+    bwd.argtypes = [*head, _VP, _VP, _VP, _I64, _VP, _VP, _VP, _PI64]
     done[suffix] = (fwd, bwd)
     return fwd, bwd
 
@@ -96,6 +97,10 @@ def _noise_layout(noise: Tensor, n_sets: int, lead: tuple[int, ...], half: int, 
     if ne.stride(-1) != 1 or ne.stride(-2) != d:
         ne = ne.contiguous()
     return ne
+
+
+def _ptr(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def _set_stride(m: int, half: int, d: int, hid: int, cop: bool) -> int:
@@ -131,8 +136,8 @@ class _NativeSpectralSample(torch.autograd.Function):
         fwd, _ = _functions(lib, h.dtype)
         dims = (n_sets, batch, heads, half, d, hid)
         strides = (ne.stride(0), ne.stride(1), ne.stride(2))
-        if fwd(*dims, hc.data_ptr(), ne.data_ptr(), *strides, None if rc is None else rc.data_ptr(), addrs, sc,
-               pts.data_ptr(), kl.data_ptr(), ws.data_ptr()):
+        if fwd(*dims, hc.data_ptr(), ne.data_ptr(), *strides, _ptr(rc), addrs, sc, pts.data_ptr(),
+               kl.data_ptr(), ws.data_ptr()):
             raise MemoryError("spectral sampler (native): out of memory for its scratch")
         ctx.dims, ctx.strides, ctx.scales, ctx.lib, ctx.addrs, ctx.sc = dims, strides, scales, lib, addrs, sc
         ctx.save_for_backward(h, noise, raw, ws, ne, *params)
@@ -146,7 +151,9 @@ class _NativeSpectralSample(torch.autograd.Function):
             return _plain_backward(ctx, h, noise, raw, params, gpts, gkl)
         n_sets, batch, heads, half, d, hid = ctx.dims
         m = batch * heads
-        gp, gk = gpts.contiguous(), gkl.contiguous()
+        gp = gpts.contiguous()
+        # the KL's gradient per example: the mean's backward hands an expanded (B,) tensor (stride 0)
+        gk = gkl if gkl.dim() == 1 else gkl.contiguous()
         dh = h.new_empty(m, d) if need[0] else None
         dn = h.new_empty(n_sets, m, half, d) if need[1] else None
         draw = h.new_empty(heads, heads) if raw is not None and need[2] else None
@@ -154,10 +161,9 @@ class _NativeSpectralSample(torch.autograd.Function):
         gaddrs = (ctypes.c_int64 * len(grads))(*[g.data_ptr() for g in grads])
         _, bwd = _functions(ctx.lib, h.dtype)
         rc = raw.contiguous() if raw is not None else None
-        if bwd(*ctx.dims, h.contiguous().data_ptr(), ne.data_ptr(), *ctx.strides,
-               None if rc is None else rc.data_ptr(), ctx.addrs, ctx.sc, ws.data_ptr(), gp.data_ptr(), gk.data_ptr(),
-               None if dh is None else dh.data_ptr(), None if dn is None else dn.data_ptr(),
-               None if draw is None else draw.data_ptr(), gaddrs):
+        gks = gk.stride(0) if gk.dim() == 1 else 1
+        if bwd(*ctx.dims, h.contiguous().data_ptr(), ne.data_ptr(), *ctx.strides, _ptr(rc), ctx.addrs, ctx.sc,
+               ws.data_ptr(), gp.data_ptr(), gk.data_ptr(), gks, _ptr(dh), _ptr(dn), _ptr(draw), gaddrs):
             raise MemoryError("spectral sampler (native): out of memory for its scratch")
         dnoise = None
         if dn is not None:
@@ -184,6 +190,6 @@ def native_sample(
     h: Tensor, noise: Tensor, raw: Tensor | None, scales: tuple[float, ...], params: list[Tensor],
     lib: ctypes.CDLL,
 ) -> tuple[Tensor, Tensor]:
-    """``(points, kl)`` of :func:`._spectral_fused.sample_spectral_points` in C (``lib`` from :func:`library`)."""
+    """``(points, kl)`` of :func:`._spectral_fused.sample_spectral_points` in C (``lib``: :func:`library`)."""
     out: tuple[Tensor, Tensor] = _NativeSpectralSample.apply(h, noise, raw, scales, lib, *params)
     return out

@@ -117,8 +117,10 @@ class ImplicitKernelAttention(MultiheadBase):
         """``h`` per head: mean of the head's keys over non-padded positions, (B, H, d)."""
         if k.shape[-2] == 0:  # no key (Nk = 0): the empty mean is taken as 0, not NaN
             return k.sum(dim=-2)
-        if mask is None:
-            return k.mean(dim=-2)
+        if mask is None:  # = k.mean(-2) bitwise (ATen's mean is this sum and division); its backward
+            # is a small division and an expand view, where mean's divides the expanded (B, H, N, d)
+            # gradient (~30 µs at B·H = 8, N = 64)
+            return torch.div(k.sum(dim=-2), k.shape[-2])
         valid = (~torch.isneginf(mask).all(dim=-2)).to(k.dtype)  # (B|1, H|1, Nk)
         valid = valid.expand(*k.shape[:-1])
         return (k * valid.unsqueeze(-1)).sum(-2) / valid.sum(-1, keepdim=True).clamp_min(1.0)
