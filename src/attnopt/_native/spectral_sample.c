@@ -154,10 +154,13 @@ static void SS_F(gemm)(int64_t rows, int64_t in, int64_t out, const T *x, int64_
     }
 }
 
-/* dst (cols x rows) = src (rows x cols) transposed */
+/* dst (cols x rows) = src (rows x cols) transposed: contiguous stores, strided (gathered) loads */
 static void SS_F(transpose)(const T *src, int64_t rows, int64_t cols, T *dst) {
-    for (int64_t i = 0; i < rows; ++i)
-        for (int64_t j = 0; j < cols; ++j) dst[j * rows + i] = src[i * cols + j];
+    for (int64_t j = 0; j < cols; ++j) {
+        T *dj = dst + j * rows;
+        #pragma omp simd
+        for (int64_t i = 0; i < rows; ++i) dj[i] = src[i * cols + j];
+    }
 }
 
 /* out[j] = sum_r x[r, j] for x (rows x cols) */

@@ -45,10 +45,12 @@ def library(h: Tensor, noise: Tensor, raw: Tensor | None, params: list[Tensor]) 
             or (raw is not None and (type(raw) not in _PLAIN or raw.dtype != dt or not raw.is_cpu))
             or _LEVEL() is not None):
         return None
+    if _WRAPPED(h) or _WRAPPED(noise) or (raw is not None and _WRAPPED(raw)):  # dead torch.func wrappers
+        return None
     shapes = _shapes(len(params) // 8, h.shape[-1], params[0].shape[0])
     for p, shape in zip(params, shapes, strict=True):  # one pass: ~0.5 µs a parameter
         if (type(p) not in _PLAIN or p.dtype != dt or p.shape != shape or not p.is_cpu
-                or not p.is_contiguous()):
+                or not p.is_contiguous() or _WRAPPED(p)):
             return None
     return _native.library("spectral_sample")
 
@@ -56,6 +58,7 @@ def library(h: Tensor, noise: Tensor, raw: Tensor | None, params: list[Tensor]) 
 _DTYPES = (torch.float32, torch.float64)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _LEVEL = torch._C._functorch.maybe_current_level
+_WRAPPED = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 _SHAPES: dict[tuple[int, int, int], tuple[torch.Size, ...]] = {}

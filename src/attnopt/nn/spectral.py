@@ -186,16 +186,16 @@ class ImplicitSpectralPoints(nn.Module):
         half = self.num_samples // 2
         params = fusable(self.densities)
         if params is not None:  # the same draws, per set, then every set's math in one node
-            noises = []
-            for i in range(len(self.densities)):
-                if self.training:
-                    noise = torch.randn(*batch, self.num_heads, half, self.dim, generator=self._generator)
-                    noise = noise.to(device=h.device, dtype=h.dtype)
-                else:
-                    noise = self.get_buffer("eval_noise")[i].to(device=h.device, dtype=h.dtype)
-                    noise = noise.expand(*batch, -1, -1, -1)
-                noises.append(noise)
-            stacked = torch.stack(noises)
+            n_sets = len(self.densities)
+            if self.training:  # set by set into one buffer: the stream of one draw per set, no stack
+                stacked = torch.empty(n_sets, *batch, self.num_heads, half, self.dim)
+                for i in range(n_sets):
+                    torch.randn(stacked.shape[1:], generator=self._generator, out=stacked[i])
+                stacked = stacked.to(device=h.device, dtype=h.dtype)
+            else:
+                stacked = self.get_buffer("eval_noise").to(device=h.device, dtype=h.dtype)
+                stacked = stacked.view(n_sets, *(1,) * len(batch), *stacked.shape[1:])
+                stacked = stacked.expand(n_sets, *batch, -1, -1, -1)
             raw = None
             if self.copula is not None:
                 if type(self.copula) is GaussianCopula:  # correlated inside the node
