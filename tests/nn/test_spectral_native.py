@@ -185,6 +185,17 @@ def test_fallback_conditions(monkeypatch):
     torch.func.grad(probe)(h)
     torch.func.vmap(probe)(h)
     assert seen == [None, None]
+    threads = torch.get_num_threads()
+    try:  # more threads: the C path only up to THREADED_MAX_POINTS base points (here 2·2·3·2 = 24)
+        torch.set_num_threads(2)
+        monkeypatch.setattr(sn, "THREADED_MAX_POINTS", 24)
+        assert sn.library(h, noise, None, params) is not None
+        monkeypatch.setattr(sn, "THREADED_MAX_POINTS", 23)
+        assert sn.library(h, noise, None, params) is None
+        torch.set_num_threads(1)
+        assert sn.library(h, noise, None, params) is not None
+    finally:
+        torch.set_num_threads(threads)
     _plain_path(monkeypatch)
     assert sn.library(h, noise, None, params) is None
     plain = sf.sample_spectral_points(h, noise, dens, params)[0]

@@ -36,7 +36,8 @@ def library(h: Tensor, noise: Tensor, raw: Tensor | None, params: list[Tensor]) 
     """The compiled ``spectral_sample.c`` when the native path applies, else ``None``: CPU
     float32/64 tensors with storage (not ``torch.func`` / fake tensors), one dtype, contiguous
     parameters shaped as the stock networks' (``W₁ₐ (hid, d)``, ``b₁ₐ (hid)``, ``W₁ᵦ (2d, hid)``,
-    ``b₁ᵦ (2d)``, ``W₂ₐ (hid, d)``, ``b₂ₐ (hid)``, ``W₂ᵦ (d, hid)``, ``b₂ᵦ (d)`` per set)."""
+    ``b₁ᵦ (2d)``, ``W₂ₐ (hid, d)``, ``b₂ₐ (hid)``, ``W₂ᵦ (d, hid)``, ``b₂ᵦ (d)`` per set); with
+    more than one torch thread, at most :data:`THREADED_MAX_POINTS` base points."""
     dt = h.dtype
     # inside a torch.func transform (its tensors are wrapped: no storage to read) the PyTorch node
     # runs; outside one no tensor is wrapped, and subclasses (fake tensors) fail the type test
@@ -47,6 +48,9 @@ def library(h: Tensor, noise: Tensor, raw: Tensor | None, params: list[Tensor]) 
         return None
     if _WRAPPED(h) or _WRAPPED(noise) or (raw is not None and _WRAPPED(raw)):  # dead torch.func wrappers
         return None
+    points = h.numel() // max(h.shape[-1], 1) * noise.shape[-2] * (len(params) // 8)
+    if points > THREADED_MAX_POINTS and torch.get_num_threads() > 1:
+        return None  # the C kernel runs on one thread: large samples go to the multithreaded matmuls
     shapes = _shapes(len(params) // 8, h.shape[-1], params[0].shape[0])
     for p, shape in zip(params, shapes, strict=True):  # one pass: ~0.5 µs a parameter
         if (type(p) not in _PLAIN or p.dtype != dt or p.shape != shape or not p.is_cpu
@@ -55,6 +59,11 @@ def library(h: Tensor, noise: Tensor, raw: Tensor | None, params: list[Tensor]) 
     return _native.library("spectral_sample")
 
 
+#: With more than one torch thread, the C path takes samples of at most this many base points
+#: (``B·H·S·R/2``; B·H = 64 with IKAN's two sets of R = 16): it runs on one thread, and above
+#: this the PyTorch node's batched matmuls, split over the threads, catch up (one thread: C at
+#: every size; B·H = 256 measured 2.3 ms against 3.4 ms for the PyTorch node, forward and backward).
+THREADED_MAX_POINTS = 1024
 _DTYPES = (torch.float32, torch.float64)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _LEVEL = torch._C._functorch.maybe_current_level
