@@ -251,6 +251,9 @@ def sample_spectral_points(
         params: :func:`fusable` of ``densities``.
         copula_raw: the :class:`~attnopt.nn.spectral.GaussianCopula`'s ``raw`` (H, H) parameter, or
             None: the noise is correlated across the heads by its factor ``L̃`` inside the node.
+    The C sampler of :mod:`._spectral_native` runs where it applies (CPU float32/64, stock
+    networks), else :class:`_SpectralSample`.
+
     Returns:
         ``(points (..., H, S·R, d), kl (...))``: set ``s`` is rows ``[sR, (s+1)R)``, each
         ``[w⁺ ‖ −w⁺]``; ``kl = (R/2) Σ_s [Σ_{m,j} KL(N(μ, σ²) ‖ N(0, 1)) − (d/2)·log det C]``

@@ -9,10 +9,13 @@ overhead, more than SDPA's whole forward and backward); the C calls do the same 
 register-blocked loops, one thread.
 
 Used for CPU float32/float64 tensors with storage (not ``torch.func`` / fake tensors), all of
-one dtype, and the stock network shapes; elsewhere (and with ``ATTNOPT_NATIVE=0`` or no
-compiler) the PyTorch node runs. float32's ``tanh`` is a rational approximation (max error
-~6 ulp); float64 uses libm's. Double backward differentiates the plain PyTorch form of the
-function (exact second derivatives).
+one dtype, and the stock network shapes, on one torch thread or up to
+:data:`THREADED_MAX_POINTS` base points; elsewhere (and with ``ATTNOPT_NATIVE=0`` or no
+compiler) the PyTorch node runs. Measured (one thread, loaded 2-core machine; IKAN's two sets,
+R = 16, d = 64): forward + backward of the sampler alone 0.58 → 0.26 ms at B·H = 8 (the C
+calls ~30 µs each, the rest Python and autograd), 1.1 → 0.7 ms at B·H = 64. float32's
+``tanh`` is a rational approximation (max error ~6 ulp); float64 uses libm's. Double backward
+differentiates the plain PyTorch form of the function (exact second derivatives).
 """
 from __future__ import annotations
 
