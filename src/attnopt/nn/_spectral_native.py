@@ -154,7 +154,7 @@ class _NativeSpectralSample(torch.autograd.Function):
         if fwd(*dims, hc.data_ptr(), ne.data_ptr(), *strides, _ptr(rc), addrs, sc, pts.data_ptr(),
                kl.data_ptr(), ws.data_ptr()):
             raise MemoryError("spectral sampler (native): out of memory for its scratch")
-        ctx.dims, ctx.strides, ctx.scales, ctx.lib, ctx.addrs, ctx.sc = dims, strides, scales, lib, addrs, sc
+        ctx.dims, ctx.strides, ctx.scales, ctx.lib, ctx.sc = dims, strides, scales, lib, sc
         ctx.save_for_backward(h, noise, raw, ws, ne, *params)
         return pts, kl
 
@@ -173,11 +173,14 @@ class _NativeSpectralSample(torch.autograd.Function):
         dn = h.new_empty(n_sets, m, half, d) if need[1] else None
         draw = h.new_empty(heads, heads) if raw is not None and need[2] else None
         grads = [torch.empty_like(p) for p in params]
+        # the addresses again from the saved parameters (``p.data = ...`` between forward and
+        # backward swaps their storage without a version bump: never read a stale address)
+        addrs = (ctypes.c_int64 * len(params))(*[p.data_ptr() for p in params])
         gaddrs = (ctypes.c_int64 * len(grads))(*[g.data_ptr() for g in grads])
         _, bwd = _functions(ctx.lib, h.dtype)
         rc = raw.contiguous() if raw is not None else None
         gks = gk.stride(0) if gk.dim() == 1 else 1
-        if bwd(*ctx.dims, h.contiguous().data_ptr(), ne.data_ptr(), *ctx.strides, _ptr(rc), ctx.addrs, ctx.sc,
+        if bwd(*ctx.dims, h.contiguous().data_ptr(), ne.data_ptr(), *ctx.strides, _ptr(rc), addrs, ctx.sc,
                ws.data_ptr(), gp.data_ptr(), gk.data_ptr(), gks, _ptr(dh), _ptr(dn), _ptr(draw), gaddrs):
             raise MemoryError("spectral sampler (native): out of memory for its scratch")
         dnoise = None
