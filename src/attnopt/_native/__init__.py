@@ -30,16 +30,20 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["FLAGS", "compiler", "enabled", "has_storage", "library", "parallel_rows", "pointer"]
+__all__ = [
+    "FLAGS", "Blas", "blas", "compiler", "enabled", "has_storage", "library", "parallel_rows", "pointer",
+]
 
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11")
 _HERE = Path(__file__).resolve().parent
@@ -199,3 +203,78 @@ def parallel_rows(call: Callable[[int, int], None], rows: int, row_len: int) -> 
     call(bounds[0], bounds[1])
     for fut in futures:
         fut.result()
+
+
+class Blas(NamedTuple):
+    """Addresses of the BLAS routines inside PyTorch's own library, for a C kernel to call."""
+
+    sgemm: int  #: Fortran ``sgemm_``
+    dgemm: int  #: Fortran ``dgemm_``
+    set_threads: int  #: MKL's ``MKL_Set_Num_Threads_Local(int)`` (0 where absent: not MKL)
+
+
+_BLAS: list[Blas | None] = []  # [] until looked up, then [result]
+
+
+def _torch_cpu_library() -> ctypes.CDLL | None:
+    folder = Path(torch.__file__).resolve().parent / "lib"
+    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib", "torch_cpu.dll"):
+        if (folder / name).exists():
+            try:
+                return ctypes.CDLL(str(folder / name))
+            except OSError:
+                return None
+    return None
+
+
+def _gemm_works(fn: ctypes._CFuncPtr, ctype: type) -> bool:  # type: ignore[name-defined]
+    """``fn`` (a Fortran ``?gemm_``) computes a 2×3 · 3×2 product right, with int64-held dimensions."""
+    a = (ctype * 6)(1, 2, 3, 4, 5, 6)  # column-major 2×3
+    b = (ctype * 6)(1, 0, 2, -1, 3, 1)  # column-major 3×2
+    c = (ctype * 4)(7, 7, 7, 7)
+    m, n, k = ctypes.c_int64(2), ctypes.c_int64(2), ctypes.c_int64(3)
+    one, zero = ctype(1), ctype(0)
+    fn.restype = None
+    fn(b"N", b"N", ctypes.byref(m), ctypes.byref(n), ctypes.byref(k), ctypes.byref(one), a, ctypes.byref(m),
+       b, ctypes.byref(k), ctypes.byref(zero), c, ctypes.byref(m))
+    return list(c) == [11.0, 14.0, 13.0, 16.0]
+
+
+def blas() -> Blas | None:
+    """The ``sgemm_`` / ``dgemm_`` (and MKL's ``MKL_Set_Num_Threads_Local``) of PyTorch's own
+    library, or ``None``: ``ATTNOPT_NATIVE=0``, a build without them, a big-endian machine, or a
+    probe product that came out wrong. Looked up once.
+
+    A C kernel calls them with the integer arguments held in ``int64_t`` (small values, read
+    alike by an LP64 and an ILP64 BLAS on a little-endian machine) and, with MKL, sets its
+    thread-local thread count to 1 around them (the kernel runs inside attnopt's own threads).
+    """
+    if os.environ.get("ATTNOPT_NATIVE", "1") == "0":
+        return None
+    if not _BLAS:
+        with _LOCK:
+            if not _BLAS:
+                _BLAS.append(_find_blas())
+    return _BLAS[0]
+
+
+def _find_blas() -> Blas | None:
+    if sys.byteorder != "little":
+        return None
+    lib = _torch_cpu_library()
+    if lib is None:
+        return None
+    try:
+        sgemm, dgemm = lib.sgemm_, lib.dgemm_
+    except AttributeError:
+        return None
+    try:
+        if not (_gemm_works(sgemm, ctypes.c_float) and _gemm_works(dgemm, ctypes.c_double)):
+            return None
+    except (OSError, ValueError):
+        return None
+    # the by-value C entry point (in this build the lower-case name is the Fortran one, by reference)
+    setter = getattr(lib, "MKL_Set_Num_Threads_Local", None)
+    address = ctypes.cast
+    return Blas(address(sgemm, ctypes.c_void_p).value or 0, address(dgemm, ctypes.c_void_p).value or 0,
+                0 if setter is None else address(setter, ctypes.c_void_p).value or 0)

@@ -44,8 +44,9 @@ from torch import Tensor
 from attnopt import _native
 from attnopt.functional._autograd import refuse_double_backward
 from attnopt.functional._denormal import flush_denormal
+from attnopt.functional._toeplitz import toeplitz_offsets, toeplitz_table
 
-__all__ = ["CHUNK_BYTES", "library", "native_biased_softmax"]
+__all__ = ["CHUNK_BYTES", "fused_attention", "library", "native_biased_softmax"]
 
 #: Bytes of scores per thread in one chunk: ``S`` and ``dP`` of the backward share the 2 MiB L2.
 CHUNK_BYTES = 1 << 20
@@ -325,4 +326,209 @@ def native_biased_softmax(
     if bias.stride(-1) != 1 and nk > 1:
         bias = bias.contiguous()
     out: Tensor = _NativeBiasedSoftmax.apply(q, k, v, bias, scale, lib, False)
+    return out
+
+
+# --- whole-call path for small sizes: the forward in one C call, the backward in one -------------
+
+#: How a fused call's bias is given: per-offset values ``(H|1, Nq + Nk − 1)`` of a Toeplitz bias,
+#: or T5's bucket table ``(num_buckets, H)`` with the bucket of each offset.
+OFFSETS, TABLE = 1, 2
+
+
+def _fused_functions(lib: ctypes.CDLL, dtype: torch.dtype) -> tuple[Any, Any, Any, Any]:
+    """``bsf_fwd``, ``bsf_bwd``, ``bsf_gather``, ``bsf_scatter`` for ``dtype``, declared once per library."""
+    suffix = "f64" if dtype == torch.float64 else "f32"
+    done: dict[str, tuple[Any, Any, Any, Any]] = lib.__dict__.setdefault("_attnopt_fused", {})
+    hit = done.get(suffix)
+    if hit is not None:
+        return hit
+    fwd, bwd = getattr(lib, f"bsf_fwd_{suffix}"), getattr(lib, f"bsf_bwd_{suffix}")
+    gather, scatter = getattr(lib, f"bsf_gather_{suffix}"), getattr(lib, f"bsf_scatter_{suffix}")
+    real = ctypes.c_double if dtype == torch.float64 else ctypes.c_float
+    fwd.restype, bwd.restype, gather.restype, scatter.restype = _I64, None, None, None
+    fwd.argtypes = ([_VP, _VP] + [_VP, _I64, _I64, _I64] * 4 + [_VP, _VP, _VP] + [_I64] * 7
+                    + [real, _INT])
+    bwd.argtypes = ([_VP, _VP] + [_VP, _I64, _I64, _I64] * 3 + [_VP, _I64, _I64, _I64, _I64]
+                    + [_VP, _VP, _VP] + [_VP, _I64, _I64, _I64] + [_VP] * 4 + [_I64] * 7 + [real])
+    gather.argtypes = [_VP, _I64, _I64, _VP, _I64, _I64, _VP]
+    scatter.argtypes = [_VP, _VP, _I64, _I64, _VP, _I64, _I64]
+    done[suffix] = (fwd, bwd, gather, scatter)
+    return done[suffix]
+
+
+def _head_strides(t: Tensor) -> tuple[int, int, int, int]:
+    """Address and (batch, head, row) element strides of a 4-D tensor with unit column stride."""
+    s = t.stride()
+    return t.data_ptr(), s[0], s[1], s[2]
+
+
+def _unit(t: Tensor) -> Tensor:
+    """``t`` with a unit column stride (copied only where it has none)."""
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def _bias_grad_layout(buf: Tensor, nq: int) -> tuple[int, int, int, int]:
+    """The C kernel's address and strides of a per-offset gradient buffer ``(H|1, Nq + Nk − 1)``."""
+    return buf.data_ptr() + (nq - 1) * buf.element_size(), 0, 0 if buf.shape[0] == 1 else buf.stride(0), -1
+
+
+class _FusedBiasedSoftmax(torch.autograd.Function):
+    """``softmax(scale·QKᵀ + bias) V``, forward and backward each one C call per thread (BLAS
+    products inside). q, k, v: ``(B, H, N, ·)`` of one batch shape with unit column stride; ``src``
+    by ``kind``: per-offset values ``(H|1, Nq + Nk − 1)`` (contiguous) of a Toeplitz bias, or a
+    bucket table ``(num_buckets, H)`` with ``buckets (Nq + Nk − 1,)``."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, src: Tensor, kind: int, buckets: Tensor | None,
+        scale: float, lib: ctypes.CDLL, gemm: int, set_threads: int, check: bool,
+    ) -> Tensor:
+        b, h, nq, d = q.shape
+        nk, dv = k.shape[2], v.shape[3]
+        g = b * h
+        fwd, _, gather, _ = _fused_functions(lib, q.dtype)
+        if kind == TABLE:
+            assert buckets is not None
+            bias = q.new_empty(h, nq + nk - 1)
+            gather(src.data_ptr(), src.stride(0), src.stride(1), buckets.data_ptr(), h, nq + nk - 1,
+                   bias.data_ptr())
+        else:
+            bias = src
+        base, (sb, sh, si) = _layout(bias, True, nq)
+        e, rinv = q.new_empty(g, nq, nk), q.new_empty(g, nq)
+        out = q.new_empty(b, h, nq, dv)
+        qa, ka, va = _head_strides(q), _head_strides(k), _head_strides(v)
+        po, pe, pr = out.data_ptr(), e.data_ptr(), rinv.data_ptr()
+        res: list[int] = []
+
+        def heads(g0: int, g1: int) -> None:
+            res.append(fwd(gemm, set_threads, *qa, *ka, *va, base, sb, sh, si, pe, po, pr, g0, g1, h, nq, nk,
+                           d, dv, scale, check))
+
+        _run(heads, g, nq * nk, torch.get_num_threads())
+        flags = 0
+        for r in res:
+            flags |= r
+        if flags:
+            if flags >> 32:  # a non-finite q, k or v: the entry check names it
+                from attnopt._validation import check_finite
+
+                check_finite(q=q, k=k, v=v)
+            if not bool(bias.amax(-1).max() < float("inf")):
+                raise ValueError("log_preference must not contain NaN or +inf (-inf masks a key)")
+            raise ValueError("the biased scores overflowed to +inf")
+        ctx.scale, ctx.kind, ctx.lib, ctx.gemm, ctx.set_threads = scale, kind, lib, gemm, set_threads
+        ctx.bias_shape = tuple(bias.shape)
+        ctx.save_for_backward(q, k, v, e, out, rinv, buckets if kind == TABLE else None,
+                              src if kind == TABLE else None)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
+        refuse_double_backward(ctx, "generalized_attention (fused bias)", "use generalized_weights(...) @ v")
+        q, k, v, e, out, rinv, buckets, table = ctx.saved_tensors
+        b, h, nq, d = q.shape
+        nk, dv = k.shape[2], v.shape[3]
+        g = b * h
+        if dout.dtype != q.dtype:
+            dout = dout.to(q.dtype)
+        _, bwd, _, scatter = _fused_functions(ctx.lib, q.dtype)
+        dq, dk, dvv = q.new_empty(b, h, nq, d), k.new_empty(b, h, nk, d), v.new_empty(b, h, nk, dv)
+        threads = min(torch.get_num_threads(), g) if g * nq * nk >= _native._MIN_PARALLEL else 1
+        need = ctx.needs_input_grad[3]
+        gbufs = [q.new_zeros(ctx.bias_shape) for _ in range(threads)] if need else []
+        per = 2 * nq * nk + nq * (dv + 1)
+        work = q.new_empty(threads, per)
+        qa, ka, va = _head_strides(q), _head_strides(k), _head_strides(v)
+        ds = dout.stride()
+        pe, po, pr = e.data_ptr(), out.data_ptr(), rinv.data_ptr()
+        pq, pk, pv = dq.data_ptr(), dk.data_ptr(), dvv.data_ptr()
+        bounds = [g * i // threads for i in range(threads + 1)]
+
+        def heads(t: int) -> None:
+            ga = _bias_grad_layout(gbufs[t], nq) if need else (0, 0, 0, 0)
+            bwd(ctx.gemm, ctx.set_threads, *qa, *ka, *va, dout.data_ptr(), *ds, pe, po, pr, *ga, pq, pk, pv,
+                work[t].data_ptr(), bounds[t], bounds[t + 1], h, nq, nk, d, dv, ctx.scale)
+
+        if threads == 1:
+            heads(0)
+        else:
+            pool = _native._pool(threads)
+            futures = [pool.submit(heads, t) for t in range(1, threads)]
+            heads(0)
+            for f in futures:
+                f.result()
+        gsrc = None
+        if need:
+            gb = gbufs[0]
+            for extra in gbufs[1:]:
+                gb += extra
+            if ctx.kind == TABLE:
+                gsrc = torch.zeros_like(table)
+                scatter(gb.data_ptr(), buckets.data_ptr(), h, nq + nk - 1, gsrc.data_ptr(), gsrc.stride(0),
+                        gsrc.stride(1))
+            else:
+                gsrc = gb
+        return dq, dk, dvv, gsrc, None, None, None, None, None, None, None
+
+
+def fused_attention(
+    q: Tensor, k: Tensor, v: Tensor, log_u: Tensor, scale: float | None, is_causal: bool, limit: int
+) -> Tensor | None:
+    """``softmax(scale·QKᵀ + log_u (+ causal)) V`` by :class:`_FusedBiasedSoftmax` where it applies,
+    else ``None`` (then nothing was checked or run).
+
+    It applies to a relative-position ``log_u`` marked by :mod:`._toeplitz` (T5's table, ALiBi's
+    offsets), ``q, k, v`` CPU float32/64 tensors with storage of one shape ``(B, H, N, ·)`` and dtype,
+    ``0 < B·H·Nq·Nk <= limit``, under autograd with an input that needs a gradient, where the
+    native kernels and :func:`attnopt._native.blas` are there. The entry checks of
+    :func:`.generalized.generalized_attention` that remain are made here or in the C forward
+    (non-finite ``q``, ``k``, ``v`` or bias rows raise the same ``ValueError``)."""
+    if not _native.has_storage(q, k, v, log_u) or log_u.dim() != 4:
+        return None
+    table = toeplitz_table(log_u)
+    offsets = toeplitz_offsets(log_u) if table is None else None
+    if (table is None and offsets is None) or q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return None
+    b, h, nq, d = q.shape
+    nk, dv = k.shape[2], v.shape[3]
+    size = b * h * nq * nk
+    dtype = q.dtype
+    if (not 0 < size <= limit or d == 0 or dv == 0 or k.shape != (b, h, nk, d) or v.shape[:3] != (b, h, nk)
+            or dtype not in (torch.float32, torch.float64) or k.dtype != dtype or v.dtype != dtype
+            or q.device.type != "cpu" or k.device != q.device or v.device != q.device
+            or log_u.device != q.device or log_u.shape[0] != 1 or log_u.shape[1] not in (1, h)
+            or log_u.shape[2:] != (nq, nk)):
+        return None
+    if not (torch.is_grad_enabled()
+            and (q.requires_grad or k.requires_grad or v.requires_grad or log_u.requires_grad)):
+        return None
+    found = _native.blas()
+    lib = _native.library("biased_softmax") if found is not None else None
+    if lib is None or found is None:
+        return None
+    from attnopt._validation import resolve_scale
+
+    alpha = resolve_scale(scale, d)
+    kind, buckets = TABLE, None
+    if table is not None:
+        src, buckets = table
+        if is_causal:
+            kind, src = OFFSETS, src.t().index_select(1, buckets)
+    else:
+        assert offsets is not None
+        kind, src = OFFSETS, offsets
+    if not log_u.requires_grad:
+        src = src.detach()  # a bias built without a graph gives its table no gradient
+    if src.dtype != dtype:
+        src = src.to(dtype)
+    if is_causal:  # SDPA's top-left mask: key j hidden from query i where j − i > 0
+        hidden = torch.arange(nq + nk - 1, device=q.device) > nq - 1
+        src = src.masked_fill(hidden, float("-inf"))
+    elif kind == OFFSETS and not src.is_contiguous():
+        src = src.contiguous()
+    gemm = found.dgemm if dtype == torch.float64 else found.sgemm
+    out: Tensor = _FusedBiasedSoftmax.apply(_unit(q), _unit(k), _unit(v), src, kind, buckets, alpha, lib,
+                                            gemm, found.set_threads, True)
     return out

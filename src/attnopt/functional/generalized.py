@@ -229,6 +229,13 @@ def generalized_attention(
             ``impl``.
         TypeError: non-tensor or non-floating inputs.
     """
+    if (log_preference is not None and impl == "auto" and preference is None and attn_mask is None
+            and dropout_p == 0.0):  # small sizes: a relative-position bias in one C call each way
+        out = _generalized_native.fused_attention(q, k, v, log_preference, scale, is_causal, FUSED_BELOW)
+        if out is not None:
+            dispatch.record("generalized_kernel", "fused")
+            dispatch.record("generalized", "materialized")
+            return out
     validate_attention(q, k, v, attn_mask)
     alpha = resolve_scale(scale, q.shape[-1])
     dispatch.check_impl(impl)
@@ -261,6 +268,11 @@ def generalized_attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=alpha)
 
 
+#: ``B·H·Nq·Nk`` up to which ``impl="auto"`` runs a relative-position bias (T5's table, ALiBi;
+#: :mod:`._toeplitz`) under autograd by the whole-call C path
+#: (:func:`._generalized_native.fused_attention`: the forward one C call, the backward one, the
+#: products by PyTorch's own BLAS called from C), where it applies. Measured below.
+FUSED_BELOW = 1 << 20
 #: Largest spread ``max − min`` of a log-preference for which the streaming path calls SDPA
 #: itself rather than the flash kernel with subnormals flushed: the bias alone cannot push a
 #: weight below float32's smallest normal (``e^{-87}``), so the flush (and its custom autograd

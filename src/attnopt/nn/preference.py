@@ -14,13 +14,15 @@ Every module implements ``log_preference(query, key)`` for inputs ``(B, Nq, E)``
 """
 from __future__ import annotations
 
+import ctypes
 import math
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from attnopt.functional._toeplitz import mark_toeplitz
+from attnopt import _native
+from attnopt.functional._toeplitz import mark_toeplitz, mark_toeplitz_table
 
 __all__ = [
     "PreferenceModule",
@@ -110,16 +112,14 @@ class T5RelativePreference(PreferenceModule):
         weight = self.relative_attention_bias.weight
         if query_len == 0 or key_len == 0:
             return weight.new_zeros(1, self.num_heads, query_len, key_len)
-        # the bias depends on j − i only: one autograd node looks up the Nq + Nk − 1 offsets and
-        # lays them out as a Toeplitz matrix; its backward sums the gradient over diagonals and
-        # adds the sums into the buckets (instead of scattering Nq·Nk embedding rows)
+        # the bias depends on j − i only: one autograd node lays the bucket values out as a Toeplitz
+        # matrix (in C where the native kernels run); its backward sums the gradient over diagonals
+        # and adds the sums into the buckets. The table rides along (see _toeplitz): the C paths of
+        # generalized attention read it (or the per-offset values gathered from it) instead of the
+        # bias and send the gradient to it directly (no (H, Nq, Nk) gradient)
         buckets, index = self._buckets(query_len, key_len, weight.device)
-        # the per-offset values (H, Nq + Nk − 1), one gather (contiguous, one autograd node); they
-        # ride along: the C path of generalized attention reads the bias rows from them and
-        # returns their gradient (no (H, Nq, Nk) gradient)
-        per_offset = weight.t().index_select(1, buckets)
-        bias: Tensor = _ToeplitzBias.apply(per_offset, index, query_len, key_len)
-        return mark_toeplitz(bias, per_offset)
+        bias: Tensor = _T5Bias.apply(weight, buckets, index, query_len, key_len)
+        return mark_toeplitz_table(bias, weight, buckets)
 
     def _buckets(self, query_len: int, key_len: int, device: torch.device) -> tuple[Tensor, Tensor | None]:
         """Bucket of each offset ``j − i = −(Nq−1) … Nk−1`` and, up to :data:`GATHER_LIMIT`
@@ -186,15 +186,54 @@ class _ToeplitzBias(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         # exact double backward: linear in grad, no forward state (index_add_ / copy_ are tracked)
         (index,) = ctx.saved_tensors
-        g = grad[0] if grad.shape[0] == 1 else grad.sum(0)  # (H, Nq, Nk)
-        h, nq, nk = g.shape
-        if index is not None:
-            sums = g.new_zeros(h, nq + nk - 1).index_add_(1, index, g.reshape(h, -1))
-        else:
-            buf = g.new_zeros(h, nq, nq + nk - 1)
-            _toeplitz_view(buf, nq, nk).copy_(g)
-            sums = buf.sum(1)  # (H, Nq + Nk − 1): the diagonal sums, by offset j − i
-        return sums, None, None, None
+        return _diagonal_sums(grad, index), None, None, None
+
+
+class _T5Bias(torch.autograd.Function):
+    """``table (num_buckets, H)`` -> contiguous ``(1, H, Nq, Nk)``, entry ``(h, i, j)`` =
+    ``table[buckets[j − i + Nq − 1], h]``: one C call where the native kernels run (CPU
+    float32/64 with storage, not while ``torch.compile`` traces), else a gather and the Toeplitz
+    copy of :class:`_ToeplitzBias`. The backward sums the gradient over diagonals
+    (:class:`_ToeplitzBias`) and adds the sums into the buckets."""
+
+    @staticmethod
+    def forward(ctx: Any, table: Tensor, buckets: Tensor, index: Tensor | None, nq: int, nk: int) -> Tensor:
+        ctx.save_for_backward(buckets, index)
+        ctx.rows = table.shape[0]
+        heads = table.shape[1]
+        lib = None
+        if (table.device.type == "cpu" and table.dtype in (torch.float32, torch.float64)
+                and not torch.compiler.is_compiling() and _native.has_storage(table)):
+            lib = _native.library("biased_softmax")
+        if lib is None:
+            per_offset = table.t().index_select(1, buckets)  # row i: the window from Nq − 1 − i
+            return per_offset.unfold(-1, nk, 1).flip(-2).contiguous().view(1, heads, nq, nk)
+        out = table.new_empty(1, heads, nq, nk)
+        fill = lib.bsf_toeplitz_f64 if table.dtype == torch.float64 else lib.bsf_toeplitz_f32
+        vp, i64 = ctypes.c_void_p, ctypes.c_int64
+        if fill(vp(table.data_ptr()), i64(table.stride(0)), i64(table.stride(1)), vp(buckets.data_ptr()),
+                i64(heads), i64(nq), i64(nk), vp(out.data_ptr())) != 0:
+            raise MemoryError("T5RelativePreference: out of memory")
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        # exact double backward: linear in grad, no forward state (index_add_ / copy_ are tracked)
+        buckets, index = ctx.saved_tensors
+        sums = _diagonal_sums(grad, index)  # (H, Nq + Nk − 1)
+        table = sums.new_zeros(ctx.rows, sums.shape[0]).index_add_(0, buckets, sums.t())
+        return table, None, None, None, None
+
+
+def _diagonal_sums(grad: Tensor, index: Tensor | None) -> Tensor:
+    """``(B|1, H, Nq, Nk)`` gradient -> its sums over each diagonal ``j − i``: ``(H, Nq + Nk − 1)``."""
+    g = grad[0] if grad.shape[0] == 1 else grad.sum(0)  # (H, Nq, Nk)
+    h, nq, nk = g.shape
+    if index is not None:
+        return g.new_zeros(h, nq + nk - 1).index_add_(1, index, g.reshape(h, -1))
+    buf = g.new_zeros(h, nq, nq + nk - 1)
+    _toeplitz_view(buf, nq, nk).copy_(g)
+    return buf.sum(1)  # (H, Nq + Nk − 1): the diagonal sums, by offset j − i
 
 
 def alibi_slopes(num_heads: int) -> Tensor:
