@@ -474,15 +474,16 @@ class _FusedBiasedSoftmax(torch.autograd.Function):
 
 
 def fused_attention(
-    q: Tensor, k: Tensor, v: Tensor, log_u: Tensor, scale: float | None, is_causal: bool, limit: int
+    q: Tensor, k: Tensor, v: Tensor, log_u: Tensor, scale: float | None, is_causal: bool, limit: int,
+    head_limit: int,
 ) -> Tensor | None:
     """``softmax(scale·QKᵀ + log_u (+ causal)) V`` by :class:`_FusedBiasedSoftmax` where it applies,
     else ``None`` (then nothing was checked or run).
 
     It applies to a relative-position ``log_u`` marked by :mod:`._toeplitz` (T5's table, ALiBi's
     offsets), ``q, k, v`` CPU float32/64 tensors with storage of one shape ``(B, H, N, ·)`` and dtype,
-    ``0 < B·H·Nq·Nk <= limit``, under autograd with an input that needs a gradient, where the
-    native kernels and :func:`attnopt._native.blas` are there. The entry checks of
+    ``0 < B·H·Nq·Nk <= limit`` and ``Nq·Nk <= head_limit``, under autograd with an input that
+    needs a gradient, where the native kernels and :func:`attnopt._native.blas` are there. The entry checks of
     :func:`.generalized.generalized_attention` that remain are made here or in the C forward
     (non-finite ``q``, ``k``, ``v`` or bias rows raise the same ``ValueError``)."""
     if not _native.has_storage(q, k, v, log_u) or log_u.dim() != 4:
@@ -495,7 +496,8 @@ def fused_attention(
     nk, dv = k.shape[2], v.shape[3]
     size = b * h * nq * nk
     dtype = q.dtype
-    if (not 0 < size <= limit or d == 0 or dv == 0 or k.shape != (b, h, nk, d) or v.shape[:3] != (b, h, nk)
+    if (not 0 < size <= limit or nq * nk > head_limit or d == 0 or dv == 0 or k.shape != (b, h, nk, d)
+            or v.shape[:3] != (b, h, nk)
             or dtype not in (torch.float32, torch.float64) or k.dtype != dtype or v.dtype != dtype
             or q.device.type != "cpu" or k.device != q.device or v.device != q.device
             or log_u.device != q.device or log_u.shape[0] != 1 or log_u.shape[1] not in (1, h)

@@ -209,10 +209,9 @@ class _T5Bias(torch.autograd.Function):
             per_offset = table.t().index_select(1, buckets)  # row i: the window from Nq − 1 − i
             return per_offset.unfold(-1, nk, 1).flip(-2).contiguous().view(1, heads, nq, nk)
         out = table.new_empty(1, heads, nq, nk)
-        fill = lib.bsf_toeplitz_f64 if table.dtype == torch.float64 else lib.bsf_toeplitz_f32
-        vp, i64 = ctypes.c_void_p, ctypes.c_int64
-        if fill(vp(table.data_ptr()), i64(table.stride(0)), i64(table.stride(1)), vp(buckets.data_ptr()),
-                i64(heads), i64(nq), i64(nk), vp(out.data_ptr())) != 0:
+        fill = _fill(lib, table.dtype)
+        if fill(table.data_ptr(), table.stride(0), table.stride(1), buckets.data_ptr(), heads, nq, nk,
+                out.data_ptr()) != 0:
             raise MemoryError("T5RelativePreference: out of memory")
         return out
 
@@ -223,6 +222,20 @@ class _T5Bias(torch.autograd.Function):
         sums = _diagonal_sums(grad, index)  # (H, Nq + Nk − 1)
         table = sums.new_zeros(ctx.rows, sums.shape[0]).index_add_(0, buckets, sums.t())
         return table, None, None, None, None
+
+
+def _fill(lib: ctypes.CDLL, dtype: torch.dtype) -> Any:
+    """``bsf_toeplitz_{f32,f64}`` of ``_native/biased_softmax.c`` with its argument types declared
+    (once per library object: plain ints are passed, no ctypes objects per call)."""
+    name = "bsf_toeplitz_f64" if dtype == torch.float64 else "bsf_toeplitz_f32"
+    done: dict[str, Any] = lib.__dict__.setdefault("_attnopt_t5", {})
+    fn = done.get(name)
+    if fn is None:
+        fn = getattr(lib, name)
+        vp, i64 = ctypes.c_void_p, ctypes.c_int64
+        fn.restype, fn.argtypes = ctypes.c_int, [vp, i64, i64, vp, i64, i64, i64, vp]
+        done[name] = fn
+    return fn
 
 
 def _diagonal_sums(grad: Tensor, index: Tensor | None) -> Tensor:
