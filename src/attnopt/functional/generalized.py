@@ -177,7 +177,7 @@ def generalized_attention(
     * ``"materialized"`` by the whole-call C path (``"fused"``) — a relative-position bias from
       :class:`~attnopt.nn.T5RelativePreference` or :class:`~attnopt.nn.ALiBiPreference` (also with
       ``is_causal``; no mask, no ``preference``, ``impl="auto"``) under autograd, CPU float32/64,
-      ``q, k, v`` of one shape ``(B, H, N, ·)``, ``B·H·Nq·Nk <= FUSED_BELOW`` (2^20) and
+      ``q, k, v`` of one shape ``(B, H, N, ·)``, ``B·H·Nq·Nk <= FUSED_BELOW`` (2^23) and
       ``Nq·Nk <= FUSED_MAX_HEAD_SCORES`` (2^16), where the C kernels and PyTorch's BLAS are
       available (:func:`attnopt._native.blas`): the forward is one C call, the backward one, and
       the gradient reaches T5's bucket table directly;
@@ -290,11 +290,14 @@ def generalized_attention(
 #: × plain SDPA in the same run, fused vs the previous dispatch (SDPA with the bias below
 #: SDPA_BELOW*, else the node), loaded 2-core machine: T5 / ALiBi B·H = 8, N = 64 (2^15)
 #: 1.14–1.18 vs 2.06 / 0.94 vs 1.27; N = 128 0.94 vs 1.25 / 0.83 vs 1.12; N = 256 0.85–0.91 vs
-#: 1.07 / 0.78 vs 0.98; B·H = 64, N = 64 0.72 vs 0.97 / 0.63 vs 0.87; N = 128 (2^20) 0.65 vs 0.81 /
-#: 0.59 vs 0.73; above: B·H = 8, N = 512 (2^21) T5 1.14 vs 1.03 (ALiBi 0.85 vs 0.91).
-FUSED_BELOW = 1 << 20
-#: ... and one head's ``Nq·Nk`` at most this (the path keeps a head's scores whole: N = 256, 256 kB
-#: in float32, the largest head measured).
+#: 1.07 / 0.78 vs 0.98; B·H = 64, N = 64 0.72 vs 0.97 / 0.63 vs 0.87; N = 128 0.65 vs 0.81 /
+#: 0.59 vs 0.73; N = 256 (2^22) 0.81 vs 0.90 / 0.74 vs 0.89. Train step of ``TransformerEncoder``
+#: (E = 64, H = 4, B = 32, d = 16: B·H = 128) × the softmax arm: N = 128 (2^21) T5 0.97 vs 1.09,
+#: ALiBi 0.93 vs 1.01; N = 256 (2^23) 1.03 vs 1.08, 1.03 vs 1.15. Heads of N = 512 (2^18 scores)
+#: lose: B·H = 8 T5 1.14 vs 1.03; train step N = 512 1.36 vs 1.10 (a head's E, dP and dS, 1 MB
+#: each, no longer share the 2 MB L2).
+FUSED_BELOW = 1 << 23
+#: ... and one head's ``Nq·Nk`` at most this (N = 256; see above for N = 512).
 FUSED_MAX_HEAD_SCORES = 1 << 16
 #: Largest spread ``max − min`` of a log-preference for which the streaming path calls SDPA
 #: itself rather than the flash kernel with subnormals flushed: the bias alone cannot push a
