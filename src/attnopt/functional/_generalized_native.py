@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from attnopt import _native
+from attnopt._validation import check_finite, resolve_scale
 from attnopt.functional._autograd import refuse_double_backward
 from attnopt.functional._denormal import flush_denormal
 from attnopt.functional._toeplitz import toeplitz_offsets, toeplitz_table
@@ -357,6 +358,10 @@ def _fused_functions(lib: ctypes.CDLL, dtype: torch.dtype) -> tuple[Any, Any, An
     return done[suffix]
 
 
+#: ``(kind, buckets, scale, C functions, gemm address, MKL thread setter address)`` of a fused call
+_FusedConfig = tuple[int, Any, float, tuple[Any, Any, Any, Any], int, int]
+
+
 def _head_strides(t: Tensor) -> tuple[int, int, int, int]:
     """Address and (batch, head, row) element strides of a 4-D tensor with unit column stride."""
     s = t.stride()
@@ -380,16 +385,12 @@ class _FusedBiasedSoftmax(torch.autograd.Function):
     bucket table ``(num_buckets, H)`` with ``buckets (Nq + Nk − 1,)``."""
 
     @staticmethod
-    def forward(
-        ctx: Any, q: Tensor, k: Tensor, v: Tensor, src: Tensor, kind: int, buckets: Tensor | None,
-        scale: float, lib: ctypes.CDLL, gemm: int, set_threads: int, check: bool,
-    ) -> Tensor:
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, src: Tensor, cfg: _FusedConfig) -> Tensor:
+        kind, buckets, scale, (fwd, _, gather, _), gemm, set_threads = cfg
         b, h, nq, d = q.shape
         nk, dv = k.shape[2], v.shape[3]
         g = b * h
-        fwd, _, gather, _ = _fused_functions(lib, q.dtype)
         if kind == TABLE:
-            assert buckets is not None
             bias = q.new_empty(h, nq + nk - 1)
             gather(src.data_ptr(), src.stride(0), src.stride(1), buckets.data_ptr(), h, nq + nk - 1,
                    bias.data_ptr())
@@ -400,40 +401,45 @@ class _FusedBiasedSoftmax(torch.autograd.Function):
         out = q.new_empty(b, h, nq, dv)
         qa, ka, va = _head_strides(q), _head_strides(k), _head_strides(v)
         po, pe, pr = out.data_ptr(), e.data_ptr(), rinv.data_ptr()
-        res: list[int] = []
+        threads = torch.get_num_threads()
+        if threads <= 1 or g * nq * nk < _native._MIN_PARALLEL:
+            flags = fwd(gemm, set_threads, *qa, *ka, *va, base, sb, sh, si, pe, po, pr, 0, g, h, nq, nk, d,
+                        dv, scale, 1)
+        else:
+            res: list[int] = []  # list.append is atomic across threads
 
-        def heads(g0: int, g1: int) -> None:
-            res.append(fwd(gemm, set_threads, *qa, *ka, *va, base, sb, sh, si, pe, po, pr, g0, g1, h, nq, nk,
-                           d, dv, scale, check))
+            def heads(g0: int, g1: int) -> None:
+                res.append(fwd(gemm, set_threads, *qa, *ka, *va, base, sb, sh, si, pe, po, pr, g0, g1, h, nq,
+                               nk, d, dv, scale, 1))
 
-        _run(heads, g, nq * nk, torch.get_num_threads())
-        flags = 0
-        for r in res:
-            flags |= r
+            _native.parallel_rows(heads, g, nq * nk)
+            flags = 0
+            for r in res:
+                flags |= r
         if flags:
             if flags >> 32:  # a non-finite q, k or v: the entry check names it
-                from attnopt._validation import check_finite
-
                 check_finite(q=q, k=k, v=v)
             if not bool(bias.amax(-1).max() < float("inf")):
                 raise ValueError("log_preference must not contain NaN or +inf (-inf masks a key)")
             raise ValueError("the biased scores overflowed to +inf")
-        ctx.scale, ctx.kind, ctx.lib, ctx.gemm, ctx.set_threads = scale, kind, lib, gemm, set_threads
-        ctx.bias_shape = tuple(bias.shape)
-        ctx.save_for_backward(q, k, v, e, out, rinv, buckets if kind == TABLE else None,
-                              src if kind == TABLE else None)
+        ctx.cfg, ctx.bias_shape = cfg, bias.shape
+        if kind == TABLE:
+            ctx.save_for_backward(q, k, v, e, out, rinv, buckets, src)
+        else:
+            ctx.save_for_backward(q, k, v, e, out, rinv)
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         refuse_double_backward(ctx, "generalized_attention (fused bias)", "use generalized_weights(...) @ v")
-        q, k, v, e, out, rinv, buckets, table = ctx.saved_tensors
+        kind, _, scale, (_, bwd, _, scatter), gemm, set_threads = ctx.cfg
+        saved = ctx.saved_tensors
+        q, k, v, e, out, rinv = saved[:6]
         b, h, nq, d = q.shape
         nk, dv = k.shape[2], v.shape[3]
         g = b * h
         if dout.dtype != q.dtype:
             dout = dout.to(q.dtype)
-        _, bwd, _, scatter = _fused_functions(ctx.lib, q.dtype)
         dq, dk, dvv = q.new_empty(b, h, nq, d), k.new_empty(b, h, nk, d), v.new_empty(b, h, nk, dv)
         threads = min(torch.get_num_threads(), g) if g * nq * nk >= _native._MIN_PARALLEL else 1
         need = ctx.needs_input_grad[3]
@@ -448,8 +454,8 @@ class _FusedBiasedSoftmax(torch.autograd.Function):
 
         def heads(t: int) -> None:
             ga = _bias_grad_layout(gbufs[t], nq) if need else (0, 0, 0, 0)
-            bwd(ctx.gemm, ctx.set_threads, *qa, *ka, *va, dout.data_ptr(), *ds, pe, po, pr, *ga, pq, pk, pv,
-                work[t].data_ptr(), bounds[t], bounds[t + 1], h, nq, nk, d, dv, ctx.scale)
+            bwd(gemm, set_threads, *qa, *ka, *va, dout.data_ptr(), *ds, pe, po, pr, *ga, pq, pk, pv,
+                work[t].data_ptr(), bounds[t], bounds[t + 1], h, nq, nk, d, dv, scale)
 
         if threads == 1:
             heads(0)
@@ -464,13 +470,14 @@ class _FusedBiasedSoftmax(torch.autograd.Function):
             gb = gbufs[0]
             for extra in gbufs[1:]:
                 gb += extra
-            if ctx.kind == TABLE:
+            if kind == TABLE:
+                buckets, table = saved[6:]
                 gsrc = torch.zeros_like(table)
                 scatter(gb.data_ptr(), buckets.data_ptr(), h, nq + nk - 1, gsrc.data_ptr(), gsrc.stride(0),
                         gsrc.stride(1))
             else:
                 gsrc = gb
-        return dq, dk, dvv, gsrc, None, None, None, None, None, None, None
+        return dq, dk, dvv, gsrc, None
 
 
 def fused_attention(
@@ -499,8 +506,8 @@ def fused_attention(
     if (not 0 < size <= limit or nq * nk > head_limit or d == 0 or dv == 0 or k.shape != (b, h, nk, d)
             or v.shape[:3] != (b, h, nk)
             or dtype not in (torch.float32, torch.float64) or k.dtype != dtype or v.dtype != dtype
-            or q.device.type != "cpu" or k.device != q.device or v.device != q.device
-            or log_u.device != q.device or log_u.shape[0] != 1 or log_u.shape[1] not in (1, h)
+            or not (q.is_cpu and k.is_cpu and v.is_cpu and log_u.is_cpu)
+            or log_u.shape[0] != 1 or log_u.shape[1] not in (1, h)
             or log_u.shape[2:] != (nq, nk)):
         return None
     if not (torch.is_grad_enabled()
@@ -510,8 +517,6 @@ def fused_attention(
     lib = _native.library("biased_softmax") if found is not None else None
     if lib is None or found is None:
         return None
-    from attnopt._validation import resolve_scale
-
     alpha = resolve_scale(scale, d)
     kind, buckets = TABLE, None
     if table is not None:
@@ -531,6 +536,6 @@ def fused_attention(
     elif kind == OFFSETS and not src.is_contiguous():
         src = src.contiguous()
     gemm = found.dgemm if dtype == torch.float64 else found.sgemm
-    out: Tensor = _FusedBiasedSoftmax.apply(_unit(q), _unit(k), _unit(v), src, kind, buckets, alpha, lib,
-                                            gemm, found.set_threads, True)
+    cfg = (kind, buckets, alpha, _fused_functions(lib, dtype), gemm, found.set_threads)
+    out: Tensor = _FusedBiasedSoftmax.apply(_unit(q), _unit(k), _unit(v), src, cfg)
     return out
