@@ -70,11 +70,13 @@ def test_bad_arguments():
         KeyPreference(4, 2)(torch.randn(4, 4))
 
 
+@pytest.mark.parametrize("native", ["1", "0"])  # the bias laid out in C, or by PyTorch ops
 @pytest.mark.parametrize("gather_limit", [0, 1 << 20])  # the strided Toeplitz route and the gather route
 @pytest.mark.parametrize("shape", [(1, 1), (4, 9), (9, 4), (33, 33)])
-def test_t5_bias_and_bucket_gradient_match_elementwise_lookup(monkeypatch, gather_limit, shape):
+def test_t5_bias_and_bucket_gradient_match_elementwise_lookup(monkeypatch, gather_limit, shape, native):
     from attnopt.nn import preference as pref
 
+    monkeypatch.setenv("ATTNOPT_NATIVE", native)
     monkeypatch.setattr(pref, "GATHER_LIMIT", gather_limit)
     nq, nk = shape
     t5 = pref.T5RelativePreference(3, num_buckets=8, max_distance=16).double()
@@ -91,5 +93,5 @@ def test_t5_bias_and_bucket_gradient_match_elementwise_lookup(monkeypatch, gathe
     torch.testing.assert_close(grad, grad_ref, rtol=1e-12, atol=1e-12)
     cached = t5._buckets(nq, nk, w.device)
     assert torch.autograd.gradcheck(
-        lambda w_: pref._ToeplitzBias.apply(w_.t().index_select(1, cached[0]), cached[1], nq, nk),
+        lambda w_: pref._T5Bias.apply(w_, cached[0], cached[1], nq, nk),
         (w.detach().clone().requires_grad_(),))

@@ -164,37 +164,14 @@ def _toeplitz_view(buf: Tensor, nq: int, nk: int) -> Tensor:
 GATHER_LIMIT = 1 << 20
 
 
-class _ToeplitzBias(torch.autograd.Function):
-    """``per_offset (H, Nq + Nk − 1)`` -> contiguous ``(1, H, Nq, Nk)``.
-
-    Entry ``(h, i, j)`` is ``per_offset[h, j − i + Nq − 1]``; the backward sums the gradient
-    over each diagonal ``j − i`` (autograd's gather backward then adds the sums into the
-    buckets). ``index`` (the flat offsets ``j − i + Nq − 1``, or ``None``) selects the
-    index-add route of the backward.
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any, per_offset: Tensor, index: Tensor | None, nq: int, nk: int
-    ) -> Tensor:
-        ctx.save_for_backward(index)
-        # window w of length Nk starts at offset index w; row i is window Nq − 1 − i (ALiBi's
-        # layout): one contiguous copy, 2× faster than gathering through the flat index (N = 512)
-        return per_offset.unfold(-1, nk, 1).flip(-2).contiguous().view(1, -1, nq, nk)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        # exact double backward: linear in grad, no forward state (index_add_ / copy_ are tracked)
-        (index,) = ctx.saved_tensors
-        return _diagonal_sums(grad, index), None, None, None
-
-
 class _T5Bias(torch.autograd.Function):
     """``table (num_buckets, H)`` -> contiguous ``(1, H, Nq, Nk)``, entry ``(h, i, j)`` =
     ``table[buckets[j − i + Nq − 1], h]``: one C call where the native kernels run (CPU
-    float32/64 with storage, not while ``torch.compile`` traces), else a gather and the Toeplitz
-    copy of :class:`_ToeplitzBias`. The backward sums the gradient over diagonals
-    (:class:`_ToeplitzBias`) and adds the sums into the buckets."""
+    float32/64 with storage, not while ``torch.compile`` traces), else a gather of the per-offset
+    values and one contiguous copy of their windows (row ``i`` is the window from ``Nq − 1 − i``).
+    The backward sums the gradient over each diagonal ``j − i`` (:func:`_diagonal_sums`; ``index``,
+    the flat offsets ``j − i + Nq − 1`` or ``None``, selects its index-add route) and adds the sums
+    into the buckets."""
 
     @staticmethod
     def forward(ctx: Any, table: Tensor, buckets: Tensor, index: Tensor | None, nq: int, nk: int) -> Tensor:
