@@ -227,14 +227,14 @@ def _torch_cpu_library() -> ctypes.CDLL | None:
     return None
 
 
-def _gemm_works(fn: ctypes._CFuncPtr, ctype: type) -> bool:  # type: ignore[name-defined]
+def _gemm_works(fn: Callable[..., object], ctype: type[ctypes.c_float] | type[ctypes.c_double]) -> bool:
     """``fn`` (a Fortran ``?gemm_``) computes a 2×3 · 3×2 product right, with int64-held dimensions."""
     a = (ctype * 6)(1, 2, 3, 4, 5, 6)  # column-major 2×3
     b = (ctype * 6)(1, 0, 2, -1, 3, 1)  # column-major 3×2
     c = (ctype * 4)(7, 7, 7, 7)
     m, n, k = ctypes.c_int64(2), ctypes.c_int64(2), ctypes.c_int64(3)
     one, zero = ctype(1), ctype(0)
-    fn.restype = None
+    fn.restype = None  # type: ignore[attr-defined]
     fn(b"N", b"N", ctypes.byref(m), ctypes.byref(n), ctypes.byref(k), ctypes.byref(one), a, ctypes.byref(m),
        b, ctypes.byref(k), ctypes.byref(zero), c, ctypes.byref(m))
     return list(c) == [11.0, 14.0, 13.0, 16.0]
