@@ -3,6 +3,7 @@ import math
 
 import pytest
 
+from attnopt import _native
 from attnopt.bench import BenchContext, small_n
 from attnopt.functional import dispatch
 
@@ -21,13 +22,18 @@ def test_suite_runs_and_notes_the_dispatch(monkeypatch):
         names = {r.impl for r in group}
         for name, key in small_n.DISPATCHED.items():
             auto = next(r for r in group if r.impl == name)
-            # 8·16² entries: below every crossover; generalized attention streams (SDPA itself)
-            path = "streaming" if key == "generalized" else "materialized"
+            # 8·16² entries: below every crossover; generalized attention streams (SDPA itself) unless
+            # the whole-call C path takes its T5 / ALiBi bias (materialized, kernel "fused")
+            blas = _native.compiler() is not None and _native.blas() is not None
+            fused = key == "generalized" and blas and "fwd+bwd" in case
+            path = "streaming" if key == "generalized" and not fused else "materialized"
             assert auto.note.startswith(f"auto -> {path}")
             other = "materialized" if path == "streaming" else "streaming"
             assert f"{name} [{other}]" in names
             if key == "generalized":
                 assert "SDPA itself at B*H*N^2 <=" in auto.note
+                assert ("whole-call C path" in auto.note) == blas
+                assert ("kernel fused" in auto.note) == fused
             if "learned" in name:  # a bias with a gradient takes the materialized node above that
                 assert "a learned bias: always" in auto.note
             else:

@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from attnopt import _native
 from attnopt.bench._harness import BenchContext, Measurement, bench_suite, time_call
 from attnopt.bench.doubly_normalized import materialized_sinkhorn_peer
 from attnopt.functional import dispatch, generalized
@@ -259,6 +260,11 @@ def _function_rows(ctx: BenchContext) -> Iterator[Measurement]:
                         below = (generalized.SDPA_BELOW_LEARNED_NATIVE if "learned" in name and native
                                  else generalized.SDPA_BELOW)
                         rule = f"SDPA itself at B*H*N^2 <= {below}; above, {rule}"
+                        if native and _native.blas() is not None:  # T5 / ALiBi: the whole-call C path first
+                            kernel = dispatch.last_dispatch.get("generalized_kernel", "?")
+                            rule = (f"kernel {kernel}; whole-call C path under autograd at B*H*N^2 <= "
+                                    f"{generalized.FUSED_BELOW}, Nq*Nk <= "
+                                    f"{generalized.FUSED_MAX_HEAD_SCORES}; else {rule}")
                     note = f"auto -> {path} ({rule}); {note}"
                     if not ctx.quick:
                         other: dispatch.Impl = "streaming" if path == "materialized" else "materialized"
