@@ -193,3 +193,11 @@ def test_blas_lookup(monkeypatch):
     q, k, v = _qkv(1, 3, 5, 5)
     generalized_attention(q, k, v, log_preference=_module("t5")(5, 5))
     assert dispatch.last_dispatch["generalized_kernel"] != "fused"
+
+
+def test_blas_probe_rejects_a_missing_library_or_a_wrong_product(monkeypatch):
+    monkeypatch.setattr(_native, "_torch_cpu_library", lambda: None)
+    assert _native._find_blas() is None
+    monkeypatch.undo()
+    monkeypatch.setattr(_native, "_gemm_works", lambda fn, ctype: False)  # noqa: ARG005
+    assert _native._find_blas() is None

@@ -81,14 +81,16 @@ class T5RelativePreference(PreferenceModule):
         bidirectional: encoder-style (True) or causal/decoder-style (False) buckets.
 
     Note:
-        A learned bias requires grad: :func:`attnopt.generalized_attention` then runs its fused
-        materialized node (O(Nq·Nk) memory, as SDPA's math kernel would), whose gradient for
-        the bias reaches the ``num_buckets × H`` table through one diagonal-sum node.
-        The offset → bucket table is cached per (Nq, Nk, device). The returned tensor carries
-        its per-offset values (:mod:`attnopt.functional._toeplitz`): the C path of that node
-        reads the bias rows from them and sends the gradient to the table through them — so
-        ``torch.autograd.grad(out, bias)`` for this very tensor finds it unused there; ask for
-        the gradient of the table, or of a copy (``bias.clone()`` is an ordinary tensor).
+        A learned bias requires grad: :func:`attnopt.generalized_attention` then runs a fused
+        materialized path (O(Nq·Nk) memory, as SDPA's math kernel would). The bias is one
+        autograd node from the ``num_buckets × H`` table (laid out in C where the native kernels
+        run; its backward sums the gradient over diagonals into the buckets); the offset → bucket
+        table is cached per (Nq, Nk, device). The returned tensor carries the table and the
+        bucket of each offset (:mod:`attnopt.functional._toeplitz`): the C paths of
+        generalized attention read the bias from them and send the gradient to the table
+        directly — so ``torch.autograd.grad(out, bias)`` for this very tensor finds it unused
+        there; ask for the gradient of the table, or of a copy (``bias.clone()`` is an ordinary
+        tensor).
     """
 
     def __init__(
