@@ -201,3 +201,15 @@ def test_blas_probe_rejects_a_missing_library_or_a_wrong_product(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(_native, "_gemm_works", lambda fn, ctype: False)  # noqa: ARG005
     assert _native._find_blas() is None
+
+
+def test_overlapping_rows_and_single_rows_are_laid_out_for_blas():
+    t5 = _module("t5")
+    g = torch.Generator().manual_seed(8)
+    base = torch.randn(2, 3, 1, 4, generator=g, dtype=torch.float64)
+    q = base.expand(2, 3, 5, 4).requires_grad_()  # row stride 0: rows overlap
+    k, v = (torch.randn(2, 3, 6, e, generator=g, dtype=torch.float64).requires_grad_() for e in (4, 3))
+    _check(t5, q, k, v, False)
+    q1 = torch.randn(2, 3, 4, generator=g, dtype=torch.float64).as_strided((2, 3, 1, 4), (12, 4, 1, 1))
+    assert q1.is_contiguous() and q1.stride(2) == 1  # one query row with a row stride of 1
+    _check(t5, q1.requires_grad_(), k, v, True)

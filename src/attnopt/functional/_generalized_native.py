@@ -372,14 +372,19 @@ _FusedConfig = tuple[int, Any, float, tuple[Any, Any, Any, Any], int, int]
 
 
 def _head_strides(t: Tensor) -> tuple[int, int, int, int]:
-    """Address and (batch, head, row) element strides of a 4-D tensor with unit column stride."""
+    """Address and (batch, head, row) element strides of a 4-D tensor laid out as :func:`_unit`
+    leaves it (one row: the row stride BLAS is given is the row length, whatever the tensor says)."""
     s = t.stride()
-    return t.data_ptr(), s[0], s[1], s[2]
+    return t.data_ptr(), s[0], s[1], s[2] if t.shape[2] > 1 else t.shape[3]
 
 
 def _unit(t: Tensor) -> Tensor:
-    """``t`` with a unit column stride (copied only where it has none)."""
-    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+    """``t`` with a unit column stride and rows that do not overlap (BLAS's ``ld >= columns``),
+    copied only where it has not."""
+    s, n = t.stride(), t.shape
+    if (s[3] == 1 or n[3] == 1) and (n[2] == 1 or s[2] >= n[3]):
+        return t
+    return t.contiguous()
 
 
 def _bias_grad_layout(buf: Tensor, nq: int) -> tuple[int, int, int, int]:
