@@ -308,24 +308,34 @@ int64_t bsf_fwd_##SUF(void *gemm_p, void *threads_p, const T *q, int64_t qsb, in
     return bad + (flags << 32);                                                                      \
 }                                                                                                    \
                                                                                                      \
-/* work: 2 nq nk + nq (dv + 1) entries of this call's own scratch. */                                      \
+/* work: 2 nq nk + nq (dv + 1) + nq + nk - 1 entries of this call's own scratch. With gtable     \
+ * (T5's bucket table gradient, (num_buckets, H) strides gts, gth) each head's gradient by offset  \
+ * is added into gtable[buckets[o], h] (gb unused); else into gb, laid out like the bias. */                                      \
 void bsf_bwd_##SUF(void *gemm_p, void *threads_p, const T *q, int64_t qsb, int64_t qsh, int64_t qsi, \
                    const T *k, int64_t ksb, int64_t ksh, int64_t ksi, const T *v, int64_t vsb,       \
                    int64_t vsh, int64_t vsi, const T *dout, int64_t dsb, int64_t dsh, int64_t dsi,   \
                    int64_t dsj, const T *e, const T *out, const T *rinv, T *gb, int64_t gsb,         \
-                   int64_t gsh, int64_t gsi, T *dq, T *dk, T *dvv, T *work, int64_t g0, int64_t g1,  \
+                   int64_t gsh, int64_t gsi, const int64_t *buckets, T *gtable, int64_t gts,         \
+                   int64_t gth, T *dq, T *dk, T *dvv, T *work, int64_t g0, int64_t g1,               \
                    int64_t heads, int64_t nq, int64_t nk, int64_t d, int64_t dv, T scale) {          \
     gemm_##SUF##_t gemm = (gemm_##SUF##_t)gemm_p;                                                    \
     bs_threads_t set_threads = (bs_threads_t)threads_p;                                              \
     const int prev = set_threads ? set_threads(1) : 0;                                               \
     FTZ_ON();                                                                                        \
     T *dp = work, *dsc = work + nq * nk, *dob = work + 2 * nq * nk, *dl = dob + nq * dv;             \
+    T *line = dl + nq; /* with a table: one head's per-offset sums (nq + nk - 1) */                  \
+    const int64_t c = nq + nk - 1;                                                                   \
     for (int64_t g = g0; g < g1; ++g) {                                                              \
         const int64_t bi = g / heads, hi = g % heads;                                                \
         const T *qg = q + bi * qsb + hi * qsh, *kg = k + bi * ksb + hi * ksh;                        \
         const T *vg = v + bi * vsb + hi * vsh, *dg = dout + bi * dsb + hi * dsh;                     \
         const T *eg = e + g * nq * nk, *og = out + g * nq * dv;                                      \
         T *gh = gb ? gb + bi * gsb + hi * gsh : NULL;                                                \
+        if (gtable) { /* T5: the head's sums by offset here, added into the table after its rows */  \
+            memset(line, 0, sizeof(T) * (size_t)c);                                                  \
+            gh = line + (nq - 1);                                                                    \
+            gsi = -1;                                                                                \
+        }                                                                                            \
         for (int64_t i = 0; i < nq; ++i) { /* dO' = r dO and delta' = <dO'_i, O_i> */               \
             const T ri = rinv[g * nq + i];                                                           \
             const T *di = dg + i * dsi, *oi = og + i * dv;                                           \
@@ -362,6 +372,10 @@ void bsf_bwd_##SUF(void *gemm_p, void *threads_p, const T *q, int64_t qsb, int64
                 }                                                                                    \
             }                                                                                        \
         }                                                                                            \
+        if (gtable) {                                                                                \
+            T *gt = gtable + hi * gth;                                                               \
+            for (int64_t o = 0; o < c; ++o) gt[buckets[o] * gts] += line[o];                         \
+        }                                                                                            \
         mm_##SUF(gemm, 1, 0, nk, dv, nq, 1, eg, nk, dob, dv, dvv + g * nk * dv, dv);                 \
         mm_##SUF(gemm, 0, 0, nq, d, nk, scale, dsc, nk, kg, ksi, dq + g * nq * d, d);                \
         mm_##SUF(gemm, 1, 0, nk, d, nq, scale, dsc, nk, qg, qsi, dk + g * nk * d, d);                \
@@ -374,17 +388,12 @@ FUSED_SOFTMAX(float, f32, pexpf, FLT_MIN, uint32_t, 0x7f800000u)
 FUSED_SOFTMAX(double, f64, pexpd, DBL_MIN, uint64_t, 0x7ff0000000000000u)
 
 /* T5's per-offset values from its bucket table: offs[h, o] = table[buckets[o], h] (table (nb, H)
- * with row stride ts, unit head stride), and the reverse: gtable[buckets[o], h] += goffs[h, o]. */
+ * with strides ts, th). */
 #define BUCKETS(T, SUF)                                                                              \
 void bsf_gather_##SUF(const T *table, int64_t ts, int64_t th, const int64_t *buckets, int64_t heads,  \
                       int64_t c, T *offs) {                                                          \
     for (int64_t h = 0; h < heads; ++h)                                                              \
         for (int64_t o = 0; o < c; ++o) offs[h * c + o] = table[buckets[o] * ts + h * th];           \
-}                                                                                                    \
-void bsf_scatter_##SUF(const T *goffs, const int64_t *buckets, int64_t heads, int64_t c, T *gtable,  \
-                       int64_t ts, int64_t th) {                                                     \
-    for (int64_t h = 0; h < heads; ++h)                                                              \
-        for (int64_t o = 0; o < c; ++o) gtable[buckets[o] * ts + h * th] += goffs[h * c + o];        \
 }
 
 BUCKETS(float, f32)

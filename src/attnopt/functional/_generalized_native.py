@@ -346,29 +346,29 @@ def native_biased_softmax(
 OFFSETS, TABLE = 1, 2
 
 
-def _fused_functions(lib: ctypes.CDLL, dtype: torch.dtype) -> tuple[Any, Any, Any, Any]:
-    """``bsf_fwd``, ``bsf_bwd``, ``bsf_gather``, ``bsf_scatter`` for ``dtype``, declared once per library."""
+def _fused_functions(lib: ctypes.CDLL, dtype: torch.dtype) -> tuple[Any, Any, Any]:
+    """``bsf_fwd``, ``bsf_bwd``, ``bsf_gather`` for ``dtype``, declared once per library."""
     suffix = "f64" if dtype == torch.float64 else "f32"
-    done: dict[str, tuple[Any, Any, Any, Any]] = lib.__dict__.setdefault("_attnopt_fused", {})
+    done: dict[str, tuple[Any, Any, Any]] = lib.__dict__.setdefault("_attnopt_fused", {})
     hit = done.get(suffix)
     if hit is not None:
         return hit
     fwd, bwd = getattr(lib, f"bsf_fwd_{suffix}"), getattr(lib, f"bsf_bwd_{suffix}")
-    gather, scatter = getattr(lib, f"bsf_gather_{suffix}"), getattr(lib, f"bsf_scatter_{suffix}")
+    gather = getattr(lib, f"bsf_gather_{suffix}")
     real = ctypes.c_double if dtype == torch.float64 else ctypes.c_float
-    fwd.restype, bwd.restype, gather.restype, scatter.restype = _I64, None, None, None
+    fwd.restype, bwd.restype, gather.restype = _I64, None, None
     fwd.argtypes = ([_VP, _VP] + [_VP, _I64, _I64, _I64] * 4 + [_VP, _VP, _VP] + [_I64] * 7
                     + [real, _INT])
     bwd.argtypes = ([_VP, _VP] + [_VP, _I64, _I64, _I64] * 3 + [_VP, _I64, _I64, _I64, _I64]
-                    + [_VP, _VP, _VP] + [_VP, _I64, _I64, _I64] + [_VP] * 4 + [_I64] * 7 + [real])
+                    + [_VP, _VP, _VP] + [_VP, _I64, _I64, _I64] + [_VP, _VP, _I64, _I64] + [_VP] * 4
+                    + [_I64] * 7 + [real])
     gather.argtypes = [_VP, _I64, _I64, _VP, _I64, _I64, _VP]
-    scatter.argtypes = [_VP, _VP, _I64, _I64, _VP, _I64, _I64]
-    done[suffix] = (fwd, bwd, gather, scatter)
+    done[suffix] = (fwd, bwd, gather)
     return done[suffix]
 
 
 #: ``(kind, buckets, scale, C functions, gemm address, MKL thread setter address)`` of a fused call
-_FusedConfig = tuple[int, Any, float, tuple[Any, Any, Any, Any], int, int]
+_FusedConfig = tuple[int, Any, float, tuple[Any, Any, Any], int, int]
 
 
 def _head_strides(t: Tensor) -> tuple[int, int, int, int]:
@@ -400,7 +400,7 @@ class _FusedBiasedSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, src: Tensor, cfg: _FusedConfig) -> Tensor:
-        kind, buckets, scale, (fwd, _, gather, _), gemm, set_threads = cfg
+        kind, buckets, scale, (fwd, _, gather), gemm, set_threads = cfg
         b, h, nq, d = q.shape
         nk, dv = k.shape[2], v.shape[3]
         g = b * h
@@ -446,7 +446,7 @@ class _FusedBiasedSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         refuse_double_backward(ctx, "generalized_attention (fused bias)", "use generalized_weights(...) @ v")
-        kind, _, scale, (_, bwd, _, scatter), gemm, set_threads = ctx.cfg
+        kind, _, scale, (_, bwd, _), gemm, set_threads = ctx.cfg
         saved = ctx.saved_tensors
         q, k, v, e, out, rinv = saved[:6]
         b, h, nq, d = q.shape
@@ -457,8 +457,13 @@ class _FusedBiasedSoftmax(torch.autograd.Function):
         dq, dk, dvv = q.new_empty(b, h, nq, d), k.new_empty(b, h, nk, d), v.new_empty(b, h, nk, dv)
         threads = min(torch.get_num_threads(), g) if g * nq * nk >= _native._MIN_PARALLEL else 1
         need = ctx.needs_input_grad[3]
-        gbufs = [q.new_zeros(ctx.bias_shape) for _ in range(threads)] if need else []
-        per = 2 * nq * nk + nq * (dv + 1)
+        # the bias gradient, one buffer per thread: T5's table itself (the C pass adds each head's
+        # sums by offset into the buckets), else the per-offset values' shape
+        table = saved[7] if kind == TABLE else None
+        shape = ctx.bias_shape if table is None else table.shape
+        gbufs = [q.new_zeros(shape) for _ in range(threads)] if need else []
+        pb = saved[6].data_ptr() if table is not None else 0
+        per = 2 * nq * nk + nq * (dv + 1) + nq + nk - 1
         work = q.new_empty(threads, per)
         qa, ka, va = _head_strides(q), _head_strides(k), _head_strides(v)
         ds = dout.stride()
@@ -467,7 +472,13 @@ class _FusedBiasedSoftmax(torch.autograd.Function):
         bounds = [g * i // threads for i in range(threads + 1)]
 
         def heads(t: int) -> None:
-            ga = _bias_grad_layout(gbufs[t], nq) if need else (0, 0, 0, 0)
+            if not need:
+                ga: tuple[int, ...] = (0, 0, 0, 0, 0, 0, 0, 0)
+            elif table is None:
+                ga = (*_bias_grad_layout(gbufs[t], nq), 0, 0, 0, 0)
+            else:
+                gt = gbufs[t]
+                ga = (0, 0, 0, 0, pb, gt.data_ptr(), gt.stride(0), gt.stride(1))
             bwd(gemm, set_threads, *qa, *ka, *va, dout.data_ptr(), *ds, pe, po, pr, *ga, pq, pk, pv,
                 work[t].data_ptr(), bounds[t], bounds[t + 1], h, nq, nk, d, dv, scale)
 
@@ -484,13 +495,7 @@ class _FusedBiasedSoftmax(torch.autograd.Function):
             gb = gbufs[0]
             for extra in gbufs[1:]:
                 gb += extra
-            if kind == TABLE:
-                buckets, table = saved[6:]
-                gsrc = torch.zeros_like(table)
-                scatter(gb.data_ptr(), buckets.data_ptr(), h, nq + nk - 1, gsrc.data_ptr(), gsrc.stride(0),
-                        gsrc.stride(1))
-            else:
-                gsrc = gb
+            gsrc = gb
         return dq, dk, dvv, gsrc, None
 
 
