@@ -111,13 +111,15 @@ def blocked_forward(
 
 def blocked_backward(
     pq: Tensor, pk: Tensor, vm: Tensor, gn: Tensor, c4: float, eps: float, kept: tuple[Tensor, Tensor] | None,
-    need_t: bool, need_q: bool, need_k: bool,
+    need_t: bool, need_q: bool, need_k: bool, out: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """``(T, dpq, dpk)`` of :func:`blocked_forward` for ``G = gn (G, Nq, e)`` (each None if not needed).
 
-    ``T = Wᵀ G``, ``dF = 2c4·F ⊙ (G vmᵀ)``, ``dpq = dF pk``, ``dpk = dFᵀ pq``.
+    ``T = Wᵀ G``, ``dF = 2c4·F ⊙ (G vmᵀ)``, ``dpq = dF pk``, ``dpk = dFᵀ pq``; written into
+    ``out = (dpq, dpk)`` (views of one buffer, say) where given.
     """
     g, nq, nk = pq.shape[0], pq.shape[1], pk.shape[1]
+    oq, ok = (None, None) if out is None else out
     if kept is not None:
         f, w = kept
         t = torch.bmm(w.transpose(-2, -1), gn) if need_t else None
@@ -128,15 +130,18 @@ def blocked_backward(
                 df.mul_(f)
             else:  # 2c4·F ⊙ dW in one pass (0 + 2c4·dW·F), not a pass scaling G first
                 torch.addcmul(df.new_zeros(()), df, f, value=2.0 * c4, out=df)
-            dpq = torch.bmm(df, pk) if need_q else None
-            dpk = torch.bmm(df.transpose(-2, -1), pq) if need_k else None
+            if need_q:
+                dpq = torch.bmm(df, pk) if oq is None else torch.bmm(df, pk, out=oq)
+            if need_k:
+                dft = df.transpose(-2, -1)
+                dpk = torch.bmm(dft, pq) if ok is None else torch.bmm(dft, pq, out=ok)
         return t, dpq, dpk
     gn2 = gn * (2.0 * c4)
     blocks = _blocks(g, nq, nk, pq.device)
     fbuf, wbuf = pq.new_empty(*_block_shape(blocks), nk), pq.new_empty(*_block_shape(blocks), nk)
     t = vm.new_zeros(vm.shape) if need_t else None
-    dpq = pq.new_empty(pq.shape) if need_q else None
-    dpk = pk.new_zeros(pk.shape) if need_k else None
+    dpq = (pq.new_empty(pq.shape) if oq is None else oq) if need_q else None
+    dpk = (pk.new_zeros(pk.shape) if ok is None else ok.zero_()) if need_k else None
     pkt, vmt = pk.transpose(-2, -1), vm.transpose(-2, -1)
     epst = torch.full((), eps, dtype=pq.dtype, device=pq.device)
     for h0, h1, r0, r1 in blocks:

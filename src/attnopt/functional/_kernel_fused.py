@@ -40,6 +40,7 @@ __all__ = ["fused_fourier_attention", "fused_fourier_magnitude_attention"]
 
 _LP_MODES = {1.0: 1, 1.5: 2, 2.0: 3}
 _F64P = ctypes.c_double
+_I64 = ctypes.c_int64
 
 
 def _magnitude_native(
@@ -116,6 +117,220 @@ def _sum_sets(x: Tensor, nsets: int, r: int) -> Tensor:
     return out
 
 
+_VP = ctypes.c_void_p
+_SIGS: dict[str, tuple[Any, ...]] = {
+    "ff_features": (_VP, _I64, _I64, _I64, _VP, _VP, _VP),
+    "ff_dp": (_VP, _VP, _VP, _I64, _I64, _I64, _VP),
+    "ff_finish": (_VP, _I64, _I64, _VP, _VP),
+    "ff_gn": (_VP, _I64, _I64, _VP, _VP, _I64, _I64, _VP),
+    "ff_key_grads": (_VP, _VP, _VP, _VP, _VP, _I64, _I64, _I64, _VP, _VP, _VP),
+    "lp_key_weights": (_VP, _VP, _VP, _I64, _I64, _I64, _I64, ctypes.c_int, _F64P, _F64P, _F64P,
+                       _VP, _VP, _VP, _VP),
+}
+#: the C functions of a build per (build, float32?), argument types set once: Python ints and
+#: None are passed without building ctypes objects (a call's overhead ~2 µs instead of ~8)
+_FNS: dict[tuple[int, bool], dict[str, Any]] = {}
+
+
+def _fns(*ts: Tensor | None) -> dict[str, Any] | None:
+    """The native functions for the dtype of ``ts`` (contiguous float32/float64 CPU tensors with
+    storage, ``None`` skipped), or None where they do not apply (then the PyTorch ops run)."""
+    x = ts[0]
+    assert x is not None
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64):
+        return None
+    if not all(t is None or (t.is_contiguous() and t.dtype == x.dtype) for t in ts):
+        return None
+    ff, lp = _native.library("fourier_features"), _native.library("lp_magnitude")
+    if ff is None or lp is None:
+        return None
+    f32 = x.dtype == torch.float32
+    key = (id(ff) ^ id(lp), f32)
+    fns = _FNS.get(key)
+    if fns is None:
+        fns = {}
+        for name, sig in _SIGS.items():
+            fn = getattr(lp if name.startswith("lp_") else ff, name + ("_f32" if f32 else "_f64"))
+            fn.argtypes, fn.restype = sig, None
+            fns[name] = fn
+        _FNS[key] = fns
+    return fns
+
+
+def _features(pr: Tensor, nsets: int, r: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(φ', cos P, sin P)``: ``φ' = [Σ_s cos P_s, Σ_s sin P_s]`` (…, 2R) for ``P`` (…, S·R);
+    one C pass (sin and cos together, the set sums while the row is in L1) or four ops."""
+    fns = _fns(pr)
+    if fns is None:
+        cp, sp = pr.cos(), pr.sin()
+        return torch.cat([_sum_sets(cp, nsets, r), _sum_sets(sp, nsets, r)], dim=-1), cp, sp
+    phi = pr.new_empty(*pr.shape[:-1], 2 * r)
+    cp, sp = torch.empty_like(pr), torch.empty_like(pr)
+    sr, es = pr.shape[-1], pr.element_size()
+    fn, a, f, c, s = fns["ff_features"], pr.data_ptr(), phi.data_ptr(), cp.data_ptr(), sp.data_ptr()
+
+    def call(r0: int, r1: int) -> None:
+        o, o2 = r0 * sr * es, r0 * 2 * r * es
+        fn(a + o, r1 - r0, r, nsets, f + o2, c + o, s + o)
+
+    _native.parallel_rows(call, pr.numel() // max(sr, 1), sr)
+    return phi, cp, sp
+
+
+def _feature_grad(dphi: Tensor, cp: Tensor, sp: Tensor, nsets: int, r: int) -> Tensor:
+    """``dP_s = cos P_s ⊙ dφ'_sin − sin P_s ⊙ dφ'_cos`` (every set gets the same ``dφ'``)."""
+    fns = _fns(dphi, cp, sp)
+    if fns is None:
+        dc, ds = dphi[..., :r], dphi[..., r:]
+        if nsets > 1:  # tiled by cat: ~4x faster than repeat or a broadcast over a set axis
+            dc, ds = torch.cat([dc] * nsets, dim=-1), torch.cat([ds] * nsets, dim=-1)
+        return torch.addcmul(cp * ds, sp, dc, value=-1.0)
+    dp = torch.empty_like(cp)
+    sr, es = cp.shape[-1], cp.element_size()
+    fn, g, c, s, o = fns["ff_dp"], dphi.data_ptr(), cp.data_ptr(), sp.data_ptr(), dp.data_ptr()
+
+    def call(r0: int, r1: int) -> None:
+        x = r0 * sr * es
+        fn(g + r0 * 2 * r * es, c + x, s + x, r1 - r0, r, nsets, o + x)
+
+    _native.parallel_rows(call, cp.numel() // max(sr, 1), sr)
+    return dp
+
+
+def _finish(num: Tensor, guard: bool) -> tuple[Tensor, Tensor]:
+    """``(O, 1/den)`` from ``num = [Σ W m v, Σ W m]`` (…, Nq, dv + 1); with ``guard`` rows whose
+    denominator is 0 give zeros (the C pass always guards: without ``guard`` den >= ε > 0)."""
+    fns = _fns(num)
+    if fns is None:
+        den = num[..., -1:]
+        inv = den.reciprocal()
+        if guard:
+            inv = torch.where(den > 0, inv, 0.0)
+        return num[..., :-1] * inv, inv
+    e, es = num.shape[-1], num.element_size()
+    out = num.new_empty(*num.shape[:-1], e - 1)
+    inv = num.new_empty(*num.shape[:-1], 1)
+    fn, a, o, i = fns["ff_finish"], num.data_ptr(), out.data_ptr(), inv.data_ptr()
+
+    def call(r0: int, r1: int) -> None:
+        fn(a + r0 * e * es, r1 - r0, e, o + r0 * (e - 1) * es, i + r0 * es)
+
+    _native.parallel_rows(call, num.numel() // e, e)
+    return out, inv
+
+
+def _out_grad(dout: Tensor, inv: Tensor, out: Tensor) -> Tensor:
+    """``G = [g, −<g, O>]`` with ``g = dO / den`` (…, Nq, dv + 1)."""
+    dv = out.shape[-1]
+    fns = _fns(out, inv) if dout.dtype == out.dtype and dout.device == out.device else None
+    if fns is None:
+        g = dout * inv
+        return torch.cat([g, (g * out).sum(-1, keepdim=True).neg_()], dim=-1)
+    d2 = dout.reshape(-1, dv)  # (the gradient of a sum is an expanded scalar: strides 0, no copy)
+    gn = out.new_empty(*out.shape[:-1], dv + 1)
+    rs, cs = d2.stride()
+    es = out.element_size()
+    fn, a, i, o, g = fns["ff_gn"], d2.data_ptr(), inv.data_ptr(), out.data_ptr(), gn.data_ptr()
+
+    def call(r0: int, r1: int) -> None:
+        fn(a + r0 * rs * es, rs, cs, i + r0 * es, o + r0 * dv * es, r1 - r0, dv, g + r0 * (dv + 1) * es)
+
+    _native.parallel_rows(call, d2.shape[0], dv)
+    return gn
+
+
+def _key_weights(
+    k: Tensor, v: Tensor, mask: Tensor | None, p: float | None, scale: float, grad: bool
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """``(vm, m, u, c)``: ``vm = [v ⊙ m, m]`` (…, Nk, dv + 1) with ``m_j = exp(a_j − max a)``,
+    ``a_j = s‖k_j‖_p²/2 + mask_j`` (``m`` (…, Nk, 1), None without magnitude and mask), and the
+    magnitude's gradient factors ``u``, ``c`` (:func:`_magnitude`) with ``grad``.
+
+    One C pass per head (``_native/lp_magnitude.c``: magnitude, mask, max, exp and ``vm``) or
+    about ten ops.
+    """
+    nk, d, dv = k.shape[-2], k.shape[-1], v.shape[-1]
+    fns = _fns(k, v, mask)
+    if fns is None:
+        kw = u = cm = None
+        a = None
+        if p is not None:
+            a, u, cm = _magnitude(k, p, scale, grad)
+        if mask is not None:
+            a = mask if a is None else a + mask
+        if a is not None:
+            c = a.amax(dim=-1, keepdim=True)
+            if mask is not None:  # a fully masked row: every weight 0, no NaN
+                c = torch.where(torch.isfinite(c), c, 0.0)
+            kw = torch.exp(a - c).unsqueeze(-1).expand(*v.shape[:-1], 1)
+        if kw is None:
+            vm = torch.cat([v, v.new_ones(()).expand(*v.shape[:-1], 1)], dim=-1)
+        else:
+            vm = torch.cat([v * kw, kw], dim=-1)
+        return vm, kw, u, cm
+    heads = v.numel() // max(nk * dv, 1)
+    mk = None if mask is None else mask.expand(*v.shape[:-2], nk).contiguous()
+    vm = v.new_empty(*v.shape[:-1], dv + 1)
+    kw = v.new_empty(*v.shape[:-1], 1)
+    need = grad and p is not None
+    u = torch.empty_like(k) if need else None
+    cm = k.new_empty(k.shape[:-1]) if need else None
+    es = k.element_size()
+    fn, mode = fns["lp_key_weights"], -1 if p is None else _LP_MODES.get(p, 0)
+    cap, pp = torch.finfo(k.dtype).max / 8, 1.0 if p is None else p
+    a_k, a_v, a_vm, a_kw = k.data_ptr(), v.data_ptr(), vm.data_ptr(), kw.data_ptr()
+
+    def at(t: Tensor | None, offset: int) -> int | None:
+        return None if t is None else t.data_ptr() + offset * es
+
+    def call(h0: int, h1: int) -> None:
+        fn(a_k + h0 * nk * d * es, a_v + h0 * nk * dv * es, at(mk, h0 * nk), h1 - h0, nk, d, dv, mode, pp,
+           scale, cap, a_vm + h0 * nk * (dv + 1) * es, a_kw + h0 * nk * es, at(u, h0 * nk * d),
+           at(cm, h0 * nk))
+
+    _native.parallel_rows(call, heads, nk * (d + dv))
+    return vm, (kw if p is not None or mask is not None else None), u, cm
+
+
+def _key_grads(
+    t: Tensor, v: Tensor, kw: Tensor | None, cm: Tensor | None, u: Tensor | None,
+    need_v: bool, need_kw: bool, need_mag: bool,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """``(dv, dm, dk_mag)`` from ``T = Wᵀ G`` (…, Nk, dv + 1): ``dv = m ⊙ T_{:dv}``,
+    ``dm = <v, T_{:dv}> + T_{dv}`` and the magnitude's share of the key gradient
+    ``dk = u ⊙ (dm·m·c)`` (``m = exp(a − const)``: ``da = dm·m``)."""
+    dvn = v.shape[-1]
+    fns = _fns(t, v, kw, cm, u)
+    if fns is None:
+        tv = t[..., :-1]
+        dv = dm = dk = None
+        if need_v:
+            dv = tv if kw is None else tv * kw
+        if need_kw or need_mag:
+            dm = (tv * v).sum(-1, keepdim=True).add_(t[..., -1:])
+            if need_mag:
+                assert kw is not None and cm is not None and u is not None
+                dk = u * (dm * kw).mul_(cm.unsqueeze(-1))
+        return dv, (dm if need_kw else None), dk
+    rows = v.numel() // max(dvn, 1)
+    d = 0 if u is None else u.shape[-1]
+    dv = torch.empty_like(v) if need_v else None
+    dm = v.new_empty(*v.shape[:-1], 1) if need_kw else None
+    dk = torch.empty_like(u) if need_mag and u is not None else None
+    es = v.element_size()
+    fn, a_t, a_v = fns["ff_key_grads"], t.data_ptr(), v.data_ptr()
+
+    def at(x: Tensor | None, offset: int) -> int | None:
+        return None if x is None else x.data_ptr() + offset * es
+
+    def call(r0: int, r1: int) -> None:
+        fn(a_t + r0 * (dvn + 1) * es, a_v + r0 * dvn * es, at(kw, r0), at(cm, r0), at(u, r0 * d), r1 - r0,
+           dvn, d, at(dv, r0 * dvn), at(dm, r0), at(dk, r0 * d))
+
+    _native.parallel_rows(call, rows, dvn + d)
+    return dv, dm, dk
+
+
 class _FusedFourier(torch.autograd.Function):
     r"""Fourier feature maps of ``q`` and ``k``, the key weights and the attention above, one node.
 
@@ -128,6 +343,14 @@ class _FusedFourier(torch.autograd.Function):
     Backward through the features: ``dP_s = cos P_s ⊙ dφ'_sin − sin P_s ⊙ dφ'_cos``,
     ``d[Q; K] = dP W``, ``dW = dPᵀ [Q; K]`` (summed over the batch dimensions ``W`` broadcast
     over); through the magnitude ``∂a_j/∂k_j = s·T^{2/p−1}·|k_j|^{p−1}·sign(k_j)``, ``T = Σ|k_j|^p``.
+
+    Layouts: points shared by every head (``W (S·R, d)``) and ``Nq = Nk``: ``[Q; K]`` stacked on a
+    new leading axis, ``P`` one ``mm`` (the gradients of ``q`` and ``k`` contiguous); points per
+    example and head (``W (…, S·R, d)``, the sampled IKAN / MIKAN): ``[Q; K]`` concatenated along
+    the rows of each head, ``P`` one ``bmm`` (no broadcast copy of ``W`` per ``q`` / ``k``).
+    Every elementwise pass (features, key weights and ``[v ⊙ m, m]``, ``O = num/den``, ``G``,
+    ``dv`` / ``dm`` / the magnitude's key gradient, ``dP``) is one C call where
+    ``_native/fourier_features.c`` and ``lp_magnitude.c`` apply, the PyTorch ops otherwise.
     """
 
     @staticmethod
@@ -135,47 +358,42 @@ class _FusedFourier(torch.autograd.Function):
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, w: Tensor, kw: Tensor | None, mask: Tensor | None,
         eps: float, coef: float, nsets: int, p: float | None, scale: float,
     ) -> Tensor:
-        nq, sr = q.shape[-2], w.shape[-2]
+        nq, nk, sr, d = q.shape[-2], k.shape[-2], w.shape[-2], w.shape[-1]
         r = sr // nsets
         c4 = coef**4
-        # Nq = Nk: [Q; K] stacked on a new leading axis, so that φ(Q), φ(K) and the gradients of
-        # q and k are contiguous (a strided gradient is copied by AccumulateGrad)
-        stacked = nq == k.shape[-2]
-        x = torch.stack([q, k]) if stacked else torch.cat([q, k], dim=-2)
-        pr = torch.matmul(x, w.transpose(-2, -1))  # (…, Nq+Nk, S·R)
-        cp, sp = pr.cos(), pr.sin()
-        phi = torch.cat([_sum_sets(cp, nsets, r), _sum_sets(sp, nsets, r)], dim=-1)  # φ/c
+        lead = v.shape[:-2]
+        shared = all(s == 1 for s in w.shape[:-2])
+        # Nq = Nk with shared points: [Q; K] stacked on a new leading axis, so that φ(Q), φ(K) and
+        # the gradients of q and k are contiguous (a strided gradient is copied by AccumulateGrad)
+        stacked = shared and nq == nk
+        if stacked:
+            x = torch.stack([q, k])
+        else:
+            x = torch.cat([q, k], dim=-2)
+        if shared:
+            wm = w.reshape(sr, d)
+            pr = torch.mm(x.view(-1, d), wm.t()).view(*x.shape[:-1], sr)  # (…, Nq+Nk, S·R)
+        else:  # per-example points: one bmm over the heads
+            wm = (w if w.shape[:-2] == lead else w.expand(*lead, sr, d)).reshape(-1, sr, d)
+            pr = torch.bmm(x.view(-1, nq + nk, d), wm.transpose(-2, -1)).view(*lead, nq + nk, sr)
+        phi, cp, sp = _features(pr, nsets, r)  # φ/c
         pq, pk = (phi[0], phi[1]) if stacked else (phi[..., :nq, :], phi[..., nq:, :])
         u = cm = None
         # without a mask every key weight is > 0 with max 1 (or absent): den >= ε > 0 (the callers
         # give ε > 0), no guard
         guard = kw is not None or mask is not None or not eps > 0
         if kw is None:
-            a = None
-            if p is not None:
-                a, u, cm = _magnitude(k, p, scale, ctx.needs_input_grad[1])
-            if mask is not None:
-                a = mask if a is None else a + mask
-            if a is not None:
-                c = a.amax(dim=-1, keepdim=True)
-                if mask is not None:  # a fully masked row: every weight 0, no NaN
-                    c = torch.where(torch.isfinite(c), c, 0.0)
-                kw = torch.exp(a - c).unsqueeze(-1).expand(*v.shape[:-1], 1)
-        if kw is None:
-            vm = torch.cat([v, v.new_ones(()).expand(*v.shape[:-1], 1)], dim=-1)
+            if _fns(q) is not None:  # the C passes read k and v by rows (a (B, N, H, d) view's heads are not)
+                k, v = k.contiguous(), v.contiguous()
+            vm, kw, u, cm = _key_weights(k, v, mask, p, scale, ctx.needs_input_grad[1])
         else:
             vm = torch.cat([v * kw, kw], dim=-1)
         # W = c⁴F'² + ε (F' = φ'(Q)φ'(K)ᵀ) and W vm, by blocks of heads that stay in the cache
         num, kept = blocked_forward(_flat3(pq), _flat3(pk), _flat3(vm), c4, eps)
-        num = num.view(*vm.shape[:-2], nq, vm.shape[-1])
-        den = num[..., -1:]
-        inv = den.reciprocal()
-        if guard:  # a row with no weight gives zeros
-            inv = torch.where(den > 0, inv, 0.0)
-        out = num[..., :-1] * inv
-        ctx.c4, ctx.nq, ctx.nsets, ctx.r, ctx.stacked = c4, nq, nsets, r, stacked
+        out, inv = _finish(num.view(*vm.shape[:-2], nq, vm.shape[-1]), guard)
+        ctx.c4, ctx.nq, ctx.nsets, ctx.r, ctx.stacked, ctx.shared = c4, nq, nsets, r, stacked, shared
         ctx.eps = eps
-        ctx.save_for_backward(x, w, cp, sp, pq, pk, kw, v, vm, inv, out, u, cm, *(kept or ()))
+        ctx.save_for_backward(x, w, wm, cp, sp, pq, pk, kw, v, vm, inv, out, u, cm, *(kept or ()))
         return out
 
     @staticmethod
@@ -187,49 +405,63 @@ class _FusedFourier(torch.autograd.Function):
         # With A_ij = W_ij m_j, g = dO/den, δ_i = <g_i, O_i>, dA_ij = <g_i, v_j> − δ_i:
         # dW_ij = <[g_i, −δ_i], [m_j v_j, m_j]> (one matmul), T = Wᵀ[g, −δ] gives
         # dv_j = m_j T_j[:dv] and dm_j = <v_j, T_j[:dv]> + T_j[dv]: one pass over Nq×Nk (dW ⊙ f).
-        x, w, cp, sp, pq, pk, kw, v, vm, inv, out, u, cm, *kept = ctx.saved_tensors
+        x, w, wm, cp, sp, pq, pk, kw, v, vm, inv, out, u, cm, *kept = ctx.saved_tensors
         need_q, need_k, need_v, need_w, need_kw = (ctx.needs_input_grad[i] for i in range(5))
         need_mag = need_k and u is not None
-        g = dout * inv
-        gn = torch.cat([g, (g * out).sum(-1, keepdim=True).neg_()], dim=-1)
-        dkw = dv = dmag = None
+        gn = _out_grad(dout, inv, out)
         need_t, need_f = need_v or need_kw or need_mag, need_q or need_k or need_w
-        lead = vm.shape[:-2]
-        t, dpq, dpk = blocked_backward(_flat3(pq), _flat3(pk), _flat3(vm), _flat3(gn), ctx.c4, ctx.eps,
-                                       (kept[0], kept[1]) if kept else None, need_t, need_f, need_f)
+        lead, nq = vm.shape[:-2], ctx.nq
+        # dφ'(Q), dφ'(K) straight into one buffer laid out as P (φ), for the dP pass
+        dphi = cp.new_empty(*cp.shape[:-1], 2 * ctx.r) if need_f else None
+        outs = None
+        if dphi is not None:  # views (G, N, 2R) of the buffer, never copies
+            r2 = 2 * ctx.r
+            if ctx.stacked:
+                outs = (dphi[0].view(-1, nq, r2), dphi[1].view(-1, nq, r2))
+            else:
+                rows = dphi.view(-1, dphi.shape[-2], r2)
+                outs = (rows[:, :nq], rows[:, nq:])
+        t, _, _ = blocked_backward(_flat3(pq), _flat3(pk), _flat3(vm), _flat3(gn), ctx.c4, ctx.eps,
+                                   (kept[0], kept[1]) if kept else None, need_t, need_f, need_f, outs)
+        dv = dkw = dkm = None
         if t is not None:
-            t = t.view(*lead, *t.shape[-2:])
-            tv = t[..., :-1]
-            if need_v:
-                dv = tv if kw is None else tv * kw
-            if need_kw or need_mag:
-                dm = (tv * v).sum(-1, keepdim=True).add_(t[..., -1:])
-                if need_kw:
-                    dkw = dm
-                if need_mag:  # m = exp(a − c): da = dm·m (c is a constant shift)
-                    dmag = (dm * kw).mul_(cm.unsqueeze(-1))  # the factor of u: ∂L/∂k += u ⊙ dmag
+            dv, dkw, dkm = _key_grads(t.view(*lead, *t.shape[-2:]), v, kw, cm, u, need_v, need_kw, need_mag)
         dq = dk = dw = None
         if need_f:
-            assert dpq is not None and dpk is not None
-            # (a cat: bmm with out= rows of one buffer was slower, 25 vs 15 µs a bmm at N = 64)
-            dpq, dpk = dpq.view(*lead, *dpq.shape[-2:]), dpk.view(*lead, *dpk.shape[-2:])
-            dphi = torch.stack([dpq, dpk]) if ctx.stacked else torch.cat([dpq, dpk], dim=-2)
-            s, r = ctx.nsets, ctx.r
-            # every set's cos (sin) gets the same dφ_cos (dφ_sin)
-            dc, ds = dphi[..., :r], dphi[..., r:]
-            if s > 1:  # tiled by cat: ~4x faster than repeat or a broadcast over a set axis
-                dc, ds = torch.cat([dc] * s, dim=-1), torch.cat([ds] * s, dim=-1)
-            dp = torch.addcmul(cp * ds, sp, dc, value=-1.0)
-            if need_q or need_k:
-                dx = torch.matmul(dp, w)
-                dq, dk = (dx[0], dx[1]) if ctx.stacked else (dx[..., : ctx.nq, :], dx[..., ctx.nq :, :])
-                if dmag is not None:  # in place: dx is this node's own buffer
-                    dk = dk.addcmul_(u, dmag)
-            if need_w:
-                dw = torch.matmul(dp.transpose(-2, -1), x)  # (…, S·R, d)
-                dw = dw.sum_to_size(w.shape)
-        elif dmag is not None:
-            dk = u * dmag
+            assert dphi is not None
+            dp = _feature_grad(dphi, cp, sp, ctx.nsets, ctx.r)
+            sr, d = dp.shape[-1], wm.shape[-1]
+            if ctx.stacked:  # one mm per side: dk = dk_mag + dP_K W in place
+                if need_q:
+                    dq = torch.mm(dp[0].reshape(-1, sr), wm).view(x.shape[1:])
+                if need_k:
+                    dpk = dp[1].reshape(-1, sr)
+                    if dkm is not None and dkm.is_contiguous():
+                        dk = dkm.view(-1, d).addmm_(dpk, wm).view(x.shape[1:])
+                    else:
+                        dk = torch.mm(dpk, wm).view(x.shape[1:])
+                        if dkm is not None:
+                            dk = dk.add_(dkm)
+                if need_w:
+                    dw = torch.mm(dp.view(-1, sr).t(), x.view(-1, d)).view(w.shape)
+            else:
+                if need_q or need_k:
+                    if ctx.shared:
+                        dx = torch.mm(dp.view(-1, sr), wm).view(x.shape)
+                    else:
+                        dx = torch.bmm(dp.view(-1, *dp.shape[-2:]), wm).view(x.shape)
+                    dq, dk = dx[..., :nq, :], dx[..., nq:, :]
+                    if dkm is not None:  # in place: dx is this node's own buffer
+                        dk = dk.add_(dkm)
+                if need_w:
+                    if ctx.shared:
+                        dw = torch.mm(dp.view(-1, sr).t(), x.view(-1, d)).view(w.shape)
+                    else:
+                        dpt = dp.view(-1, *dp.shape[-2:]).transpose(-2, -1)
+                        dw = torch.bmm(dpt, x.view(-1, *x.shape[-2:]))
+                        dw = dw.view(*lead, sr, d).sum_to_size(w.shape)
+        elif dkm is not None:
+            dk = dkm
         return (dq, dk, dv, dw, dkw, None, None, None, None, None, None)
 
 
@@ -254,7 +486,7 @@ def fused_fourier_attention(
     ``q (…, Nq, d)``, ``k (…, Nk, d)``, ``v (…, Nk, dv)``, ``key_weight (…, 1, Nk)`` or None;
     ``coef`` is the feature normalization (``1/√R`` for one set, ``1/(2√R)`` for two).
     """
-    batch = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2],
+    batch = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], *(w.shape[:-2] for w in ws),
                              () if key_weight is None else key_weight.shape[:-2])
     q, k, v = (x if x.shape[:-2] == batch else x.expand(*batch, *x.shape[-2:]) for x in (q, k, v))
     kw = None if key_weight is None else key_weight.transpose(-2, -1).to(v.dtype).expand(*v.shape[:-1], 1)
@@ -274,9 +506,9 @@ def fused_fourier_magnitude_attention(
     magnitude; ``key_mask (…, Nk)`` additive, no gradient, or None. Batch dimensions broadcast.
     """
     batch: tuple[int, ...] = q.shape[:-2]
-    same = k.shape[:-2] == batch and v.shape[:-2] == batch
+    same = k.shape[:-2] == batch and v.shape[:-2] == batch and len(points.shape[:-2]) <= len(batch)
     if not (same and (key_mask is None or key_mask.shape[:-1] == batch)):
-        shapes = [q.shape[:-2], k.shape[:-2], v.shape[:-2]]
+        shapes = [q.shape[:-2], k.shape[:-2], v.shape[:-2], points.shape[:-2]]
         if key_mask is not None:
             shapes.append(key_mask.shape[:-1])
         batch = broadcast_shapes(*shapes)
