@@ -130,16 +130,13 @@ _SIGS: dict[str, tuple[Any, ...]] = {
 #: the C functions of a build per (build, float32?), argument types set once: Python ints and
 #: None are passed without building ctypes objects (a call's overhead ~2 µs instead of ~8)
 _FNS: dict[tuple[int, bool], dict[str, Any]] = {}
+_Fns = dict[str, Any] | None
 
 
-def _fns(*ts: Tensor | None) -> dict[str, Any] | None:
-    """The native functions for the dtype of ``ts`` (contiguous float32/float64 CPU tensors with
-    storage, ``None`` skipped), or None where they do not apply (then the PyTorch ops run)."""
-    x = ts[0]
-    assert x is not None
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64):
-        return None
-    if not all(t is None or (t.is_contiguous() and t.dtype == x.dtype) for t in ts):
+def _fns(x: Tensor) -> dict[str, Any] | None:
+    """The native functions for ``x``'s dtype (float32/float64 CPU tensors with storage), or None
+    where they do not apply (then the PyTorch ops run). Looked up once per forward / backward."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or not _native.has_storage(x):
         return None
     ff, lp = _native.library("fourier_features"), _native.library("lp_magnitude")
     if ff is None or lp is None:
@@ -157,10 +154,17 @@ def _fns(*ts: Tensor | None) -> dict[str, Any] | None:
     return fns
 
 
-def _features(pr: Tensor, nsets: int, r: int) -> tuple[Tensor, Tensor, Tensor]:
+def _dense(fns: _Fns, *ts: Tensor | None) -> _Fns:
+    """``fns`` if every tensor of ``ts`` (``None`` skipped) is contiguous, else None."""
+    if fns is None or not all(t is None or t.is_contiguous() for t in ts):
+        return None
+    return fns
+
+
+def _features(fns: _Fns, pr: Tensor, nsets: int, r: int) -> tuple[Tensor, Tensor, Tensor]:
     """``(φ', cos P, sin P)``: ``φ' = [Σ_s cos P_s, Σ_s sin P_s]`` (…, 2R) for ``P`` (…, S·R);
     one C pass (sin and cos together, the set sums while the row is in L1) or four ops."""
-    fns = _fns(pr)
+    fns = _dense(fns, pr)
     if fns is None:
         cp, sp = pr.cos(), pr.sin()
         return torch.cat([_sum_sets(cp, nsets, r), _sum_sets(sp, nsets, r)], dim=-1), cp, sp
@@ -177,9 +181,9 @@ def _features(pr: Tensor, nsets: int, r: int) -> tuple[Tensor, Tensor, Tensor]:
     return phi, cp, sp
 
 
-def _feature_grad(dphi: Tensor, cp: Tensor, sp: Tensor, nsets: int, r: int) -> Tensor:
+def _feature_grad(fns: _Fns, dphi: Tensor, cp: Tensor, sp: Tensor, nsets: int, r: int) -> Tensor:
     """``dP_s = cos P_s ⊙ dφ'_sin − sin P_s ⊙ dφ'_cos`` (every set gets the same ``dφ'``)."""
-    fns = _fns(dphi, cp, sp)
+    fns = _dense(fns, dphi, cp, sp)
     if fns is None:
         dc, ds = dphi[..., :r], dphi[..., r:]
         if nsets > 1:  # tiled by cat: ~4x faster than repeat or a broadcast over a set axis
@@ -197,10 +201,10 @@ def _feature_grad(dphi: Tensor, cp: Tensor, sp: Tensor, nsets: int, r: int) -> T
     return dp
 
 
-def _finish(num: Tensor, guard: bool) -> tuple[Tensor, Tensor]:
+def _finish(fns: _Fns, num: Tensor, guard: bool) -> tuple[Tensor, Tensor]:
     """``(O, 1/den)`` from ``num = [Σ W m v, Σ W m]`` (…, Nq, dv + 1); with ``guard`` rows whose
     denominator is 0 give zeros (the C pass always guards: without ``guard`` den >= ε > 0)."""
-    fns = _fns(num)
+    fns = _dense(fns, num)
     if fns is None:
         den = num[..., -1:]
         inv = den.reciprocal()
@@ -219,10 +223,10 @@ def _finish(num: Tensor, guard: bool) -> tuple[Tensor, Tensor]:
     return out, inv
 
 
-def _out_grad(dout: Tensor, inv: Tensor, out: Tensor) -> Tensor:
+def _out_grad(fns: _Fns, dout: Tensor, inv: Tensor, out: Tensor) -> Tensor:
     """``G = [g, −<g, O>]`` with ``g = dO / den`` (…, Nq, dv + 1)."""
     dv = out.shape[-1]
-    fns = _fns(out, inv) if dout.dtype == out.dtype and dout.device == out.device else None
+    fns = _dense(fns, out, inv) if dout.dtype == out.dtype and dout.device == out.device else None
     if fns is None:
         g = dout * inv
         return torch.cat([g, (g * out).sum(-1, keepdim=True).neg_()], dim=-1)
@@ -240,7 +244,7 @@ def _out_grad(dout: Tensor, inv: Tensor, out: Tensor) -> Tensor:
 
 
 def _key_weights(
-    k: Tensor, v: Tensor, mask: Tensor | None, p: float | None, scale: float, grad: bool
+    fns: _Fns, k: Tensor, v: Tensor, mask: Tensor | None, p: float | None, scale: float, grad: bool
 ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """``(vm, m, u, c)``: ``vm = [v ⊙ m, m]`` (…, Nk, dv + 1) with ``m_j = exp(a_j − max a)``,
     ``a_j = s‖k_j‖_p²/2 + mask_j`` (``m`` (…, Nk, 1), None without magnitude and mask), and the
@@ -250,7 +254,7 @@ def _key_weights(
     about ten ops.
     """
     nk, d, dv = k.shape[-2], k.shape[-1], v.shape[-1]
-    fns = _fns(k, v, mask)
+    fns = _dense(fns, k, v) if mask is None or mask.dtype == k.dtype else None
     if fns is None:
         kw = u = cm = None
         a = None
@@ -293,14 +297,14 @@ def _key_weights(
 
 
 def _key_grads(
-    t: Tensor, v: Tensor, kw: Tensor | None, cm: Tensor | None, u: Tensor | None,
+    fns: _Fns, t: Tensor, v: Tensor, kw: Tensor | None, cm: Tensor | None, u: Tensor | None,
     need_v: bool, need_kw: bool, need_mag: bool,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """``(dv, dm, dk_mag)`` from ``T = Wᵀ G`` (…, Nk, dv + 1): ``dv = m ⊙ T_{:dv}``,
     ``dm = <v, T_{:dv}> + T_{dv}`` and the magnitude's share of the key gradient
     ``dk = u ⊙ (dm·m·c)`` (``m = exp(a − const)``: ``da = dm·m``)."""
     dvn = v.shape[-1]
-    fns = _fns(t, v, kw, cm, u)
+    fns = _dense(fns, t, v, kw, cm, u)
     if fns is None:
         tv = t[..., :-1]
         dv = dm = dk = None
@@ -361,39 +365,51 @@ class _FusedFourier(torch.autograd.Function):
         nq, nk, sr, d = q.shape[-2], k.shape[-2], w.shape[-2], w.shape[-1]
         r = sr // nsets
         c4 = coef**4
+        fns = _fns(q)
         lead = v.shape[:-2]
         shared = all(s == 1 for s in w.shape[:-2])
-        # Nq = Nk with shared points: [Q; K] stacked on a new leading axis, so that φ(Q), φ(K) and
-        # the gradients of q and k are contiguous (a strided gradient is copied by AccumulateGrad)
-        stacked = shared and nq == nk
-        if stacked:
-            x = torch.stack([q, k])
-        else:
-            x = torch.cat([q, k], dim=-2)
+        # Nq = Nk: P of [Q; K] stacked on a new leading axis, so that φ(Q), φ(K) and the gradients
+        # of q and k are contiguous (a strided gradient is copied by AccumulateGrad); shared points:
+        # one mm of the stacked inputs, per-example points: one bmm per side into the halves of P
+        # (no broadcast copy of the points); Nq != Nk: [Q; K] concatenated along the rows of a head
+        stacked = nq == nk
         if shared:
             wm = w.reshape(sr, d)
-            pr = torch.mm(x.view(-1, d), wm.t()).view(*x.shape[:-1], sr)  # (…, Nq+Nk, S·R)
-        else:  # per-example points: one bmm over the heads
+        else:
             wm = (w if w.shape[:-2] == lead else w.expand(*lead, sr, d)).reshape(-1, sr, d)
-            pr = torch.bmm(x.view(-1, nq + nk, d), wm.transpose(-2, -1)).view(*lead, nq + nk, sr)
-        phi, cp, sp = _features(pr, nsets, r)  # φ/c
+        xs: tuple[Tensor, ...]
+        if stacked and not shared:
+            xs = (q.reshape(-1, nq, d), k.reshape(-1, nk, d))
+            pr = q.new_empty(2, *lead, nq, sr)
+            wt = wm.transpose(-2, -1)
+            torch.bmm(xs[0], wt, out=pr[0].view(-1, nq, sr))
+            torch.bmm(xs[1], wt, out=pr[1].view(-1, nk, sr))
+        else:
+            x = torch.stack([q, k]) if stacked else torch.cat([q, k], dim=-2)
+            xs = (x,)
+            if shared:
+                pr = torch.mm(x.view(-1, d), wm.t()).view(*x.shape[:-1], sr)  # (…, Nq+Nk, S·R)
+            else:
+                pr = torch.bmm(x.view(-1, nq + nk, d), wm.transpose(-2, -1)).view(*lead, nq + nk, sr)
+        phi, cp, sp = _features(fns, pr, nsets, r)  # φ/c
         pq, pk = (phi[0], phi[1]) if stacked else (phi[..., :nq, :], phi[..., nq:, :])
         u = cm = None
         # without a mask every key weight is > 0 with max 1 (or absent): den >= ε > 0 (the callers
         # give ε > 0), no guard
         guard = kw is not None or mask is not None or not eps > 0
         if kw is None:
-            if _fns(q) is not None:  # the C passes read k and v by rows (a (B, N, H, d) view's heads are not)
+            if fns is not None:  # the C passes read k and v by rows (a (B, N, H, d) view's heads are not)
                 k, v = k.contiguous(), v.contiguous()
-            vm, kw, u, cm = _key_weights(k, v, mask, p, scale, ctx.needs_input_grad[1])
+            vm, kw, u, cm = _key_weights(fns, k, v, mask, p, scale, ctx.needs_input_grad[1])
         else:
             vm = torch.cat([v * kw, kw], dim=-1)
         # W = c⁴F'² + ε (F' = φ'(Q)φ'(K)ᵀ) and W vm, by blocks of heads that stay in the cache
         num, kept = blocked_forward(_flat3(pq), _flat3(pk), _flat3(vm), c4, eps)
-        out, inv = _finish(num.view(*vm.shape[:-2], nq, vm.shape[-1]), guard)
+        out, inv = _finish(fns, num.view(*vm.shape[:-2], nq, vm.shape[-1]), guard)
         ctx.c4, ctx.nq, ctx.nsets, ctx.r, ctx.stacked, ctx.shared = c4, nq, nsets, r, stacked, shared
         ctx.eps = eps
-        ctx.save_for_backward(x, w, wm, cp, sp, pq, pk, kw, v, vm, inv, out, u, cm, *(kept or ()))
+        ctx.nx = len(xs)
+        ctx.save_for_backward(w, wm, cp, sp, pq, pk, kw, v, vm, inv, out, u, cm, *xs, *(kept or ()))
         return out
 
     @staticmethod
@@ -405,10 +421,12 @@ class _FusedFourier(torch.autograd.Function):
         # With A_ij = W_ij m_j, g = dO/den, δ_i = <g_i, O_i>, dA_ij = <g_i, v_j> − δ_i:
         # dW_ij = <[g_i, −δ_i], [m_j v_j, m_j]> (one matmul), T = Wᵀ[g, −δ] gives
         # dv_j = m_j T_j[:dv] and dm_j = <v_j, T_j[:dv]> + T_j[dv]: one pass over Nq×Nk (dW ⊙ f).
-        x, w, wm, cp, sp, pq, pk, kw, v, vm, inv, out, u, cm, *kept = ctx.saved_tensors
+        w, wm, cp, sp, pq, pk, kw, v, vm, inv, out, u, cm, *rest = ctx.saved_tensors
+        xs, kept = rest[: ctx.nx], rest[ctx.nx :]
         need_q, need_k, need_v, need_w, need_kw = (ctx.needs_input_grad[i] for i in range(5))
         need_mag = need_k and u is not None
-        gn = _out_grad(dout, inv, out)
+        fns = _fns(out)
+        gn = _out_grad(fns, dout, inv, out)
         need_t, need_f = need_v or need_kw or need_mag, need_q or need_k or need_w
         lead, nq = vm.shape[:-2], ctx.nq
         # dφ'(Q), dφ'(K) straight into one buffer laid out as P (φ), for the dP pass
@@ -425,26 +443,36 @@ class _FusedFourier(torch.autograd.Function):
                                    (kept[0], kept[1]) if kept else None, need_t, need_f, need_f, outs)
         dv = dkw = dkm = None
         if t is not None:
-            dv, dkw, dkm = _key_grads(t.view(*lead, *t.shape[-2:]), v, kw, cm, u, need_v, need_kw, need_mag)
+            tt = t.view(*lead, *t.shape[-2:])
+            dv, dkw, dkm = _key_grads(fns, tt, v, kw, cm, u, need_v, need_kw, need_mag)
         dq = dk = dw = None
         if need_f:
             assert dphi is not None
-            dp = _feature_grad(dphi, cp, sp, ctx.nsets, ctx.r)
+            dp = _feature_grad(fns, dphi, cp, sp, ctx.nsets, ctx.r)
             sr, d = dp.shape[-1], wm.shape[-1]
-            if ctx.stacked:  # one mm per side: dk = dk_mag + dP_K W in place
+            if ctx.stacked:  # one (b)mm per side: dk = dk_mag + dP_K W in place
+                shape = (*lead, nq, d)
+                dpq, dpk = dp[0].view(-1, nq, sr), dp[1].view(-1, nq, sr)
+                if ctx.shared:
+                    dpq, dpk = dpq.view(-1, sr), dpk.view(-1, sr)
+                mul, acc = (torch.mm, "addmm_") if ctx.shared else (torch.bmm, "baddbmm_")
                 if need_q:
-                    dq = torch.mm(dp[0].reshape(-1, sr), wm).view(x.shape[1:])
+                    dq = mul(dpq, wm).view(shape)
                 if need_k:
-                    dpk = dp[1].reshape(-1, sr)
                     if dkm is not None and dkm.is_contiguous():
-                        dk = dkm.view(-1, d).addmm_(dpk, wm).view(x.shape[1:])
+                        dk = getattr(dkm.view(dpk.shape[:-1] + (d,)), acc)(dpk, wm).view(shape)
                     else:
-                        dk = torch.mm(dpk, wm).view(x.shape[1:])
+                        dk = mul(dpk, wm).view(shape)
                         if dkm is not None:
                             dk = dk.add_(dkm)
                 if need_w:
-                    dw = torch.mm(dp.view(-1, sr).t(), x.view(-1, d)).view(w.shape)
+                    if ctx.shared:
+                        dw = torch.mm(dp.view(-1, sr).t(), xs[0].view(-1, d)).view(w.shape)
+                    else:
+                        dw = torch.bmm(dpq.transpose(-2, -1), xs[0]).baddbmm_(dpk.transpose(-2, -1), xs[1])
+                        dw = dw.view(*lead, sr, d).sum_to_size(w.shape)
             else:
+                x = xs[0]
                 if need_q or need_k:
                     if ctx.shared:
                         dx = torch.mm(dp.view(-1, sr), wm).view(x.shape)
