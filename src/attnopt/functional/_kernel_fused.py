@@ -369,23 +369,28 @@ class _FusedFourier(torch.autograd.Function):
         lead = v.shape[:-2]
         shared = all(s == 1 for s in w.shape[:-2])
         # Nq = Nk: P of [Q; K] stacked on a new leading axis, so that φ(Q), φ(K) and the gradients
-        # of q and k are contiguous (a strided gradient is copied by AccumulateGrad); shared points:
-        # one mm of the stacked inputs, per-example points: one bmm per side into the halves of P
-        # (no broadcast copy of the points); Nq != Nk: [Q; K] concatenated along the rows of a head
+        # of q and k are contiguous (a strided gradient is copied by AccumulateGrad), by one (b)mm
+        # per side into the halves of P (no copy of [Q; K], no broadcast copy of per-example
+        # points); Nq != Nk: [Q; K] concatenated along the rows of a head
         stacked = nq == nk
         if shared:
             wm = w.reshape(sr, d)
         else:
             wm = (w if w.shape[:-2] == lead else w.expand(*lead, sr, d)).reshape(-1, sr, d)
         xs: tuple[Tensor, ...]
-        if stacked and not shared:
-            xs = (q.reshape(-1, nq, d), k.reshape(-1, nk, d))
+        if stacked:
             pr = q.new_empty(2, *lead, nq, sr)
             wt = wm.transpose(-2, -1)
-            torch.bmm(xs[0], wt, out=pr[0].view(-1, nq, sr))
-            torch.bmm(xs[1], wt, out=pr[1].view(-1, nk, sr))
+            if shared:
+                xs = (q.reshape(-1, d), k.reshape(-1, d))
+                torch.mm(xs[0], wt, out=pr[0].view(-1, sr))
+                torch.mm(xs[1], wt, out=pr[1].view(-1, sr))
+            else:
+                xs = (q.reshape(-1, nq, d), k.reshape(-1, nk, d))
+                torch.bmm(xs[0], wt, out=pr[0].view(-1, nq, sr))
+                torch.bmm(xs[1], wt, out=pr[1].view(-1, nk, sr))
         else:
-            x = torch.stack([q, k]) if stacked else torch.cat([q, k], dim=-2)
+            x = torch.cat([q, k], dim=-2)
             xs = (x,)
             if shared:
                 pr = torch.mm(x.view(-1, d), wm.t()).view(*x.shape[:-1], sr)  # (…, Nq+Nk, S·R)
@@ -467,7 +472,7 @@ class _FusedFourier(torch.autograd.Function):
                             dk = dk.add_(dkm)
                 if need_w:
                     if ctx.shared:
-                        dw = torch.mm(dp.view(-1, sr).t(), xs[0].view(-1, d)).view(w.shape)
+                        dw = torch.mm(dpq.t(), xs[0]).addmm_(dpk.t(), xs[1]).view(w.shape)
                     else:
                         dw = torch.bmm(dpq.transpose(-2, -1), xs[0]).baddbmm_(dpk.transpose(-2, -1), xs[1])
                         dw = dw.view(*lead, sr, d).sum_to_size(w.shape)
