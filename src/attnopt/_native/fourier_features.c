@@ -7,14 +7,23 @@
  * ff_dp:       dP_s = cos P_s * dphi_sin - sin P_s * dphi_cos (rows, S*R)
  * ff_finish:   inv = 1/den (0 where den <= 0), out = num[:, :e-1] * inv
  * ff_gn:       g = dout * inv, gn = [g, -<g, out>]
+ * ff_key_weights: per head of n keys, a_j = s*||k_j||_p^2/2 (lp_body.h; mode -1: none) + mask_j
+ *              (mask may be NULL), m_j = exp(a_j - max_l a_l) (shift 0 where the max is -inf: a
+ *              fully masked head gets zeros), kw_j = m_j, vm_j = [v_j m_j, m_j] (rows of dv + 1),
+ *              and the magnitude's gradient factors u, c where not NULL
  * ff_key_grads: from T = W^T gn (rows, dv+1): dv = m * T[:dv], dm = <v, T[:dv]> + T[dv],
  *              dk = u * (dm * m * c) (the magnitude's share of the key gradient)
+ * ff_prepare / ff_tail: ff_features + ff_key_weights / ff_key_grads + ff_dp in one call
  *
  * float32's sin/cos: Cody-Waite reduction by pi/2 in three parts and Cephes' polynomials on
- * [-pi/4, pi/4] (~1e-7 relative, vectorized); |x| > 8192 (and NaN) go to libm. float64: libm. */
+ * [-pi/4, pi/4] (~1e-7 relative, vectorized); |x| > 8192 (and NaN) go to libm. float64: libm.
+ * float32's exp: pexp.h (~2 ulp). */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "lp_body.h"
+#include "pexp.h"
 
 #define FF_BIG 8192.0f
 
@@ -210,4 +219,82 @@ void ff_key_grads_f32(const float *t, const float *v, const float *kw, const flo
 void ff_key_grads_f64(const double *t, const double *v, const double *kw, const double *cm, const double *u,
                       int64_t rows, int64_t dv, int64_t d, double *dvo, double *dm, double *dk) {
     FF_KEY_GRADS(double)
+}
+
+static void ff_lp_f32(const float *k, int64_t rows, int64_t d, int mode, double p, double scale, double cap,
+                      float *a, float *u, float *c) {
+    LP_BODY(float, sqrtf, powf, fabsf, copysignf)
+}
+
+static void ff_lp_f64(const double *k, int64_t rows, int64_t d, int mode, double p, double scale, double cap,
+                      double *a, double *u, double *c) {
+    LP_BODY(double, sqrt, pow, fabs, copysign)
+}
+
+#define FF_KW(T, MAG, EXP)                                                                 \
+    for (int64_t h = 0; h < heads; ++h) {                                                  \
+        T *a = kw + h * n;                                                                 \
+        if (mode >= 0) {                                                                   \
+            MAG(k + h * n * d, n, d, mode, p, scale, cap, a, u ? u + h * n * d : 0, c ? c + h * n : 0); \
+        } else {                                                                           \
+            for (int64_t j = 0; j < n; ++j) a[j] = 0;                                      \
+        }                                                                                  \
+        if (mask) {                                                                        \
+            const T *mk = mask + h * n;                                                    \
+            for (int64_t j = 0; j < n; ++j) a[j] += mk[j];                                 \
+        }                                                                                  \
+        T mx = -INFINITY;                                                                  \
+        for (int64_t j = 0; j < n; ++j) mx = a[j] > mx ? a[j] : mx;                        \
+        const T shift = isfinite(mx) ? mx : (T)0;                                          \
+        for (int64_t j = 0; j < n; ++j) {                                                  \
+            const T m = EXP(a[j] - shift);                                                 \
+            const T *vr = v + (h * n + j) * dv;                                            \
+            T *o = vm + (h * n + j) * (dv + 1);                                            \
+            a[j] = m;                                                                      \
+            _Pragma("omp simd")                                                            \
+            for (int64_t i = 0; i < dv; ++i) o[i] = vr[i] * m;                             \
+            o[dv] = m;                                                                     \
+        }                                                                                  \
+    }
+
+void ff_key_weights_f32(const float *k, const float *v, const float *mask, int64_t heads, int64_t n, int64_t d,
+                        int64_t dv, int mode, double p, double scale, double cap, float *vm, float *kw, float *u,
+                        float *c) {
+    FF_KW(float, ff_lp_f32, attnopt_pexpf)
+}
+
+void ff_key_weights_f64(const double *k, const double *v, const double *mask, int64_t heads, int64_t n,
+                        int64_t d, int64_t dv, int mode, double p, double scale, double cap, double *vm,
+                        double *kw, double *u, double *c) {
+    FF_KW(double, ff_lp_f64, exp)
+}
+
+void ff_prepare_f32(const float *P, int64_t prows, int64_t r, int64_t nsets, float *phi, float *cs, float *sn,
+                    const float *k, const float *v, const float *mask, int64_t heads, int64_t n, int64_t d,
+                    int64_t dv, int mode, double p, double scale, double cap, float *vm, float *kw, float *u,
+                    float *c) {
+    ff_features_f32(P, prows, r, nsets, phi, cs, sn);
+    ff_key_weights_f32(k, v, mask, heads, n, d, dv, mode, p, scale, cap, vm, kw, u, c);
+}
+
+void ff_prepare_f64(const double *P, int64_t prows, int64_t r, int64_t nsets, double *phi, double *cs,
+                    double *sn, const double *k, const double *v, const double *mask, int64_t heads, int64_t n,
+                    int64_t d, int64_t dv, int mode, double p, double scale, double cap, double *vm, double *kw,
+                    double *u, double *c) {
+    ff_features_f64(P, prows, r, nsets, phi, cs, sn);
+    ff_key_weights_f64(k, v, mask, heads, n, d, dv, mode, p, scale, cap, vm, kw, u, c);
+}
+
+void ff_tail_f32(const float *t, const float *v, const float *kw, const float *cm, const float *u, int64_t rows,
+                 int64_t dv, int64_t d, float *dvo, float *dm, float *dk, const float *dphi, const float *cs,
+                 const float *sn, int64_t prows, int64_t r, int64_t nsets, float *dp) {
+    ff_key_grads_f32(t, v, kw, cm, u, rows, dv, d, dvo, dm, dk);
+    ff_dp_f32(dphi, cs, sn, prows, r, nsets, dp);
+}
+
+void ff_tail_f64(const double *t, const double *v, const double *kw, const double *cm, const double *u,
+                 int64_t rows, int64_t dv, int64_t d, double *dvo, double *dm, double *dk, const double *dphi,
+                 const double *cs, const double *sn, int64_t prows, int64_t r, int64_t nsets, double *dp) {
+    ff_key_grads_f64(t, v, kw, cm, u, rows, dv, d, dvo, dm, dk);
+    ff_dp_f64(dphi, cs, sn, prows, r, nsets, dp);
 }
