@@ -244,3 +244,103 @@ def test_native_lp_magnitude_split_over_threads(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
     for x, y in zip(kf._magnitude(k, 1.5, 0.25, True), one, strict=True):
         assert torch.equal(x, y)
+
+
+def _node_case(dtype, points_batch, nq, p, masked, seed=11):
+    """Inputs of the magnitude node: q (2, 3, nq, 4), k, v (2, 3, 6, 4 / 5), points (…, 2R, 4)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 3, nq, 4, generator=g, dtype=dtype).requires_grad_()
+    k = torch.randn(2, 3, 6, 4, generator=g, dtype=dtype).requires_grad_()
+    v = torch.randn(2, 3, 6, 5, generator=g, dtype=dtype).requires_grad_()
+    pts = (torch.randn(*points_batch, 6, 4, generator=g, dtype=dtype) * 0.7).requires_grad_()
+    key_mask = None
+    if masked:
+        key_mask = torch.zeros(2, 3, 6, dtype=dtype)
+        key_mask[0, 1, 2:] = float("-inf")
+        key_mask[1, 2] = float("-inf")  # a fully masked head: zero rows, finite gradients
+        key_mask[1, 0, 0] = -0.5
+    return q, k, v, pts, key_mask
+
+
+def _node_run(q, k, v, pts, key_mask, p):
+    from attnopt.functional._kernel_fused import fused_fourier_magnitude_attention
+
+    out = fused_fourier_magnitude_attention(q, k, v, pts, 2, 1 / (2 * math.sqrt(3)), 1e-3, p, 0.6, key_mask)
+    dout = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape)
+    return (out, *torch.autograd.grad(out, (q, k, v, pts), dout))
+
+
+@pytest.mark.skipif(_native.compiler() is None, reason="no C compiler on this machine")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(("points_batch", "nq"), [((), 6), ((2, 3), 6), ((3,), 6), ((), 4), ((2, 3), 4)])
+@pytest.mark.parametrize(("p", "masked"), [(None, False), (1.5, True), (2.0, False), (None, True)])
+def test_native_passes_match_torch_path(dtype, points_batch, nq, p, masked, monkeypatch):
+    """``_native/fourier_features.c`` (features, key weights, O, G, key gradients, dP) and the PyTorch
+    ops: output and gradients of q, k, v and the points, for points shared, per head or per example
+    and head (one bmm per side), Nq = Nk (stacked) and Nq != Nk (concatenated), key masks with a
+    fully masked head."""
+    case = _node_case(dtype, points_batch, nq, p, masked)
+    got = _node_run(*case, p)
+    if masked:
+        assert torch.equal(got[0][1, 2], torch.zeros_like(got[0][1, 2]))
+    monkeypatch.setenv("ATTNOPT_NATIVE", "0")
+    monkeypatch.setattr(_native, "_LIBS", {})
+    want = _node_run(*case, p)
+    tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-5}
+    for a, b in zip(got, want, strict=True):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, **tol)
+
+
+@pytest.mark.skipif(_native.compiler() is None, reason="no C compiler on this machine")
+def test_native_node_per_example_points_gradcheck():
+    """The native path with per-example points (B, H, S·R, d), a mask and the L^1.5 magnitude, float64."""
+    q, k, v, pts, key_mask = _node_case(torch.float64, (2, 3), 6, 1.5, True)
+    from attnopt.functional._kernel_fused import fused_fourier_magnitude_attention
+
+    def fn(q, k, v, pts):
+        return fused_fourier_magnitude_attention(q, k, v, pts, 2, 0.3, 1e-3, 1.5, 0.6, key_mask)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v, pts), fast_mode=True)
+
+
+@pytest.mark.skipif(_native.compiler() is None, reason="no C compiler on this machine")
+def test_native_passes_split_over_threads(monkeypatch):
+    """Rows split over threads (two passes in one C call share each thread's fraction of rows)
+    give the one-call result bit for bit."""
+    case = _node_case(torch.float32, (2, 3), 6, 1.5, True)
+    one = _node_run(*case, 1.5)
+    monkeypatch.setattr(_native, "_MIN_PARALLEL", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    for a, b in zip(_node_run(*case, 1.5), one, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(_native.compiler() is None, reason="no C compiler on this machine")
+def test_native_sincos_large_and_exact_arguments():
+    """float32 sin/cos of the C pass: ~1e-7 of libm in double on [-8192, 8192], libm beyond."""
+    from attnopt.functional import _kernel_fused as kf
+
+    x = torch.cat([torch.linspace(-8192, 8192, 40001), torch.tensor([0.0, -0.0, 1e4, -3e5, 1e30, 1e-30])])
+    x = x[: x.numel() // 2 * 2].view(-1, 2)  # rows of one set of R = 2 points
+    fns = kf._fns(x)
+    assert fns is not None
+    phi, cp, sp = kf._features(fns, x, 1, 2)
+    xd = x.double()
+    torch.testing.assert_close(cp.double(), xd.cos(), rtol=0, atol=2e-7)
+    torch.testing.assert_close(sp.double(), xd.sin(), rtol=0, atol=2e-7)
+    assert torch.equal(phi, torch.cat([cp, sp], dim=-1))
+
+
+def test_strided_inputs_equal_contiguous():
+    """q, k, v as the (B, N, H, d) -> (B, H, N, d) views of a projection give the same node."""
+    from attnopt.functional.kernel import kernel_attention
+    from attnopt.kernels import NonStationaryFourier
+
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 7, 3, 3 * 4, generator=g)
+    q, k, v = (t.transpose(1, 2) for t in x.split(4, dim=-1))
+    kern = NonStationaryFourier.gaussian(3, 4, 0.5, 0.4, generator=g)
+    got = kernel_attention(q, k, v, kernel=kern, magnitude_p=1.5)
+    want = kernel_attention(q.contiguous(), k.contiguous(), v.contiguous(), kernel=kern, magnitude_p=1.5)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)

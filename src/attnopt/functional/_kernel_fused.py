@@ -139,6 +139,9 @@ _FNS: dict[tuple[int, bool], dict[str, Any]] = {}
 _Fns = dict[str, Any] | None
 #: ``(C function, args(r0, r1) for rows [r0, r1), rows, entries a row)``: one C pass, ready to run
 _Plan = tuple[Any, Callable[[int, int], tuple[Any, ...]], int, int]
+_Three = tuple[Tensor, Tensor, Tensor]
+#: ``(vm, m, u, c)`` of the key weights
+_KeyWeights = tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]
 
 
 def _fns(x: Tensor) -> _Fns:
@@ -191,7 +194,7 @@ def _at(t: Tensor | None, offset: int) -> int | None:
     return None if t is None else t.data_ptr() + offset * t.element_size()
 
 
-def _features_plan(fns: dict[str, Any], pr: Tensor, nsets: int, r: int) -> tuple[tuple[Tensor, ...], _Plan]:
+def _features_plan(fns: dict[str, Any], pr: Tensor, nsets: int, r: int) -> tuple[_Three, _Plan]:
     phi = pr.new_empty(*pr.shape[:-1], 2 * r)
     cp, sp = torch.empty_like(pr), torch.empty_like(pr)
     sr = pr.shape[-1]
@@ -203,7 +206,7 @@ def _features_plan(fns: dict[str, Any], pr: Tensor, nsets: int, r: int) -> tuple
     return (phi, cp, sp), (fns["ff_features"], args, pr.numel() // max(sr, 1), sr)
 
 
-def _features(fns: _Fns, pr: Tensor, nsets: int, r: int) -> tuple[Tensor, ...]:
+def _features(fns: _Fns, pr: Tensor, nsets: int, r: int) -> _Three:
     """``(φ', cos P, sin P)``: ``φ' = [Σ_s cos P_s, Σ_s sin P_s]`` (…, 2R) for ``P`` (…, S·R);
     one C pass (sin and cos together, the set sums while the row is in L1) or four ops."""
     fns = _dense(fns, pr)
@@ -217,7 +220,7 @@ def _features(fns: _Fns, pr: Tensor, nsets: int, r: int) -> tuple[Tensor, ...]:
 
 def _key_weights_plan(
     fns: dict[str, Any], k: Tensor, v: Tensor, mask: Tensor | None, p: float | None, scale: float, grad: bool
-) -> tuple[tuple[Tensor | None, ...], _Plan]:
+) -> tuple[_KeyWeights, _Plan]:
     nk, d, dv = k.shape[-2], k.shape[-1], v.shape[-1]
     heads = v.numel() // max(nk * dv, 1)
     mk = None if mask is None else mask.expand(*v.shape[:-2], nk).contiguous()
@@ -240,7 +243,7 @@ def _key_weights_plan(
 
 def _key_weights_torch(
     k: Tensor, v: Tensor, mask: Tensor | None, p: float | None, scale: float, grad: bool
-) -> tuple[Tensor | None, ...]:
+) -> _KeyWeights:
     kw = u = cm = None
     a = None
     if p is not None:
@@ -262,7 +265,7 @@ def _key_weights_torch(
 def _prepare(
     fns: _Fns, pr: Tensor, nsets: int, r: int, k: Tensor, v: Tensor, mask: Tensor | None, p: float | None,
     scale: float, grad: bool,
-) -> tuple[Tensor | None, ...]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """:func:`_features` of ``P`` and the key weights (one C call where both apply):
     ``(φ', cos P, sin P, vm, m, u, c)`` with ``vm = [v ⊙ m, m]`` (…, Nk, dv + 1),
     ``m_j = exp(a_j − max a)``, ``a_j = s‖k_j‖_p²/2 + mask_j`` (``m`` (…, Nk, 1), None without
