@@ -91,14 +91,13 @@ def blocked_forward(
     recomputing), ``(F, W)`` for :func:`blocked_backward`; else None.
     """
     g, nq, nk = pq.shape[0], pq.shape[1], pk.shape[1]
+    pkt = pk.transpose(-2, -1)
+    if g * nq * max(nk, 1) <= (WHOLE_ELEMS if pq.device.type == "cpu" else DEVICE_BLOCK_ELEMS):
+        f = torch.bmm(pq, pkt)  # one block (as _blocks gives): no block bookkeeping at small sizes
+        w = torch.addcmul(f.new_full((), eps), f, f, value=c4)
+        return torch.bmm(w, vm), (f, w)
     num = vm.new_empty(g, nq, vm.shape[-1])
     blocks = _blocks(g, nq, nk, pq.device)
-    pkt = pk.transpose(-2, -1)
-    if len(blocks) == 1:
-        f = torch.bmm(pq, pkt)
-        w = torch.addcmul(f.new_full((), eps), f, f, value=c4)
-        torch.bmm(w, vm, out=num)
-        return num, (f, w)
     fbuf, wbuf = pq.new_empty(*_block_shape(blocks), nk), pq.new_empty(*_block_shape(blocks), nk)
     epst = torch.full((), eps, dtype=pq.dtype, device=pq.device)
     for h0, h1, r0, r1 in blocks:

@@ -189,9 +189,14 @@ def _run2(fn: Any, a: _Plan, b: _Plan) -> None:
     _native.parallel_rows(call, v, (na * a[3] + nb * b[3]) // v)
 
 
-def _at(t: Tensor | None, offset: int) -> int | None:
-    """The address of element ``offset`` of a contiguous ``t`` (None for None)."""
-    return None if t is None else t.data_ptr() + offset * t.element_size()
+def _base(t: Tensor | None) -> int | None:
+    """``t``'s address (None for None). The closures that offset it hold ``t`` itself too (a
+    default argument): a buffer only referenced by address would be freed before the C call."""
+    return None if t is None else t.data_ptr()
+
+
+def _off(base: int | None, offset: int) -> int | None:
+    return None if base is None else base + offset
 
 
 def _features_plan(fns: dict[str, Any], pr: Tensor, nsets: int, r: int) -> tuple[_Three, _Plan]:
@@ -199,9 +204,11 @@ def _features_plan(fns: dict[str, Any], pr: Tensor, nsets: int, r: int) -> tuple
     cp, sp = torch.empty_like(pr), torch.empty_like(pr)
     sr = pr.shape[-1]
 
-    def args(r0: int, r1: int) -> tuple[Any, ...]:  # (the tensors, not their addresses: kept alive)
-        o = r0 * sr
-        return _at(pr, o), r1 - r0, r, nsets, _at(phi, r0 * 2 * r), _at(cp, o), _at(sp, o)
+    es, a, f, c, s = pr.element_size(), pr.data_ptr(), phi.data_ptr(), cp.data_ptr(), sp.data_ptr()
+
+    def args(r0: int, r1: int, _keep: Any = (pr, phi, cp, sp)) -> tuple[Any, ...]:
+        o = r0 * sr * es
+        return a + o, r1 - r0, r, nsets, f + r0 * 2 * r * es, c + o, s + o
 
     return (phi, cp, sp), (fns["ff_features"], args, pr.numel() // max(sr, 1), sr)
 
@@ -232,10 +239,13 @@ def _key_weights_plan(
     mode = -1 if p is None else _LP_MODES.get(p, 0)
     cap, pp = torch.finfo(k.dtype).max / 8, 1.0 if p is None else p
 
-    def args(h0: int, h1: int) -> tuple[Any, ...]:
-        n0 = h0 * nk
-        return (_at(k, n0 * d), _at(v, n0 * dv), _at(mk, n0), h1 - h0, nk, d, dv, mode, pp, scale, cap,
-                _at(vm, n0 * (dv + 1)), _at(kw, n0), _at(u, n0 * d), _at(cm, n0))
+    es, a_k, a_v, a_m = k.element_size(), k.data_ptr(), v.data_ptr(), _base(mk)
+    a_vm, a_kw, a_u, a_c = vm.data_ptr(), kw.data_ptr(), _base(u), _base(cm)
+
+    def args(h0: int, h1: int, _keep: Any = (k, v, mk, vm, kw, u, cm)) -> tuple[Any, ...]:
+        n0 = h0 * nk * es
+        return (a_k + n0 * d, a_v + n0 * dv, _off(a_m, n0), h1 - h0, nk, d, dv, mode, pp, scale, cap,
+                a_vm + n0 * (dv + 1), a_kw + n0, _off(a_u, n0 * d), _off(a_c, n0))
 
     m = kw if p is not None or mask is not None else None
     return (vm, m, u, cm), (fns["ff_key_weights"], args, heads, nk * (d + dv))
@@ -301,8 +311,10 @@ def _finish(fns: _Fns, num: Tensor, guard: bool) -> tuple[Tensor, Tensor]:
     out = num.new_empty(*num.shape[:-1], e - 1)
     inv = num.new_empty(*num.shape[:-1], 1)
 
-    def args(r0: int, r1: int) -> tuple[Any, ...]:
-        return _at(num, r0 * e), r1 - r0, e, _at(out, r0 * (e - 1)), _at(inv, r0)
+    es, a, o, i = num.element_size(), num.data_ptr(), out.data_ptr(), inv.data_ptr()
+
+    def args(r0: int, r1: int, _keep: Any = (num, out, inv)) -> tuple[Any, ...]:
+        return a + r0 * e * es, r1 - r0, e, o + r0 * (e - 1) * es, i + r0 * es
 
     _run((fns["ff_finish"], args, num.numel() // e, e))
     return out, inv
@@ -318,9 +330,10 @@ def _out_grad(fns: _Fns, dout: Tensor, inv: Tensor, out: Tensor) -> Tensor:
     d2 = dout.reshape(-1, dv)  # (the gradient of a sum is an expanded scalar: strides 0, no copy)
     gn = out.new_empty(*out.shape[:-1], dv + 1)
     rs, cs = d2.stride()
+    es, a, i, o, a_g = out.element_size(), d2.data_ptr(), inv.data_ptr(), out.data_ptr(), gn.data_ptr()
 
-    def args(r0: int, r1: int) -> tuple[Any, ...]:
-        return _at(d2, r0 * rs), rs, cs, _at(inv, r0), _at(out, r0 * dv), r1 - r0, dv, _at(gn, r0 * (dv + 1))
+    def args(r0: int, r1: int, _keep: Any = (d2, inv, out, gn)) -> tuple[Any, ...]:
+        return a + r0 * rs * es, rs, cs, i + r0 * es, o + r0 * dv * es, r1 - r0, dv, a_g + r0 * (dv + 1) * es
 
     _run((fns["ff_gn"], args, d2.shape[0], dv))
     return gn
@@ -359,11 +372,14 @@ def _tail(
             dv = torch.empty_like(v) if need_v else None
             dm = v.new_empty(*v.shape[:-1], 1) if need_kw else None
             dk = torch.empty_like(u) if need_mag and u is not None else None
-            tk = t
+            es = v.element_size()
+            a_t, a_v, a_kw, a_c, a_u = t.data_ptr(), v.data_ptr(), _base(kw), _base(cm), _base(u)
+            a_dv, a_dm, a_dk = _base(dv), _base(dm), _base(dk)
 
-            def k_args(r0: int, r1: int) -> tuple[Any, ...]:
-                return (_at(tk, r0 * (dvn + 1)), _at(v, r0 * dvn), _at(kw, r0), _at(cm, r0),
-                        _at(u, r0 * d), r1 - r0, dvn, d, _at(dv, r0 * dvn), _at(dm, r0), _at(dk, r0 * d))
+            def k_args(r0: int, r1: int, _keep: Any = (t, v, kw, cm, u, dv, dm, dk)) -> tuple[Any, ...]:
+                o = r0 * es
+                return (a_t + o * (dvn + 1), a_v + o * dvn, _off(a_kw, o), _off(a_c, o), _off(a_u, o * d),
+                        r1 - r0, dvn, d, _off(a_dv, o * dvn), _off(a_dm, o), _off(a_dk, o * d))
 
             k_plan = (kfns["ff_key_grads"], k_args, rows, dvn + d)
     if dphi is not None:
@@ -374,11 +390,12 @@ def _tail(
             dp = torch.addcmul(cp * ds, sp, dc, value=-1.0)
         else:
             dp = torch.empty_like(cp)
-            sr, g, dpo = cp.shape[-1], dphi, dp
+            sr, es2 = cp.shape[-1], cp.element_size()
+            g, c, s, o2 = dphi.data_ptr(), cp.data_ptr(), sp.data_ptr(), dp.data_ptr()
 
-            def f_args(r0: int, r1: int) -> tuple[Any, ...]:
-                x = r0 * sr
-                return _at(g, r0 * 2 * r), _at(cp, x), _at(sp, x), r1 - r0, r, nsets, _at(dpo, x)
+            def f_args(r0: int, r1: int, _keep: Any = (dphi, cp, sp, dp)) -> tuple[Any, ...]:
+                x = r0 * sr * es2
+                return g + r0 * 2 * r * es2, c + x, s + x, r1 - r0, r, nsets, o2 + x
 
             f_plan = (ffns["ff_dp"], f_args, cp.numel() // max(sr, 1), sr)
     if k_plan is not None and f_plan is not None:
