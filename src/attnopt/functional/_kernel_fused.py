@@ -481,10 +481,17 @@ class _FusedFourier(torch.autograd.Function):
         else:
             phi, cp, sp = _features(fns, pr, nsets, r)
             vm = torch.cat([v * kw, kw], dim=-1)
-        pq, pk = (phi[0], phi[1]) if stacked else (phi[..., :nq, :], phi[..., nq:, :])
+        # (G, N, ·) views, as the blocked passes take them (and the backward again)
+        r2, e = 2 * r, vm.shape[-1]
+        if stacked:
+            pq, pk = phi[0].view(-1, nq, r2), phi[1].view(-1, nk, r2)
+        else:
+            rows = phi.view(-1, nq + nk, r2)
+            pq, pk = rows[:, :nq], rows[:, nq:]
+        vm = vm.view(-1, nk, e)
         # W = c⁴F'² + ε (F' = φ'(Q)φ'(K)ᵀ) and W vm, by blocks of heads that stay in the cache
-        num, kept = blocked_forward(_flat3(pq), _flat3(pk), _flat3(vm), c4, eps)
-        out, inv = _finish(fns, num.view(*vm.shape[:-2], nq, vm.shape[-1]), guard)
+        num, kept = blocked_forward(pq, pk, vm, c4, eps)
+        out, inv = _finish(fns, num.view(*lead, nq, e), guard)
         ctx.c4, ctx.nq, ctx.nsets, ctx.r, ctx.stacked, ctx.shared = c4, nq, nsets, r, stacked, shared
         ctx.eps = eps
         ctx.nx = len(xs)
@@ -507,18 +514,18 @@ class _FusedFourier(torch.autograd.Function):
         fns = _fns(out)
         gn = _out_grad(fns, dout, inv, out)
         need_t, need_f = need_v or need_kw or need_mag, need_q or need_k or need_w
-        lead, nq = vm.shape[:-2], ctx.nq
+        lead, nq, g = out.shape[:-2], ctx.nq, pq.shape[0]
         # dφ'(Q), dφ'(K) straight into one buffer laid out as P (φ), for the dP pass
         dphi = cp.new_empty(*cp.shape[:-1], 2 * ctx.r) if need_f else None
         outs = None
         if dphi is not None:  # views (G, N, 2R) of the buffer, never copies
             r2 = 2 * ctx.r
             if ctx.stacked:
-                outs = (dphi[0].view(-1, nq, r2), dphi[1].view(-1, nq, r2))
+                outs = (dphi[0].view(g, nq, r2), dphi[1].view(g, nq, r2))
             else:
-                rows = dphi.view(-1, dphi.shape[-2], r2)
+                rows = dphi.view(g, -1, r2)
                 outs = (rows[:, :nq], rows[:, nq:])
-        t, _, _ = blocked_backward(_flat3(pq), _flat3(pk), _flat3(vm), _flat3(gn), ctx.c4, ctx.eps,
+        t, _, _ = blocked_backward(pq, pk, vm, gn.view(g, nq, -1), ctx.c4, ctx.eps,
                                    (kept[0], kept[1]) if kept else None, need_t, need_f, need_f, outs)
         tt = None if t is None else t.view(*lead, *t.shape[-2:])
         dv, dkw, dkm, dp = _tail(fns, tt, v, kw, cm, u, need_v, need_kw, need_mag, dphi, cp, sp, ctx.nsets,
@@ -529,9 +536,10 @@ class _FusedFourier(torch.autograd.Function):
             sr, d = dp.shape[-1], wm.shape[-1]
             if ctx.stacked:  # one (b)mm per side: dk = dk_mag + dP_K W in place
                 shape = (*lead, nq, d)
-                dpq, dpk = dp[0].view(-1, nq, sr), dp[1].view(-1, nq, sr)
                 if ctx.shared:
-                    dpq, dpk = dpq.view(-1, sr), dpk.view(-1, sr)
+                    dpq, dpk = dp[0].view(-1, sr), dp[1].view(-1, sr)
+                else:
+                    dpq, dpk = dp[0].view(g, nq, sr), dp[1].view(g, nq, sr)
                 mul, acc = (torch.mm, "addmm_") if ctx.shared else (torch.bmm, "baddbmm_")
                 if need_q:
                     dq = mul(dpq, wm).view(shape)
@@ -568,11 +576,6 @@ class _FusedFourier(torch.autograd.Function):
         elif dkm is not None:
             dk = dkm
         return (dq, dk, dv, dw, dkw, None, None, None, None, None, None)
-
-
-def _flat3(x: Tensor) -> Tensor:
-    """``(…, N, D)`` as ``(G, N, D)`` (a view where the batch dimensions allow it)."""
-    return x.reshape(-1, *x.shape[-2:])
 
 
 def _stack_sets(ws: list[Tensor], dtype: torch.dtype) -> Tensor:
