@@ -298,3 +298,153 @@ void ff_tail_f64(const double *t, const double *v, const double *kw, const doubl
     ff_key_grads_f64(t, v, kw, cm, u, rows, dv, d, dvo, dm, dk);
     ff_dp_f64(dphi, cs, sn, prows, r, nsets, dp);
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * Whole-call kernels for small sizes (ffw_*): the forward (or the backward) of heads [g0, g1) in
+ * one call, the passes above per head and the matrix products by the caller's BLAS (Fortran
+ * sgemm_ / dgemm_, passed as a function pointer: this file links no BLAS; integer arguments held
+ * in int64, read alike by an LP64 and an ILP64 BLAS on a little-endian machine). Per head g,
+ * row-major, q (nq, d), k (nk, d), v (nk, dv) contiguous by head, points W (S R, d) at
+ * w + (g / hi) wsb + (g % hi) wsh (shared: wsb = wsh = 0), mask (nk) per head or NULL:
+ *   forward:  Pq = Q W^T, Pk = K W^T; phi, cos, sin of both (ff_features); the key weights
+ *             (ff_key_weights); F = phi_q phi_k^T; A = c4 F^2 + eps; num = A vm; O = num / den
+ *             (ff_finish). Saved per head (ffw_save_size entries): F, phi_q, phi_k, cos/sin of
+ *             Pq and Pk, vm, m, u, c, 1/den.
+ *   backward: gn = [g, -<g, O>] (ff_gn); A again from F; T = A^T gn -> dv and the magnitude's
+ *             share of dk (ff_key_grads); dA = gn vm^T, dF = 2 c4 F dA; dphi_q = dF phi_k,
+ *             dphi_k = dF^T phi_q; dP (ff_dp); dq = dPq W, dk += dPk W, dW (+)= dPq^T Q + dPk^T K
+ *             (dw_acc: always add, into a per-thread buffer for shared points).
+ * Outputs not needed are NULL. MKL_Set_Num_Threads_Local(1), when given, keeps MKL from starting
+ * threads inside the caller's threads; flush-to-zero / denormals-are-zero are on during the call
+ * (x86) and restored after. */
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#define FFW_FTZ_ON() const unsigned int csr_saved = _mm_getcsr(); _mm_setcsr(csr_saved | 0x8040u)
+#define FFW_FTZ_OFF() _mm_setcsr(csr_saved)
+#else
+#define FFW_FTZ_ON() do { } while (0)
+#define FFW_FTZ_OFF() do { } while (0)
+#endif
+
+typedef int (*ffw_threads_t)(int);
+
+int64_t ffw_save_size(int64_t nq, int64_t nk, int64_t d, int64_t dv, int64_t r, int64_t nsets) {
+    const int64_t sr = r * nsets;
+    return nq * nk + (nq + nk) * 2 * r + 2 * (nq + nk) * sr + nk * (dv + 1) + nk + nk * d + nk + nq;
+}
+
+int64_t ffw_work_size(int64_t nq, int64_t nk, int64_t d, int64_t dv, int64_t r, int64_t nsets) {
+    (void)d;
+    const int64_t sr = r * nsets, nm = nq > nk ? nq : nk;
+    const int64_t fwd = nm * sr + nq * nk + nq * (dv + 1);
+    const int64_t bwd = nq * (dv + 1) + nq * nk + nk * (dv + 1) + (nq + nk) * 2 * r + (nq + nk) * sr;
+    return fwd > bwd ? fwd : bwd;
+}
+
+#define FFW_LAYOUT(T)                                                                        \
+    const int64_t sr = r * nsets, r2 = 2 * r, e = dv + 1;                                    \
+    const int64_t per = ffw_save_size(nq, nk, d, dv, r, nsets);                              \
+    T *F = save + g * per, *phq = F + nq * nk, *phk = phq + nq * r2;                         \
+    T *cq = phk + nk * r2, *sq = cq + nq * sr, *ck = sq + nq * sr, *sk = ck + nk * sr;       \
+    T *vm = sk + nk * sr, *kw = vm + nk * e, *u = kw + nk, *cm = u + nk * d, *inv = cm + nk; \
+    const T *qg = q + g * nq * d, *kg = k + g * nk * d, *vg = v + g * nk * dv;               \
+    const T *wg = w + (g / hi) * wsb + (g % hi) * wsh;                                       \
+    (void)inv; (void)u; (void)cm; (void)sq; (void)sk; (void)e; (void)vg;
+
+#define FFW(T, SUF)                                                                          \
+typedef void (*ffw_gemm_##SUF##_t)(const char *, const char *, const int64_t *, const int64_t *, \
+                                   const int64_t *, const T *, const T *, const int64_t *,   \
+                                   const T *, const int64_t *, const T *, T *, const int64_t *); \
+                                                                                             \
+/* row-major C (m x n, ldc) = alpha op(A) op(B) + beta C through the column-major BLAS */    \
+static inline void ffw_mm_##SUF(ffw_gemm_##SUF##_t gemm, int ta, int tb, int64_t m, int64_t n, \
+                                int64_t kk, T alpha, const T *a, int64_t lda, const T *b,    \
+                                int64_t ldb, T beta, T *c, int64_t ldc) {                    \
+    if (m <= 0 || n <= 0) return;                                                            \
+    if (kk <= 0) {                                                                           \
+        for (int64_t i = 0; i < m; ++i)                                                      \
+            for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = beta == 0 ? 0 : beta * c[i * ldc + j]; \
+        return;                                                                              \
+    }                                                                                        \
+    gemm(tb ? "T" : "N", ta ? "T" : "N", &n, &m, &kk, &alpha, b, &ldb, a, &lda, &beta, c, &ldc); \
+}                                                                                            \
+                                                                                             \
+void ffw_fwd_##SUF(void *gemm_p, void *threads_p, const T *q, const T *k, const T *v, const T *w, \
+                   int64_t wsb, int64_t wsh, int64_t hi, const T *mask, int64_t g0, int64_t g1, \
+                   int64_t nq, int64_t nk, int64_t d, int64_t dv, int64_t r, int64_t nsets,  \
+                   int mode, double p, double scale, double cap, double c4, double eps, int grad, \
+                   T *save, T *out, T *work) {                                               \
+    ffw_gemm_##SUF##_t gemm = (ffw_gemm_##SUF##_t)gemm_p;                                    \
+    ffw_threads_t set_threads = (ffw_threads_t)threads_p;                                    \
+    const int prev = set_threads ? set_threads(1) : 0;                                       \
+    FFW_FTZ_ON();                                                                            \
+    for (int64_t g = g0; g < g1; ++g) {                                                      \
+        FFW_LAYOUT(T)                                                                        \
+        T *P = work, *A = P + (nq > nk ? nq : nk) * sr, *num = A + nq * nk;                  \
+        ffw_mm_##SUF(gemm, 0, 1, nq, sr, d, 1, qg, d, wg, d, 0, P, sr);                     \
+        ff_features_##SUF(P, nq, r, nsets, phq, cq, sq);                                     \
+        ffw_mm_##SUF(gemm, 0, 1, nk, sr, d, 1, kg, d, wg, d, 0, P, sr);                     \
+        ff_features_##SUF(P, nk, r, nsets, phk, ck, sk);                                     \
+        ff_key_weights_##SUF(kg, vg, mask ? mask + g * nk : NULL, 1, nk, d, dv, mode, p, scale, cap, \
+                             vm, kw, grad ? u : NULL, grad ? cm : NULL);                     \
+        ffw_mm_##SUF(gemm, 0, 1, nq, nk, r2, 1, phq, r2, phk, r2, 0, F, nk);                \
+        const T tc4 = (T)c4, teps = (T)eps;                                                  \
+        _Pragma("omp simd")                                                                  \
+        for (int64_t i = 0; i < nq * nk; ++i) A[i] = teps + tc4 * F[i] * F[i];               \
+        ffw_mm_##SUF(gemm, 0, 0, nq, e, nk, 1, A, nk, vm, e, 0, num, e);                    \
+        ff_finish_##SUF(num, nq, e, out + g * nq * dv, inv);                                 \
+    }                                                                                        \
+    FFW_FTZ_OFF();                                                                           \
+    if (set_threads) set_threads(prev);                                                      \
+}                                                                                            \
+                                                                                             \
+void ffw_bwd_##SUF(void *gemm_p, void *threads_p, const T *q, const T *k, const T *v, const T *w, \
+                   int64_t wsb, int64_t wsh, int64_t hi, const T *dout, int64_t dsg, int64_t drs, \
+                   int64_t dcs, const T *out, int64_t g0, int64_t g1, int64_t nq, int64_t nk, \
+                   int64_t d, int64_t dv, int64_t r, int64_t nsets, int mag, double c4, double eps, \
+                   T *save, T *work, T *dq, T *dk, T *dvo, T *dw, int64_t dsb, int64_t dsh,  \
+                   int dw_acc) {                                                             \
+    ffw_gemm_##SUF##_t gemm = (ffw_gemm_##SUF##_t)gemm_p;                                    \
+    ffw_threads_t set_threads = (ffw_threads_t)threads_p;                                    \
+    const int prev = set_threads ? set_threads(1) : 0;                                       \
+    FFW_FTZ_ON();                                                                            \
+    const int need_f = dq || dk || dw, need_mag = mag && dk;                                 \
+    const T tc4 = (T)c4;                                                                     \
+    for (int64_t g = g0; g < g1; ++g) {                                                      \
+        FFW_LAYOUT(T)                                                                        \
+        T *gn = work, *A = gn + nq * e, *Tt = A + nq * nk, *dphq = Tt + nk * e;              \
+        T *dphk = dphq + nq * r2, *dPq = dphk + nk * r2, *dPk = dPq + nq * sr;               \
+        const T *og = out + g * nq * dv;                                                     \
+        T *dqg = dq ? dq + g * nq * d : NULL, *dkg = dk ? dk + g * nk * d : NULL;            \
+        T *dvg = dvo ? dvo + g * nk * dv : NULL;                                             \
+        ff_gn_##SUF(dout + g * dsg, drs, dcs, inv, og, nq, dv, gn);                          \
+        if (dvg || need_mag) {                                                               \
+            _Pragma("omp simd")                                                              \
+            for (int64_t i = 0; i < nq * nk; ++i) A[i] = (T)eps + tc4 * F[i] * F[i];        \
+            ffw_mm_##SUF(gemm, 1, 0, nk, e, nq, 1, A, nk, gn, e, 0, Tt, e);                 \
+            ff_key_grads_##SUF(Tt, vg, kw, cm, u, nk, dv, need_mag ? d : 0, dvg, NULL,       \
+                               need_mag ? dkg : NULL);                                       \
+        }                                                                                    \
+        if (!need_f) continue;                                                               \
+        ffw_mm_##SUF(gemm, 0, 1, nq, nk, e, 1, gn, e, vm, e, 0, A, nk);                     \
+        const T two = 2 * tc4;                                                               \
+        _Pragma("omp simd")                                                                  \
+        for (int64_t i = 0; i < nq * nk; ++i) A[i] *= two * F[i];                            \
+        ffw_mm_##SUF(gemm, 0, 0, nq, r2, nk, 1, A, nk, phk, r2, 0, dphq, r2);              \
+        ffw_mm_##SUF(gemm, 1, 0, nk, r2, nq, 1, A, nk, phq, r2, 0, dphk, r2);              \
+        ff_dp_##SUF(dphq, cq, sq, nq, r, nsets, dPq);                                        \
+        ff_dp_##SUF(dphk, ck, sk, nk, r, nsets, dPk);                                        \
+        if (dqg) ffw_mm_##SUF(gemm, 0, 0, nq, d, sr, 1, dPq, sr, wg, d, 0, dqg, d);        \
+        if (dkg) ffw_mm_##SUF(gemm, 0, 0, nk, d, sr, 1, dPk, sr, wg, d, need_mag ? 1 : 0, dkg, d); \
+        if (dw) {                                                                            \
+            T *dwg = dw + (g / hi) * dsb + (g % hi) * dsh;                                   \
+            ffw_mm_##SUF(gemm, 1, 0, sr, d, nq, 1, dPq, sr, qg, d, dw_acc ? 1 : 0, dwg, d); \
+            ffw_mm_##SUF(gemm, 1, 0, sr, d, nk, 1, dPk, sr, kg, d, 1, dwg, d);              \
+        }                                                                                    \
+    }                                                                                        \
+    FFW_FTZ_OFF();                                                                           \
+    if (set_threads) set_threads(prev);                                                      \
+}
+
+FFW(float, f32)
+FFW(double, f64)

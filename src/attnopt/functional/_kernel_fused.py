@@ -37,6 +37,7 @@ SDPA in the same run): IKAN R = 16, p = 1.5 at B·H = 8, N = 64 2.6–2.7× → 
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -590,6 +591,205 @@ class _FusedFourier(torch.autograd.Function):
         return (dq, dk, dv, dw, dkw, None, None, None, None, None, None)
 
 
+# --- whole-call path for small sizes: the forward in one C call, the backward in one -------------
+
+#: ``B·H·Nq·Nk`` up to which :func:`fused_fourier_magnitude_attention` runs the whole-call path
+#: (:class:`_WholeFourier`: the forward of every head one C call, the backward one, the products by
+#: PyTorch's own BLAS called from C), where it applies.
+WHOLE_CALL_BELOW = 1 << 21
+#: ... and one head's ``Nq·Nk`` at most this.
+WHOLE_CALL_MAX_HEAD_SCORES = 1 << 16
+
+_FWD_SIG = ([_VP] * 6 + [_I64] * 3 + [_VP] + [_I64] * 8 + [ctypes.c_int] + [_F64P] * 5 + [ctypes.c_int]
+            + [_VP] * 3)
+_BWD_SIG = ([_VP] * 6 + [_I64] * 3 + [_VP] + [_I64] * 3 + [_VP] + [_I64] * 8 + [ctypes.c_int] + [_F64P] * 2
+            + [_VP] * 6 + [_I64] * 2 + [ctypes.c_int])
+#: ``(fwd, bwd, save_size, work_size)`` per (build, float32?), argument types declared once
+_WHOLE: dict[tuple[int, bool], tuple[Any, Any, Any, Any]] = {}
+
+
+def _whole_fns(lib: ctypes.CDLL, f32: bool) -> tuple[Any, Any, Any, Any]:
+    key = (id(lib), f32)
+    hit = _WHOLE.get(key)
+    if hit is not None:
+        return hit
+    suffix = "f32" if f32 else "f64"
+    fwd, bwd = getattr(lib, "ffw_fwd_" + suffix), getattr(lib, "ffw_bwd_" + suffix)
+    fwd.argtypes, fwd.restype = _FWD_SIG, None
+    bwd.argtypes, bwd.restype = _BWD_SIG, None
+    sizes = lib.ffw_save_size, lib.ffw_work_size
+    for fn in sizes:
+        fn.argtypes, fn.restype = [_I64] * 6, _I64
+    _WHOLE[key] = (fwd, bwd, *sizes)
+    return _WHOLE[key]
+
+
+def _points_layout(points: Tensor, lead: tuple[int, ...]) -> tuple[Tensor, int, int, int]:
+    """``(w, wsb, wsh, hi)``: head ``g``'s points at ``w + (g // hi)·wsb + (g % hi)·wsh`` (elements),
+    rows of each head contiguous. Shared points: one ``(S·R, d)`` matrix, strides 0."""
+    sr, d = points.shape[-2:]
+    if all(s == 1 for s in points.shape[:-2]):
+        return points.reshape(sr, d).contiguous(), 0, 0, 1
+    if points.stride(-1) != 1 or points.stride(-2) != d:
+        points = points.contiguous()
+    inner = lead[-1]
+    try:
+        w4 = points.expand(*lead, sr, d).view(-1, inner, sr, d)  # no copy of broadcast points
+        return w4, w4.stride(0), w4.stride(1), inner
+    except RuntimeError:
+        w3 = points.expand(*lead, sr, d).reshape(-1, sr, d)
+        return w3, sr * d, 0, 1
+
+
+#: ``(fwd, bwd, save_size, work_size, gemm address, MKL thread setter address)``
+_WholeConfig = tuple[Any, Any, Any, Any, int, int]
+
+
+def _heads_split(g: int, work: int) -> int:
+    """Threads for ``g`` heads of ``work`` scores each (one below ``_native._MIN_PARALLEL`` entries)."""
+    return min(torch.get_num_threads(), g) if g * work >= _native._MIN_PARALLEL else 1
+
+
+def _each(threads: int, g: int, call: Callable[[int, int, int], None]) -> None:
+    """``call(t, g0, g1)`` for thread ``t``'s heads ``[g0, g1)``, the threads in parallel."""
+    if threads <= 1:
+        call(0, 0, g)
+        return
+    bounds = [g * i // threads for i in range(threads + 1)]
+    pool = _native._pool(threads)
+    futures = [pool.submit(call, t, bounds[t], bounds[t + 1]) for t in range(1, threads)]
+    call(0, bounds[0], bounds[1])
+    for fut in futures:
+        fut.result()
+
+
+class _WholeFourier(torch.autograd.Function):
+    r""":class:`_FusedFourier` with the key magnitude / mask computed inside (no given key weight),
+    forward and backward each one C call per thread (``ffw_*`` in ``_native/fourier_features.c``:
+    the same passes per head, the products by PyTorch's BLAS from C). q ``(…, Nq, d)``, k
+    ``(…, Nk, d)``, v ``(…, Nk, dv)`` of one batch shape ``lead``, points ``(…, S·R, d)``
+    broadcast to it, ``mask (…, Nk)`` additive without gradient or None."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, points: Tensor, mask: Tensor | None, eps: float,
+        coef: float, nsets: int, p: float | None, scale: float, cfg: _WholeConfig,
+    ) -> Tensor:
+        fwd, _, save_size, work_size, gemm, set_threads = cfg
+        lead = q.shape[:-2] or (1,)
+        nq, nk, d, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+        sr = points.shape[-2]
+        r = sr // nsets
+        g = math.prod(lead)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        w, wsb, wsh, hi = _points_layout(points, lead)
+        mk = None if mask is None else mask.expand(*lead, nk).contiguous()
+        save = q.new_empty(g, save_size(nq, nk, d, dv, r, nsets))
+        out = q.new_empty(*lead, nq, dv)
+        threads = _heads_split(g, nq * nk)
+        work = q.new_empty(threads, work_size(nq, nk, d, dv, r, nsets))
+        mode = -1 if p is None else _LP_MODES.get(p, 0)
+        cap = torch.finfo(q.dtype).max / 8
+        grad = int(p is not None and ctx.needs_input_grad[1])
+        c4 = coef**4
+        args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), w.data_ptr(), wsb, wsh, hi, _base(mk))
+        tail = (nq, nk, d, dv, r, nsets, mode, 1.0 if p is None else p, scale, cap, c4, eps, grad,
+                save.data_ptr(), out.data_ptr())
+        pw, step = work.data_ptr(), work.shape[1] * work.element_size()
+
+        def heads(t: int, g0: int, g1: int) -> None:
+            fwd(gemm, set_threads, *args, g0, g1, *tail, pw + t * step)
+
+        _each(threads, g, heads)
+        ctx.cfg, ctx.geom, ctx.mag = cfg, (wsb, wsh, hi, nsets, r, c4, eps), p is not None
+        ctx.points_shape = points.shape
+        ctx.save_for_backward(q, k, v, w, save, out)
+        return out if q.shape[:-2] else out.view(nq, dv)
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
+        if double_backward(ctx):  # the closed form below uses untracked intermediates
+            raise RuntimeError(
+                "kernel_attention's whole-call Fourier-feature node has no double backward (create_graph=True)"
+            )
+        _, bwd, _, work_size, gemm, set_threads = ctx.cfg
+        wsb, wsh, hi, nsets, r, c4, eps = ctx.geom
+        q, k, v, w, save, out = ctx.saved_tensors
+        need_q, need_k, need_v, need_w = ctx.needs_input_grad[:4]
+        lead = out.shape[:-2]
+        nq, nk, d, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+        sr = w.shape[-2]
+        g = math.prod(lead)
+        if dout.dtype != out.dtype:
+            dout = dout.to(out.dtype)
+        d3 = dout.reshape(g, nq, dv)  # (an expanded scalar stays a view with strides 0)
+        dq = torch.empty_like(q) if need_q else None
+        dk = torch.empty_like(k) if need_k else None
+        dvv = torch.empty_like(v) if need_v else None
+        threads = _heads_split(g, nq * nk)
+        work = q.new_empty(threads, work_size(nq, nk, d, dv, r, nsets))
+        shared = wsb == 0 and wsh == 0
+        dwb: list[Tensor] = []
+        dsb = dsh = 0
+        if need_w:
+            if shared:
+                dwb = [q.new_zeros(sr, d) for _ in range(threads)]
+            else:
+                dwb = [q.new_empty(g, sr, d)]
+                dsb, dsh = (hi * sr * d, sr * d) if hi > 1 or wsb != sr * d else (sr * d, 0)
+        args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), w.data_ptr(), wsb, wsh, hi, d3.data_ptr(),
+                d3.stride(0), d3.stride(1), d3.stride(2), out.data_ptr())
+        tail = (nq, nk, d, dv, r, nsets, int(ctx.mag), c4, eps, save.data_ptr())
+        outs = (_base(dq), _base(dk), _base(dvv))
+        pw, step = work.data_ptr(), work.shape[1] * work.element_size()
+
+        def heads(t: int, g0: int, g1: int) -> None:
+            pdw = None if not dwb else dwb[t if shared else 0].data_ptr()
+            bwd(gemm, set_threads, *args, g0, g1, *tail, pw + t * step, *outs, pdw, dsb, dsh, int(shared))
+
+        _each(threads, g, heads)
+        dw = None
+        if need_w:
+            if shared:
+                dw = dwb[0]
+                for extra in dwb[1:]:
+                    dw += extra
+                dw = dw.view(ctx.points_shape)
+            else:
+                dw = dwb[0].view(*lead, sr, d).sum_to_size(ctx.points_shape)
+        return dq, dk, dvv, dw, None, None, None, None, None, None, None
+
+
+def _whole_call(
+    q: Tensor, k: Tensor, v: Tensor, points: Tensor, key_mask: Tensor | None
+) -> _WholeConfig | None:
+    """The whole-call configuration where :class:`_WholeFourier` applies, else None: CPU
+    float32/64 tensors of one dtype with storage, q, k, v of one batch shape, ``0 < B·H·Nq·Nk <=
+    WHOLE_CALL_BELOW``, ``Nq·Nk <= WHOLE_CALL_MAX_HEAD_SCORES``, the C kernels and
+    :func:`attnopt._native.blas` there."""
+    dtype = q.dtype
+    if dtype not in (torch.float32, torch.float64) or q.device.type != "cpu":
+        return None
+    nq, nk = q.shape[-2], k.shape[-2]
+    size = math.prod(q.shape[:-2]) * nq * nk
+    if not 0 < size <= WHOLE_CALL_BELOW or nq * nk > WHOLE_CALL_MAX_HEAD_SCORES:
+        return None
+    if q.shape[-1] == 0 or v.shape[-1] == 0 or points.shape[-2] == 0:
+        return None
+    if any(t.dtype != dtype or t.device != q.device for t in (k, v, points)):
+        return None
+    if key_mask is not None and (key_mask.dtype != dtype or key_mask.device != q.device):
+        return None
+    if not _native.has_storage(q, k, v, points, key_mask):
+        return None
+    found = _native.blas()
+    lib = _native.library("fourier_features") if found is not None else None
+    if lib is None or found is None:
+        return None
+    f32 = dtype == torch.float32
+    return (*_whole_fns(lib, f32), found.sgemm if f32 else found.dgemm, found.set_threads)
+
+
 def _stack_sets(ws: list[Tensor], dtype: torch.dtype) -> Tensor:
     ws = [w.to(dtype) for w in ws]
     if len(ws) == 1:
@@ -634,6 +834,14 @@ def fused_fourier_magnitude_attention(
         batch = broadcast_shapes(*shapes)
         # (an expand of a tensor already of this shape would add a backward node per input)
         q, k, v = (x if x.shape[:-2] == batch else x.expand(*batch, *x.shape[-2:]) for x in (q, k, v))
-    out: Tensor = _FusedFourier.apply(q, k, v, points.to(q.dtype), None, key_mask, float(eps), float(coef),
-                                      nsets, None if p is None else float(p), float(scale))
+    points = points.to(q.dtype)
+    pp = None if p is None else float(p)
+    if k.shape[:-2] == v.shape[:-2] == q.shape[:-2]:
+        cfg = _whole_call(q, k, v, points, key_mask)
+        if cfg is not None:
+            whole: Tensor = _WholeFourier.apply(q, k, v, points, key_mask, float(eps), float(coef), nsets, pp,
+                                                float(scale), cfg)
+            return whole
+    out: Tensor = _FusedFourier.apply(q, k, v, points, None, key_mask, float(eps), float(coef),
+                                      nsets, pp, float(scale))
     return out
