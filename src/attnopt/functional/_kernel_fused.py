@@ -596,9 +596,9 @@ class _FusedFourier(torch.autograd.Function):
 #: ``B·H·Nq·Nk`` up to which :func:`fused_fourier_magnitude_attention` runs the whole-call path
 #: (:class:`_WholeFourier`: the forward of every head one C call, the backward one, the products by
 #: PyTorch's own BLAS called from C), where it applies.
-WHOLE_CALL_BELOW = 1 << 21
+WHOLE_CALL_BELOW = 1 << 22
 #: ... and one head's ``Nq·Nk`` at most this.
-WHOLE_CALL_MAX_HEAD_SCORES = 1 << 16
+WHOLE_CALL_MAX_HEAD_SCORES = 1 << 18
 
 _FWD_SIG = ([_VP] * 6 + [_I64] * 3 + [_VP] + [_I64] * 8 + [ctypes.c_int] + [_F64P] * 5 + [ctypes.c_int]
             + [_VP] * 3)

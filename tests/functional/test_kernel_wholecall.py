@@ -1,0 +1,157 @@
+"""The whole-call path of kernel attention with Fourier features (``_WholeFourier``: the forward one
+C call, the backward one, BLAS from C) vs the per-pass node (``_FusedFourier``) and the PyTorch ops."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import attnopt.functional._kernel_fused as kf
+from attnopt import _native
+
+pytestmark = pytest.mark.skipif(_native.compiler() is None or _native.blas() is None,
+                                reason="no C compiler or no BLAS in PyTorch's library")
+
+
+def _case(dtype, points_batch, nq, nk=6, b=2, h=3, masked=False, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, nq, 4, generator=g, dtype=dtype).requires_grad_()
+    k = torch.randn(b, h, nk, 4, generator=g, dtype=dtype).requires_grad_()
+    v = torch.randn(b, h, nk, 5, generator=g, dtype=dtype).requires_grad_()
+    pts = (torch.randn(*points_batch, 6, 4, generator=g, dtype=dtype) * 0.7).requires_grad_()
+    key_mask = None
+    if masked:
+        key_mask = torch.zeros(b, h, nk, dtype=dtype)
+        key_mask[0, 1, 2:] = float("-inf")
+        key_mask[-1, -1] = float("-inf")  # a fully masked head: zero rows, finite gradients
+        key_mask[-1, 0, 0] = -0.5
+    return q, k, v, pts, key_mask
+
+
+def _run(q, k, v, pts, key_mask, p, dout=None):
+    out = kf.fused_fourier_magnitude_attention(q, k, v, pts, 2, 1 / (2 * math.sqrt(3)), 1e-3, p, 0.6, key_mask)
+    if dout is None:
+        dout = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape)
+    return (out, *torch.autograd.grad(out, (q, k, v, pts), dout))
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Counts the calls of the whole-call node."""
+    calls = []
+    orig = kf._WholeFourier.forward
+
+    def forward(*args):
+        calls.append(1)
+        return orig(*args)
+
+    monkeypatch.setattr(kf._WholeFourier, "forward", staticmethod(forward))
+    return calls
+
+
+@pytest.mark.parametrize(("points_batch", "nq"), [((), 6), ((3,), 6), ((2, 3), 4), ((2, 1), 7)])
+@pytest.mark.parametrize(("p", "masked"), [(None, False), (1.5, True), (2.0, True)])
+def test_whole_call_matches_node_and_torch_path(points_batch, nq, p, masked, spy, monkeypatch):
+    """float64: output and gradients of q, k, v and the points (shared, per head, per example and
+    head, per example), Nq = Nk and Nq != Nk, masks with a fully masked head: whole call = the node
+    of C passes = the PyTorch ops."""
+    case = _case(torch.float64, points_batch, nq, masked=masked)
+    got = _run(*case, p)
+    assert spy == [1]
+    if masked:
+        assert torch.equal(got[0][-1, -1], torch.zeros_like(got[0][-1, -1]))
+    monkeypatch.setattr(kf, "WHOLE_CALL_BELOW", 0)  # the node with its C passes
+    node = _run(*case, p)
+    monkeypatch.setenv("ATTNOPT_NATIVE", "0")
+    monkeypatch.setattr(_native, "_LIBS", {})
+    torch_ops = _run(*case, p)
+    assert spy == [1]
+    for a, b, c in zip(got, node, torch_ops, strict=True):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+        torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-13)
+
+
+def test_whole_call_float32_close_to_float64(spy):
+    case64 = _case(torch.float64, (), 6, masked=True)
+    case32 = tuple(None if t is None else t.detach().float().requires_grad_(t.requires_grad) for t in case64)
+    for a, b in zip(_run(*case32, 1.5), _run(*case64, 1.5), strict=True):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5)
+    assert spy == [1, 1]
+
+
+@pytest.mark.parametrize("points_batch", [(), (2, 3)])
+def test_whole_call_gradcheck(points_batch, spy):
+    q, k, v, pts, key_mask = _case(torch.float64, points_batch, 5, masked=True)
+
+    def fn(q, k, v, pts):
+        return kf.fused_fourier_magnitude_attention(q, k, v, pts, 2, 0.3, 1e-3, 1.5, 0.6, key_mask)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v, pts), fast_mode=True)
+    assert spy
+
+
+def test_crossover_and_no_blas_take_the_node(spy, monkeypatch):
+    """Above either size limit, or without PyTorch's BLAS, the node runs (same values)."""
+    case = _case(torch.float64, (), 6)
+    want = _run(*case, 1.5)
+    assert spy == [1]
+    b, h, nq, nk = 2, 3, 6, 6
+    for total, head in ((b * h * nq * nk - 1, 1 << 30), (1 << 30, nq * nk - 1)):
+        monkeypatch.setattr(kf, "WHOLE_CALL_BELOW", total)
+        monkeypatch.setattr(kf, "WHOLE_CALL_MAX_HEAD_SCORES", head)
+        for a, c in zip(_run(*case, 1.5), want, strict=True):
+            torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-13)
+    monkeypatch.setattr(kf, "WHOLE_CALL_BELOW", b * h * nq * nk)
+    monkeypatch.setattr(kf, "WHOLE_CALL_MAX_HEAD_SCORES", nq * nk)
+    _run(*case, 1.5)
+    assert spy == [1, 1]  # at both limits: the whole call
+    monkeypatch.setattr(_native, "blas", lambda: None)
+    for a, c in zip(_run(*case, 1.5), want, strict=True):
+        torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-13)
+    assert spy == [1, 1]
+
+
+@pytest.mark.parametrize("points_batch", [(), (2, 3)])
+def test_heads_split_over_threads(points_batch, spy, monkeypatch):
+    """Heads over 2 threads (per-thread gradient buffers of shared points summed) = 1 thread; the
+    gradient of a sum (an expanded scalar) read with stride 0."""
+    case = _case(torch.float64, points_batch, 6, masked=True)
+    ones = torch.ones(2, 3, 6, 5, dtype=torch.float64).expand(2, 3, 6, 5)
+    one = _run(*case, 1.5)
+    one_sum = _run(*case, 1.5, torch.ones((), dtype=torch.float64).expand(2, 3, 6, 5))
+    monkeypatch.setattr(_native, "_MIN_PARALLEL", 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        two = _run(*case, 1.5)
+        two_sum = _run(*case, 1.5, ones)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(two + two_sum, one + one_sum, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+    assert len(spy) == 4
+
+
+def test_unbatched_and_strided_inputs(spy):
+    """2-D q, k, v (no batch) and transposed (B, N, H, d) views equal the contiguous batched call."""
+    q, k, v, pts, _ = _case(torch.float64, (), 6, b=1, h=1)
+    got = _run(q[0, 0], k[0, 0], v[0, 0], pts, None, 2.0)
+    want = _run(q, k, v, pts, None, 2.0)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b.reshape(a.shape), rtol=1e-12, atol=1e-13)
+    x = torch.randn(2, 6, 3, 12, dtype=torch.float64)
+    qs, ks, vs = (t.transpose(1, 2) for t in x.split(4, dim=-1))
+    out = kf.fused_fourier_magnitude_attention(qs, ks, vs, pts.detach(), 2, 0.3, 1e-3, 1.5, 0.6, None)
+    ref = kf.fused_fourier_magnitude_attention(qs.contiguous(), ks.contiguous(), vs.contiguous(), pts.detach(),
+                                               2, 0.3, 1e-3, 1.5, 0.6, None)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-13)
+    assert len(spy) == 4
+
+
+def test_double_backward_refused():
+    q, k, v, pts, _ = _case(torch.float64, (), 6)
+    out = kf.fused_fourier_magnitude_attention(q, k, v, pts, 2, 0.3, 1e-3, 1.5, 0.6, None)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(out.sum(), q, create_graph=True)
