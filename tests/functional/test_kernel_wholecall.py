@@ -30,7 +30,8 @@ def _case(dtype, points_batch, nq, nk=6, b=2, h=3, masked=False, seed=5):
 
 
 def _run(q, k, v, pts, key_mask, p, dout=None):
-    out = kf.fused_fourier_magnitude_attention(q, k, v, pts, 2, 1 / (2 * math.sqrt(3)), 1e-3, p, 0.6, key_mask)
+    coef = 1 / (2 * math.sqrt(3))
+    out = kf.fused_fourier_magnitude_attention(q, k, v, pts, 2, coef, 1e-3, p, 0.6, key_mask)
     if dout is None:
         dout = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape)
     return (out, *torch.autograd.grad(out, (q, k, v, pts), dout))
@@ -144,8 +145,8 @@ def test_unbatched_and_strided_inputs(spy):
     x = torch.randn(2, 6, 3, 12, dtype=torch.float64)
     qs, ks, vs = (t.transpose(1, 2) for t in x.split(4, dim=-1))
     out = kf.fused_fourier_magnitude_attention(qs, ks, vs, pts.detach(), 2, 0.3, 1e-3, 1.5, 0.6, None)
-    ref = kf.fused_fourier_magnitude_attention(qs.contiguous(), ks.contiguous(), vs.contiguous(), pts.detach(),
-                                               2, 0.3, 1e-3, 1.5, 0.6, None)
+    qc, kc, vc = qs.contiguous(), ks.contiguous(), vs.contiguous()
+    ref = kf.fused_fourier_magnitude_attention(qc, kc, vc, pts.detach(), 2, 0.3, 1e-3, 1.5, 0.6, None)
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-13)
     assert len(spy) == 4
 

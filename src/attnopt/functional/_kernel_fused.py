@@ -33,6 +33,21 @@ PyTorch ops remain the path off the CPU, without a compiler, with ``ATTNOPT_NATI
 strided tensors. Measured (fwd+bwd, 1 thread, thread CPU time, loaded 2-core machine, ratio to
 SDPA in the same run): IKAN R = 16, p = 1.5 at B·H = 8, N = 64 2.6–2.7× → 2.0–2.2×, B·H = 64
 1.65× → 1.25–1.3×; IKA_S R = 8 2.1× → 1.8×.
+
+At small sizes (:data:`WHOLE_CALL_BELOW` scores in all, :data:`WHOLE_CALL_MAX_HEAD_SCORES` per
+head) :func:`fused_fourier_magnitude_attention` takes the *whole-call* path instead
+(:class:`_WholeFourier`; ``ffw_*`` in the C file): the forward of every head is one C call and
+the backward one, the same passes per head with the products by PyTorch's own BLAS called from C
+(:func:`attnopt._native.blas`), MKL held to one thread and flush-to-zero on during the call,
+heads split over ``torch.get_num_threads()`` threads; ``F``, the features, ``cos``/``sin`` of
+``P``, ``[v ⊙ m, m]`` and the key-weight factors saved per head. It leaves ~20 PyTorch ops and
+their Python of the node for two foreign calls. Same math as the node to rounding; the node
+remains the path above the crossover, with a given key weight, off the CPU, without a compiler
+or BLAS (``blas()`` None) and for q, k, v of different batch shapes. Measured (fwd+bwd, d = 64,
+1 thread, thread CPU time, loaded 2-core machine, × SDPA in the same run, node → whole call):
+IKAN R = 16, p = 1.5 B·H = 8, N = 64 2.10× → 1.42×; IKA_S R = 8 1.79× → 1.15×; the sampled IKAN /
+MIKAN module core 3.75× → 3.0×; B·H = 64, N = 64 IKAN 1.04×, IKA_S 0.84×; B·H = 8, N = 128
+IKAN 1.03×.
 """
 from __future__ import annotations
 
@@ -595,9 +610,16 @@ class _FusedFourier(torch.autograd.Function):
 
 #: ``B·H·Nq·Nk`` up to which :func:`fused_fourier_magnitude_attention` runs the whole-call path
 #: (:class:`_WholeFourier`: the forward of every head one C call, the backward one, the products by
-#: PyTorch's own BLAS called from C), where it applies.
+#: PyTorch's own BLAS called from C), where it applies. Measured (fwd+bwd, d = 64, float32,
+#: 1 thread, loaded 2-core machine, × SDPA in the same run, whole call vs the node, interleaved):
+#: IKA_S R = 8 / IKAN R = 16 p = 1.5 / sampled IKAN core, B·H = 64: N = 128 (2^20) 0.70 vs 0.77 /
+#: 0.82 vs 0.91 / 1.09 vs 1.18; N = 256 (2^22) 0.72 vs 0.86 / 0.82 vs 1.03 / 0.96 vs 1.14;
+#: B·H = 128, N = 256 (2^23) 0.96 vs 0.88 / 1.17 vs 1.05 (the saved F, 32 MB, no longer pays).
+#: B·H = 8: N = 256 0.73 vs 0.86 / 0.84 vs 0.99; N = 512 (2^18 a head) 0.70 vs 0.80 / 0.80 vs 0.93;
+#: N = 1024 (2^20 a head) 1.09 vs 0.80 / 1.20 vs 0.98. Train step (attnopt.bench.training, N = 128,
+#: 2^21) ika-s / ikan / mikan × softmax 1.16 / 1.21 / 1.21 → 1.10 / 1.14 / 1.16.
 WHOLE_CALL_BELOW = 1 << 22
-#: ... and one head's ``Nq·Nk`` at most this.
+#: ... and one head's ``Nq·Nk`` at most this (N = 512; N = 1024 loses, see above).
 WHOLE_CALL_MAX_HEAD_SCORES = 1 << 18
 
 _FWD_SIG = ([_VP] * 6 + [_I64] * 3 + [_VP] + [_I64] * 8 + [ctypes.c_int] + [_F64P] * 5 + [ctypes.c_int]
@@ -710,7 +732,8 @@ class _WholeFourier(torch.autograd.Function):
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         if double_backward(ctx):  # the closed form below uses untracked intermediates
             raise RuntimeError(
-                "kernel_attention's whole-call Fourier-feature node has no double backward (create_graph=True)"
+                "kernel_attention's whole-call Fourier-feature node has no double backward "
+                "(create_graph=True)"
             )
         _, bwd, _, work_size, gemm, set_threads = ctx.cfg
         wsb, wsh, hi, nsets, r, c4, eps = ctx.geom
