@@ -151,6 +151,16 @@ def test_unbatched_and_strided_inputs(spy):
     assert len(spy) == 4
 
 
+def test_dispatch_mode_sees_the_products(spy):
+    """Under a FLOP counter (a dispatch mode) the node runs: its matrix products are counted."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q, k, v, pts, _ = _case(torch.float64, (), 6)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        kf.fused_fourier_magnitude_attention(q, k, v, pts, 2, 0.3, 1e-3, 1.5, 0.6, None)
+    assert counter.get_total_flops() > 0 and not spy
+
+
 def test_double_backward_refused():
     q, k, v, pts, _ = _case(torch.float64, (), 6)
     out = kf.fused_fourier_magnitude_attention(q, k, v, pts, 2, 0.3, 1e-3, 1.5, 0.6, None)

@@ -787,7 +787,8 @@ def _whole_call(
     q: Tensor, k: Tensor, v: Tensor, points: Tensor, key_mask: Tensor | None
 ) -> _WholeConfig | None:
     """The whole-call configuration where :class:`_WholeFourier` applies, else None: CPU
-    float32/64 tensors of one dtype with storage, q, k, v of one batch shape, ``0 < B·H·Nq·Nk <=
+    float32/64 tensors of one dtype with storage, no dispatch mode active (a FLOP counter sees the
+    node's products), q, k, v of one batch shape, ``0 < B·H·Nq·Nk <=
     WHOLE_CALL_BELOW``, ``Nq·Nk <= WHOLE_CALL_MAX_HEAD_SCORES``, the C kernels and
     :func:`attnopt._native.blas` there."""
     dtype = q.dtype
@@ -804,6 +805,10 @@ def _whole_call(
     if key_mask is not None and (key_mask.dtype != dtype or key_mask.device != q.device):
         return None
     if not _native.has_storage(q, k, v, points, key_mask):
+        return None
+    # under a dispatch mode (FlopCounterMode, the claims' PeakMemory) the node's aten ops are seen;
+    # the products inside the C call would not be
+    if torch._C._len_torch_dispatch_stack():
         return None
     found = _native.blas()
     lib = _native.library("fourier_features") if found is not None else None
