@@ -354,8 +354,9 @@ def _fused_fourier(
     Fourier-feature kernels (IKA_S / IKA_NS / IKAN), ``ε > 0``, an L^p magnitude with
     ``1 <= p <= 2`` (or none), a key-only mask without gradient, not causal, float32/float64,
     at sizes ``dispatch`` materializes: features, key weights and attention in one node
-    (:func:`~attnopt.functional._kernel_fused.fused_fourier_magnitude_attention`), the same
-    function as the general path up to float rounding. Inputs are validated by the caller.
+    (:func:`~attnopt.functional._kernel_fused.fused_fourier_magnitude_attention`; at small sizes its
+    whole-call path, forward and backward one C call each), the same function as the general path
+    up to float rounding. Inputs are validated by the caller.
     """
     _check_options(kernel, magnitude_p, eps, mode)
     assert isinstance(kernel, Kernel)
