@@ -68,3 +68,68 @@ def test_empty_attention_shapes_and_zero_gradients():
     out.sum().backward()
     assert torch.equal(q.grad, torch.zeros_like(q)) and k.grad.shape == k.shape and v.grad.shape == v.shape
     assert empty_attention(q, q, q) is None
+
+
+@pytest.fixture(params=["native", "torch"])
+def finite_path(request, monkeypatch):
+    """Run a check_finite test on the C kernel (``_native/finite.c``) and on the PyTorch path."""
+    from attnopt import _native, _validation
+
+    if request.param == "native":
+        monkeypatch.delenv("ATTNOPT_NATIVE", raising=False)
+        if _native.library("finite") is None:
+            pytest.skip("no C compiler")
+    else:
+        monkeypatch.setenv("ATTNOPT_NATIVE", "0")
+        monkeypatch.setattr(_native, "_LIBS", {})
+    monkeypatch.setattr(_validation, "_FINITE", [None, None])
+    yield request.param
+    assert (_validation._FINITE[1] is None) == (request.param == "torch")  # the path meant was taken
+
+
+def _layouts(dtype):
+    """(name, tensor builder from a contiguous base) pairs: contiguous, transposed, sliced, expanded,
+    5-D (the fallback even on the native path), and a flat size that is no multiple of 16."""
+    return [
+        ("contiguous", lambda: torch.randn(3, 5, 7, 11, dtype=dtype), lambda t: t),
+        ("flat-odd", lambda: torch.randn(37, dtype=dtype), lambda t: t),
+        ("transposed", lambda: torch.randn(2, 9, 3, 5, dtype=dtype), lambda t: t.transpose(1, 2)),
+        ("sliced", lambda: torch.randn(4, 6, 13, dtype=dtype), lambda t: t[1:, ::2, 3:11]),
+        ("expanded", lambda: torch.randn(1, 5, 19, dtype=dtype), lambda t: t.expand(3, 5, 19)),
+        ("5-D", lambda: torch.randn(2, 2, 3, 2, 5, dtype=dtype), lambda t: t),
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_check_finite_every_position_and_layout(finite_path, dtype):
+    """NaN / ±inf at the first, a middle and the last entry of the view (and nowhere else in the
+    base) is found in every layout; an entry of the base outside the view is not looked at."""
+    for layout, make, view in _layouts(dtype):
+        base = make()
+        x = view(base)
+        check_finite(q=x, k=x, v=None)
+        flat_index = torch.arange(base.numel()).view(base.shape)
+        seen = view(flat_index).reshape(-1)
+        for pos in (0, seen.numel() // 2, seen.numel() - 1):
+            for value in (float("nan"), float("inf"), float("-inf")):
+                bad_base = base.clone()
+                bad_base.view(-1)[seen[pos]] = value
+                with pytest.raises(ValueError, match=r"^k contains NaN or ±inf"):
+                    check_finite(q=x, k=view(bad_base), v=x)
+        outside = sorted(set(range(base.numel())) - set(seen.tolist()))
+        if outside:  # a NaN in the storage but not in the view is no error
+            bad_base = base.clone()
+            bad_base.view(-1)[outside[0]] = float("nan")
+            check_finite(q=view(bad_base), k=None, v=None)
+        assert layout  # (named for the failure message)
+
+
+def test_check_finite_empty_huge_and_grad_tensors(finite_path):
+    big = torch.finfo(torch.float32).max
+    check_finite(q=torch.empty(0, 4), k=torch.empty(2, 0, 3).transpose(0, 1), v=torch.full((5, 17), big))
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    check_finite(q=x, k=x * 2, v=torch.arange(6).view(2, 3))
+    bad = x.detach().clone()
+    bad[-1, -1, -1] = float("nan")
+    with pytest.raises(ValueError, match=r"^v contains"):
+        check_finite(q=x, k=None, v=bad.requires_grad_())
