@@ -32,6 +32,7 @@ __all__ = [
     "check_tensor",
     "check_attention_inputs",
     "check_finite",
+    "any_nonfinite",
     "check_mask",
     "validate_attention",
     "resolve_scale",
@@ -147,18 +148,10 @@ def check_finite(**tensors: Tensor | None) -> None:
     for name, x in tensors.items():
         if x is None:
             continue
-        native = None if fns is None else fns.get(x.dtype)
-        if (native is not None and type(x) in _PLAIN and x.is_cpu and x.layout is torch.strided
-                and x.dim() <= 4 and not _is_wrapped(x)):  # real float32/float64 memory (has_storage)
-            dense, strided = native
-            if x.is_contiguous():
-                bad = dense(x.data_ptr(), x.numel())
-            else:
-                pad = 4 - x.dim()
-                bad = strided(x.data_ptr(), *((1,) * pad), *x.shape, *((0,) * pad), *x.stride())
-            if bad:
-                _raise_nonfinite(name)
-        elif x.numel():
+        bad = None if fns is None else _native_nonfinite(x, fns)
+        if bad:
+            _raise_nonfinite(name)
+        elif bad is None and x.numel():
             named.append((name, x.detach() if x.requires_grad else x))
     if not named:
         return
@@ -172,6 +165,33 @@ def check_finite(**tensors: Tensor | None) -> None:
         low, high = torch.aminmax(x)  # exact: NaN propagates into both, a finite overflow does not
         if not (math.isfinite(float(low)) and math.isfinite(float(high))):
             _raise_nonfinite(name)
+
+
+def any_nonfinite(x: Tensor) -> bool:
+    """Whether ``x`` holds NaN or ±inf: :func:`check_finite`'s C kernel where it applies, else one
+    exact ``aminmax`` (NaN and ±inf reach its ends; no overflow). Not skipped under ``torch.compile``:
+    callers decide."""
+    fns = _finite_fns()
+    bad = None if fns is None else _native_nonfinite(x, fns)
+    if bad is not None:
+        return bad
+    if not x.numel() or not (x.is_floating_point() or x.is_complex()):
+        return False
+    low, high = torch.aminmax(x.detach())
+    return not (math.isfinite(float(low)) and math.isfinite(float(high)))
+
+
+def _native_nonfinite(x: Tensor, fns: dict) -> bool | None:
+    """NaN/±inf in ``x`` by the C kernel; ``None`` where it does not apply (see :func:`check_finite`)."""
+    native = fns.get(x.dtype)
+    if (native is None or type(x) not in _PLAIN or not x.is_cpu or x.layout is not torch.strided
+            or x.dim() > 4 or _is_wrapped(x)):  # real float32/float64 memory (as _native.has_storage)
+        return None
+    dense, strided = native
+    if x.is_contiguous():
+        return bool(dense(x.data_ptr(), x.numel()))
+    pad = 4 - x.dim()
+    return bool(strided(x.data_ptr(), *((1,) * pad), *x.shape, *((0,) * pad), *x.stride()))
 
 
 def _raise_nonfinite(name: str) -> None:

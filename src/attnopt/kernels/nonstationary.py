@@ -35,18 +35,38 @@ class NonStationaryFourier(Kernel):
     bounded = True  # |f| ≤ 1: a mean of cosines
 
     _stacked: Tensor | None = None  # w1 and w2 as one (..., 2R, d) tensor (see stacked())
+    _w1: Tensor | None = None
+    _w2: Tensor | None = None
 
     def __init__(self, w1: Tensor, w2: Tensor) -> None:
-        self.w1 = check_spectral_points("w1", w1)
-        self.w2 = check_spectral_points("w2", w2)
+        self._w1 = check_spectral_points("w1", w1)
+        self._w2 = check_spectral_points("w2", w2)
         if w1.shape != w2.shape:
             raise ValueError(f"w1 and w2 must have the same shape, got {tuple(w1.shape)}, {tuple(w2.shape)}")
+
+    @property
+    def w1(self) -> Tensor:
+        """The first set (..., R, d) (of a :meth:`stacked` kernel: a view, made on first use)."""
+        if self._w1 is None:
+            assert self._stacked is not None
+            self._w1 = self._stacked.narrow(-2, 0, self._stacked.shape[-2] // 2)
+        return self._w1
+
+    @property
+    def w2(self) -> Tensor:
+        """The second set (..., R, d)."""
+        if self._w2 is None:
+            assert self._stacked is not None
+            r = self._stacked.shape[-2] // 2
+            self._w2 = self._stacked.narrow(-2, r, r)
+        return self._w2
 
     @classmethod
     def stacked(cls, points: Tensor) -> NonStationaryFourier:
         """The kernel of ``w1 = points[..., :R, :]``, ``w2 = points[..., R:, :]`` (``points (..., 2R, d)``).
 
-        One finiteness check, and attention uses ``points`` as they are (no concatenation).
+        One finiteness check (a C bit test, :func:`attnopt._validation.any_nonfinite`), and
+        attention uses ``points`` as they are (no concatenation; ``w1``/``w2`` views on first use).
 
         Raises:
             TypeError, ValueError: as the constructor; an odd number of points.
@@ -54,9 +74,8 @@ class NonStationaryFourier(Kernel):
         points = check_spectral_points("points", points)
         if points.shape[-2] % 2:
             raise ValueError(f"points must hold 2R rows (w1 then w2), got {tuple(points.shape)}")
-        r = points.shape[-2] // 2
         out = cls.__new__(cls)
-        out.w1, out.w2, out._stacked = points[..., :r, :], points[..., r:, :], points
+        out._stacked = points  # the sets' views are made when asked for (attention takes `points`)
         return out
 
     def fourier_stack(self) -> tuple[Tensor, int, float] | None:
@@ -67,6 +86,8 @@ class NonStationaryFourier(Kernel):
     @property
     def num_samples(self) -> int:
         """``R``."""
+        if self._stacked is not None:
+            return int(self._stacked.shape[-2]) // 2
         return int(self.w1.shape[-2])
 
     @classmethod
