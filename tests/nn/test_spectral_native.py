@@ -230,3 +230,37 @@ def test_module_with_padded_keys_native_equals_fallback(variant, monkeypatch):
         assert (a is None) == (b is None)
         if a is not None:
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, equal_nan=True)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_kl_mean_inside_the_node_is_the_mean_of_the_per_example_kl(native, monkeypatch):
+    """``kl_mean=True`` gives ``kl.mean()`` bitwise and the same gradients (the C backward reads
+    ``gkl / B`` with stride 0), on both paths; gradcheck and gradgradcheck of the mean in float64."""
+    if not native:
+        _plain_path(monkeypatch)
+    g = torch.Generator().manual_seed(7)
+    dens = _densities(2, d=3, r=4, hidden=5, scales=(0.4, 0.7))
+    params = [p.detach().clone().requires_grad_() for p in sf.fusable(dens)]
+    h = torch.randn(3, 2, 3, generator=g, dtype=F64).requires_grad_()
+    noise = torch.randn(2, 3, 2, 2, 3, generator=g, dtype=F64)
+    raw = torch.randn(2, 2, generator=g, dtype=F64).requires_grad_()
+    pts, kl = sf.sample_spectral_points(h, noise, dens, params, raw)
+    pts_m, kl_m = sf.sample_spectral_points(h, noise, dens, params, raw, kl_mean=True)
+    assert (_node(pts_m) == "_NativeSpectralSampleBackward") == native
+    assert kl_m.shape == () and torch.equal(kl_m, kl.mean()) and torch.equal(pts_m, pts)
+    gp = torch.randn(pts.shape, generator=g, dtype=F64)
+    leaves = (h, raw, *params)
+    got = torch.autograd.grad((pts_m, 3.0 * kl_m), leaves, (gp, None))
+    want = torch.autograd.grad((pts, 3.0 * kl.mean()), leaves, (gp, None))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-14)
+
+    if native:  # (the PyTorch path's mean is a plain autograd op)
+        def fn(h, raw, p0, p7):  # the first layer's weight and the last bias stand for the parameters
+            ps = [p0, *params[1:7], p7, *params[8:]]
+            return sf.sample_spectral_points(h, noise, dens, ps, raw, kl_mean=True)
+
+        assert torch.autograd.gradcheck(fn, (h, raw, params[0], params[7]))
+        small = h[:1].detach().requires_grad_()
+        assert torch.autograd.gradgradcheck(
+            lambda x: sf.sample_spectral_points(x, noise[:, :1], dens, params, kl_mean=True)[1], (small,))

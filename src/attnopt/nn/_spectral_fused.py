@@ -240,7 +240,8 @@ def _plain_backward(
 
 
 def sample_spectral_points(
-    h: Tensor, noise: Tensor, densities: nn.ModuleList, params: list[Tensor], copula_raw: Tensor | None = None
+    h: Tensor, noise: Tensor, densities: nn.ModuleList, params: list[Tensor],
+    copula_raw: Tensor | None = None, kl_mean: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """All sets' spectral points and the KL, one node.
 
@@ -251,6 +252,8 @@ def sample_spectral_points(
         params: :func:`fusable` of ``densities``.
         copula_raw: the :class:`~attnopt.nn.spectral.GaussianCopula`'s ``raw`` (H, H) parameter, or
             None: the noise is correlated across the heads by its factor ``L̃`` inside the node.
+        kl_mean: return the KL's mean over the examples (0-d; taken inside the C node, no
+            autograd node of its own) in place of the per-example KL.
     The C sampler of :mod:`._spectral_native` runs where it applies (CPU float32/64, stock
     networks), else :class:`_SpectralSample`.
 
@@ -262,6 +265,6 @@ def sample_spectral_points(
     scales = tuple(float(getattr(dens, "base_scale")) for dens in densities)  # noqa: B009
     lib = _spectral_native.library(h, noise, copula_raw, params)
     if lib is not None:  # the whole forward and backward in C (CPU float32/64)
-        return _spectral_native.native_sample(h, noise, copula_raw, scales, params, lib)
+        return _spectral_native.native_sample(h, noise, copula_raw, scales, params, lib, kl_mean)
     pts, kl = _SpectralSample.apply(h, noise, copula_raw, scales, *params)
-    return pts, kl
+    return pts, (kl.mean() if kl_mean else kl)

@@ -130,7 +130,7 @@ class _NativeSpectralSample(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any, h: Tensor, noise: Tensor, raw: Tensor | None, scales: tuple[float, ...], lib: ctypes.CDLL,
-        *params: Tensor,
+        kl_mean: bool, *params: Tensor,
     ) -> tuple[Tensor, Tensor]:
         n_sets = len(scales)
         half, d = noise.shape[-2], noise.shape[-1]
@@ -155,8 +155,9 @@ class _NativeSpectralSample(torch.autograd.Function):
                kl.data_ptr(), ws.data_ptr()):
             raise MemoryError("spectral sampler (native): out of memory for its scratch")
         ctx.dims, ctx.strides, ctx.scales, ctx.lib, ctx.sc = dims, strides, scales, lib, sc
+        ctx.kl_mean = kl_mean
         ctx.save_for_backward(h, noise, raw, ws, ne, *params)
-        return pts, kl
+        return pts, (kl.mean() if kl_mean else kl)  # the mean here: no autograd node of its own
 
     @staticmethod
     def backward(ctx: Any, gpts: Tensor, gkl: Tensor) -> tuple[Tensor | None, ...]:
@@ -167,8 +168,12 @@ class _NativeSpectralSample(torch.autograd.Function):
         n_sets, batch, heads, half, d, hid = ctx.dims
         m = batch * heads
         gp = gpts.contiguous()
-        # the KL's gradient per example: the mean's backward hands an expanded (B,) tensor (stride 0)
-        gk = gkl if gkl.dim() == 1 else gkl.contiguous()
+        # the KL's gradient per example: the mean's backward hands an expanded (B,) tensor (stride 0);
+        # of the mean taken here, gkl / B for every example (mean's backward, read with stride 0)
+        if ctx.kl_mean:
+            gk = torch.div(gkl, batch).reshape(1)
+        else:
+            gk = gkl if gkl.dim() == 1 else gkl.contiguous()
         dh = h.new_empty(m, d) if need[0] else None
         dn = h.new_empty(n_sets, m, half, d) if need[1] else None
         draw = h.new_empty(heads, heads) if raw is not None and need[2] else None
@@ -179,15 +184,15 @@ class _NativeSpectralSample(torch.autograd.Function):
         gaddrs = (ctypes.c_int64 * len(grads))(*[g.data_ptr() for g in grads])
         _, bwd = _functions(ctx.lib, h.dtype)
         rc = raw.contiguous() if raw is not None else None
-        gks = gk.stride(0) if gk.dim() == 1 else 1
+        gks = 0 if ctx.kl_mean else gk.stride(0) if gk.dim() == 1 else 1
         if bwd(*ctx.dims, h.contiguous().data_ptr(), ne.data_ptr(), *ctx.strides, _ptr(rc), addrs, ctx.sc,
                ws.data_ptr(), gp.data_ptr(), gk.data_ptr(), gks, _ptr(dh), _ptr(dn), _ptr(draw), gaddrs):
             raise MemoryError("spectral sampler (native): out of memory for its scratch")
         dnoise = None
         if dn is not None:
             dnoise = dn.view(n_sets, *h.shape[:-1], half, d).sum_to_size(noise.shape)
-        return (None if dh is None else dh.view_as(h), dnoise, draw, None, None,
-                *(g if n else None for g, n in zip(grads, need[5:], strict=True)))
+        return (None if dh is None else dh.view_as(h), dnoise, draw, None, None, None,
+                *(g if n else None for g, n in zip(grads, need[6:], strict=True)))
 
 
 def _plain_backward(
@@ -195,10 +200,12 @@ def _plain_backward(
 ) -> tuple[Tensor | None, ...]:
     from attnopt.nn._spectral_fused import _plain
 
-    inputs = [h, noise, raw, None, None, *params]
+    inputs = [h, noise, raw, None, None, None, *params]
     need = [x for x, n in zip(inputs, ctx.needs_input_grad, strict=True) if n and x is not None]
     with torch.enable_grad():
         pts, kl = _plain(h, noise, raw, ctx.scales, params)
+        if ctx.kl_mean:
+            kl = kl.mean()
     grads = iter(torch.autograd.grad((pts, kl), need, (gpts, gkl), create_graph=True, allow_unused=True))
     return tuple(next(grads) if n and x is not None else None
                  for x, n in zip(inputs, ctx.needs_input_grad, strict=True))
@@ -206,8 +213,9 @@ def _plain_backward(
 
 def native_sample(
     h: Tensor, noise: Tensor, raw: Tensor | None, scales: tuple[float, ...], params: list[Tensor],
-    lib: ctypes.CDLL,
+    lib: ctypes.CDLL, kl_mean: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """``(points, kl)`` of :func:`._spectral_fused.sample_spectral_points` in C (``lib``: :func:`library`)."""
-    out: tuple[Tensor, Tensor] = _NativeSpectralSample.apply(h, noise, raw, scales, lib, *params)
+    """``(points, kl)`` of :func:`._spectral_fused.sample_spectral_points` in C (``lib``: :func:`library`);
+    ``kl_mean``: the KL's batch mean (0-d) in place of the per-example KL."""
+    out: tuple[Tensor, Tensor] = _NativeSpectralSample.apply(h, noise, raw, scales, lib, kl_mean, *params)
     return out

@@ -131,16 +131,17 @@ class ImplicitKernelAttention(MultiheadBase):
         return sets, kl
 
     def _sample(
-        self, k: Tensor, mask: Tensor | None, split: bool = True
+        self, k: Tensor, mask: Tensor | None, split: bool = True, kl_mean: bool = False
     ) -> tuple[list[Tensor], Tensor | None, Tensor]:
         """(point sets, the same sets stacked along the points or None, KL per example).
 
-        With ``split=False`` the sets are left out (an empty list) where the stacked tensor is given.
+        With ``split=False`` the sets are left out (an empty list) where the stacked tensor is given;
+        with ``kl_mean=True`` the KL is its batch mean (0-d; taken inside the sampling node).
         """
         b = k.shape[0]
         if self.variant == "ikan-direct":
             w = self.spectral_points.to(k.dtype)  # (S, H, R, d)
-            return list(w), None, k.new_zeros(b)
+            return list(w), None, k.new_zeros(()) if kl_mean else k.new_zeros(b)
         h = self._head_summary(k, mask)
         n_sets, half = len(self.densities), self.num_samples // 2
         # every set's base noise in one draw (eval: the fixed buffer); the copula correlates it
@@ -154,7 +155,7 @@ class ImplicitKernelAttention(MultiheadBase):
         if params is not None and (self.copula is None or type(self.copula) is GaussianCopula):
             # the stock density networks (and copula): every set and the copula in one node
             raw = None if self.copula is None else self.copula.raw
-            pts, kl = sample_spectral_points(h, noise, self.densities, params, raw)
+            pts, kl = sample_spectral_points(h, noise, self.densities, params, raw, kl_mean)
             r = self.num_samples
             if not split:  # the caller takes the stacked points (no slice views, no autograd nodes)
                 return [], pts, kl
@@ -174,12 +175,12 @@ class ImplicitKernelAttention(MultiheadBase):
             if log_det is not None:
                 set_kl = set_kl - 0.5 * self.head_dim * log_det
             kl = kl + half * set_kl
-        return sets, None, kl
+        return sets, None, (kl.mean() if kl_mean else kl)
 
     def kernel_for(self, k: Tensor, mask: Tensor | None = None) -> Kernel:
         """The kernel used for keys ``k`` (B, H, Nk, d); records the KL for :meth:`kl`."""
-        sets, stacked, kl = self._sample(k, mask, split=False)
-        self._kl = kl.mean()
+        sets, stacked, kl = self._sample(k, mask, split=False, kl_mean=True)
+        self._kl = kl
         if self.variant == "ika-s":  # one set: the stacked tensor is that set
             return RandomFourier(sets[0] if stacked is None else stacked)
         if stacked is not None:  # one tensor holds both sets: attention takes it without a copy
