@@ -235,7 +235,7 @@ def test_module_with_padded_keys_native_equals_fallback(variant, monkeypatch):
 @pytest.mark.parametrize("native", [True, False])
 def test_kl_mean_inside_the_node_is_the_mean_of_the_per_example_kl(native, monkeypatch):
     """``kl_mean=True`` gives ``kl.mean()`` bitwise and the same gradients (the C backward reads
-    ``gkl / B`` with stride 0), on both paths; gradcheck and gradgradcheck of the mean in float64."""
+    ``gkl / B`` with stride 0), on both paths; gradcheck in float64 (double backward: below)."""
     if not native:
         _plain_path(monkeypatch)
     g = torch.Generator().manual_seed(7)
@@ -261,6 +261,29 @@ def test_kl_mean_inside_the_node_is_the_mean_of_the_per_example_kl(native, monke
             return sf.sample_spectral_points(h, noise, dens, ps, raw, kl_mean=True)
 
         assert torch.autograd.gradcheck(fn, (h, raw, params[0], params[7]))
-        small = h[:1].detach().requires_grad_()
-        assert torch.autograd.gradgradcheck(
-            lambda x: sf.sample_spectral_points(x, noise[:, :1], dens, params, kl_mean=True)[1], (small,))
+
+
+def test_head_summary_inside_the_node_matches_the_mean_then_the_sampler():
+    """``keys=True`` (h = the keys' mean over N, taken in the node): bitwise the points, KL and
+    gradients of ``mean`` then the sampler; gradcheck and exact double backward in float64."""
+    g = torch.Generator().manual_seed(11)
+    dens = _densities(2, d=3, r=2, hidden=4, scales=(0.5, 0.6))
+    params = sf.fusable(dens)
+    k = torch.randn(2, 2, 5, 3, generator=g, dtype=F64).requires_grad_()
+    noise = torch.randn(2, 2, 2, 1, 3, generator=g, dtype=F64)
+    pts, kl = sf.sample_spectral_points(k, noise, dens, params, keys=True, kl_mean=True)
+    assert _node(pts) == "_NativeSpectralSampleBackward"
+    ref_pts, ref_kl = sf.sample_spectral_points(k.mean(-2), noise, dens, params, kl_mean=True)
+    assert torch.equal(pts, ref_pts) and torch.equal(kl, ref_kl)
+    gp = torch.randn(pts.shape, generator=g, dtype=F64)
+    got = torch.autograd.grad((pts, 2.0 * kl), (k, *params), (gp, None))
+    want = torch.autograd.grad((ref_pts, 2.0 * ref_kl), (k, *params), (gp, None))
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+    def fn(x):
+        return sf.sample_spectral_points(x, noise, dens, params, keys=True)
+
+    assert torch.autograd.gradcheck(fn, (k,))
+    assert torch.autograd.gradgradcheck(  # the double backward of both: the keys' mean and the KL's
+        lambda x: sf.sample_spectral_points(x, noise, dens, params, keys=True, kl_mean=True)[1], (k,))

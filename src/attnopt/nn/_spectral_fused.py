@@ -241,7 +241,7 @@ def _plain_backward(
 
 def sample_spectral_points(
     h: Tensor, noise: Tensor, densities: nn.ModuleList, params: list[Tensor],
-    copula_raw: Tensor | None = None, kl_mean: bool = False,
+    copula_raw: Tensor | None = None, kl_mean: bool = False, keys: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """All sets' spectral points and the KL, one node.
 
@@ -254,6 +254,8 @@ def sample_spectral_points(
             None: the noise is correlated across the heads by its factor ``L̃`` inside the node.
         kl_mean: return the KL's mean over the examples (0-d; taken inside the C node, no
             autograd node of its own) in place of the per-example KL.
+        keys: ``h`` is given as the keys ``(..., H, N ≥ 1, d)``, and the summary is their mean over
+            ``N`` (``sum / N``, bitwise ``mean``), taken inside the C node (no nodes of its own).
     The C sampler of :mod:`._spectral_native` runs where it applies (CPU float32/64, stock
     networks), else :class:`_SpectralSample`.
 
@@ -263,8 +265,10 @@ def sample_spectral_points(
         (the copula term with ``copula_raw`` only).
     """
     scales = tuple(float(getattr(dens, "base_scale")) for dens in densities)  # noqa: B009
-    lib = _spectral_native.library(h, noise, copula_raw, params)
+    lib = _spectral_native.library(h, noise, copula_raw, params, keys)
     if lib is not None:  # the whole forward and backward in C (CPU float32/64)
-        return _spectral_native.native_sample(h, noise, copula_raw, scales, params, lib, kl_mean)
+        return _spectral_native.native_sample(h, noise, copula_raw, scales, params, lib, kl_mean, keys)
+    if keys:
+        h = torch.div(h.sum(dim=-2), h.shape[-2])
     pts, kl = _SpectralSample.apply(h, noise, copula_raw, scales, *params)
     return pts, (kl.mean() if kl_mean else kl)

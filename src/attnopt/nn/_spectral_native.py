@@ -35,12 +35,15 @@ _I64, _VP = ctypes.c_int64, ctypes.c_void_p
 _PI64, _PF64 = ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_double)
 
 
-def library(h: Tensor, noise: Tensor, raw: Tensor | None, params: list[Tensor]) -> ctypes.CDLL | None:
+def library(
+    h: Tensor, noise: Tensor, raw: Tensor | None, params: list[Tensor], keys: bool = False
+) -> ctypes.CDLL | None:
     """The compiled ``spectral_sample.c`` when the native path applies, else ``None``: CPU
     float32/64 tensors with storage (not ``torch.func`` / fake tensors), one dtype, contiguous
     parameters shaped as the stock networks' (``W₁ₐ (hid, d)``, ``b₁ₐ (hid)``, ``W₁ᵦ (2d, hid)``,
     ``b₁ᵦ (2d)``, ``W₂ₐ (hid, d)``, ``b₂ₐ (hid)``, ``W₂ᵦ (d, hid)``, ``b₂ᵦ (d)`` per set); with
-    more than one torch thread, at most :data:`THREADED_MAX_POINTS` base points."""
+    more than one torch thread, at most :data:`THREADED_MAX_POINTS` base points. ``keys``: ``h``
+    is the keys ``(..., H, N, d)`` whose mean over ``N`` is the summary (:func:`native_sample`)."""
     dt = h.dtype
     # inside a torch.func transform (its tensors are wrapped: no storage to read) the PyTorch node
     # runs; outside one no tensor is wrapped, and subclasses (fake tensors) fail the type test
@@ -52,6 +55,8 @@ def library(h: Tensor, noise: Tensor, raw: Tensor | None, params: list[Tensor]) 
     if _WRAPPED(h) or _WRAPPED(noise) or (raw is not None and _WRAPPED(raw)):  # dead torch.func wrappers
         return None
     points = h.numel() // max(h.shape[-1], 1) * noise.shape[-2] * (len(params) // 8)
+    if keys:
+        points //= max(h.shape[-2], 1)
     if points > THREADED_MAX_POINTS and torch.get_num_threads() > 1:
         return None  # the C kernel runs on one thread: large samples go to the multithreaded matmuls
     shapes = _shapes(len(params) // 8, h.shape[-1], params[0].shape[0])
@@ -129,9 +134,12 @@ class _NativeSpectralSample(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, h: Tensor, noise: Tensor, raw: Tensor | None, scales: tuple[float, ...], lib: ctypes.CDLL,
-        kl_mean: bool, *params: Tensor,
+        ctx: Any, src: Tensor, noise: Tensor, raw: Tensor | None, scales: tuple[float, ...], lib: ctypes.CDLL,
+        kl_mean: bool, keys: bool, *params: Tensor,
     ) -> tuple[Tensor, Tensor]:
+        # keys: src is (..., H, N, d) and h its mean over N, as ImplicitKernelAttention._head_summary
+        # (sum / N: bitwise mean), taken here without nodes of its own
+        h = torch.div(src.sum(dim=-2), src.shape[-2]) if keys else src
         n_sets = len(scales)
         half, d = noise.shape[-2], noise.shape[-1]
         lead = h.shape[:-1]
@@ -155,16 +163,18 @@ class _NativeSpectralSample(torch.autograd.Function):
                kl.data_ptr(), ws.data_ptr()):
             raise MemoryError("spectral sampler (native): out of memory for its scratch")
         ctx.dims, ctx.strides, ctx.scales, ctx.lib, ctx.sc = dims, strides, scales, lib, sc
-        ctx.kl_mean = kl_mean
-        ctx.save_for_backward(h, noise, raw, ws, ne, *params)
+        ctx.kl_mean, ctx.keys = kl_mean, (src.shape if keys else None)
+        ctx.save_for_backward(src, h if keys else None, noise, raw, ws, ne, *params)
         return pts, (kl.mean() if kl_mean else kl)  # the mean here: no autograd node of its own
 
     @staticmethod
     def backward(ctx: Any, gpts: Tensor, gkl: Tensor) -> tuple[Tensor | None, ...]:
-        h, noise, raw, ws, ne, *params = ctx.saved_tensors
+        src, h, noise, raw, ws, ne, *params = ctx.saved_tensors
+        if h is None:
+            h = src
         need = ctx.needs_input_grad
         if double_backward(ctx):  # create_graph=True: differentiate the plain ops (exact double backward)
-            return _plain_backward(ctx, h, noise, raw, params, gpts, gkl)
+            return _plain_backward(ctx, src, noise, raw, params, gpts, gkl)
         n_sets, batch, heads, half, d, hid = ctx.dims
         m = batch * heads
         gp = gpts.contiguous()
@@ -191,18 +201,24 @@ class _NativeSpectralSample(torch.autograd.Function):
         dnoise = None
         if dn is not None:
             dnoise = dn.view(n_sets, *h.shape[:-1], half, d).sum_to_size(noise.shape)
-        return (None if dh is None else dh.view_as(h), dnoise, draw, None, None, None,
-                *(g if n else None for g, n in zip(grads, need[6:], strict=True)))
+        dsrc = None
+        if dh is not None:
+            dsrc = dh.view_as(h)
+            if ctx.keys is not None:  # the mean's backward: dh / N, broadcast over the keys
+                dsrc = torch.div(dsrc, ctx.keys[-2]).unsqueeze(-2).expand(ctx.keys)
+        return (dsrc, dnoise, draw, None, None, None, None,
+                *(g if n else None for g, n in zip(grads, need[7:], strict=True)))
 
 
 def _plain_backward(
-    ctx: Any, h: Tensor, noise: Tensor, raw: Tensor | None, params: list[Tensor], gpts: Tensor, gkl: Tensor
+    ctx: Any, src: Tensor, noise: Tensor, raw: Tensor | None, params: list[Tensor], gpts: Tensor, gkl: Tensor
 ) -> tuple[Tensor | None, ...]:
     from attnopt.nn._spectral_fused import _plain
 
-    inputs = [h, noise, raw, None, None, None, *params]
+    inputs = [src, noise, raw, None, None, None, None, *params]
     need = [x for x, n in zip(inputs, ctx.needs_input_grad, strict=True) if n and x is not None]
     with torch.enable_grad():
+        h = torch.div(src.sum(dim=-2), src.shape[-2]) if ctx.keys is not None else src
         pts, kl = _plain(h, noise, raw, ctx.scales, params)
         if ctx.kl_mean:
             kl = kl.mean()
@@ -213,9 +229,11 @@ def _plain_backward(
 
 def native_sample(
     h: Tensor, noise: Tensor, raw: Tensor | None, scales: tuple[float, ...], params: list[Tensor],
-    lib: ctypes.CDLL, kl_mean: bool = False,
+    lib: ctypes.CDLL, kl_mean: bool = False, keys: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """``(points, kl)`` of :func:`._spectral_fused.sample_spectral_points` in C (``lib``: :func:`library`);
-    ``kl_mean``: the KL's batch mean (0-d) in place of the per-example KL."""
-    out: tuple[Tensor, Tensor] = _NativeSpectralSample.apply(h, noise, raw, scales, lib, kl_mean, *params)
+    ``kl_mean``: the KL's batch mean (0-d) in place of the per-example KL; ``keys``: ``h`` is the
+    keys ``(..., H, N ≥ 1, d)``, the summary their mean over ``N`` (taken inside the node)."""
+    out: tuple[Tensor, Tensor] = _NativeSpectralSample.apply(
+        h, noise, raw, scales, lib, kl_mean, keys, *params)
     return out

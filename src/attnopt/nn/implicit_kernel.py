@@ -142,7 +142,6 @@ class ImplicitKernelAttention(MultiheadBase):
         if self.variant == "ikan-direct":
             w = self.spectral_points.to(k.dtype)  # (S, H, R, d)
             return list(w), None, k.new_zeros(()) if kl_mean else k.new_zeros(b)
-        h = self._head_summary(k, mask)
         n_sets, half = len(self.densities), self.num_samples // 2
         # every set's base noise in one draw (eval: the fixed buffer); the copula correlates it
         # (inside the sampling node, or in one einsum with its factor computed once per forward)
@@ -153,13 +152,17 @@ class ImplicitKernelAttention(MultiheadBase):
             noise = self.get_buffer("eval_noise").to(k.dtype).unsqueeze(1).expand(-1, b, -1, -1, -1)
         params = fusable(self.densities)
         if params is not None and (self.copula is None or type(self.copula) is GaussianCopula):
-            # the stock density networks (and copula): every set and the copula in one node
+            # the stock density networks (and copula): every set and the copula in one node; without
+            # a mask the head summary (the keys' mean) is taken inside it too
             raw = None if self.copula is None else self.copula.raw
-            pts, kl = sample_spectral_points(h, noise, self.densities, params, raw, kl_mean)
+            keys = mask is None and k.shape[-2] > 0
+            src = k if keys else self._head_summary(k, mask)
+            pts, kl = sample_spectral_points(src, noise, self.densities, params, raw, kl_mean, keys)
             r = self.num_samples
             if not split:  # the caller takes the stacked points (no slice views, no autograd nodes)
                 return [], pts, kl
             return [pts[..., i * r : (i + 1) * r, :] for i in range(n_sets)], pts, kl
+        h = self._head_summary(k, mask)
         log_det = None
         if self.copula is not None:
             factor = self.copula.factor()
