@@ -231,7 +231,10 @@ def _function_rows(ctx: BenchContext) -> Iterator[Measurement]:
     auto = _impls(ctx.device, "auto")
     for b, n in _cases(ctx):
         size = b * H * n * n
-        repeat = 2 if ctx.quick else (ctx.repeat if size <= 1 << 22 else 2)
+        # tiny cases cost ~1 ms a call: quick mode keeps enough repeats there that the minimum is
+        # not one cold run (2 repeats swung N = 64 ratios by up to 2x on a quiet machine)
+        repeat = (max(ctx.repeat, 10) if size <= 1 << 18 else 2) if ctx.quick else (
+            ctx.repeat if size <= 1 << 22 else 2)
         for backward in (False, True):
             case = f"B*H={b * H} N={n} d={D} {'fwd+bwd' if backward else 'fwd'}"
             g = torch.Generator().manual_seed(n)
