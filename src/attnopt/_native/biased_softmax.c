@@ -46,6 +46,30 @@ void bs_exp_f32(float *x, int64_t r0, int64_t r1) {
 }
 
 #define BIASED_SOFTMAX(T, SUF, EXP, TINY)                                                              \
+/* Row pass shared by both forwards: row <- row + br (br NULL: no bias), *m <- the row maximum;     \
+ * returns 1 if the row holds a NaN. */                                                             \
+static inline int row_bias_max_##SUF(T *row, const T *br, int64_t nk, T *m_out) {                   \
+    T m = -(T)INFINITY;                                                                             \
+    int nan = 0;                                                                                    \
+    if (br) {                                                                                       \
+        _Pragma("omp simd reduction(max : m) reduction(| : nan)")                                   \
+        for (int64_t j = 0; j < nk; ++j) {                                                          \
+            const T x = row[j] + br[j];                                                             \
+            row[j] = x;                                                                             \
+            m = x > m ? x : m;                                                                      \
+            nan |= x != x;                                                                          \
+        }                                                                                           \
+    } else {                                                                                        \
+        _Pragma("omp simd reduction(max : m) reduction(| : nan)")                                   \
+        for (int64_t j = 0; j < nk; ++j) {                                                          \
+            m = row[j] > m ? row[j] : m;                                                            \
+            nan |= row[j] != row[j];                                                                \
+        }                                                                                           \
+    }                                                                                               \
+    *m_out = m;                                                                                     \
+    return nan;                                                                                     \
+}                                                                                                   \
+                                                                                                    \
 int64_t bs_fwd_##SUF(T *s, const T *bias, int64_t sb, int64_t sh, int64_t si, T *mx, T *rinv,        \
                      int64_t g0, int64_t g1, int64_t heads, int64_t r0, int64_t rh, int64_t i0,      \
                      int64_t i1, int64_t nq, int64_t nk) {                                           \
@@ -55,23 +79,8 @@ int64_t bs_fwd_##SUF(T *s, const T *bias, int64_t sb, int64_t sh, int64_t si, T 
         for (int64_t i = i0; i < i1; ++i) {                                                          \
             T *row = s + ((g - g0) * rh + (i - r0)) * nk;                                            \
             const T *br = bh ? bh + i * si : NULL;                                                   \
-            T m = -(T)INFINITY;                                                                      \
-            int nan = 0;                                                                             \
-            if (br) {                                                                                \
-                _Pragma("omp simd reduction(max : m) reduction(| : nan)")                            \
-                for (int64_t j = 0; j < nk; ++j) {                                                   \
-                    const T x = row[j] + br[j];                                                      \
-                    row[j] = x;                                                                      \
-                    m = x > m ? x : m;                                                               \
-                    nan |= x != x;                                                                   \
-                }                                                                                    \
-            } else {                                                                                 \
-                _Pragma("omp simd reduction(max : m) reduction(| : nan)")                            \
-                for (int64_t j = 0; j < nk; ++j) {                                                   \
-                    m = row[j] > m ? row[j] : m;                                                     \
-                    nan |= row[j] != row[j];                                                         \
-                }                                                                                    \
-            }                                                                                        \
+            T m;                                                                                    \
+            const int nan = row_bias_max_##SUF(row, br, nk, &m);                                    \
             const int64_t r = g * nq + i;                                                            \
             if (nan || m == (T)INFINITY) {                                                           \
                 ++bad;                                                                               \
@@ -256,24 +265,8 @@ int64_t bsf_fwd_##SUF(void *gemm_p, void *threads_p, const T *q, int64_t qsb, in
         const T *bh = bias ? bias + bi * sb + hi * sh : NULL;                                        \
         for (int64_t i = 0; i < nq; ++i) {                                                           \
             T *row = eg + i * nk;                                                                    \
-            T m = -(T)INFINITY;                                                                      \
-            int nan = 0;                                                                             \
-            if (bh) {                                                                                \
-                const T *br = bh + i * si;                                                           \
-                _Pragma("omp simd reduction(max : m) reduction(| : nan)")                            \
-                for (int64_t j = 0; j < nk; ++j) {                                                   \
-                    const T x = row[j] + br[j];                                                      \
-                    row[j] = x;                                                                      \
-                    m = x > m ? x : m;                                                               \
-                    nan |= x != x;                                                                   \
-                }                                                                                    \
-            } else {                                                                                 \
-                _Pragma("omp simd reduction(max : m) reduction(| : nan)")                            \
-                for (int64_t j = 0; j < nk; ++j) {                                                   \
-                    m = row[j] > m ? row[j] : m;                                                     \
-                    nan |= row[j] != row[j];                                                         \
-                }                                                                                    \
-            }                                                                                        \
+            T m;                                                                                    \
+            const int nan = row_bias_max_##SUF(row, bh ? bh + i * si : NULL, nk, &m);               \
             const int64_t r = g * nq + i;                                                            \
             if (nan || m == (T)INFINITY) {                                                           \
                 ++bad;                                                                               \
