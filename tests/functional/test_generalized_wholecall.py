@@ -213,3 +213,16 @@ def test_overlapping_rows_and_single_rows_are_laid_out_for_blas():
     q1 = torch.randn(2, 3, 4, generator=g, dtype=torch.float64).as_strided((2, 3, 1, 4), (12, 4, 1, 1))
     assert q1.is_contiguous() and q1.stride(2) == 1  # one query row with a row stride of 1
     _check(t5, q1.requires_grad_(), k, v, True)
+
+
+def test_dispatch_mode_takes_the_visible_path() -> None:
+    """Under a dispatch mode (FLOP / memory counters) the products must be aten ops, not hidden in C."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(3))
+    bias = T5RelativePreference(2)(16, 16)
+    with FlopCounterMode(display=False) as counter:
+        generalized_attention(q, k, v, log_preference=bias).sum().backward()
+    assert dispatch.last_dispatch.get("generalized_kernel") != "fused"
+    assert counter.get_total_flops() >= 2 * 2 * 16 * 16 * 8 * 2  # QKᵀ and PV at least

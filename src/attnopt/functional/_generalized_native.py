@@ -532,6 +532,10 @@ def fused_attention(
     if not (torch.is_grad_enabled()
             and (q.requires_grad or k.requires_grad or v.requires_grad or log_u.requires_grad)):
         return None
+    # under a dispatch mode (FlopCounterMode, the claims' PeakMemory) the node's aten ops are seen;
+    # the products inside the C call would not be (as in the Fourier whole-call path)
+    if torch._C._len_torch_dispatch_stack():
+        return None
     found = _native.blas()
     lib = _native.library("biased_softmax") if found is not None else None
     if lib is None or found is None:
