@@ -15,8 +15,7 @@
  *              dk = u * (dm * m * c) (the magnitude's share of the key gradient)
  * ff_prepare / ff_tail: ff_features + ff_key_weights / ff_key_grads + ff_dp in one call
  *
- * float32's sin/cos: Cody-Waite reduction by pi/2 in three parts and Cephes' polynomials on
- * [-pi/4, pi/4] (~1e-7 relative, vectorized); |x| > 8192 (and NaN) go to libm. float64: libm.
+ * float32's sin/cos: psincos.h (~1e-7, vectorized); |x| > 8192 (and NaN) go to libm. float64: libm.
  * float32's exp: pexp.h (~2 ulp). */
 #include <math.h>
 #include <stdint.h>
@@ -24,33 +23,11 @@
 
 #include "lp_body.h"
 #include "pexp.h"
+#include "psincos.h"
 
 #define FF_BIG 8192.0f
 
-static inline void ff_sincosf(float x, float *so, float *co) {
-    /* j = round(x 2/pi) by the 1.5 * 2^23 trick; its low bits give the quadrant */
-    const float t = __builtin_fmaf(x, 0.636619772367581343f, 12582912.0f);
-    const float j = t - 12582912.0f;
-    int32_t ti;
-    memcpy(&ti, &t, sizeof ti);
-    const int32_t q = ti - 0x4B400000;
-    float r = __builtin_fmaf(j, -1.5707963705062866f, x);
-    r = __builtin_fmaf(j, 4.371138828673793e-08f, r);
-    r = __builtin_fmaf(j, 1.7151245100058819e-15f, r);
-    const float z = r * r;
-    float ps = -1.9515295891e-4f;
-    ps = __builtin_fmaf(ps, z, 8.3321608736e-3f);
-    ps = __builtin_fmaf(ps, z, -1.6666654611e-1f);
-    const float s = __builtin_fmaf(ps * z, r, r);
-    float pc = 2.443315711809948e-5f;
-    pc = __builtin_fmaf(pc, z, -1.388731625493765e-3f);
-    pc = __builtin_fmaf(pc, z, 4.166664568298827e-2f);
-    const float c = __builtin_fmaf(pc * z, z, __builtin_fmaf(-0.5f, z, 1.0f));
-    const int swap = q & 1;
-    const float sv = swap ? c : s, cv = swap ? s : c;
-    *so = (q & 2) ? -sv : sv;
-    *co = ((q + 1) & 2) ? -cv : cv;
-}
+#define ff_sincosf attnopt_psincosf
 
 void ff_features_f32(const float *P, int64_t rows, int64_t r, int64_t nsets, float *phi, float *cs,
                      float *sn) {

@@ -31,6 +31,7 @@
 #include <string.h>
 
 #include "pexp.h"
+#include "psincos.h"
 
 /* exp(x) for x <= 0 in float64, vectorizable: n = round(x / ln 2) by the 1.5 * 2^52 trick,
  * r = x - n ln 2 (two-part constant, |r| <= ln2 / 2), e^r by its Taylor series to degree 13
@@ -65,23 +66,7 @@ static inline double pexpd(double x) {
 }
 
 static inline void sincos_f32(float x, float *sn, float *cs) {
-    x = x < 4e6f ? x : 4e6f; /* n below 2^22: the rounding trick holds */
-    const float t = __builtin_fmaf(x, 0.636619772367581343f, 12582912.0f); /* round(x 2/pi) */
-    const float n = t - 12582912.0f;
-    float r = __builtin_fmaf(n, -1.5703125f, x);
-    r = __builtin_fmaf(n, -4.837512969970703125e-4f, r);
-    r = __builtin_fmaf(n, -7.54978995489188216e-8f, r);
-    int32_t ti;
-    memcpy(&ti, &t, sizeof ti);
-    const int32_t quad = ti & 3;
-    const float z = r * r;
-    const float sp = __builtin_fmaf(__builtin_fmaf(__builtin_fmaf(-1.9515295891e-4f, z, 8.3321608736e-3f), z,
-                                                   -1.6666654611e-1f) * z, r, r);
-    const float cp = __builtin_fmaf(__builtin_fmaf(__builtin_fmaf(2.443315711809948e-5f, z, -1.388731625493765e-3f),
-                                                   z, 4.166664568298827e-2f) * z, z, __builtin_fmaf(-0.5f, z, 1.0f));
-    const float s0 = (quad & 1) ? cp : sp, c0 = (quad & 1) ? sp : cp;
-    *sn = (quad & 2) ? -s0 : s0;
-    *cs = ((quad + 1) & 2) ? -c0 : c0;
+    attnopt_psincosf(x < 4e6f ? x : 4e6f, sn, cs); /* n below 2^22: the rounding trick holds */
 }
 
 /* float64 sin and cos of x >= 0, vectorizable: the reduction by pi/2 with fdlibm's three-part
