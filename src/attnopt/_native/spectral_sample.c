@@ -201,14 +201,35 @@ static int64_t SS_F(set_stride)(int64_t M, int64_t half, int64_t d, int64_t hid,
     return M * hid + M * 2 * d + M * d + R * d + R * hid + (cop ? R * d : 0);
 }
 
-/* Forward. h (B H, d) contiguous; noise element (s, b, m, n, k) at
- * noise[s ns + b nb + m nh + n d + k]; raw (H, H) or NULL; params: 8 S addresses
- * (W1a, b1a, W1b, b1b, W2a, b2a, W2b, b2b per set, contiguous); scales (S). Out: pts
- * (B H, S, 2, half, d), kl (B), ws (S set_stride + 2 H H). Returns 0, or -1 when out of memory. */
+/* The head summaries from the keys (B H, N, d) contiguous: h = (sum_n keys_n) / N, the sum in
+ * order n = 0, 1, ... (as torch's sum over that dim at the sizes models train at; then the division). */
+static void SS_F(key_mean)(const T *keys, int64_t M, int64_t N, int64_t d, T *h) {
+    for (int64_t row = 0; row < M; ++row) {
+        T *hr = h + row * d;
+        const T *kr = keys + row * N * d;
+        for (int64_t k = 0; k < d; ++k) hr[k] = 0;
+        for (int64_t n = 0; n < N; ++n) {
+            #pragma omp simd
+            for (int64_t k = 0; k < d; ++k) hr[k] += kr[n * d + k];
+        }
+        #pragma omp simd
+        for (int64_t k = 0; k < d; ++k) hr[k] /= (T)N;
+    }
+}
+
+/* Forward. h (B H, d) contiguous, or keys (B H, N, d) contiguous when N > 0 (h = the keys' mean,
+ * written to hbuf (B H, d)); noise element (s, b, m, n, k) at noise[s ns + b nb + m nh + n d + k];
+ * raw (H, H) or NULL; params: 8 S addresses (W1a, b1a, W1b, b1b, W2a, b2a, W2b, b2b per set,
+ * contiguous); scales (S). Out: pts (B H, S, 2, half, d), kl (B), kl_mean (its batch mean) unless
+ * NULL, ws (S set_stride + 2 H H). Returns 0, or -1 when out of memory. */
 int SS_F(ss_fwd)(int64_t S, int64_t B, int64_t H, int64_t half, int64_t d, int64_t hid, const T *h,
-                 const T *noise, int64_t ns, int64_t nb, int64_t nh, const T *raw, const int64_t *params,
-                 const double *scales, T *pts, T *kl, T *ws) {
+                 int64_t N, T *hbuf, const T *noise, int64_t ns, int64_t nb, int64_t nh, const T *raw,
+                 const int64_t *params, const double *scales, T *pts, T *kl, T *kl_mean, T *ws) {
     const int64_t M = B * H, R = M * half;
+    if (N > 0) {
+        SS_F(key_mean)(h, M, N, d, hbuf);
+        h = hbuf;
+    }
     const int cop = raw != NULL;
     const int64_t stride = SS_F(set_stride)(M, half, d, hid, cop);
     T *low = ws + S * stride, *fac = low + H * H;
@@ -292,33 +313,44 @@ int SS_F(ss_fwd)(int64_t S, int64_t B, int64_t H, int64_t half, int64_t d, int64
         const T term = (T)(d * half * S) * logdiag;
         for (int64_t b = 0; b < B; ++b) kl[b] -= term;
     }
+    if (kl_mean) { /* the batch mean: the sum in order, then the division */
+        T sum = 0;
+        for (int64_t b = 0; b < B; ++b) sum += kl[b];
+        *kl_mean = sum / (T)B;
+    }
     free(scratch);
     return 0;
 }
 
-/* Backward. The forward's arguments and workspace; gpts (B H, S, 2, half, d) contiguous, gkl
- * (B) with element b at gkl[b gks]. Out: dh (B H, d) or NULL; dnoise (S, B, H, half, d) contiguous or NULL (the
- * gradient of the noise as broadcast to that shape); draw (H, H) or NULL (copula only); gparams:
- * 8 S addresses of contiguous gradients, written. Returns 0, or -1 when out of memory. */
+/* Backward. The forward's arguments and workspace (h: the summaries, hbuf in keys mode); gpts
+ * (B H, S, 2, half, d) contiguous, gkl (B) with element b at gkl[b gks] / gdiv (gdiv = B for the
+ * KL's batch mean, 1 otherwise). Out: dh (B H, d) or NULL; with N > 0, dkeys (B H, N, d) the keys'
+ * gradient through the mean, dh / N on every key (added to dkeys when acc, else written; dh may
+ * then be NULL); dnoise (S, B, H, half, d) contiguous or NULL (the gradient of the noise as
+ * broadcast to that shape); draw (H, H) or NULL (copula only); gparams: 8 S addresses of contiguous
+ * gradients, written. Returns 0, or -1 when out of memory. */
 int SS_F(ss_bwd)(int64_t S, int64_t B, int64_t H, int64_t half, int64_t d, int64_t hid, const T *h,
                  const T *noise, int64_t ns, int64_t nb, int64_t nh, const T *raw, const int64_t *params,
-                 const double *scales, const T *ws, const T *gpts, const T *gkl, int64_t gks, T *dh, T *dnoise, T *draw,
-                 const int64_t *gparams) {
+                 const double *scales, const T *ws, const T *gpts, const T *gkl, int64_t gks, int64_t gdiv,
+                 T *dh, int64_t N, T *dkeys, int acc, T *dnoise, T *draw, const int64_t *gparams) {
     const int64_t M = B * H, R = M * half;
     const int cop = raw != NULL;
+    const int own_dh = N > 0 && dkeys && !dh; /* dh only on the way to the keys: in the scratch */
     const int64_t stride = SS_F(set_stride)(M, half, d, hid, cop);
     const T *low = ws + S * stride, *fac = low + H * H;
-    T *scratch = malloc(sizeof(T) * (size_t)(3 * R * d + R * hid + M * 2 * d + M * hid + d + H * H + 1));
+    T *scratch = malloc(sizeof(T) * (size_t)(3 * R * d + R * hid + M * 2 * d + M * hid + d + H * H + 1
+                                             + (own_dh ? M * d : 0)));
     if (!scratch) return -1;
     T *gi = scratch, *abs_z = gi + R * d, *dz = abs_z + R * d, *du2 = dz + R * d, *do1 = du2 + R * hid;
     T *du1 = do1 + M * 2 * d, *dsum = du1 + M * hid, *dfac = dsum + d;
+    if (own_dh) dh = dfac + H * H;
     if (dh)
         for (int64_t i = 0; i < M * d; ++i) dh[i] = 0;
     if (dnoise)
         for (int64_t i = 0; i < S * R * d; ++i) dnoise[i] = 0;
     const int need_de = dnoise != NULL || draw != NULL;
     T gsum = 0;
-    for (int64_t b = 0; b < B; ++b) gsum += gkl[b * gks];
+    for (int64_t b = 0; b < B; ++b) gsum += gkl[b * gks] / (T)gdiv;
     for (int64_t i = 0; i < H * H; ++i) dfac[i] = 0;
     for (int64_t s = 0; s < S; ++s) {
         const T *w1a = (const T *)(intptr_t)params[8 * s], *w1b = (const T *)(intptr_t)params[8 * s + 2];
@@ -357,7 +389,7 @@ int SS_F(ss_bwd)(int64_t S, int64_t B, int64_t H, int64_t half, int64_t d, int64
         /* NN_1's outputs: dmu = sum_n dz + half gk mu, dls = (sum_n dz e + half gk sig) sig - half gk */
         for (int64_t row = 0; row < M; ++row) {
             const int64_t b = row / H, m = row % H;
-            const T gk = (T)half * gkl[b * gks];
+            const T gk = (T)half * (gkl[b * gks] / (T)gdiv);
             const T *mu = o1 + row * 2 * d, *rho = mu + d, *sg = sig + row * d;
             const T *dzr = dz + row * half * d;
             const T *er = cop ? e + row * half * d : noise + s * ns + b * nb + m * nh;
@@ -432,6 +464,21 @@ int SS_F(ss_bwd)(int64_t S, int64_t B, int64_t H, int64_t half, int64_t d, int64
             for (int64_t j = 0; j < H; ++j) {
                 const T dl = (dfac[m * H + j] - fac[m * H + j] * dot) / nrm;
                 draw[m * H + j] = j < m ? dl : (j == m ? dl * low[m * H + m] : (T)0);
+            }
+        }
+    }
+    if (N > 0 && dkeys) { /* the mean's backward: dh / N on every key */
+        for (int64_t row = 0; row < M; ++row) {
+            const T *dr = dh + row * d;
+            T *kr = dkeys + row * N * d;
+            for (int64_t n = 0; n < N; ++n) {
+                if (acc) {
+                    #pragma omp simd
+                    for (int64_t k = 0; k < d; ++k) kr[n * d + k] += dr[k] / (T)N;
+                } else {
+                    #pragma omp simd
+                    for (int64_t k = 0; k < d; ++k) kr[n * d + k] = dr[k] / (T)N;
+                }
             }
         }
     }

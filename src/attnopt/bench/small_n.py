@@ -96,11 +96,19 @@ def _impls(device: str, impl: dispatch.Impl) -> dict[str, Fn]:
 
 
 def _sampled(mod: ImplicitKernelAttention) -> Fn:
-    """The module's attention on (B, H, N, d) heads: spectral sampling (training noise), KL, attention."""
+    """The module's attention on (B, H, N, d) heads: spectral sampling (training noise), KL, attention.
+
+    The module's parameter gradients are reset before each call, as ``q``, ``k``, ``v``'s are (a
+    training step's ``zero_grad(set_to_none=True)``): gradients accumulated over thousands of
+    timed calls would add an ``add_`` per parameter that no training step runs.
+    """
+    params = list(mod.parameters())
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        for p in params:
+            p.grad = None
         out, _ = mod.attend(q, k, v, None, False, False)
-        return out + 0.0 * mod.kl()  # the KL's backward is part of a training step
+        return torch.add(out, mod.kl(), alpha=0.0)  # the KL's backward is part of a training step
 
     return run
 

@@ -652,6 +652,8 @@ def _points_layout(points: Tensor, lead: tuple[int, ...]) -> tuple[Tensor, int, 
     sr, d = points.shape[-2:]
     if all(s == 1 for s in points.shape[:-2]):
         return points.reshape(sr, d).contiguous(), 0, 0, 1
+    if points.shape[:-2] == lead and len(lead) >= 2 and points.is_contiguous():  # per example and head
+        return points, lead[-1] * sr * d, sr * d, lead[-1]
     if points.stride(-1) != 1 or points.stride(-2) != d:
         points = points.contiguous()
     inner = lead[-1]
@@ -779,7 +781,9 @@ class _WholeFourier(torch.autograd.Function):
                     dw += extra
                 dw = dw.view(ctx.points_shape)
             else:
-                dw = dwb[0].view(*lead, sr, d).sum_to_size(ctx.points_shape)
+                dw = dwb[0].view(*lead, sr, d)
+                if dw.shape != ctx.points_shape:
+                    dw = dw.sum_to_size(ctx.points_shape)
         return dq, dk, dvv, dw, None, None, None, None, None, None, None
 
 

@@ -99,9 +99,11 @@ def _functions(lib: ctypes.CDLL, dtype: torch.dtype) -> tuple[Any, Any]:
         return hit
     fwd, bwd = getattr(lib, f"ss_fwd_{suffix}"), getattr(lib, f"ss_bwd_{suffix}")
     fwd.restype = bwd.restype = ctypes.c_int
-    head = [_I64] * 6 + [_VP, _VP, _I64, _I64, _I64, _VP, _PI64, _PF64]
-    fwd.argtypes = [*head, _VP, _VP, _VP]
-    bwd.argtypes = [*head, _VP, _VP, _VP, _I64, _VP, _VP, _VP, _PI64]
+    dims = [_I64] * 6
+    rest = [_VP, _I64, _I64, _I64, _VP, _PI64, _PF64]  # noise, its strides, raw, params, scales
+    fwd.argtypes = [*dims, _VP, _I64, _VP, *rest, _VP, _VP, _VP, _VP]
+    bwd.argtypes = [*dims, _VP, *rest, _VP, _VP, _VP, _I64, _I64, _VP, _I64, _VP, ctypes.c_int,
+                    _VP, _VP, _PI64]
     done[suffix] = (fwd, bwd)
     return fwd, bwd
 
@@ -109,6 +111,8 @@ def _functions(lib: ctypes.CDLL, dtype: torch.dtype) -> tuple[Any, Any]:
 def _noise_layout(noise: Tensor, n_sets: int, lead: tuple[int, ...], half: int, d: int) -> Tensor:
     """The noise as ``(S, B, H, half, d)`` with unit strides inside each ``(half, d)`` block
     (broadcast dims keep stride 0: the eval buffer is not copied per example)."""
+    if len(lead) == 2 and noise.shape[1:3] == lead and noise.dim() == 5 and noise.is_contiguous():
+        return noise  # a fresh draw per example: as it is
     ne = noise.expand(n_sets, *lead, half, d)
     if len(lead) == 1:
         ne = ne.unsqueeze(1)
@@ -137,35 +141,37 @@ class _NativeSpectralSample(torch.autograd.Function):
         ctx: Any, src: Tensor, noise: Tensor, raw: Tensor | None, scales: tuple[float, ...], lib: ctypes.CDLL,
         kl_mean: bool, keys: bool, *params: Tensor,
     ) -> tuple[Tensor, Tensor]:
-        # keys: src is (..., H, N, d) and h its mean over N, as ImplicitKernelAttention._head_summary
-        # (sum / N: bitwise mean), taken here without nodes of its own
-        h = torch.div(src.sum(dim=-2), src.shape[-2]) if keys else src
+        # keys: src is (..., H, N, d) and h its mean over N (ImplicitKernelAttention._head_summary),
+        # taken in the C call (no nodes of its own)
         n_sets = len(scales)
         half, d = noise.shape[-2], noise.shape[-1]
-        lead = h.shape[:-1]
+        lead = src.shape[:-2] if keys else src.shape[:-1]
         heads = lead[-1]
         batch = math.prod(lead[:-1])
         hid = params[0].shape[0]
         m = batch * heads
-        hc = h.contiguous()
+        nkeys = src.shape[-2] if keys else 0
+        hc = src.contiguous()
+        h = src.new_empty(*lead, d) if keys else src
         ne = _noise_layout(noise, n_sets, lead, half, d)
         cop = raw is not None
         rc = raw.contiguous() if raw is not None else None
         pts = h.new_empty(*lead, n_sets * 2 * half, d)
         kl = h.new_empty(lead[:-1])
+        klm = h.new_empty(()) if kl_mean else None
         ws = h.new_empty(n_sets * _set_stride(m, half, d, hid, cop) + (2 * heads * heads if cop else 0))
         addrs = (ctypes.c_int64 * len(params))(*[p.data_ptr() for p in params])
         sc = (ctypes.c_double * n_sets)(*scales)
         fwd, _ = _functions(lib, h.dtype)
         dims = (n_sets, batch, heads, half, d, hid)
         strides = (ne.stride(0), ne.stride(1), ne.stride(2))
-        if fwd(*dims, hc.data_ptr(), ne.data_ptr(), *strides, _ptr(rc), addrs, sc, pts.data_ptr(),
-               kl.data_ptr(), ws.data_ptr()):
+        if fwd(*dims, hc.data_ptr(), nkeys, h.data_ptr(), ne.data_ptr(), *strides, _ptr(rc), addrs, sc,
+               pts.data_ptr(), kl.data_ptr(), _ptr(klm), ws.data_ptr()):
             raise MemoryError("spectral sampler (native): out of memory for its scratch")
         ctx.dims, ctx.strides, ctx.scales, ctx.lib, ctx.sc = dims, strides, scales, lib, sc
         ctx.kl_mean, ctx.keys = kl_mean, (src.shape if keys else None)
         ctx.save_for_backward(src, h if keys else None, noise, raw, ws, ne, *params)
-        return pts, (kl.mean() if kl_mean else kl)  # the mean here: no autograd node of its own
+        return pts, (kl if klm is None else klm)  # the mean in C: no autograd node (nor aten op) of its own
 
     @staticmethod
     def backward(ctx: Any, gpts: Tensor, gkl: Tensor) -> tuple[Tensor | None, ...]:
@@ -179,12 +185,16 @@ class _NativeSpectralSample(torch.autograd.Function):
         m = batch * heads
         gp = gpts.contiguous()
         # the KL's gradient per example: the mean's backward hands an expanded (B,) tensor (stride 0);
-        # of the mean taken here, gkl / B for every example (mean's backward, read with stride 0)
-        if ctx.kl_mean:
-            gk = torch.div(gkl, batch).reshape(1)
-        else:
-            gk = gkl if gkl.dim() == 1 else gkl.contiguous()
-        dh = h.new_empty(m, d) if need[0] else None
+        # of the mean taken here, gkl / B for every example (divided in C, read with stride 0)
+        gk = gkl if gkl.dim() == 1 or ctx.kl_mean else gkl.contiguous()
+        gdiv = batch if ctx.kl_mean else 1
+        # keys: the mean's backward (dh / N on every key) in C, written to a new tensor or added to
+        # the one a caller put in ctx.add_keys_grad_to (the one-node path of ._sampled_fourier)
+        add_to = getattr(ctx, "add_keys_grad_to", None) if ctx.keys is not None else None
+        dkeys = None
+        if ctx.keys is not None and need[0] and add_to is None:
+            dkeys = h.new_empty(ctx.keys)
+        dh = h.new_empty(m, d) if need[0] and ctx.keys is None else None
         dn = h.new_empty(n_sets, m, half, d) if need[1] else None
         draw = h.new_empty(heads, heads) if raw is not None and need[2] else None
         grads = [torch.empty_like(p) for p in params]
@@ -195,17 +205,16 @@ class _NativeSpectralSample(torch.autograd.Function):
         _, bwd = _functions(ctx.lib, h.dtype)
         rc = raw.contiguous() if raw is not None else None
         gks = 0 if ctx.kl_mean else gk.stride(0) if gk.dim() == 1 else 1
+        nkeys = 0 if ctx.keys is None else ctx.keys[-2]
+        keys_out = add_to if add_to is not None else dkeys
         if bwd(*ctx.dims, h.contiguous().data_ptr(), ne.data_ptr(), *ctx.strides, _ptr(rc), addrs, ctx.sc,
-               ws.data_ptr(), gp.data_ptr(), gk.data_ptr(), gks, _ptr(dh), _ptr(dn), _ptr(draw), gaddrs):
+               ws.data_ptr(), gp.data_ptr(), gk.data_ptr(), gks, gdiv, _ptr(dh), nkeys, _ptr(keys_out),
+               int(add_to is not None), _ptr(dn), _ptr(draw), gaddrs):
             raise MemoryError("spectral sampler (native): out of memory for its scratch")
         dnoise = None
         if dn is not None:
             dnoise = dn.view(n_sets, *h.shape[:-1], half, d).sum_to_size(noise.shape)
-        dsrc = None
-        if dh is not None:
-            dsrc = dh.view_as(h)
-            if ctx.keys is not None:  # the mean's backward: dh / N, broadcast over the keys
-                dsrc = torch.div(dsrc, ctx.keys[-2]).unsqueeze(-2).expand(ctx.keys)
+        dsrc = dkeys if ctx.keys is not None else None if dh is None else dh.view_as(h)
         return (dsrc, dnoise, draw, None, None, None, None,
                 *(g if n else None for g, n in zip(grads, need[7:], strict=True)))
 

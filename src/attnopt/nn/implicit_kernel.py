@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from attnopt.functional.kernel import kernel_attention, kernel_weights
 from attnopt.kernels import Kernel, NonStationaryFourier, RandomFourier
 from attnopt.nn._multihead import MultiheadBase
+from attnopt.nn._sampled_fourier import sampled_fourier_attention
 from attnopt.nn._spectral_fused import fusable, sample_spectral_points
 from attnopt.nn.spectral import GaussianCopula, ImplicitSpectralDensity
 
@@ -130,26 +131,34 @@ class ImplicitKernelAttention(MultiheadBase):
         sets, _, kl = self._sample(k, mask)
         return sets, kl
 
+    def _base_noise(self, k: Tensor) -> Tensor:
+        """Every set's base noise ``(S, B, H, R/2, d)`` in one draw (eval: the fixed buffer)."""
+        b = k.shape[0]
+        if self.training:
+            n_sets, half = len(self.densities), self.num_samples // 2
+            noise = torch.randn(n_sets, b, self.num_heads, half, self.head_dim, generator=self._generator)
+            return noise.to(device=k.device, dtype=k.dtype)
+        return self.get_buffer("eval_noise").to(k.dtype).unsqueeze(1).expand(-1, b, -1, -1, -1)
+
     def _sample(
-        self, k: Tensor, mask: Tensor | None, split: bool = True, kl_mean: bool = False
+        self, k: Tensor, mask: Tensor | None, split: bool = True, kl_mean: bool = False,
+        noise: Tensor | None = None,
     ) -> tuple[list[Tensor], Tensor | None, Tensor]:
         """(point sets, the same sets stacked along the points or None, KL per example).
 
         With ``split=False`` the sets are left out (an empty list) where the stacked tensor is given;
-        with ``kl_mean=True`` the KL is its batch mean (0-d; taken inside the sampling node).
+        with ``kl_mean=True`` the KL is its batch mean (0-d; taken inside the sampling node);
+        ``noise``: :meth:`_base_noise` when the caller drew it already.
         """
         b = k.shape[0]
         if self.variant == "ikan-direct":
             w = self.spectral_points.to(k.dtype)  # (S, H, R, d)
             return list(w), None, k.new_zeros(()) if kl_mean else k.new_zeros(b)
         n_sets, half = len(self.densities), self.num_samples // 2
-        # every set's base noise in one draw (eval: the fixed buffer); the copula correlates it
-        # (inside the sampling node, or in one einsum with its factor computed once per forward)
-        if self.training:
-            noise = torch.randn(n_sets, b, self.num_heads, half, self.head_dim, generator=self._generator)
-            noise = noise.to(device=k.device, dtype=k.dtype)
-        else:
-            noise = self.get_buffer("eval_noise").to(k.dtype).unsqueeze(1).expand(-1, b, -1, -1, -1)
+        # the copula correlates the base noise (inside the sampling node, or in one einsum with its
+        # factor computed once per forward)
+        if noise is None:
+            noise = self._base_noise(k)
         params = fusable(self.densities)
         if params is not None and (self.copula is None or type(self.copula) is GaussianCopula):
             # the stock density networks (and copula): every set and the copula in one node; without
@@ -180,9 +189,12 @@ class ImplicitKernelAttention(MultiheadBase):
             kl = kl + half * set_kl
         return sets, None, (kl.mean() if kl_mean else kl)
 
-    def kernel_for(self, k: Tensor, mask: Tensor | None = None) -> Kernel:
-        """The kernel used for keys ``k`` (B, H, Nk, d); records the KL for :meth:`kl`."""
-        sets, stacked, kl = self._sample(k, mask, split=False, kl_mean=True)
+    def kernel_for(self, k: Tensor, mask: Tensor | None = None, noise: Tensor | None = None) -> Kernel:
+        """The kernel used for keys ``k`` (B, H, Nk, d); records the KL for :meth:`kl`.
+
+        ``noise``: the base noise when already drawn (:meth:`_base_noise`), else drawn here.
+        """
+        sets, stacked, kl = self._sample(k, mask, split=False, kl_mean=True, noise=noise)
         self._kl = kl
         if self.variant == "ika-s":  # one set: the stacked tensor is that set
             return RandomFourier(sets[0] if stacked is None else stacked)
@@ -210,7 +222,13 @@ class ImplicitKernelAttention(MultiheadBase):
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, need_weights: bool
     ) -> tuple[Tensor, Tensor | None]:
-        kernel = self.kernel_for(k, mask)
+        noise = None
+        if mask is None and not is_causal and not need_weights and not (self.training and self.dropout > 0):
+            # the sampler and the attention in one node where both C paths apply (small CPU sizes)
+            noise, out = self._attend_whole(q, k, v)
+            if out is not None:
+                return out, None
+        kernel = self.kernel_for(k, mask, noise)
         if need_weights or (self.training and self.dropout > 0):
             w = kernel_weights(
                 q, k, kernel=kernel, magnitude_p=self.p, attn_mask=mask, is_causal=is_causal, eps=self.eps
@@ -222,3 +240,26 @@ class ImplicitKernelAttention(MultiheadBase):
             mode=self.mode, eps=self.eps,
         )
         return out, None
+
+    def _attend_whole(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        """``(base noise or None, O or None)``: the one-node path of :mod:`._sampled_fourier` where it
+        applies (stock networks and copula, quadratic mode); the noise drawn for it is handed on
+        to the two-node path where it does not (one draw either way: the same random stream)."""
+        if self.variant == "ikan-direct" or self.mode != "quadratic":
+            return None, None
+        params = fusable(self.densities)
+        raw = None
+        if self.copula is not None:
+            if type(self.copula) is not GaussianCopula:
+                return None, None
+            raw = self.copula.raw
+        if params is None or k.dim() != 4:
+            return None, None
+        noise = self._base_noise(k)
+        scales = tuple(float(getattr(dens, "base_scale")) for dens in self.densities)  # noqa: B009
+        done = sampled_fourier_attention(q, k, v, noise, raw, scales, params, self.p, self.eps)
+        if done is None:
+            return noise, None
+        out, kl = done
+        object.__setattr__(self, "_kl", kl)  # a plain attribute (nn.Module.__setattr__ costs ~3 µs)
+        return noise, out
