@@ -32,7 +32,7 @@ def _count(monkeypatch) -> list[int]:
     return calls
 
 
-def _run(variant, dtype, training, one_node, monkeypatch, steps=2, seed=3):
+def _run(variant, dtype, training, one_node, monkeypatch, steps=2, seed=3, transposed=False):
     """Two steps (the random stream goes on between them); outputs, KLs and every gradient."""
     with monkeypatch.context() as m:
         if not one_node:
@@ -48,7 +48,12 @@ def _run(variant, dtype, training, one_node, monkeypatch, steps=2, seed=3):
         g = torch.Generator().manual_seed(seed)
         got = []
         for _ in range(steps):
-            q, k, v = (torch.randn(2, 4, 7, 8, generator=g, dtype=dtype).requires_grad_() for _ in range(3))
+            if transposed:  # heads as a projection gives them: (B, N, H, d) viewed as (B, H, N, d)
+                q, k, v = (torch.randn(2, 7, 4, 8, generator=g, dtype=dtype).transpose(1, 2).requires_grad_()
+                           for _ in range(3))
+            else:
+                q, k, v = (torch.randn(2, 4, 7, 8, generator=g, dtype=dtype).requires_grad_()
+                           for _ in range(3))
             out, _ = mod.attend(q, k, v, None, False, False)
             kl = mod.kl()
             gout = torch.randn(out.shape, generator=g, dtype=dtype)
@@ -68,6 +73,14 @@ def test_one_node_is_the_two_node_path_bitwise(variant, dtype, training, monkeyp
     assert calls[0] == 2  # the one-node path ran, once a step
     two = _run(variant, dtype, training, False, monkeypatch)
     assert calls[0] == 2
+    for step_one, step_two in zip(one, two, strict=True):
+        for a, b in zip(step_one, step_two, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_one_node_with_transposed_heads(monkeypatch):
+    one = _run("mikan", torch.float32, True, True, monkeypatch, transposed=True)
+    two = _run("mikan", torch.float32, True, False, monkeypatch, transposed=True)
     for step_one, step_two in zip(one, two, strict=True):
         for a, b in zip(step_one, step_two, strict=True):
             assert torch.equal(a, b)

@@ -79,6 +79,7 @@ class _SampledFourier(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor]:
         scales, lib = sampler
         nsets, coef, eps, p, scale, cfg = attention
+        k = k.contiguous()  # once for both calls (heads from a projection are transposed views)
         part1 = _Part((False,) * (3 + _SAMPLER_OPTIONS + len(params)))
         pts, kl = _NativeSpectralSample.forward(part1, k, noise, raw, scales, lib, True, True, *params)
         if any_nonfinite(pts):  # the check NonStationaryFourier.stacked makes (C bit test)
