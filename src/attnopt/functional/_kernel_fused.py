@@ -669,6 +669,21 @@ def _points_layout(points: Tensor, lead: tuple[int, ...]) -> tuple[Tensor, int, 
 _WholeConfig = tuple[Any, Any, Any, Any, int, int]
 
 
+#: ``torch.finfo(dtype).max / 8`` (the key weights' cap) per dtype
+_CAP = {torch.float32: torch.finfo(torch.float32).max / 8, torch.float64: torch.finfo(torch.float64).max / 8}
+_SIZES: dict[tuple[int, tuple[int, ...]], int] = {}
+
+
+def _size(fn: Any, sizes: tuple[int, ...]) -> int:
+    """``fn(*sizes)`` (``ffw_save_size`` / ``ffw_work_size`` of a library :data:`_WHOLE` keeps
+    alive, a C call) once per sizes."""
+    key = (id(fn), sizes)
+    hit = _SIZES.get(key)
+    if hit is None:
+        hit = _SIZES[key] = int(fn(*sizes))
+    return hit
+
+
 def _heads_split(g: int, work: int) -> int:
     """Threads for ``g`` heads of ``work`` scores each (one below ``_native._MIN_PARALLEL`` entries)."""
     return min(torch.get_num_threads(), g) if g * work >= _native._MIN_PARALLEL else 1
@@ -708,12 +723,13 @@ class _WholeFourier(torch.autograd.Function):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         w, wsb, wsh, hi = _points_layout(points, lead)
         mk = None if mask is None else mask.expand(*lead, nk).contiguous()
-        save = q.new_empty(g, save_size(nq, nk, d, dv, r, nsets))
+        sizes = (nq, nk, d, dv, r, nsets)
+        save = q.new_empty(g, _size(save_size, sizes))
         out = q.new_empty(*lead, nq, dv)
         threads = _heads_split(g, nq * nk)
-        work = q.new_empty(threads, work_size(nq, nk, d, dv, r, nsets))
+        work = q.new_empty(threads, _size(work_size, sizes))
         mode = -1 if p is None else _LP_MODES.get(p, 0)
-        cap = torch.finfo(q.dtype).max / 8
+        cap = _CAP[q.dtype]
         grad = int(p is not None and ctx.needs_input_grad[1])
         c4 = coef**4
         args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), w.data_ptr(), wsb, wsh, hi, _base(mk))
@@ -721,10 +737,14 @@ class _WholeFourier(torch.autograd.Function):
                 save.data_ptr(), out.data_ptr())
         pw, step = work.data_ptr(), work.shape[1] * work.element_size()
 
-        def heads(t: int, g0: int, g1: int) -> None:
-            fwd(gemm, set_threads, *args, g0, g1, *tail, pw + t * step)
+        if threads == 1:
+            fwd(gemm, set_threads, *args, 0, g, *tail, pw)
+        else:
 
-        _each(threads, g, heads)
+            def heads(t: int, g0: int, g1: int) -> None:
+                fwd(gemm, set_threads, *args, g0, g1, *tail, pw + t * step)
+
+            _each(threads, g, heads)
         ctx.cfg, ctx.geom, ctx.mag = cfg, (wsb, wsh, hi, nsets, r, c4, eps), p is not None
         ctx.points_shape = points.shape
         ctx.save_for_backward(q, k, v, w, save, out)
@@ -747,12 +767,14 @@ class _WholeFourier(torch.autograd.Function):
         g = math.prod(lead)
         if dout.dtype != out.dtype:
             dout = dout.to(out.dtype)
-        d3 = dout.reshape(g, nq, dv)  # (an expanded scalar stays a view with strides 0)
+        # as (g, nq, dv) with its strides (an expanded scalar stays a view with strides 0)
+        d3 = dout.reshape(g, nq, dv) if not dout.is_contiguous() else dout
+        dstrides = (nq * dv, dv, 1) if d3 is dout else (d3.stride(0), d3.stride(1), d3.stride(2))
         dq = torch.empty_like(q) if need_q else None
         dk = torch.empty_like(k) if need_k else None
         dvv = torch.empty_like(v) if need_v else None
         threads = _heads_split(g, nq * nk)
-        work = q.new_empty(threads, work_size(nq, nk, d, dv, r, nsets))
+        work = q.new_empty(threads, _size(work_size, (nq, nk, d, dv, r, nsets)))
         shared = wsb == 0 and wsh == 0
         dwb: list[Tensor] = []
         dsb = dsh = 0
@@ -763,16 +785,21 @@ class _WholeFourier(torch.autograd.Function):
                 dwb = [q.new_empty(g, sr, d)]
                 dsb, dsh = (hi * sr * d, sr * d) if hi > 1 or wsb != sr * d else (sr * d, 0)
         args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), w.data_ptr(), wsb, wsh, hi, d3.data_ptr(),
-                d3.stride(0), d3.stride(1), d3.stride(2), out.data_ptr())
+                *dstrides, out.data_ptr())
         tail = (nq, nk, d, dv, r, nsets, int(ctx.mag), c4, eps, save.data_ptr())
         outs = (_base(dq), _base(dk), _base(dvv))
         pw, step = work.data_ptr(), work.shape[1] * work.element_size()
 
-        def heads(t: int, g0: int, g1: int) -> None:
-            pdw = None if not dwb else dwb[t if shared else 0].data_ptr()
-            bwd(gemm, set_threads, *args, g0, g1, *tail, pw + t * step, *outs, pdw, dsb, dsh, int(shared))
+        if threads == 1:
+            pdw = None if not dwb else dwb[0].data_ptr()
+            bwd(gemm, set_threads, *args, 0, g, *tail, pw, *outs, pdw, dsb, dsh, int(shared))
+        else:
 
-        _each(threads, g, heads)
+            def heads(t: int, g0: int, g1: int) -> None:
+                pdw = None if not dwb else dwb[t if shared else 0].data_ptr()
+                bwd(gemm, set_threads, *args, g0, g1, *tail, pw + t * step, *outs, pdw, dsb, dsh, int(shared))
+
+            _each(threads, g, heads)
         dw = None
         if need_w:
             if shared:

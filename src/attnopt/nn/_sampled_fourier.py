@@ -35,6 +35,7 @@ from attnopt.functional import dispatch
 from attnopt.functional._autograd import refuse_double_backward
 from attnopt.functional._kernel_fused import _whole_call, _WholeFourier
 from attnopt.nn._spectral_native import _NativeSpectralSample
+from attnopt.nn._spectral_native import library as sampler_library
 
 __all__ = ["sampled_fourier_attention"]
 
@@ -134,8 +135,6 @@ def sampled_fourier_attention(
         p: the magnitude exponent (``1 <= p <= 2``).
         eps: the ``ε`` of ``f² + ε`` (``> 0``).
     """
-    from attnopt.nn import _spectral_native
-
     if not (eps > 0 and 1.0 <= p <= 2.0) or q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return None
     same = q.shape[:2] == k.shape[:2] == v.shape[:2] and k.shape[2] == v.shape[2] and q.shape[3] == k.shape[3]
@@ -147,7 +146,7 @@ def sampled_fourier_attention(
     path = dispatch.choose_impl("kernel", nq=nq, nk=nk, batch=q.shape[0] * q.shape[1], dtype=q.dtype)
     if path != "materialized":
         return None
-    lib = _spectral_native.library(k, noise, raw, params, True)
+    lib = sampler_library(k, noise, raw, params, True)
     if lib is None:
         return None
     nsets = len(scales)

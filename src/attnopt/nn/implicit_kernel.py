@@ -135,8 +135,10 @@ class ImplicitKernelAttention(MultiheadBase):
         """Every set's base noise ``(S, B, H, R/2, d)`` in one draw (eval: the fixed buffer)."""
         b = k.shape[0]
         if self.training:
-            n_sets, half = len(self.densities), self.num_samples // 2
+            n_sets, half = len(self._modules["densities"]), self.num_samples // 2  # type: ignore[arg-type]
             noise = torch.randn(n_sets, b, self.num_heads, half, self.head_dim, generator=self._generator)
+            if noise.dtype == k.dtype and noise.device == k.device:
+                return noise
             return noise.to(device=k.device, dtype=k.dtype)
         return self.get_buffer("eval_noise").to(k.dtype).unsqueeze(1).expand(-1, b, -1, -1, -1)
 
@@ -245,18 +247,21 @@ class ImplicitKernelAttention(MultiheadBase):
         """``(base noise or None, O or None)``: the one-node path of :mod:`._sampled_fourier` where it
         applies (stock networks and copula, quadratic mode); the noise drawn for it is handed on
         to the two-node path where it does not (one draw either way: the same random stream)."""
-        if self.variant == "ikan-direct" or self.mode != "quadratic":
+        if self.variant == "ikan-direct" or self.mode != "quadratic" or k.dim() != 4:
             return None, None
-        params = fusable(self.densities)
+        mods = self._modules  # (nn.Module.__getattr__ costs ~1 µs a submodule)
+        densities, copula = mods["densities"], mods.get("copula")
+        assert isinstance(densities, nn.ModuleList)
+        params = fusable(densities)
         raw = None
-        if self.copula is not None:
-            if type(self.copula) is not GaussianCopula:
+        if copula is not None:
+            if type(copula) is not GaussianCopula:
                 return None, None
-            raw = self.copula.raw
-        if params is None or k.dim() != 4:
+            raw = copula.raw
+        if params is None:
             return None, None
         noise = self._base_noise(k)
-        scales = tuple(float(getattr(dens, "base_scale")) for dens in self.densities)  # noqa: B009
+        scales = tuple(float(dens.base_scale) for dens in densities._modules.values())  # type: ignore[arg-type]
         done = sampled_fourier_attention(q, k, v, noise, raw, scales, params, self.p, self.eps)
         if done is None:
             return noise, None
