@@ -186,3 +186,21 @@ def test_fixed_kernels_have_zero_kl_and_sampled_kernel_needs_forward():
         conv.kl()
     with pytest.raises(ValueError, match="kernel"):
         KernelGATConv(5, 3, kernel="gauss")
+
+
+@pytest.mark.parametrize("kind", ["rbf", "ikan", "mikan"])
+@pytest.mark.parametrize("concat", [True, False])
+def test_graph_without_nodes(kind, concat):
+    # no node: an empty output and a finite KL (the mean of no node summary is 0, not NaN, which
+    # made the sampled points non-finite and the layer raise)
+    conv = KernelGATConv(5, 3, heads=2, kernel=kind, num_samples=4, seed=0, concat=concat).double()
+    if conv.sampler is not None:
+        with torch.no_grad():  # posterior away from the prior: the KL is a real number, not 0
+            conv.sampler.densities[0].nn1[2].bias.fill_(0.3)
+    x = torch.zeros(0, 5, dtype=torch.float64, requires_grad=True)
+    out = conv(x, torch.zeros(2, 0, dtype=torch.long))
+    assert out.shape == (0, 6 if concat else 3)
+    kl = conv.kl()
+    assert torch.isfinite(kl) and (kind == "rbf" or kl.item() > 0)
+    (out.sum() + kl).backward()
+    assert all(torch.isfinite(p.grad).all() for p in conv.parameters() if p.grad is not None)

@@ -176,3 +176,20 @@ def test_bad_arguments():
         ImplicitKernelAttention(E, H, mode="fast")
     with pytest.raises(RuntimeError, match="forward"):
         ImplicitKernelAttention(E, H).kl()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_empty_batch_gives_zero_kl_not_nan(variant):
+    # an empty batch adds nothing to the ELBO; the batch mean of no example was NaN and poisoned
+    # the loss (kl() is what training adds to the task loss)
+    for training in (True, False):
+        m = _module(variant).train(training)
+        x = _x(0, b=0)
+        out, _ = m(x, x, x)
+        assert out.shape == (0, 5, E)
+        kl = m.kl()
+        assert kl.shape == () and kl.item() == 0.0
+        (out.sum() + kl).backward()  # finite (zero) gradients, no NaN
+        assert all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
+        m(_x(1), _x(2), _x(3))
+        assert math.isfinite(m.kl().item())  # a non-empty batch afterwards: the usual KL again

@@ -163,7 +163,9 @@ class KernelGATConv(MessagePassing):
         """Draw this pass's spectral points from the densities (``h (N, H, F)``) and record the KL."""
         if self.sampler is None:
             return
-        summary = h.mean(dim=0)  # (H, F): the mean of q_i + k_i = [Wh_i ‖ Wh_i] over the nodes
+        # (H, F): the mean of q_i + k_i = [Wh_i ‖ Wh_i] over the nodes; 0 for a graph with no node
+        # (h.mean would be NaN there, and the sampled points with it)
+        summary = h.sum(dim=0) / max(h.shape[0], 1)
         (w1, w2), kl = self.sampler(torch.cat([summary, summary], dim=-1))
         self._sampled = NonStationaryFourier(w1, w2)
         self._kl = kl
@@ -193,7 +195,7 @@ class KernelGATConv(MessagePassing):
         h = self.lin(x).view(n, self.heads, self.out_channels)
         self._sample_kernel(h)
         out = self.propagate(self._loops(edge_index, n), x=h, size=None)
-        out = out.reshape(n, -1) if self.concat else out.mean(dim=1)
+        out = out.reshape(n, self.heads * self.out_channels) if self.concat else out.mean(dim=1)
         return out if self.bias is None else out + self.bias
 
     def edge_weights(self, x: Tensor, edge_index: Tensor) -> tuple[Tensor, Tensor]:

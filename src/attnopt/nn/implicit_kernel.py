@@ -197,7 +197,7 @@ class ImplicitKernelAttention(MultiheadBase):
         ``noise``: the base noise when already drawn (:meth:`_base_noise`), else drawn here.
         """
         sets, stacked, kl = self._sample(k, mask, split=False, kl_mean=True, noise=noise)
-        self._kl = kl
+        self._kl = kl if k.shape[0] else k.new_zeros(())  # an empty batch adds 0, not a NaN mean
         if self.variant == "ika-s":  # one set: the stacked tensor is that set
             return RandomFourier(sets[0] if stacked is None else stacked)
         if stacked is not None:  # one tensor holds both sets: attention takes it without a copy
@@ -210,9 +210,9 @@ class ImplicitKernelAttention(MultiheadBase):
         The latent variables are the ``R/2`` base points of every head (i.i.d. given ``h``), so
         this is ``R/2`` times the sum over heads (and over both densities for non-stationary
         variants) of ``KL(N(μ, σ²) ‖ N(0, I))``; for MIKAN the copula adds ``−(d/2) log det C``
-        per point. It is 0 for ``ikan-direct``. Add ``kl_weight * module.kl()`` to a per-example
-        (batch-mean) task loss: ``kl_weight = 1`` is the ELBO of eq. 5; smaller weights (or
-        annealing) are common.
+        per point. It is 0 for ``ikan-direct`` and after an empty batch (B = 0). Add
+        ``kl_weight * module.kl()`` to a per-example (batch-mean) task loss: ``kl_weight = 1`` is
+        the ELBO of eq. 5; smaller weights (or annealing) are common.
 
         Raises:
             RuntimeError: called before any forward pass.
