@@ -133,3 +133,78 @@ def test_check_finite_empty_huge_and_grad_tensors(finite_path):
     bad[-1, -1, -1] = float("nan")
     with pytest.raises(ValueError, match=r"^v contains"):
         check_finite(q=x, k=None, v=bad.requires_grad_())
+
+
+def _checked_sum(a):
+    check_finite(q=None, k=a, v=None)
+    return a.sum()
+
+
+def test_check_finite_under_torch_func_transforms(finite_path):
+    """Under vmap / grad / jvp / jacrev / functionalize (nested too) the values under the wrappers
+    are checked: finite input passes, a NaN raises the ValueError (``.item()`` on a vmapped tensor
+    was a RuntimeError: "vmap: It looks like you're calling .item() on a Tensor")."""
+    from torch import func
+
+    x = torch.randn(3, 4, 5, dtype=torch.float64)
+    bad = x.clone()
+    bad[1, 2, 3] = float("nan")
+    runs = {
+        "vmap": lambda a: func.vmap(_checked_sum)(a),
+        "vmap-vmap": lambda a: func.vmap(func.vmap(_checked_sum))(a),
+        "vmap 5-D": lambda a: func.vmap(_checked_sum)(a.expand(2, 3, 3, 4, 5)),
+        "grad": lambda a: func.grad(_checked_sum)(a),
+        "vmap-grad": lambda a: func.vmap(func.grad(_checked_sum))(a),
+        "jvp": lambda a: func.jvp(_checked_sum, (a,), (torch.ones_like(a),))[1],
+        "jacrev": lambda a: func.jacrev(_checked_sum)(a),
+        "functionalize": lambda a: func.functionalize(_checked_sum)(a),
+    }
+    for name, run in runs.items():
+        out = run(x)
+        assert torch.isfinite(out).all(), name
+        with pytest.raises(ValueError, match=r"^k contains NaN or ±inf"):
+            run(bad)
+            pytest.fail(name)
+
+
+def test_check_finite_skips_tensors_without_values(finite_path):
+    """Meta and fake tensors have no values to read: the check is skipped (was a RuntimeError)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    check_finite(q=torch.empty(2, 3, 4, device="meta"), k=torch.empty(9, device="meta"), v=None)
+    with FakeTensorMode():
+        check_finite(q=torch.randn(2, 3, 4), k=torch.randn(2, 3, 4, dtype=torch.float16), v=None)
+    from attnopt._validation import any_nonfinite
+
+    assert not any_nonfinite(torch.empty(3, device="meta"))
+    assert func_vmap_any_nonfinite(torch.tensor([[1.0, float("inf")]]))
+
+
+def func_vmap_any_nonfinite(x):
+    from attnopt._validation import any_nonfinite
+
+    seen = []
+    torch.func.vmap(lambda a: seen.append(any_nonfinite(a)) or a)(x)
+    return seen[0]
+
+
+@pytest.mark.parametrize("op", ["generalized", "regularized"])
+def test_public_ops_under_vmap_and_grad(finite_path, op):
+    """The attention ops under torch.vmap equal the batched call, under torch.func.grad the
+    autograd gradient; a NaN in one vmapped example is the usual ValueError."""
+    from attnopt.functional import generalized_attention, regularized_attention
+
+    fn = generalized_attention if op == "generalized" else regularized_attention
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 2, 4, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    torch.testing.assert_close(torch.func.vmap(fn)(q, k, v), fn(q, k, v))
+    dq = torch.func.grad(lambda a: fn(a, k, v).square().sum())(q)
+    qr = q.clone().requires_grad_()
+    fn(qr, k, v).square().sum().backward()
+    torch.testing.assert_close(dq, qr.grad)
+    bad = q.clone()
+    bad[2, 1, 0, 0] = float("inf")
+    with pytest.raises(ValueError, match=r"^q contains NaN or ±inf"):
+        torch.func.vmap(fn)(bad, k, v)
+    with pytest.raises(ValueError, match=r"^q contains NaN or ±inf"):
+        torch.func.grad(lambda a: fn(a, k, v).sum())(bad)

@@ -17,7 +17,9 @@ The policies, one for every op (README "Layout and conventions"):
   names the accepted shapes.
 * **Non-finite inputs** (:func:`check_finite`): NaN or ±inf in ``q``, ``k``, ``v`` is a
   ``ValueError`` naming the argument (an exponent-bit test in C on CPU, else one sum per
-  tensor; ``-inf`` belongs in masks, not in the inputs). Skipped while ``torch.compile`` traces.
+  tensor; ``-inf`` belongs in masks, not in the inputs). Under ``torch.func`` transforms the
+  values under the wrappers are checked (under ``vmap``: the whole batch). Skipped while
+  ``torch.compile`` traces and for meta / fake tensors (no values to read).
 """
 from __future__ import annotations
 
@@ -135,11 +137,16 @@ def check_finite(**tensors: Tensor | None) -> None:
     small C kernel (``_native/finite.c``) that tests the exponent bits: one vectorized pass, no
     temporary, ~1 µs of work at 8·64·64 entries plus ~1.5 µs of call overhead, where the
     PyTorch path below costs ~8 µs per tensor. Everything else (no compiler,
-    ``ATTNOPT_NATIVE=0``, CUDA, half precision, ``torch.func`` wrapped tensors, > 4 dims) takes
-    the PyTorch path: one sum per tensor (a NaN or ±inf entry makes the sum NaN or ±inf; finite
-    entries whose sum overflows are told apart by an exact ``aminmax`` pass, only then), no
-    full-size temporary. Skipped while ``torch.compile`` traces (a data-dependent check would
-    break the graph).
+    ``ATTNOPT_NATIVE=0``, CUDA, half precision, > 4 dims) takes the PyTorch path: one sum per
+    tensor (a NaN or ±inf entry makes the sum NaN or ±inf; finite entries whose sum overflows
+    are told apart by an exact ``aminmax`` pass, only then), no full-size temporary.
+
+    Under ``torch.func`` transforms (``vmap``, ``grad``, ``jvp``, ``jacrev``, ``functionalize``,
+    nested) the check reads the values under the wrappers (:func:`_values`): under ``vmap`` that
+    is the whole batch, so a NaN in any vmapped example raises, as it would in a batched call
+    (``.item()`` on a batched tensor is an error under ``vmap``). Skipped where there are no
+    values to read: while ``torch.compile`` traces (a data-dependent check would break the
+    graph), and for meta and fake tensors (shape propagation).
     """
     if torch.compiler.is_compiling():
         return
@@ -149,6 +156,13 @@ def check_finite(**tensors: Tensor | None) -> None:
         if x is None:
             continue
         bad = None if fns is None else _native_nonfinite(x, fns)
+        if bad is None:  # not a plain CPU float32/float64 tensor: look under the wrappers
+            values = _values(x)
+            if values is None:
+                continue
+            if values is not x:
+                x = values
+                bad = None if fns is None else _native_nonfinite(x, fns)
         if bad:
             _raise_nonfinite(name)
         elif bad is None and x.numel():
@@ -175,6 +189,14 @@ def any_nonfinite(x: Tensor) -> bool:
     bad = None if fns is None else _native_nonfinite(x, fns)
     if bad is not None:
         return bad
+    values = _values(x)
+    if values is None:  # meta or fake: nothing to read
+        return False
+    if values is not x:
+        x = values
+        bad = None if fns is None else _native_nonfinite(x, fns)
+        if bad is not None:
+            return bad
     if not x.numel() or not (x.is_floating_point() or x.is_complex()):
         return False
     low, high = torch.aminmax(x.detach())
@@ -194,6 +216,27 @@ def _native_nonfinite(x: Tensor, fns: dict) -> bool | None:
     return bool(strided(x.data_ptr(), *((1,) * pad), *x.shape, *((0,) * pad), *x.stride()))
 
 
+def _values(x: Tensor) -> Tensor | None:
+    """The tensor that holds ``x``'s values, or ``None`` where there are none to read.
+
+    ``torch.func`` wraps a tensor once per transform level (a ``vmap`` batched tensor, a
+    ``grad``/``jvp`` wrapper, a functional tensor); the innermost tensor holds the values (for
+    ``vmap``, those of the whole batch) and ordinary ops and ``.item()`` on it are allowed inside
+    the transform. Meta tensors and the fake tensors of shape propagation have no values.
+    """
+    while _is_wrapped(x):
+        x = _unwrap(x)
+    if x.is_meta or (type(x) not in _PLAIN and _is_fake(x)):
+        return None
+    return x
+
+
+def _is_fake(x: Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake  # only for tensor subclasses (rare)
+
+    return bool(is_fake(x))
+
+
 def _raise_nonfinite(name: str) -> None:
     raise ValueError(
         f"{name} contains NaN or ±inf; attnopt rejects non-finite inputs (mask keys with "
@@ -203,6 +246,7 @@ def _raise_nonfinite(name: str) -> None:
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # not subclasses such as torch.compile's fake tensors
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor  # torch.func's grad/vmap wrappers
+_unwrap = torch._C._functorch.get_unwrapped  # one level of them
 #: ``(ATTNOPT_NATIVE, {dtype: (dense, strided)} or None)``: the ``finite.c`` entry points, loaded
 #: on the first check (this module is imported by everything: the loader and the compiler are
 #: not), looked up again when ``ATTNOPT_NATIVE`` changes

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnopt._native import has_storage
 from attnopt.functional._autograd import double_backward, tracked_vjp
 
 __all__ = ["flush_denormal", "flush_denormal_on", "flushed_sdpa"]
@@ -95,6 +96,7 @@ def _flash_ok(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> bool:
         and q.shape[:-2] == k.shape[:-2] == v.shape[:-2] and q.shape[-1] == k.shape[-1] == v.shape[-1]
         and 0 not in q.shape[:-1] and 0 not in k.shape[:-1]
         and (not is_causal or q.shape[-2] == k.shape[-2])
+        and has_storage(q, k, v)  # torch.func wrapped tensors: plain SDPA (the Function is ctx-style)
     )
 
 
@@ -105,7 +107,8 @@ def flushed_sdpa(
     subnormals flushed in forward and backward where SDPA's fused CPU flash kernel applies.
 
     That is CPU float32/float64, 4-D ``(B, H, N, d)`` inputs of one batch shape and head size,
-    non-empty, and ``Nq = Nk`` with ``is_causal``; anything else is plain SDPA. Inputs whose
+    non-empty, and ``Nq = Nk`` with ``is_causal``, outside ``torch.func`` transforms; anything else
+    is plain SDPA. Inputs whose
     last dimension is not unit-stride are copied (the kernel's layout contract). No double
     backward on the fused path (as SDPA's flash kernel).
     """
