@@ -15,9 +15,8 @@ import attnopt.functional._dnas_materialized as materialized
 import attnopt.functional._dnas_native as native
 from attnopt import _native
 from attnopt.functional.doubly_normalized import doubly_normalized_attention, hybrid_normalized_attention
+from tests._marks import needs_native
 from tests.reference.doubly_normalized import attention_ref, hybrid_ref
-
-needs_cc = pytest.mark.skipif(_native.compiler() is None, reason="no C compiler on this machine")
 
 
 @pytest.fixture
@@ -84,7 +83,7 @@ def test_float32_matches_float64_reference(small, path, kind, causal):
         _check(out, ref, [*leaves, wl], [*ref_leaves, wr])
 
 
-@needs_cc
+@needs_native
 def test_native_path_taken_and_agrees_with_the_pytorch_fused_path(monkeypatch):
     monkeypatch.setattr(_native, "_LIBS", {})
     monkeypatch.delenv("ATTNOPT_NATIVE", raising=False)
@@ -106,7 +105,7 @@ def test_native_path_taken_and_agrees_with_the_pytorch_fused_path(monkeypatch):
         torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)
 
 
-@needs_cc
+@needs_native
 def test_threads_split_heads_and_match_one_thread(monkeypatch):
     monkeypatch.setattr(native, "CHUNK_ENTRIES", 1 << 12)
     monkeypatch.setattr(_native, "_MIN_PARALLEL", 1)
@@ -127,7 +126,7 @@ def test_threads_split_heads_and_match_one_thread(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
-@needs_cc
+@needs_native
 def test_polynomial_exp_accuracy():
     lib = _native.library("dnas")
     assert lib is not None

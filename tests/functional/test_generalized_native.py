@@ -15,6 +15,7 @@ from attnopt.functional import _generalized_native as native
 from attnopt.functional._toeplitz import mark_toeplitz, toeplitz_offsets
 from attnopt.functional.generalized import generalized_attention
 from attnopt.nn.preference import T5RelativePreference
+from tests._marks import needs_native
 from tests.reference.generalized import generalized_attention_ref
 
 
@@ -141,7 +142,7 @@ def test_float32_matches_float64_reference(monkeypatch, native_or_torch, save_by
     assert torch.equal(got[3][0, 1, 5], torch.zeros_like(got[3][0, 1, 5]))
 
 
-@pytest.mark.skipif(_native.compiler() is None, reason="no C compiler on this machine")
+@needs_native
 def test_c_exponential_against_torch():
     lib = _native.library("biased_softmax")
     assert lib is not None

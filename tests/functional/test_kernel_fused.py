@@ -9,6 +9,7 @@ import torch
 import attnopt.functional._kernel_chunked as kc
 from attnopt import _native
 from attnopt.functional._kernel_fused import fused_fourier_attention
+from tests._marks import needs_native
 from tests.reference import kernel as ref
 
 
@@ -190,7 +191,7 @@ def test_stacked_kernel_equals_two_sets():
         NonStationaryFourier.stacked(torch.full((4, 5), float("nan")))
 
 
-@pytest.mark.skipif(_native.compiler() is None, reason="no C compiler on this machine")
+@needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_native_lp_magnitude_matches_torch_path(dtype, monkeypatch):
     """``_native/lp_magnitude.c`` and the PyTorch ops of ``_magnitude``: a, u, c to rounding
@@ -233,7 +234,7 @@ def test_native_lp_magnitude_matches_torch_path(dtype, monkeypatch):
         torch.testing.assert_close(x, y, **tol)
 
 
-@pytest.mark.skipif(_native.compiler() is None, reason="no C compiler on this machine")
+@needs_native
 def test_native_lp_magnitude_split_over_threads(monkeypatch):
     """Rows split over threads (``parallel_rows``) give the one-call result."""
     from attnopt.functional import _kernel_fused as kf
@@ -270,7 +271,7 @@ def _node_run(q, k, v, pts, key_mask, p):
     return (out, *torch.autograd.grad(out, (q, k, v, pts), dout))
 
 
-@pytest.mark.skipif(_native.compiler() is None, reason="no C compiler on this machine")
+@needs_native
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize(("points_batch", "nq"), [((), 6), ((2, 3), 6), ((3,), 6), ((), 4), ((2, 3), 4)])
 @pytest.mark.parametrize(("p", "masked"), [(None, False), (1.5, True), (2.0, False), (None, True)])
@@ -292,7 +293,7 @@ def test_native_passes_match_torch_path(dtype, points_batch, nq, p, masked, monk
         torch.testing.assert_close(a, b, **tol)
 
 
-@pytest.mark.skipif(_native.compiler() is None, reason="no C compiler on this machine")
+@needs_native
 def test_native_node_per_example_points_gradcheck():
     """The native path with per-example points (B, H, S·R, d), a mask and the L^1.5 magnitude, float64."""
     q, k, v, pts, key_mask = _node_case(torch.float64, (2, 3), 6, 1.5, True)
@@ -304,7 +305,7 @@ def test_native_node_per_example_points_gradcheck():
     assert torch.autograd.gradcheck(fn, (q, k, v, pts), fast_mode=True)
 
 
-@pytest.mark.skipif(_native.compiler() is None, reason="no C compiler on this machine")
+@needs_native
 def test_native_passes_split_over_threads(monkeypatch):
     """Rows split over threads (two passes in one C call share each thread's fraction of rows)
     give the one-call result bit for bit."""
@@ -316,7 +317,7 @@ def test_native_passes_split_over_threads(monkeypatch):
         assert torch.equal(a, b)
 
 
-@pytest.mark.skipif(_native.compiler() is None, reason="no C compiler on this machine")
+@needs_native
 def test_native_sincos_large_and_exact_arguments():
     """float32 sin/cos of the C pass: ~1e-7 of libm in double on [-8192, 8192], libm beyond."""
     from attnopt.functional import _kernel_fused as kf

@@ -14,8 +14,9 @@ from attnopt.functional import _periodic_fused as pf
 from attnopt.functional import _periodic_native as native
 from attnopt.functional.kernel import kernel_attention
 from attnopt.kernels import Periodic
+from tests._marks import needs_native
 
-pytestmark = pytest.mark.skipif(_native.compiler() is None, reason="no C compiler on this machine")
+pytestmark = needs_native
 
 
 def _qkv(b, h, nq, nk, d=8, dv=5, seed=0, dtype=torch.float32):

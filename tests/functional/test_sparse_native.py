@@ -6,12 +6,11 @@ import importlib
 import pytest
 import torch
 
-from attnopt import _native
 from attnopt.functional import _sparse_native, entmax, sparsemax
+from tests._marks import needs_native
 from tests.reference.regularized import entmax15_sort, sparsemax_sort
 
 entmax_mod = importlib.import_module("attnopt.functional.entmax")  # the module, not the function
-needs_cc = pytest.mark.skipif(_native.compiler() is None, reason="no C compiler on this machine")
 
 
 @pytest.fixture
@@ -74,7 +73,7 @@ def test_float32_equals_float64_reference_to_rounding(path, alpha):
                                atol=1e-6, rtol=0)
 
 
-@needs_cc
+@needs_native
 @pytest.mark.parametrize("alpha", [1.5, 2.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_native_equals_pytorch_path_forward_and_backward(monkeypatch, alpha, dtype):
@@ -96,7 +95,7 @@ def test_native_equals_pytorch_path_forward_and_backward(monkeypatch, alpha, dty
     assert (res[0][1][0, 1] == 0).all()  # all -inf row: zero gradient
 
 
-@needs_cc
+@needs_native
 def test_native_kernel_runs_where_usable(monkeypatch):
     calls = []
     real = _sparse_native.forward
@@ -138,7 +137,7 @@ def test_nan_and_posinf_raise(path, alpha, bad):
         _map(alpha)(x)
 
 
-@needs_cc
+@needs_native
 @pytest.mark.parametrize("alpha", [1.5, 2.0])
 def test_two_threads_give_identical_results(alpha):
     x = torch.randn(80, 1024, generator=torch.Generator().manual_seed(5))  # > 2^16 entries: 2 threads
@@ -157,7 +156,7 @@ def test_two_threads_give_identical_results(alpha):
     assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
 
 
-@needs_cc
+@needs_native
 @pytest.mark.parametrize("alpha", [1.5, 2.0])
 def test_threshold_recomputes_the_map(alpha):
     """θ is in the units of ``_map_from_threshold`` (what the blocked attention relies on)."""
@@ -166,7 +165,7 @@ def test_threshold_recomputes_the_map(alpha):
     torch.testing.assert_close(entmax_mod._map_from_threshold(x, theta, alpha, -1), p, atol=1e-12, rtol=0)
 
 
-@needs_cc
+@needs_native
 def test_unsettled_rows_are_reported_and_rerun(monkeypatch):
     x = _rows(1000)
     # one sweep is not enough for most rows: they are reported, never returned wrong
