@@ -12,6 +12,8 @@ def test_suite_runs_and_notes_the_dispatch(monkeypatch):
     monkeypatch.setattr(small_n, "_cases", lambda ctx: [(1, 16)])  # noqa: ARG005
     monkeypatch.setattr(small_n, "_registry_rows", lambda ctx, n, repeat: iter(()))  # noqa: ARG005
     monkeypatch.setattr(small_n, "_encoder_rows", lambda ctx, n, repeat: iter(()))  # noqa: ARG005
+    monkeypatch.setattr(small_n, "_registry_runs", lambda ctx, n: iter(()))  # noqa: ARG005
+    monkeypatch.setattr(small_n, "_encoder_runs", lambda ctx, n, **kw: iter(()))  # noqa: ARG005
     rows = list(small_n.suite(BenchContext(quick=False, memory=False, repeat=1)))
     cases = {r.case for r in rows}
     assert len(cases) == 2  # fwd, fwd+bwd
@@ -54,3 +56,41 @@ def test_registry_and_encoder_rows_cover_every_name(monkeypatch):
     assert sum(r.baseline for r in reg) == 1 and all(r.seconds > 0 for r in reg)
     enc = list(small_n._encoder_rows(ctx, 8, 1))
     assert {r.impl for r in enc} == set(attention_names()) - {"ot", "mem"}
+
+
+def test_every_section_runs_its_rows_untimed_before_the_first_timed_row(monkeypatch):
+    """The warm-up round: every function row of the first case (fwd and fwd+bwd, WARMUP_CALLS
+    each), every registry module and every encoder arm run before their section's first timed
+    row, so the baselines (timed first) do not pay the first-call costs."""
+    events: list[tuple[str, str]] = []
+    timed: dict[str, int] = {}  # section -> number of its calls before its first timed row
+    monkeypatch.setattr(small_n, "_cases", lambda ctx: [(1, 8)])  # noqa: ARG005
+    real_impls, real_best = small_n._impls, small_n._best
+
+    def logged(kind, name, fn):
+        def run(*args):
+            events.append((kind, name))
+            return fn(*args) if args else None
+        return run
+
+    monkeypatch.setattr(small_n, "_impls", lambda device, impl: {
+        name: logged("fn", name, fn) for name, fn in real_impls(device, impl).items()})
+    monkeypatch.setattr(small_n, "_registry_runs", lambda ctx, n: iter(  # noqa: ARG005
+        [(name, logged("reg", name, None)) for name in ("softmax", "dnas")]))
+    monkeypatch.setattr(small_n, "_encoder_runs", lambda ctx, n, **kw: iter(  # noqa: ARG005
+        [(name, logged("enc", name, None)) for name in ("softmax", "t5")]))
+
+    def best(fn, repeat, device):
+        start = len(events)
+        out = real_best(fn, repeat, device)
+        if len(events) > start:  # a logged row (not the two SDPA-with-bias rows)
+            timed.setdefault(events[start][0], start)
+        return out
+
+    monkeypatch.setattr(small_n, "_best", best)
+    rows = list(small_n.suite(BenchContext(quick=True, memory=False, repeat=1)))
+    assert rows and all(r.seconds > 0 for r in rows)
+    for kind, calls in (("fn", 2 * small_n.WARMUP_CALLS), ("reg", 2), ("enc", 1)):
+        before = [name for k, name in events[: timed[kind]] if k == kind]
+        names = {name for k, name in events if k == kind}
+        assert len(names) > 1 and all(before.count(name) == calls for name in names), (kind, before)

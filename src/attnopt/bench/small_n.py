@@ -29,7 +29,10 @@ against the ``softmax`` arm.
 Timing (CPU): torch limited to one thread, best of ``repeat`` in *thread CPU time* after a
 warm-up — on a shared, loaded 2-core machine wall-clock medians swing by several × while CPU
 time measures the work; the wall time of the same best run is in the note. CUDA: harness
-wall time.
+wall time. Before the first timed row of each section, one untimed round runs every row
+(:func:`_warm_up`): the first rows (the baselines) no longer pay the process's first-call costs
+(lazy imports, C libraries loaded, the allocator's first growth), which read the N = 64 SDPA
+baseline 0.68 ms once where it takes 0.41.
 """
 from __future__ import annotations
 
@@ -163,13 +166,25 @@ def _best(fn: Callable[[], None], repeat: int, device: str) -> tuple[float, floa
     return best, wall
 
 
+#: untimed calls of each function row in the warm-up round (each row's own untimed call stays)
+WARMUP_CALLS = 3
+
+
+def _warm_up(runs: Iterator[Callable[[], None]], calls: int) -> None:
+    """Run every closure ``calls`` times, untimed (see the module docstring)."""
+    for run in runs:
+        for _ in range(calls):
+            run()
+
+
 def _cases(ctx: BenchContext) -> list[tuple[int, int]]:
     if ctx.quick:
         return [(1, n) for n in (64, 256, 512)]
     return [(b, n) for b in (1, 8) for n in (64, 128, 256, 512, 1024)]
 
 
-def _registry_rows(ctx: BenchContext, n: int, repeat: int) -> Iterator[Measurement]:
+def _registry_runs(ctx: BenchContext, n: int) -> Iterator[tuple[str, Callable[[], None]]]:
+    """``(name, fwd+bwd closure)`` of every registry module on ``x (1, n, H·D)``."""
     from attnopt.nn.registry import attention_names, make_attention
 
     torch.manual_seed(0)
@@ -183,24 +198,33 @@ def _registry_rows(ctx: BenchContext, n: int, repeat: int) -> Iterator[Measureme
             x.grad = None
             mod(x)[0].sum().backward()
 
+        yield name, run
+
+
+def _registry_rows(ctx: BenchContext, n: int, repeat: int) -> Iterator[Measurement]:
+    for name, run in _registry_runs(ctx, n):
         cpu, wall = _best(run, repeat, ctx.device)
         path = ",".join(f"{k}={v}" for k, v in sorted(dispatch.last_dispatch.items()))
         yield Measurement(SUITE, f"registry N={n} B*H={H} fwd+bwd", name, cpu, baseline=name == "softmax",
                           note=f"wall {wall * 1e3:.2f} ms; last_dispatch {path}")
 
 
-def _encoder_rows(ctx: BenchContext, n: int, repeat: int) -> Iterator[Measurement]:
+def _encoder_runs(
+    ctx: BenchContext, n: int, batch: int = 8, head_dim: int | None = None
+) -> Iterator[tuple[str, Callable[[], None]]]:
+    """``(name, training-step closure)`` of a 2-layer encoder (E = H·head_dim) per attention."""
     from attnopt.models import TransformerEncoder
     from attnopt.nn.registry import attention_names
 
+    e = H * (D if head_dim is None else head_dim)
     g = torch.Generator().manual_seed(n)
-    x = torch.randn(8, n, 32, generator=g).to(ctx.device)
-    y = torch.randint(0, 10, (8,), generator=g).to(ctx.device)
+    x = torch.randn(batch, n, 32, generator=g).to(ctx.device)
+    y = torch.randint(0, 10, (batch,), generator=g).to(ctx.device)
     for name in attention_names():
         if name in ("ot", "mem"):
             continue
         torch.manual_seed(0)
-        model = TransformerEncoder(d_model=H * D, num_heads=H, num_layers=2, attention=name, input_dim=32,
+        model = TransformerEncoder(d_model=e, num_heads=H, num_layers=2, attention=name, input_dim=32,
                                    num_outputs=10, max_len=n + 1, dropout=0.0).to(ctx.device)
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
 
@@ -209,6 +233,11 @@ def _encoder_rows(ctx: BenchContext, n: int, repeat: int) -> Iterator[Measuremen
             F.cross_entropy(model(x), y).backward()
             opt.step()
 
+        yield name, step
+
+
+def _encoder_rows(ctx: BenchContext, n: int, repeat: int) -> Iterator[Measurement]:
+    for name, step in _encoder_runs(ctx, n):
         cpu, wall = _best(step, repeat, ctx.device)
         yield Measurement(SUITE, f"encoder step N={n} B=8 E={H * D} L=2", name, cpu,
                           baseline=name == "softmax", note=f"wall {wall * 1e3:.2f} ms")
@@ -229,15 +258,40 @@ def suite(ctx: BenchContext) -> Iterator[Measurement]:
 def _rows(ctx: BenchContext) -> Iterator[Measurement]:
     yield from _function_rows(ctx)
     sizes = sorted({n for _, n in _cases(ctx)})
+    # warm-up rounds (module docstring): the registry modules at the first size, two calls each
+    # (~0.4 s); the encoder arms as small models (E = H·4, B = 2, N = 16; one step each, ~0.5 s):
+    # building every full-size model once more would cost ~6 s of the quick run's ~65
+    _warm_up((run for _, run in _registry_runs(ctx, sizes[0])), 2)
     for n in sizes:
         yield from _registry_rows(ctx, n, 2 if ctx.quick else ctx.repeat)
+    _warm_up((step for _, step in _encoder_runs(ctx, 16, batch=2, head_dim=4)), 1)
     for n in [m for m in sizes if m <= 256]:
         yield from _encoder_rows(ctx, n, 2 if ctx.quick else ctx.repeat)
 
 
+def _case_rows(
+    ctx: BenchContext, auto: dict[str, Fn], b: int, n: int, backward: bool
+) -> tuple[tuple[torch.Tensor, ...], dict[str, Fn]]:
+    """The inputs ``q, k, v (b, H, n, D)`` of a case and its rows (name -> function)."""
+    g = torch.Generator().manual_seed(n)
+    qkv = tuple(torch.randn(b, H, n, D, generator=g).to(ctx.device).requires_grad_(backward)
+                for _ in range(3))
+    bias = ALiBiPreference(H).to(ctx.device)(n, n).detach().contiguous()
+    rows: dict[str, Fn] = dict(auto)
+    rows["sdpa + same ALiBi bias (scale)"] = _with_bias(bias)
+    rows["sdpa + same T5 bias (learned)"] = _with_t5(ctx.device)
+    if b * H * n * n > 1 << 23:
+        rows = {name: fn for name, fn in rows.items() if "K=3 (peer)" not in name}
+    return qkv, rows
+
+
 def _function_rows(ctx: BenchContext) -> Iterator[Measurement]:
     auto = _impls(ctx.device, "auto")
-    for b, n in _cases(ctx):
+    cases = _cases(ctx)
+    for backward in (False, True):  # the warm-up round: every row of the first case, untimed
+        qkv, rows = _case_rows(ctx, auto, *cases[0], backward)
+        _warm_up((_closure(fn, qkv, backward) for fn in rows.values()), WARMUP_CALLS)
+    for b, n in cases:
         size = b * H * n * n
         # tiny cases cost ~1 ms a call: quick mode keeps enough repeats there that the minimum is
         # not one cold run (2 repeats swung N = 64 ratios by up to 2x on a quiet machine)
@@ -245,17 +299,9 @@ def _function_rows(ctx: BenchContext) -> Iterator[Measurement]:
             ctx.repeat if size <= 1 << 22 else 2)
         for backward in (False, True):
             case = f"B*H={b * H} N={n} d={D} {'fwd+bwd' if backward else 'fwd'}"
-            g = torch.Generator().manual_seed(n)
-            qkv = tuple(torch.randn(b, H, n, D, generator=g).to(ctx.device).requires_grad_(backward)
-                        for _ in range(3))
-            bias = ALiBiPreference(H).to(ctx.device)(n, n).detach().contiguous()
-            rows: dict[str, Fn] = dict(auto)
-            rows["sdpa + same ALiBi bias (scale)"] = _with_bias(bias)
-            rows["sdpa + same T5 bias (learned)"] = _with_t5(ctx.device)
+            qkv, rows = _case_rows(ctx, auto, b, n, backward)
             done: dict[str, Measurement] = {}
             for name, fn in rows.items():
-                if "K=3 (peer)" in name and size > 1 << 23:
-                    continue
                 cpu, wall = _best(_closure(fn, qkv, backward), repeat, ctx.device)
                 note = f"wall {wall * 1e3:.2f} ms"
                 key = DISPATCHED.get(name)
