@@ -197,3 +197,14 @@ def test_modules_without_query_padding_get_key_padding_and_zeroed_rows() -> None
     block = EncoderBlock(8, mha, 16, dropout=0.0).double()
     h = block(x, key_padding_mask=pad, query_padding_mask=pad)
     assert torch.isfinite(h).all()
+
+
+def test_mean_pooling_of_an_empty_sequence_is_finite() -> None:
+    # h.mean(1) over no token was NaN logits (silently); a fully padded sequence already pooled to 0
+    torch.manual_seed(0)
+    model = TransformerEncoder(d_model=16, num_heads=2, num_layers=1, input_dim=4, num_outputs=3,
+                               max_len=8, dropout=0.0, pooling="mean")
+    empty = model(torch.randn(2, 0, 4))
+    padded = model(torch.randn(2, 5, 4), key_padding_mask=torch.ones(2, 5, dtype=torch.bool))
+    assert torch.isfinite(empty).all()
+    torch.testing.assert_close(empty, padded)  # both: the head applied to a zero pooled state

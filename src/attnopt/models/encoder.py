@@ -104,8 +104,8 @@ class TransformerEncoder(nn.Module):
     def _pool(self, h: Tensor, key_padding_mask: Tensor | None) -> Tensor:
         if self.cls is not None:
             return h[:, 0]
-        if key_padding_mask is None:
-            return h.mean(1)
+        if key_padding_mask is None:  # an empty sequence pools to 0, as a fully padded one (not NaN)
+            return h.mean(1) if h.shape[1] else h.sum(1)
         keep = (~key_padding_mask).to(h.dtype).unsqueeze(-1)
         return (h * keep).sum(1) / keep.sum(1).clamp_min(1.0)
 
