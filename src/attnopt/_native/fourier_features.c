@@ -283,14 +283,18 @@ void ff_tail_f64(const double *t, const double *v, const double *kw, const doubl
  * in int64, read alike by an LP64 and an ILP64 BLAS on a little-endian machine). Per head g,
  * row-major, q (nq, d), k (nk, d), v (nk, dv) contiguous by head, points W (S R, d) at
  * w + (g / hi) wsb + (g % hi) wsh (shared: wsb = wsh = 0), mask (nk) per head or NULL:
- *   forward:  Pq = Q W^T, Pk = K W^T; phi, cos, sin of both (ff_features); the key weights
- *             (ff_key_weights); F = phi_q phi_k^T; A = c4 F^2 + eps; num = A vm; O = num / den
- *             (ff_finish). Saved per head (ffw_save_size entries): F, phi_q, phi_k, cos/sin of
- *             Pq and Pk, vm, m, u, c, 1/den.
- *   backward: gn = [g, -<g, O>] (ff_gn); A again from F; T = A^T gn -> dv and the magnitude's
- *             share of dk (ff_key_grads); dA = gn vm^T, dF = 2 c4 F dA; dphi_q = dF phi_k,
- *             dphi_k = dF^T phi_q; dP (ff_dp); dq = dPq W, dk += dPk W, dW (+)= dPq^T Q + dPk^T K
- *             (dw_acc: always add, into a per-thread buffer for shared points).
+ *   forward:  Pq = Q W^T, Pk = K W^T; phi, cos, sin of both (ff_features); the key weights m
+ *             (ffw_kw); F = phi_q phi_k^T; A_ij = (c4 F_ij^2 + eps) m_j / den_i with den_i the
+ *             row sum before the division; O = A V (= num / den of the per-pass node, num = A vm:
+ *             no vm, no 65th column in the product, no finishing pass). Saved per head
+ *             (ffw_save_size entries): F, phi_q, phi_k, cos/sin of Pq and Pk, (the per-pass
+ *             node's vm block, unused), m, u, c, 1/den.
+ *   backward: g = dout / den, gd = -<g, O> (ffw_gn); A = c4 F^2 + eps again, td = A^T gd in
+ *             the same loop; T = A^T g -> dv = m T and the magnitude's share of dk through
+ *             dm = <v, T> + td (ffw_key_grads); dA_ij = m_j (<g_i, v_j> + gd_i) from the
+ *             product G V^T, dF = 2 c4 F dA; dphi_q = dF phi_k, dphi_k = dF^T phi_q; dP (ff_dp);
+ *             dq = dPq W, dk += dPk W, dW (+)= dPq^T Q + dPk^T K (dw_acc: always add, into a
+ *             per-thread buffer for shared points).
  * Outputs not needed are NULL. MKL_Set_Num_Threads_Local(1), when given, keeps MKL from starting
  * threads inside the caller's threads; flush-to-zero / denormals-are-zero are on during the call
  * (x86) and restored after. */
@@ -318,12 +322,133 @@ int64_t ffw_work_size(int64_t nq, int64_t nk, int64_t d, int64_t dv, int64_t r, 
     return fwd > bwd ? fwd : bwd;
 }
 
+/* The whole call's key weights: per row of k (one head of n keys), a_j = s*||k_j||_p^2/2 (mode -1:
+ * none) + mask_j, m_j = exp(a_j - max_l a_l) into kw (no vm: the forward scales A's columns by m
+ * instead), u and c where not NULL. The L^p loop is lp_body.h's, except that T^{2/p-1} is taken
+ * after it, over the rows: p = 1 (T), p = 1.5 (cube root: ffw_cbrt, Newton in float32), p = 2 (1)
+ * without a libm pow per row. */
+static inline float ffw_cbrtf(float x) {
+    /* x >= 0: exponent / 3 by the integer trick (~4 %), three Newton steps (~1 ulp); 0, NaN kept;
+     * +inf -> NaN, which the callers clamp like inf (a = cap, c = 0) */
+    int32_t i;
+    memcpy(&i, &x, sizeof i);
+    i = i / 3 + 0x2a5137a0;
+    float y;
+    memcpy(&y, &i, sizeof y);
+    y = (2.0f * y + x / (y * y)) * (1.0f / 3.0f);
+    y = (2.0f * y + x / (y * y)) * (1.0f / 3.0f);
+    y = (2.0f * y + x / (y * y)) * (1.0f / 3.0f);
+    return x > 0.0f ? y : x;
+}
+
+#define FFW_LP_ROWS(T, SQRT, POW, CBRT)                                                      \
+    /* pass 1: T_r = sum |k|^p (and u) per row into a */                                     \
+    {                                                                                        \
+        T *const a_ = a;                                                                     \
+        for (int64_t r = 0; r < rows; ++r) {                                                 \
+            const T *x = k + r * d;                                                          \
+            T *ur = u ? u + r * d : 0;                                                       \
+            T tot = 0;                                                                       \
+            if (mode == 3) {                                                                 \
+                _Pragma("omp simd reduction(+:tot)")                                         \
+                for (int64_t i = 0; i < d; ++i) tot += x[i] * x[i];                          \
+                if (ur) memcpy(ur, x, (size_t)d * sizeof(T));                                \
+            } else if (mode == 1) {                                                          \
+                _Pragma("omp simd reduction(+:tot)")                                         \
+                for (int64_t i = 0; i < d; ++i) tot += x[i] < 0 ? -x[i] : x[i];              \
+                if (ur) {                                                                    \
+                    _Pragma("omp simd")                                                      \
+                    for (int64_t i = 0; i < d; ++i)                                          \
+                        ur[i] = x[i] > 0 ? (T)1 : (x[i] < 0 ? (T)-1 : (T)0);                 \
+                }                                                                            \
+            } else if (mode == 2) {                                                          \
+                if (ur) {                                                                    \
+                    _Pragma("omp simd reduction(+:tot)")                                     \
+                    for (int64_t i = 0; i < d; ++i) {                                        \
+                        const T ax = x[i] < 0 ? -x[i] : x[i], pw = SQRT(ax);                 \
+                        tot += ax * pw;                                                      \
+                        ur[i] = x[i] < 0 ? -pw : pw;                                         \
+                    }                                                                        \
+                } else {                                                                     \
+                    _Pragma("omp simd reduction(+:tot)")                                     \
+                    for (int64_t i = 0; i < d; ++i) {                                        \
+                        const T ax = x[i] < 0 ? -x[i] : x[i];                                \
+                        tot += ax * SQRT(ax);                                                \
+                    }                                                                        \
+                }                                                                            \
+            } else {                                                                         \
+                const T pm1 = (T)(p - 1.0);                                                  \
+                for (int64_t i = 0; i < d; ++i) {                                            \
+                    const T ax = x[i] < 0 ? -x[i] : x[i], pw = POW(ax, pm1);                 \
+                    tot += ax * pw;                                                          \
+                    if (ur) ur[i] = x[i] < 0 ? -pw : pw;                                     \
+                }                                                                            \
+            }                                                                                \
+            a_[r] = tot;                                                                     \
+        }                                                                                    \
+    }                                                                                        \
+    /* pass 2, over the rows: tp = T^{2/p-1}, a = s T tp / 2 clamped at cap, c = s tp */     \
+    {                                                                                        \
+        const T hs = (T)(0.5 * scale), ts = (T)scale, tcap = (T)cap, ex = (T)(2.0 / p - 1.0); \
+        if (mode == 2) {                                                                     \
+            _Pragma("omp simd")                                                              \
+            for (int64_t r = 0; r < rows; ++r) {                                             \
+                const T tot = a[r], tp = CBRT(tot), ar = tot * tp * hs;                      \
+                const int live = ar < tcap;                                                  \
+                a[r] = live ? ar : tcap;                                                     \
+                if (c) c[r] = live ? tp * ts : (T)0;                                         \
+            }                                                                                \
+        } else {                                                                             \
+            for (int64_t r = 0; r < rows; ++r) {                                             \
+                const T tot = a[r];                                                          \
+                const T tp = mode == 3 ? (T)1 : (mode == 1 ? tot : POW(tot, ex));            \
+                const T ar = tot * tp * hs;                                                  \
+                const int live = ar < tcap;                                                  \
+                a[r] = live ? ar : tcap;                                                     \
+                if (c) c[r] = live ? tp * ts : (T)0;                                         \
+            }                                                                                \
+        }                                                                                    \
+    }
+
+static void ffw_lp_f32(const float *k, int64_t rows, int64_t d, int mode, double p, double scale, double cap,
+                       float *a, float *u, float *c) {
+    FFW_LP_ROWS(float, sqrtf, powf, ffw_cbrtf)
+}
+
+static void ffw_lp_f64(const double *k, int64_t rows, int64_t d, int mode, double p, double scale, double cap,
+                       double *a, double *u, double *c) {
+    FFW_LP_ROWS(double, sqrt, pow, cbrt)
+}
+
+#define FFW_KW(T, SUF, EXP)                                                                  \
+static void ffw_kw_##SUF(const T *k, const T *mask, int64_t n, int64_t d, int mode, double p, \
+                         double scale, double cap, T *a, T *u, T *c) {                        \
+    if (mode >= 0) {                                                                         \
+        ffw_lp_##SUF(k, n, d, mode, p, scale, cap, a, u, c);                                 \
+    } else {                                                                                 \
+        for (int64_t j = 0; j < n; ++j) a[j] = 0;                                            \
+    }                                                                                        \
+    if (mask) {                                                                              \
+        _Pragma("omp simd")                                                                  \
+        for (int64_t j = 0; j < n; ++j) a[j] += mask[j];                                     \
+    }                                                                                        \
+    T mx = -INFINITY;                                                                        \
+    for (int64_t j = 0; j < n; ++j) mx = a[j] > mx ? a[j] : mx;                              \
+    const T shift = isfinite(mx) ? mx : (T)0;                                                \
+    _Pragma("omp simd")                                                                      \
+    for (int64_t j = 0; j < n; ++j) a[j] = EXP(a[j] - shift);                                \
+}
+
+FFW_KW(float, f32, attnopt_pexpf)
+FFW_KW(double, f64, exp)
+
+/* Save layout per head (ffw_save_size entries; the vm block of the per-pass node is left unused) */
 #define FFW_LAYOUT(T)                                                                        \
     const int64_t sr = r * nsets, r2 = 2 * r, e = dv + 1;                                    \
     const int64_t per = ffw_save_size(nq, nk, d, dv, r, nsets);                              \
     T *F = save + g * per, *phq = F + nq * nk, *phk = phq + nq * r2;                         \
     T *cq = phk + nk * r2, *sq = cq + nq * sr, *ck = sq + nq * sr, *sk = ck + nk * sr;       \
-    T *vm = sk + nk * sr, *kw = vm + nk * e, *u = kw + nk, *cm = u + nk * d, *inv = cm + nk; \
+    T *kw = sk + nk * sr + nk * e, *u = kw + nk, *cm = u + nk * d, *inv = cm + nk;           \
     const T *qg = q + g * nq * d, *kg = k + g * nk * d, *vg = v + g * nk * dv;               \
     const T *wg = w + (g / hi) * wsb + (g % hi) * wsh;                                       \
     (void)inv; (void)u; (void)cm; (void)sq; (void)sk; (void)e; (void)vg;
@@ -355,21 +480,34 @@ void ffw_fwd_##SUF(void *gemm_p, void *threads_p, const T *q, const T *k, const 
     ffw_threads_t set_threads = (ffw_threads_t)threads_p;                                    \
     const int prev = set_threads ? set_threads(1) : 0;                                       \
     FFW_FTZ_ON();                                                                            \
+    const T tc4 = (T)c4, teps = (T)eps;                                                      \
     for (int64_t g = g0; g < g1; ++g) {                                                      \
         FFW_LAYOUT(T)                                                                        \
-        T *P = work, *A = P + (nq > nk ? nq : nk) * sr, *num = A + nq * nk;                  \
+        T *P = work, *A = P + (nq > nk ? nq : nk) * sr;                                      \
         ffw_mm_##SUF(gemm, 0, 1, nq, sr, d, 1, qg, d, wg, d, 0, P, sr);                     \
         ff_features_##SUF(P, nq, r, nsets, phq, cq, sq);                                     \
         ffw_mm_##SUF(gemm, 0, 1, nk, sr, d, 1, kg, d, wg, d, 0, P, sr);                     \
         ff_features_##SUF(P, nk, r, nsets, phk, ck, sk);                                     \
-        ff_key_weights_##SUF(kg, vg, mask ? mask + g * nk : NULL, 1, nk, d, dv, mode, p, scale, cap, \
-                             vm, kw, grad ? u : NULL, grad ? cm : NULL);                     \
+        ffw_kw_##SUF(kg, mask ? mask + g * nk : NULL, nk, d, mode, p, scale, cap, kw,        \
+                     grad ? u : NULL, grad ? cm : NULL);                                     \
         ffw_mm_##SUF(gemm, 0, 1, nq, nk, r2, 1, phq, r2, phk, r2, 0, F, nk);                \
-        const T tc4 = (T)c4, teps = (T)eps;                                                  \
-        _Pragma("omp simd")                                                                  \
-        for (int64_t i = 0; i < nq * nk; ++i) A[i] = teps + tc4 * F[i] * F[i];               \
-        ffw_mm_##SUF(gemm, 0, 0, nq, e, nk, 1, A, nk, vm, e, 0, num, e);                    \
-        ff_finish_##SUF(num, nq, e, out + g * nq * dv, inv);                                 \
+        /* A_ij = (eps + c4 F_ij^2) m_j / den_i, den_i = sum_j (eps + c4 F_ij^2) m_j: then   \
+         * O = A v is the output (num = A [v m, m] and O = num / den of the per-pass node) */ \
+        for (int64_t i = 0; i < nq; ++i) {                                                   \
+            const T *f = F + i * nk;                                                         \
+            T *ar = A + i * nk, den = 0;                                                     \
+            _Pragma("omp simd reduction(+:den)")                                             \
+            for (int64_t j = 0; j < nk; ++j) {                                               \
+                const T x = (teps + tc4 * f[j] * f[j]) * kw[j];                              \
+                ar[j] = x;                                                                   \
+                den += x;                                                                    \
+            }                                                                                \
+            const T iv = den > 0 ? (T)1 / den : (T)0;                                        \
+            inv[i] = iv;                                                                     \
+            _Pragma("omp simd")                                                              \
+            for (int64_t j = 0; j < nk; ++j) ar[j] *= iv;                                    \
+        }                                                                                    \
+        ffw_mm_##SUF(gemm, 0, 0, nq, dv, nk, 1, A, nk, vg, dv, 0, out + g * nq * dv, dv);   \
     }                                                                                        \
     FFW_FTZ_OFF();                                                                           \
     if (set_threads) set_threads(prev);                                                      \
@@ -386,27 +524,42 @@ void ffw_bwd_##SUF(void *gemm_p, void *threads_p, const T *q, const T *k, const 
     const int prev = set_threads ? set_threads(1) : 0;                                       \
     FFW_FTZ_ON();                                                                            \
     const int need_f = dq || dk || dw, need_mag = mag && dk;                                 \
-    const T tc4 = (T)c4;                                                                     \
+    const T tc4 = (T)c4, teps = (T)eps, two = 2 * tc4;                                       \
     for (int64_t g = g0; g < g1; ++g) {                                                      \
         FFW_LAYOUT(T)                                                                        \
-        T *gn = work, *A = gn + nq * e, *Tt = A + nq * nk, *dphq = Tt + nk * e;              \
-        T *dphk = dphq + nq * r2, *dPq = dphk + nk * r2, *dPk = dPq + nq * sr;               \
+        /* gn = [g, gd] of the per-pass node, held as g (nq, dv) and gd (nq); Tt = A^T g and  \
+         * td = A^T gd likewise */                                                           \
+        T *gm = work, *gd = gm + nq * dv, *A = gd + nq, *Tt = A + nq * nk, *td = Tt + nk * dv; \
+        T *dphq = td + nk, *dphk = dphq + nq * r2, *dPq = dphk + nk * r2, *dPk = dPq + nq * sr; \
         const T *og = out + g * nq * dv;                                                     \
         T *dqg = dq ? dq + g * nq * d : NULL, *dkg = dk ? dk + g * nk * d : NULL;            \
         T *dvg = dvo ? dvo + g * nk * dv : NULL;                                             \
-        ff_gn_##SUF(dout + g * dsg, drs, dcs, inv, og, nq, dv, gn);                          \
+        ffw_gn_##SUF(dout + g * dsg, drs, dcs, inv, og, nq, dv, gm, gd);                     \
         if (dvg || need_mag) {                                                               \
-            _Pragma("omp simd")                                                              \
-            for (int64_t i = 0; i < nq * nk; ++i) A[i] = (T)eps + tc4 * F[i] * F[i];        \
-            ffw_mm_##SUF(gemm, 1, 0, nk, e, nq, 1, A, nk, gn, e, 0, Tt, e);                 \
-            ff_key_grads_##SUF(Tt, vg, kw, cm, u, nk, dv, need_mag ? d : 0, dvg, NULL,       \
-                               need_mag ? dkg : NULL);                                       \
+            for (int64_t j = 0; j < nk; ++j) td[j] = 0;                                      \
+            for (int64_t i = 0; i < nq; ++i) {                                               \
+                const T *f = F + i * nk, gi = gd[i];                                         \
+                T *ar = A + i * nk;                                                          \
+                _Pragma("omp simd")                                                          \
+                for (int64_t j = 0; j < nk; ++j) {                                           \
+                    const T x = teps + tc4 * f[j] * f[j];                                    \
+                    ar[j] = x;                                                               \
+                    td[j] += x * gi;                                                         \
+                }                                                                            \
+            }                                                                                \
+            ffw_mm_##SUF(gemm, 1, 0, nk, dv, nq, 1, A, nk, gm, dv, 0, Tt, dv);               \
+            ffw_key_grads_##SUF(Tt, td, vg, kw, cm, u, nk, dv, need_mag ? d : 0, dvg,        \
+                                need_mag ? dkg : NULL);                                      \
         }                                                                                    \
         if (!need_f) continue;                                                               \
-        ffw_mm_##SUF(gemm, 0, 1, nq, nk, e, 1, gn, e, vm, e, 0, A, nk);                     \
-        const T two = 2 * tc4;                                                               \
-        _Pragma("omp simd")                                                                  \
-        for (int64_t i = 0; i < nq * nk; ++i) A[i] *= two * F[i];                            \
+        /* dA_ij = <gn_i, vm_j> = m_j (<g_i, v_j> + gd_i); dF = 2 c4 F dA */                 \
+        ffw_mm_##SUF(gemm, 0, 1, nq, nk, dv, 1, gm, dv, vg, dv, 0, A, nk);                   \
+        for (int64_t i = 0; i < nq; ++i) {                                                   \
+            const T *f = F + i * nk, gi = gd[i];                                             \
+            T *ar = A + i * nk;                                                              \
+            _Pragma("omp simd")                                                              \
+            for (int64_t j = 0; j < nk; ++j) ar[j] = (ar[j] + gi) * kw[j] * two * f[j];      \
+        }                                                                                    \
         ffw_mm_##SUF(gemm, 0, 0, nq, r2, nk, 1, A, nk, phk, r2, 0, dphq, r2);              \
         ffw_mm_##SUF(gemm, 1, 0, nk, r2, nq, 1, A, nk, phq, r2, 0, dphk, r2);              \
         ff_dp_##SUF(dphq, cq, sq, nq, r, nsets, dPq);                                        \
@@ -423,5 +576,58 @@ void ffw_bwd_##SUF(void *gemm_p, void *threads_p, const T *q, const T *k, const 
     if (set_threads) set_threads(prev);                                                      \
 }
 
+/* ff_gn with g and gd = -<g, out> in two arrays (rows of dv, not dv + 1) */
+#define FFW_GN_ROW(T, LOAD)                                                                  \
+    for (int64_t row = 0; row < rows; ++row) {                                               \
+        const T *d = dout + row * rs, *o = out + row * dv;                                   \
+        const T iv = inv[row];                                                               \
+        T *gr = gm + row * dv;                                                               \
+        T dot = 0;                                                                           \
+        _Pragma("omp simd reduction(+:dot)")                                                 \
+        for (int64_t i = 0; i < dv; ++i) {                                                   \
+            const T x = (LOAD) * iv;                                                         \
+            gr[i] = x;                                                                       \
+            dot += x * o[i];                                                                 \
+        }                                                                                    \
+        gd[row] = -dot;                                                                      \
+    }
+
+/* ff_key_grads with T's last column apart (td): dv = m T, dm = <v, T> + td, dk = u (dm m c) */
+#define FFW_KG(T, SUF)                                                                       \
+static inline void ffw_gn_##SUF(const T *dout, int64_t rs, int64_t cs, const T *inv, const T *out, \
+                                int64_t rows, int64_t dv, T *gm, T *gd) {                    \
+    if (cs == 1) {                                                                           \
+        FFW_GN_ROW(T, d[i])                                                                  \
+    } else if (cs == 0) {                                                                    \
+        FFW_GN_ROW(T, d[0])                                                                  \
+    } else {                                                                                 \
+        FFW_GN_ROW(T, d[i * cs])                                                             \
+    }                                                                                        \
+}                                                                                            \
+static inline void ffw_key_grads_##SUF(const T *t, const T *td, const T *v, const T *kw, const T *cm, \
+                                       const T *u, int64_t rows, int64_t dv, int64_t d, T *dvo, T *dk) { \
+    for (int64_t row = 0; row < rows; ++row) {                                               \
+        const T *tr = t + row * dv, *vr = v + row * dv;                                      \
+        const T m = kw[row];                                                                 \
+        if (dvo) {                                                                           \
+            T *o = dvo + row * dv;                                                           \
+            _Pragma("omp simd")                                                              \
+            for (int64_t i = 0; i < dv; ++i) o[i] = tr[i] * m;                               \
+        }                                                                                    \
+        if (dk) {                                                                            \
+            T s = 0;                                                                         \
+            _Pragma("omp simd reduction(+:s)")                                               \
+            for (int64_t i = 0; i < dv; ++i) s += tr[i] * vr[i];                             \
+            const T f = (s + td[row]) * m * cm[row];                                         \
+            const T *ur = u + row * d;                                                       \
+            T *o = dk + row * d;                                                             \
+            _Pragma("omp simd")                                                              \
+            for (int64_t i = 0; i < d; ++i) o[i] = ur[i] * f;                                \
+        }                                                                                    \
+    }                                                                                        \
+}
+
+FFW_KG(float, f32)
+FFW_KG(double, f64)
 FFW(float, f32)
 FFW(double, f64)
