@@ -208,30 +208,30 @@ static void ff_lp_f64(const double *k, int64_t rows, int64_t d, int mode, double
     LP_BODY(double, sqrt, pow, fabs, copysign)
 }
 
-#define FF_KW(T, MAG, EXP)                                                                 \
-    for (int64_t h = 0; h < heads; ++h) {                                                  \
-        T *a = kw + h * n;                                                                 \
-        if (mode >= 0) {                                                                   \
+#define FF_KW(T, MAG, EXP)                                                                   \
+    for (int64_t h = 0; h < heads; ++h) {                                                    \
+        T *a = kw + h * n;                                                                   \
+        if (mode >= 0) {                                                                     \
             MAG(k + h * n * d, n, d, mode, p, scale, cap, a, u ? u + h * n * d : 0, c ? c + h * n : 0); \
-        } else {                                                                           \
-            for (int64_t j = 0; j < n; ++j) a[j] = 0;                                      \
-        }                                                                                  \
-        if (mask) {                                                                        \
-            const T *mk = mask + h * n;                                                    \
-            for (int64_t j = 0; j < n; ++j) a[j] += mk[j];                                 \
-        }                                                                                  \
-        T mx = -INFINITY;                                                                  \
-        for (int64_t j = 0; j < n; ++j) mx = a[j] > mx ? a[j] : mx;                        \
-        const T shift = isfinite(mx) ? mx : (T)0;                                          \
-        for (int64_t j = 0; j < n; ++j) {                                                  \
-            const T m = EXP(a[j] - shift);                                                 \
-            const T *vr = v + (h * n + j) * dv;                                            \
-            T *o = vm + (h * n + j) * (dv + 1);                                            \
-            a[j] = m;                                                                      \
-            _Pragma("omp simd")                                                            \
-            for (int64_t i = 0; i < dv; ++i) o[i] = vr[i] * m;                             \
-            o[dv] = m;                                                                     \
-        }                                                                                  \
+        } else {                                                                             \
+            for (int64_t j = 0; j < n; ++j) a[j] = 0;                                        \
+        }                                                                                    \
+        if (mask) {                                                                          \
+            const T *mk = mask + h * n;                                                      \
+            for (int64_t j = 0; j < n; ++j) a[j] += mk[j];                                   \
+        }                                                                                    \
+        T mx = -INFINITY;                                                                    \
+        for (int64_t j = 0; j < n; ++j) mx = a[j] > mx ? a[j] : mx;                          \
+        const T shift = isfinite(mx) ? mx : (T)0;                                            \
+        for (int64_t j = 0; j < n; ++j) {                                                    \
+            const T m = EXP(a[j] - shift);                                                   \
+            const T *vr = v + (h * n + j) * dv;                                              \
+            T *o = vm + (h * n + j) * (dv + 1);                                              \
+            a[j] = m;                                                                        \
+            _Pragma("omp simd")                                                              \
+            for (int64_t i = 0; i < dv; ++i) o[i] = vr[i] * m;                               \
+            o[dv] = m;                                                                       \
+        }                                                                                    \
     }
 
 void ff_key_weights_f32(const float *k, const float *v, const float *mask, int64_t heads, int64_t n, int64_t d,
@@ -322,6 +322,38 @@ int64_t ffw_work_size(int64_t nq, int64_t nk, int64_t d, int64_t dv, int64_t r, 
     return fwd > bwd ? fwd : bwd;
 }
 
+/* OUT = sum over i < N of term_, set by the statements (...) from i: 64 bytes of partial sums and
+ * a tree at the end. (GCC 12's `omp simd reduction` spills the lanes and adds them one after
+ * another, 16 dependent adds per row of 64 floats: that was most of this file's row loops.) */
+#define FFW_SUM(T, N, OUT, ...)                                                              \
+    do {                                                                                     \
+        enum { L_ = 64 / sizeof(T) };                                                        \
+        T acc_[L_];                                                                          \
+        for (int l_ = 0; l_ < L_; ++l_) acc_[l_] = 0;                                        \
+        const int64_t n_ = (N);                                                              \
+        int64_t b_ = 0;                                                                      \
+        for (; b_ + L_ <= n_; b_ += L_) {                                                    \
+            _Pragma("omp simd")                                                              \
+            for (int l_ = 0; l_ < L_; ++l_) {                                                \
+                const int64_t i = b_ + l_;                                                   \
+                T term_;                                                                     \
+                __VA_ARGS__;                                                                 \
+                acc_[l_] += term_;                                                           \
+            }                                                                                \
+        }                                                                                    \
+        for (int l_ = 0; b_ + l_ < n_; ++l_) {                                               \
+            const int64_t i = b_ + l_;                                                       \
+            T term_;                                                                         \
+            __VA_ARGS__;                                                                     \
+            acc_[l_] += term_;                                                               \
+        }                                                                                    \
+        for (int w_ = L_ / 2; w_ >= 1; w_ /= 2) {                                            \
+            _Pragma("omp simd")                                                              \
+            for (int l_ = 0; l_ < w_; ++l_) acc_[l_] += acc_[l_ + w_];                       \
+        }                                                                                    \
+        OUT = acc_[0];                                                                       \
+    } while (0)
+
 /* The whole call's key weights: per row of k (one head of n keys), a_j = s*||k_j||_p^2/2 (mode -1:
  * none) + mask_j, m_j = exp(a_j - max_l a_l) into kw (no vm: the forward scales A's columns by m
  * instead), u and c where not NULL. The L^p loop is lp_body.h's, except that T^{2/p-1} is taken
@@ -341,7 +373,7 @@ static inline float ffw_cbrtf(float x) {
     return x > 0.0f ? y : x;
 }
 
-#define FFW_LP_ROWS(T, SQRT, POW, CBRT)                                                      \
+#define FFW_LP_ROWS(T, SQRT, POW, CBRT, FABS, COPYSIGN)                                      \
     /* pass 1: T_r = sum |k|^p (and u) per row into a */                                     \
     {                                                                                        \
         T *const a_ = a;                                                                     \
@@ -350,12 +382,10 @@ static inline float ffw_cbrtf(float x) {
             T *ur = u ? u + r * d : 0;                                                       \
             T tot = 0;                                                                       \
             if (mode == 3) {                                                                 \
-                _Pragma("omp simd reduction(+:tot)")                                         \
-                for (int64_t i = 0; i < d; ++i) tot += x[i] * x[i];                          \
+                FFW_SUM(T, d, tot, term_ = x[i] * x[i]);                                     \
                 if (ur) memcpy(ur, x, (size_t)d * sizeof(T));                                \
             } else if (mode == 1) {                                                          \
-                _Pragma("omp simd reduction(+:tot)")                                         \
-                for (int64_t i = 0; i < d; ++i) tot += x[i] < 0 ? -x[i] : x[i];              \
+                FFW_SUM(T, d, tot, term_ = FABS(x[i]));                                      \
                 if (ur) {                                                                    \
                     _Pragma("omp simd")                                                      \
                     for (int64_t i = 0; i < d; ++i)                                          \
@@ -363,25 +393,17 @@ static inline float ffw_cbrtf(float x) {
                 }                                                                            \
             } else if (mode == 2) {                                                          \
                 if (ur) {                                                                    \
-                    _Pragma("omp simd reduction(+:tot)")                                     \
-                    for (int64_t i = 0; i < d; ++i) {                                        \
-                        const T ax = x[i] < 0 ? -x[i] : x[i], pw = SQRT(ax);                 \
-                        tot += ax * pw;                                                      \
-                        ur[i] = x[i] < 0 ? -pw : pw;                                         \
-                    }                                                                        \
+                    FFW_SUM(T, d, tot, const T ax = FABS(x[i]); const T pw = SQRT(ax);       \
+                            ur[i] = COPYSIGN(pw, x[i]); term_ = ax * pw);                    \
                 } else {                                                                     \
-                    _Pragma("omp simd reduction(+:tot)")                                     \
-                    for (int64_t i = 0; i < d; ++i) {                                        \
-                        const T ax = x[i] < 0 ? -x[i] : x[i];                                \
-                        tot += ax * SQRT(ax);                                                \
-                    }                                                                        \
+                    FFW_SUM(T, d, tot, const T ax = FABS(x[i]); term_ = ax * SQRT(ax));      \
                 }                                                                            \
             } else {                                                                         \
                 const T pm1 = (T)(p - 1.0);                                                  \
                 for (int64_t i = 0; i < d; ++i) {                                            \
-                    const T ax = x[i] < 0 ? -x[i] : x[i], pw = POW(ax, pm1);                 \
+                    const T ax = FABS(x[i]), pw = POW(ax, pm1);                              \
                     tot += ax * pw;                                                          \
-                    if (ur) ur[i] = x[i] < 0 ? -pw : pw;                                     \
+                    if (ur) ur[i] = COPYSIGN(pw, x[i]);                                      \
                 }                                                                            \
             }                                                                                \
             a_[r] = tot;                                                                     \
@@ -412,17 +434,17 @@ static inline float ffw_cbrtf(float x) {
 
 static void ffw_lp_f32(const float *k, int64_t rows, int64_t d, int mode, double p, double scale, double cap,
                        float *a, float *u, float *c) {
-    FFW_LP_ROWS(float, sqrtf, powf, ffw_cbrtf)
+    FFW_LP_ROWS(float, sqrtf, powf, ffw_cbrtf, fabsf, copysignf)
 }
 
 static void ffw_lp_f64(const double *k, int64_t rows, int64_t d, int mode, double p, double scale, double cap,
                        double *a, double *u, double *c) {
-    FFW_LP_ROWS(double, sqrt, pow, cbrt)
+    FFW_LP_ROWS(double, sqrt, pow, cbrt, fabs, copysign)
 }
 
 #define FFW_KW(T, SUF, EXP)                                                                  \
 static void ffw_kw_##SUF(const T *k, const T *mask, int64_t n, int64_t d, int mode, double p, \
-                         double scale, double cap, T *a, T *u, T *c) {                        \
+                         double scale, double cap, T *a, T *u, T *c) {                       \
     if (mode >= 0) {                                                                         \
         ffw_lp_##SUF(k, n, d, mode, p, scale, cap, a, u, c);                                 \
     } else {                                                                                 \
@@ -441,6 +463,89 @@ static void ffw_kw_##SUF(const T *k, const T *mask, int64_t n, int64_t d, int mo
 
 FFW_KW(float, f32, attnopt_pexpf)
 FFW_KW(double, f64, exp)
+
+/* The whole call's features: ff_features with the set sums taken in the sin/cos loop (per row,
+ * the sets of one feature index in one vector lane: no second pass over cos/sin) for S = 1 and
+ * S = 2 (GCC vectorizes the lanes only when the loop over the sets has a constant count; other S:
+ * ff_features); |x| > FF_BIG (or NaN) counted first, then redone by libm. */
+static inline __attribute__((always_inline)) void ffw_feat_rows_f32(const float *restrict P, int64_t rows,
+                                                                    int64_t r, const int64_t nsets,
+                                                                    float *restrict phi, float *restrict cs,
+                                                                    float *restrict sn) {
+    const int64_t sr = r * nsets;
+    for (int64_t row = 0; row < rows; ++row) {
+        const float *restrict x = P + row * sr;
+        float *restrict c = cs + row * sr, *restrict s = sn + row * sr, *restrict f = phi + row * 2 * r;
+#pragma omp simd
+        for (int64_t i = 0; i < r; ++i) {
+            float fc = 0.0f, fs = 0.0f;
+            for (int64_t k = 0; k < nsets; ++k) {
+                float sv, cv;
+                ff_sincosf(x[k * r + i], &sv, &cv);
+                c[k * r + i] = cv;
+                s[k * r + i] = sv;
+                fc += cv;
+                fs += sv;
+            }
+            f[i] = fc;
+            f[r + i] = fs;
+        }
+    }
+}
+
+static void ffw_features_f32(const float *restrict P, int64_t rows, int64_t r, int64_t nsets,
+                             float *restrict phi, float *restrict cs, float *restrict sn) {
+    if (nsets != 1 && nsets != 2) {
+        ff_features_f32(P, rows, r, nsets, phi, cs, sn);
+        return;
+    }
+    const int64_t sr = r * nsets;
+    float nbig;
+    FFW_SUM(float, rows * sr, nbig, term_ = !(__builtin_fabsf(P[i]) <= FF_BIG) ? 1.0f : 0.0f);
+    if (nbig != 0.0f) {
+        ff_features_f32(P, rows, r, nsets, phi, cs, sn);
+    } else if (nsets == 1) {
+        ffw_feat_rows_f32(P, rows, r, 1, phi, cs, sn);
+    } else {
+        ffw_feat_rows_f32(P, rows, r, 2, phi, cs, sn);
+    }
+}
+
+static void ffw_features_f64(const double *P, int64_t rows, int64_t r, int64_t nsets, double *phi, double *cs,
+                             double *sn) {
+    ff_features_f64(P, rows, r, nsets, phi, cs, sn);
+}
+
+/* ff_dp with restrict rows and, for S = 1 and S = 2, the sets of one feature index in one lane */
+#define FFW_DP(T, SUF)                                                                       \
+static inline __attribute__((always_inline)) void ffw_dp_rows_##SUF(                         \
+    const T *restrict dphi, const T *restrict cs, const T *restrict sn, int64_t rows, int64_t r, \
+    const int64_t nsets, T *restrict dp) {                                                   \
+    const int64_t sr = r * nsets;                                                            \
+    for (int64_t row = 0; row < rows; ++row) {                                               \
+        const T *restrict dc = dphi + row * 2 * r, *restrict ds = dc + r;                    \
+        const T *restrict c = cs + row * sr, *restrict s = sn + row * sr;                    \
+        T *restrict o = dp + row * sr;                                                       \
+        _Pragma("omp simd")                                                                  \
+        for (int64_t i = 0; i < r; ++i) {                                                    \
+            const T a = ds[i], b = dc[i];                                                    \
+            for (int64_t k = 0; k < nsets; ++k) o[k * r + i] = c[k * r + i] * a - s[k * r + i] * b; \
+        }                                                                                    \
+    }                                                                                        \
+}                                                                                            \
+static void ffw_dp_##SUF(const T *dphi, const T *cs, const T *sn, int64_t rows, int64_t r, int64_t nsets, \
+                         T *dp) {                                                            \
+    if (nsets == 1) {                                                                        \
+        ffw_dp_rows_##SUF(dphi, cs, sn, rows, r, 1, dp);                                     \
+    } else if (nsets == 2) {                                                                 \
+        ffw_dp_rows_##SUF(dphi, cs, sn, rows, r, 2, dp);                                     \
+    } else {                                                                                 \
+        ff_dp_##SUF(dphi, cs, sn, rows, r, nsets, dp);                                       \
+    }                                                                                        \
+}
+
+FFW_DP(float, f32)
+FFW_DP(double, f64)
 
 /* Save layout per head (ffw_save_size entries; the vm block of the per-pass node is left unused) */
 #define FFW_LAYOUT(T)                                                                        \
@@ -484,30 +589,25 @@ void ffw_fwd_##SUF(void *gemm_p, void *threads_p, const T *q, const T *k, const 
     for (int64_t g = g0; g < g1; ++g) {                                                      \
         FFW_LAYOUT(T)                                                                        \
         T *P = work, *A = P + (nq > nk ? nq : nk) * sr;                                      \
-        ffw_mm_##SUF(gemm, 0, 1, nq, sr, d, 1, qg, d, wg, d, 0, P, sr);                     \
-        ff_features_##SUF(P, nq, r, nsets, phq, cq, sq);                                     \
-        ffw_mm_##SUF(gemm, 0, 1, nk, sr, d, 1, kg, d, wg, d, 0, P, sr);                     \
-        ff_features_##SUF(P, nk, r, nsets, phk, ck, sk);                                     \
+        ffw_mm_##SUF(gemm, 0, 1, nq, sr, d, 1, qg, d, wg, d, 0, P, sr);                      \
+        ffw_features_##SUF(P, nq, r, nsets, phq, cq, sq);                                    \
+        ffw_mm_##SUF(gemm, 0, 1, nk, sr, d, 1, kg, d, wg, d, 0, P, sr);                      \
+        ffw_features_##SUF(P, nk, r, nsets, phk, ck, sk);                                    \
         ffw_kw_##SUF(kg, mask ? mask + g * nk : NULL, nk, d, mode, p, scale, cap, kw,        \
                      grad ? u : NULL, grad ? cm : NULL);                                     \
-        ffw_mm_##SUF(gemm, 0, 1, nq, nk, r2, 1, phq, r2, phk, r2, 0, F, nk);                \
+        ffw_mm_##SUF(gemm, 0, 1, nq, nk, r2, 1, phq, r2, phk, r2, 0, F, nk);                 \
         /* A_ij = (eps + c4 F_ij^2) m_j / den_i, den_i = sum_j (eps + c4 F_ij^2) m_j: then   \
          * O = A v is the output (num = A [v m, m] and O = num / den of the per-pass node) */ \
         for (int64_t i = 0; i < nq; ++i) {                                                   \
             const T *f = F + i * nk;                                                         \
-            T *ar = A + i * nk, den = 0;                                                     \
-            _Pragma("omp simd reduction(+:den)")                                             \
-            for (int64_t j = 0; j < nk; ++j) {                                               \
-                const T x = (teps + tc4 * f[j] * f[j]) * kw[j];                              \
-                ar[j] = x;                                                                   \
-                den += x;                                                                    \
-            }                                                                                \
+            T *ar = A + i * nk, den;                                                         \
+            FFW_SUM(T, nk, den, term_ = ar[i] = (teps + tc4 * f[i] * f[i]) * kw[i]);         \
             const T iv = den > 0 ? (T)1 / den : (T)0;                                        \
             inv[i] = iv;                                                                     \
             _Pragma("omp simd")                                                              \
             for (int64_t j = 0; j < nk; ++j) ar[j] *= iv;                                    \
         }                                                                                    \
-        ffw_mm_##SUF(gemm, 0, 0, nq, dv, nk, 1, A, nk, vg, dv, 0, out + g * nq * dv, dv);   \
+        ffw_mm_##SUF(gemm, 0, 0, nq, dv, nk, 1, A, nk, vg, dv, 0, out + g * nq * dv, dv);    \
     }                                                                                        \
     FFW_FTZ_OFF();                                                                           \
     if (set_threads) set_threads(prev);                                                      \
@@ -527,7 +627,7 @@ void ffw_bwd_##SUF(void *gemm_p, void *threads_p, const T *q, const T *k, const 
     const T tc4 = (T)c4, teps = (T)eps, two = 2 * tc4;                                       \
     for (int64_t g = g0; g < g1; ++g) {                                                      \
         FFW_LAYOUT(T)                                                                        \
-        /* gn = [g, gd] of the per-pass node, held as g (nq, dv) and gd (nq); Tt = A^T g and  \
+        /* gn = [g, gd] of the per-pass node, held as g (nq, dv) and gd (nq); Tt = A^T g and \
          * td = A^T gd likewise */                                                           \
         T *gm = work, *gd = gm + nq * dv, *A = gd + nq, *Tt = A + nq * nk, *td = Tt + nk * dv; \
         T *dphq = td + nk, *dphk = dphq + nq * r2, *dPq = dphk + nk * r2, *dPk = dPq + nq * sr; \
@@ -560,16 +660,16 @@ void ffw_bwd_##SUF(void *gemm_p, void *threads_p, const T *q, const T *k, const 
             _Pragma("omp simd")                                                              \
             for (int64_t j = 0; j < nk; ++j) ar[j] = (ar[j] + gi) * kw[j] * two * f[j];      \
         }                                                                                    \
-        ffw_mm_##SUF(gemm, 0, 0, nq, r2, nk, 1, A, nk, phk, r2, 0, dphq, r2);              \
-        ffw_mm_##SUF(gemm, 1, 0, nk, r2, nq, 1, A, nk, phq, r2, 0, dphk, r2);              \
-        ff_dp_##SUF(dphq, cq, sq, nq, r, nsets, dPq);                                        \
-        ff_dp_##SUF(dphk, ck, sk, nk, r, nsets, dPk);                                        \
-        if (dqg) ffw_mm_##SUF(gemm, 0, 0, nq, d, sr, 1, dPq, sr, wg, d, 0, dqg, d);        \
+        ffw_mm_##SUF(gemm, 0, 0, nq, r2, nk, 1, A, nk, phk, r2, 0, dphq, r2);                \
+        ffw_mm_##SUF(gemm, 1, 0, nk, r2, nq, 1, A, nk, phq, r2, 0, dphk, r2);                \
+        ffw_dp_##SUF(dphq, cq, sq, nq, r, nsets, dPq);                                       \
+        ffw_dp_##SUF(dphk, ck, sk, nk, r, nsets, dPk);                                       \
+        if (dqg) ffw_mm_##SUF(gemm, 0, 0, nq, d, sr, 1, dPq, sr, wg, d, 0, dqg, d);          \
         if (dkg) ffw_mm_##SUF(gemm, 0, 0, nk, d, sr, 1, dPk, sr, wg, d, need_mag ? 1 : 0, dkg, d); \
         if (dw) {                                                                            \
             T *dwg = dw + (g / hi) * dsb + (g % hi) * dsh;                                   \
-            ffw_mm_##SUF(gemm, 1, 0, sr, d, nq, 1, dPq, sr, qg, d, dw_acc ? 1 : 0, dwg, d); \
-            ffw_mm_##SUF(gemm, 1, 0, sr, d, nk, 1, dPk, sr, kg, d, 1, dwg, d);              \
+            ffw_mm_##SUF(gemm, 1, 0, sr, d, nq, 1, dPq, sr, qg, d, dw_acc ? 1 : 0, dwg, d);  \
+            ffw_mm_##SUF(gemm, 1, 0, sr, d, nk, 1, dPk, sr, kg, d, 1, dwg, d);               \
         }                                                                                    \
     }                                                                                        \
     FFW_FTZ_OFF();                                                                           \
@@ -582,13 +682,8 @@ void ffw_bwd_##SUF(void *gemm_p, void *threads_p, const T *q, const T *k, const 
         const T *d = dout + row * rs, *o = out + row * dv;                                   \
         const T iv = inv[row];                                                               \
         T *gr = gm + row * dv;                                                               \
-        T dot = 0;                                                                           \
-        _Pragma("omp simd reduction(+:dot)")                                                 \
-        for (int64_t i = 0; i < dv; ++i) {                                                   \
-            const T x = (LOAD) * iv;                                                         \
-            gr[i] = x;                                                                       \
-            dot += x * o[i];                                                                 \
-        }                                                                                    \
+        T dot;                                                                               \
+        FFW_SUM(T, dv, dot, const T x = (LOAD) * iv; gr[i] = x; term_ = x * o[i]);           \
         gd[row] = -dot;                                                                      \
     }
 
@@ -615,9 +710,8 @@ static inline void ffw_key_grads_##SUF(const T *t, const T *td, const T *v, cons
             for (int64_t i = 0; i < dv; ++i) o[i] = tr[i] * m;                               \
         }                                                                                    \
         if (dk) {                                                                            \
-            T s = 0;                                                                         \
-            _Pragma("omp simd reduction(+:s)")                                               \
-            for (int64_t i = 0; i < dv; ++i) s += tr[i] * vr[i];                             \
+            T s;                                                                             \
+            FFW_SUM(T, dv, s, term_ = tr[i] * vr[i]);                                        \
             const T f = (s + td[row]) * m * cm[row];                                         \
             const T *ur = u + row * d;                                                       \
             T *o = dk + row * d;                                                             \
