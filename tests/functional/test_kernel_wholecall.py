@@ -166,3 +166,45 @@ def test_double_backward_refused():
     out = kf.fused_fourier_magnitude_attention(q, k, v, pts, 2, 0.3, 1e-3, 1.5, 0.6, None)
     with pytest.raises(RuntimeError, match="double backward"):
         torch.autograd.grad(out.sum(), q, create_graph=True)
+
+
+def _wide_case(dtype, points_batch, seed=11):
+    """Sizes past 16 (the float32 path's 16 x 16 transposes of W and V, and their edges): Nq = 20,
+    Nk = 18, d = 18, dv = 17, two sets of 9 points; a fully masked head."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 3, 20, 18, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 3, 18, 18, generator=g, dtype=torch.float64)
+    v = torch.randn(2, 3, 18, 17, generator=g, dtype=torch.float64)
+    pts = torch.randn(*points_batch, 18, 18, generator=g, dtype=torch.float64) * 0.4
+    key_mask = torch.zeros(2, 3, 18, dtype=torch.float64)
+    key_mask[0, 1, 5:] = float("-inf")
+    key_mask[-1, -1] = float("-inf")
+    return tuple(t.to(dtype).requires_grad_(i < 4) for i, t in enumerate((q, k, v, pts, key_mask)))
+
+
+@pytest.mark.parametrize("points_batch", [(), (2, 3)])
+@pytest.mark.parametrize("p", [None, 1.0, 1.5, 2.0, 1.3])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_whole_call_p_modes_match_torch_path(points_batch, p, dtype, spy, monkeypatch):
+    """Each L^p mode of the C magnitude (p = 1, 1.5 by a cube root, 2, general p by pow; no
+    magnitude), shared and per-head points: output and the four gradients = the PyTorch ops.
+    float64: to 1e-12 of each tensor's largest entry (gradient entries cancel); float32: off the
+    float64 ops by at most 4x the float32 PyTorch ops' own error, + 2e-6 (p = 1 is badly
+    conditioned: a = s·(Σ|k|)²/2 ~ 60 here, so exp(a - max) carries ~1e-5 in either path)."""
+    case = _wide_case(dtype, points_batch)
+    got = _run(*case, p)
+    assert spy == [1]
+    monkeypatch.setenv("ATTNOPT_NATIVE", "0")
+    monkeypatch.setattr(_native, "_LIBS", {})
+    case64 = tuple(t.detach().double().requires_grad_(t.requires_grad) for t in case)
+    want = _run(*case64, p)
+    if dtype == torch.float64:
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-12 * float(b.detach().abs().max()))
+        return
+    ops32 = _run(*case, p)
+    for a, c, b in zip(got, ops32, want, strict=True):
+        assert torch.isfinite(a).all()
+        scale = b.detach().abs().max()
+        err, err_ops = ((a.double() - b).abs().max() / scale), ((c.double() - b).abs().max() / scale)
+        assert err <= 4 * err_ops + 2e-6, (float(err), float(err_ops))

@@ -20,6 +20,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "lp_body.h"
 #include "pexp.h"
@@ -315,9 +318,8 @@ int64_t ffw_save_size(int64_t nq, int64_t nk, int64_t d, int64_t dv, int64_t r, 
 }
 
 int64_t ffw_work_size(int64_t nq, int64_t nk, int64_t d, int64_t dv, int64_t r, int64_t nsets) {
-    (void)d;
     const int64_t sr = r * nsets, nm = nq > nk ? nq : nk;
-    const int64_t fwd = nm * sr + nq * nk + nq * (dv + 1);
+    const int64_t fwd = nm * sr + nq * nk + sr * d;
     const int64_t bwd = nq * (dv + 1) + nq * nk + nk * (dv + 1) + (nq + nk) * 2 * r + (nq + nk) * sr;
     return fwd > bwd ? fwd : bwd;
 }
@@ -547,6 +549,62 @@ static void ffw_dp_##SUF(const T *dphi, const T *cs, const T *sn, int64_t rows, 
 FFW_DP(float, f32)
 FFW_DP(double, f64)
 
+/* ffw_tr_f32: b (cols x rows, row stride ldb) = a^T, a (rows x cols, row stride lda); 16 x 16
+ * blocks in registers where AVX-512 is compiled in, the edges (and other machines) one by one */
+#if defined(__AVX512F__)
+static inline void ffw_tr16_f32(const float *a, int64_t lda, float *b, int64_t ldb) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(a + i * lda);
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {
+        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int h = 0; h < 2; ++h) {
+        for (int i = 0; i < 4; ++i) {
+            t[8 * h + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + 4 + i], 0x88);
+            t[8 * h + 4 + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + 4 + i], 0xDD);
+        }
+    }
+    for (int i = 0; i < 8; ++i) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+        r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xDD);
+    }
+    for (int i = 0; i < 16; ++i) _mm512_storeu_ps(b + i * ldb, r[i]);
+}
+#define FFW_TR_BLOCK 16
+#else
+#define FFW_TR_BLOCK 0
+#endif
+
+static void ffw_tr_f32(const float *a, int64_t rows, int64_t cols, int64_t lda, float *b, int64_t ldb) {
+    int64_t i0 = 0;
+#if FFW_TR_BLOCK
+    int64_t j0 = 0;
+    for (; i0 + 16 <= rows; i0 += 16)
+        for (j0 = 0; j0 + 16 <= cols; j0 += 16) ffw_tr16_f32(a + i0 * lda + j0, lda, b + j0 * ldb + i0, ldb);
+    for (int64_t i = 0; i < i0; ++i)
+        for (int64_t j = j0; j < cols; ++j) b[j * ldb + i] = a[i * lda + j];
+#endif
+    for (int64_t i = i0; i < rows; ++i)
+        for (int64_t j = 0; j < cols; ++j) b[j * ldb + i] = a[i * lda + j];
+}
+
+static void ffw_tr_f64(const double *a, int64_t rows, int64_t cols, int64_t lda, double *b, int64_t ldb) {
+    for (int64_t i = 0; i < rows; ++i)
+        for (int64_t j = 0; j < cols; ++j) b[j * ldb + i] = a[i * lda + j];
+}
+
+/* Whether the whole call transposes W and V for "NN" products: float32 where the 16 x 16 blocks
+ * are compiled in (a transpose one by one costs about what it saves; float64 measured so) */
+#define FFW_NN_f32 (FFW_TR_BLOCK != 0)
+#define FFW_NN_f64 0
+
 /* Save layout per head (ffw_save_size entries; the vm block of the per-pass node is left unused) */
 #define FFW_LAYOUT(T)                                                                        \
     const int64_t sr = r * nsets, r2 = 2 * r, e = dv + 1;                                    \
@@ -585,13 +643,26 @@ void ffw_fwd_##SUF(void *gemm_p, void *threads_p, const T *q, const T *k, const 
     ffw_threads_t set_threads = (ffw_threads_t)threads_p;                                    \
     const int prev = set_threads ? set_threads(1) : 0;                                       \
     FFW_FTZ_ON();                                                                            \
-    const T tc4 = (T)c4, teps = (T)eps;                                                      \
+    const T tc4 = (T)c4, teps = (T)eps, *wt_of = NULL;                                       \
     for (int64_t g = g0; g < g1; ++g) {                                                      \
         FFW_LAYOUT(T)                                                                        \
-        T *P = work, *A = P + (nq > nk ? nq : nk) * sr;                                      \
-        ffw_mm_##SUF(gemm, 0, 1, nq, sr, d, 1, qg, d, wg, d, 0, P, sr);                      \
+        T *P = work, *A = P + (nq > nk ? nq : nk) * sr, *Wt = A + nq * nk;                   \
+        /* W^T (d, S R) for "NN" products (MKL's "TN", row-major X Y^T, is ~20 % slower) */  \
+        if (FFW_NN_##SUF && wg != wt_of) {                                                   \
+            ffw_tr_##SUF(wg, sr, d, d, Wt, sr);                                              \
+            wt_of = wg;                                                                      \
+        }                                                                                    \
+        if (FFW_NN_##SUF) {                                                                  \
+            ffw_mm_##SUF(gemm, 0, 0, nq, sr, d, 1, qg, d, Wt, sr, 0, P, sr);                 \
+        } else {                                                                             \
+            ffw_mm_##SUF(gemm, 0, 1, nq, sr, d, 1, qg, d, wg, d, 0, P, sr);                  \
+        }                                                                                    \
         ffw_features_##SUF(P, nq, r, nsets, phq, cq, sq);                                    \
-        ffw_mm_##SUF(gemm, 0, 1, nk, sr, d, 1, kg, d, wg, d, 0, P, sr);                      \
+        if (FFW_NN_##SUF) {                                                                  \
+            ffw_mm_##SUF(gemm, 0, 0, nk, sr, d, 1, kg, d, Wt, sr, 0, P, sr);                 \
+        } else {                                                                             \
+            ffw_mm_##SUF(gemm, 0, 1, nk, sr, d, 1, kg, d, wg, d, 0, P, sr);                  \
+        }                                                                                    \
         ffw_features_##SUF(P, nk, r, nsets, phk, ck, sk);                                    \
         ffw_kw_##SUF(kg, mask ? mask + g * nk : NULL, nk, d, mode, p, scale, cap, kw,        \
                      grad ? u : NULL, grad ? cm : NULL);                                     \
@@ -653,7 +724,12 @@ void ffw_bwd_##SUF(void *gemm_p, void *threads_p, const T *q, const T *k, const 
         }                                                                                    \
         if (!need_f) continue;                                                               \
         /* dA_ij = <gn_i, vm_j> = m_j (<g_i, v_j> + gd_i); dF = 2 c4 F dA */                 \
-        ffw_mm_##SUF(gemm, 0, 1, nq, nk, dv, 1, gm, dv, vg, dv, 0, A, nk);                   \
+        if (FFW_NN_##SUF) { /* V^T (dv, nk) in T's place: G V^T "NN" */                      \
+            ffw_tr_##SUF(vg, nk, dv, dv, Tt, nk);                                            \
+            ffw_mm_##SUF(gemm, 0, 0, nq, nk, dv, 1, gm, dv, Tt, nk, 0, A, nk);               \
+        } else {                                                                             \
+            ffw_mm_##SUF(gemm, 0, 1, nq, nk, dv, 1, gm, dv, vg, dv, 0, A, nk);               \
+        }                                                                                    \
         for (int64_t i = 0; i < nq; ++i) {                                                   \
             const T *f = F + i * nk, gi = gd[i];                                             \
             T *ar = A + i * nk;                                                              \
