@@ -375,7 +375,52 @@ static inline float ffw_cbrtf(float x) {
     return x > 0.0f ? y : x;
 }
 
-#define FFW_LP_ROWS(T, SQRT, POW, CBRT, FABS, COPYSIGN)                                      \
+/* p = 1.5 on one row of d: returns sum |x|^1.5, u = sign(x) |x|^0.5 where u is not NULL. float32
+ * with AVX-512: |x|^0.5 = |x| y with y = rsqrt14(|x|) and one Newton step (~1 ulp; vsqrtps is
+ * about 6x slower, and this loop was bound by it), 0 at x = 0. */
+#define FFW_LP15_C(T, SUF, SQRT, FABS, COPYSIGN)                                             \
+static inline T ffw_lp15_c_##SUF(const T *x, int64_t d, T *ur) {                             \
+    T tot;                                                                                   \
+    if (ur) {                                                                                \
+        FFW_SUM(T, d, tot, const T ax = FABS(x[i]); const T pw = SQRT(ax); ur[i] = COPYSIGN(pw, x[i]); \
+                term_ = ax * pw);                                                            \
+    } else {                                                                                 \
+        FFW_SUM(T, d, tot, const T ax = FABS(x[i]); term_ = ax * SQRT(ax));                  \
+    }                                                                                        \
+    return tot;                                                                              \
+}
+FFW_LP15_C(float, f32, sqrtf, fabsf, copysignf)
+FFW_LP15_C(double, f64, sqrt, fabs, copysign)
+
+static inline double ffw_lp15_f64(const double *x, int64_t d, double *ur) { return ffw_lp15_c_f64(x, d, ur); }
+
+#if defined(__AVX512F__)
+static inline float ffw_lp15_f32(const float *x, int64_t d, float *ur) {
+    const __m512 half = _mm512_set1_ps(0.5f), three_halves = _mm512_set1_ps(1.5f);
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i += 16) {
+        const __mmask16 live = d - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (d - i)) - 1u);
+        const __m512 xv = _mm512_maskz_loadu_ps(live, x + i);
+        const __m512 ax = _mm512_abs_ps(xv);
+        __m512 y = _mm512_rsqrt14_ps(ax);
+        /* y (1.5 - 0.5 ax y^2) */
+        y = _mm512_mul_ps(y, _mm512_fnmadd_ps(_mm512_mul_ps(half, ax), _mm512_mul_ps(y, y), three_halves));
+        const __mmask16 pos = _mm512_cmp_ps_mask(ax, _mm512_setzero_ps(), _CMP_GT_OQ) & live;
+        const __m512 pw = _mm512_maskz_mul_ps(pos, ax, y); /* |x|^0.5, 0 at 0 (and off the row) */
+        acc = _mm512_fmadd_ps(ax, pw, acc);
+        if (ur) {
+            const __m512i sx = _mm512_and_si512(_mm512_castps_si512(xv), sign);
+            _mm512_mask_storeu_ps(ur + i, live, _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(pw), sx)));
+        }
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+#else
+static inline float ffw_lp15_f32(const float *x, int64_t d, float *ur) { return ffw_lp15_c_f32(x, d, ur); }
+#endif
+
+#define FFW_LP_ROWS(T, ROW15, POW, CBRT, FABS, COPYSIGN)                                     \
     /* pass 1: T_r = sum |k|^p (and u) per row into a */                                     \
     {                                                                                        \
         T *const a_ = a;                                                                     \
@@ -394,12 +439,7 @@ static inline float ffw_cbrtf(float x) {
                         ur[i] = x[i] > 0 ? (T)1 : (x[i] < 0 ? (T)-1 : (T)0);                 \
                 }                                                                            \
             } else if (mode == 2) {                                                          \
-                if (ur) {                                                                    \
-                    FFW_SUM(T, d, tot, const T ax = FABS(x[i]); const T pw = SQRT(ax);       \
-                            ur[i] = COPYSIGN(pw, x[i]); term_ = ax * pw);                    \
-                } else {                                                                     \
-                    FFW_SUM(T, d, tot, const T ax = FABS(x[i]); term_ = ax * SQRT(ax));      \
-                }                                                                            \
+                tot = ROW15(x, d, ur);                                                       \
             } else {                                                                         \
                 const T pm1 = (T)(p - 1.0);                                                  \
                 for (int64_t i = 0; i < d; ++i) {                                            \
@@ -436,12 +476,12 @@ static inline float ffw_cbrtf(float x) {
 
 static void ffw_lp_f32(const float *k, int64_t rows, int64_t d, int mode, double p, double scale, double cap,
                        float *a, float *u, float *c) {
-    FFW_LP_ROWS(float, sqrtf, powf, ffw_cbrtf, fabsf, copysignf)
+    FFW_LP_ROWS(float, ffw_lp15_f32, powf, ffw_cbrtf, fabsf, copysignf)
 }
 
 static void ffw_lp_f64(const double *k, int64_t rows, int64_t d, int mode, double p, double scale, double cap,
                        double *a, double *u, double *c) {
-    FFW_LP_ROWS(double, sqrt, pow, cbrt, fabs, copysign)
+    FFW_LP_ROWS(double, ffw_lp15_f64, pow, cbrt, fabs, copysign)
 }
 
 #define FFW_KW(T, SUF, EXP)                                                                  \
