@@ -208,3 +208,21 @@ def test_whole_call_p_modes_match_torch_path(points_batch, p, dtype, spy, monkey
         scale = b.detach().abs().max()
         err, err_ops = ((a.double() - b).abs().max() / scale), ((c.double() - b).abs().max() / scale)
         assert err <= 4 * err_ops + 2e-6, (float(err), float(err_ops))
+
+
+def test_whole_call_float32_large_projections_take_libm(spy, monkeypatch):
+    """float32 projections past 8192 (exact here: d = 1, q, k ~ 1e7, where the vector sin/cos would
+    be far off, and power-of-2 points) get their sin/cos from libm, as in the node of C passes; a
+    head with small projections beside."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(10_000_000, 30_000_000, (1, 2, 7, 1), generator=g).float()
+    k = -torch.randint(10_000_000, 30_000_000, (1, 2, 6, 1), generator=g).float()
+    q[0, 0], k[0, 0] = q[0, 0] / 1e7, k[0, 0] / 1e7  # head 0: |P| < 8192
+    v = torch.randn(1, 2, 6, 3, generator=g)
+    pts = torch.tensor([[1.0], [0.5], [0.25], [2.0]])
+    q, k, v, pts = (t.requires_grad_() for t in (q, k, v, pts))
+    got = _run(q, k, v, pts, None, None)[0]
+    assert spy == [1]
+    monkeypatch.setattr(kf, "WHOLE_CALL_BELOW", 0)
+    want = _run(q, k, v, pts, None, None)[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

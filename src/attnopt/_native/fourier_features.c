@@ -535,8 +535,74 @@ static inline __attribute__((always_inline)) void ffw_feat_rows_f32(const float 
     }
 }
 
+#if defined(__AVX512F__)
+/* attnopt_psincosf on 16 lanes (the same operations, so the same values) */
+static inline void ffw_sincos16(__m512 x, __m512 *sn, __m512 *cs) {
+    const __m512 t = _mm512_fmadd_ps(x, _mm512_set1_ps(0.636619772367581343f), _mm512_set1_ps(12582912.0f));
+    const __m512 n = _mm512_sub_ps(t, _mm512_set1_ps(12582912.0f));
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-1.5703125f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(-4.837512969970703125e-4f), r);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(-7.54978995489188216e-8f), r);
+    const __m512i quad = _mm512_castps_si512(t);
+    const __m512 z = _mm512_mul_ps(r, r);
+    const __m512 sp = _mm512_fmadd_ps(
+        _mm512_mul_ps(_mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_set1_ps(-1.9515295891e-4f), z,
+                                                      _mm512_set1_ps(8.3321608736e-3f)),
+                                      z, _mm512_set1_ps(-1.6666654611e-1f)),
+                      z),
+        r, r);
+    const __m512 cp = _mm512_fmadd_ps(
+        _mm512_mul_ps(_mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_set1_ps(2.443315711809948e-5f), z,
+                                                      _mm512_set1_ps(-1.388731625493765e-3f)),
+                                      z, _mm512_set1_ps(4.166664568298827e-2f)),
+                      z),
+        z, _mm512_fmadd_ps(_mm512_set1_ps(-0.5f), z, _mm512_set1_ps(1.0f)));
+    const __m512i one = _mm512_set1_epi32(1), two = _mm512_set1_epi32(2);
+    const __mmask16 odd = _mm512_test_epi32_mask(quad, one);
+    const __m512 s0 = _mm512_mask_blend_ps(odd, sp, cp), c0 = _mm512_mask_blend_ps(odd, cp, sp);
+    const __mmask16 sneg = _mm512_test_epi32_mask(quad, two);
+    const __mmask16 cneg = _mm512_test_epi32_mask(_mm512_add_epi32(quad, one), two);
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    *sn = _mm512_mask_xor_ps(s0, sneg, s0, sign);
+    *cs = _mm512_mask_xor_ps(c0, cneg, c0, sign);
+}
+
+/* the rows of ffw_feat_rows_f32 by 16 lanes; returns whether some |x| > FF_BIG (or NaN) */
+static int ffw_feat16_f32(const float *P, int64_t rows, int64_t r, int64_t nsets, float *phi, float *cs,
+                          float *sn) {
+    const int64_t sr = r * nsets;
+    const __m512 big = _mm512_set1_ps(FF_BIG);
+    __mmask16 bad = 0;
+    for (int64_t row = 0; row < rows; ++row) {
+        const float *x = P + row * sr;
+        float *c = cs + row * sr, *s = sn + row * sr, *f = phi + row * 2 * r;
+        for (int64_t i = 0; i < r; i += 16) {
+            const __mmask16 live = r - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (r - i)) - 1u);
+            __m512 fc = _mm512_setzero_ps(), fs = _mm512_setzero_ps();
+            for (int64_t k = 0; k < nsets; ++k) {
+                const __m512 xv = _mm512_maskz_loadu_ps(live, x + k * r + i);
+                bad |= _mm512_mask_cmp_ps_mask(live, _mm512_abs_ps(xv), big, _CMP_NLE_UQ);
+                __m512 sv, cv;
+                ffw_sincos16(xv, &sv, &cv);
+                _mm512_mask_storeu_ps(c + k * r + i, live, cv);
+                _mm512_mask_storeu_ps(s + k * r + i, live, sv);
+                fc = _mm512_add_ps(fc, cv);
+                fs = _mm512_add_ps(fs, sv);
+            }
+            _mm512_mask_storeu_ps(f + i, live, fc);
+            _mm512_mask_storeu_ps(f + r + i, live, fs);
+        }
+    }
+    return bad != 0;
+}
+#endif
+
 static void ffw_features_f32(const float *restrict P, int64_t rows, int64_t r, int64_t nsets,
                              float *restrict phi, float *restrict cs, float *restrict sn) {
+#if defined(__AVX512F__)
+    if (ffw_feat16_f32(P, rows, r, nsets, phi, cs, sn)) ff_features_f32(P, rows, r, nsets, phi, cs, sn);
+    return;
+#endif
     if (nsets != 1 && nsets != 2) {
         ff_features_f32(P, rows, r, nsets, phi, cs, sn);
         return;
