@@ -226,3 +226,18 @@ def test_whole_call_float32_large_projections_take_libm(spy, monkeypatch):
     monkeypatch.setattr(kf, "WHOLE_CALL_BELOW", 0)
     want = _run(q, k, v, pts, None, None)[0]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("wanted", [(1,), (0, 1), (2,), (3,)])
+def test_whole_call_partial_gradients(wanted, spy):
+    """Only some of q, k, v, points needing a gradient (the backward skips the others' products,
+    e.g. no A^T g without dv): the same gradients as with all four."""
+    q, k, v, pts, key_mask = _wide_case(torch.float64, (2, 3))
+    full = _run(q, k, v, pts, key_mask, 1.5)
+    ins = [t.detach().requires_grad_(i in wanted) for i, t in enumerate((q, k, v, pts))]
+    out = kf.fused_fourier_magnitude_attention(*ins, 2, 1 / (2 * math.sqrt(3)), 1e-3, 1.5, 0.6, key_mask)
+    dout = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape)
+    got = torch.autograd.grad(out, [ins[i] for i in wanted], dout)
+    for i, gr in zip(wanted, got, strict=True):
+        torch.testing.assert_close(gr, full[1 + i], rtol=1e-12, atol=1e-13)
+    assert len(spy) == 2

@@ -292,12 +292,12 @@ void ff_tail_f64(const double *t, const double *v, const double *kw, const doubl
  *             no vm, no 65th column in the product, no finishing pass). Saved per head
  *             (ffw_save_size entries): F, phi_q, phi_k, cos/sin of Pq and Pk, (the per-pass
  *             node's vm block, unused), m, u, c, 1/den.
- *   backward: g = dout / den, gd = -<g, O> (ffw_gn); A = c4 F^2 + eps again, td = A^T gd in
- *             the same loop; T = A^T g -> dv = m T and the magnitude's share of dk through
- *             dm = <v, T> + td (ffw_key_grads); dA_ij = m_j (<g_i, v_j> + gd_i) from the
- *             product G V^T, dF = 2 c4 F dA; dphi_q = dF phi_k, dphi_k = dF^T phi_q; dP (ff_dp);
- *             dq = dPq W, dk += dPk W, dW (+)= dPq^T Q + dPk^T K (dw_acc: always add, into a
- *             per-thread buffer for shared points).
+ *   backward: g = dout / den, gd = -<g, O> (ffw_gn); dv = m A^T g with A = c4 F^2 + eps
+ *             again; dA_ij = m_j (<g_i, v_j> + gd_i) from the product G V^T, dF = 2 c4 F dA, and
+ *             in the same loop dm_j = sum_i A_ij (<g_i, v_j> + gd_i) -> the magnitude's share of
+ *             dk, u (dm m c); dphi_q = dF phi_k, dphi_k = dF^T phi_q; dP (ffw_dp); dq = dPq W,
+ *             dk += dPk W, dW (+)= dPq^T Q + dPk^T K (dw_acc: always add, into a per-thread
+ *             buffer for shared points).
  * Outputs not needed are NULL. MKL_Set_Num_Threads_Local(1), when given, keeps MKL from starting
  * threads inside the caller's threads; flush-to-zero / denormals-are-zero are on during the call
  * (x86) and restored after. */
@@ -804,29 +804,28 @@ void ffw_bwd_##SUF(void *gemm_p, void *threads_p, const T *q, const T *k, const 
     const T tc4 = (T)c4, teps = (T)eps, two = 2 * tc4;                                       \
     for (int64_t g = g0; g < g1; ++g) {                                                      \
         FFW_LAYOUT(T)                                                                        \
-        /* gn = [g, gd] of the per-pass node, held as g (nq, dv) and gd (nq); Tt = A^T g and \
-         * td = A^T gd likewise */                                                           \
+        /* gn = [g, gd] of the per-pass node, held as g (nq, dv) and gd (nq); Tt = A^T g (or \
+         * V^T), td = dm */                                                                  \
         T *gm = work, *gd = gm + nq * dv, *A = gd + nq, *Tt = A + nq * nk, *td = Tt + nk * dv; \
         T *dphq = td + nk, *dphk = dphq + nq * r2, *dPq = dphk + nk * r2, *dPk = dPq + nq * sr; \
         const T *og = out + g * nq * dv;                                                     \
         T *dqg = dq ? dq + g * nq * d : NULL, *dkg = dk ? dk + g * nk * d : NULL;            \
         T *dvg = dvo ? dvo + g * nk * dv : NULL;                                             \
         ffw_gn_##SUF(dout + g * dsg, drs, dcs, inv, og, nq, dv, gm, gd);                     \
-        if (dvg || need_mag) {                                                               \
-            for (int64_t j = 0; j < nk; ++j) td[j] = 0;                                      \
+        if (dvg) { /* dv = m A^T g */                                                        \
             for (int64_t i = 0; i < nq; ++i) {                                               \
-                const T *f = F + i * nk, gi = gd[i];                                         \
+                const T *f = F + i * nk;                                                     \
                 T *ar = A + i * nk;                                                          \
                 _Pragma("omp simd")                                                          \
-                for (int64_t j = 0; j < nk; ++j) {                                           \
-                    const T x = teps + tc4 * f[j] * f[j];                                    \
-                    ar[j] = x;                                                               \
-                    td[j] += x * gi;                                                         \
-                }                                                                            \
+                for (int64_t j = 0; j < nk; ++j) ar[j] = teps + tc4 * f[j] * f[j];           \
             }                                                                                \
             ffw_mm_##SUF(gemm, 1, 0, nk, dv, nq, 1, A, nk, gm, dv, 0, Tt, dv);               \
-            ffw_key_grads_##SUF(Tt, td, vg, kw, cm, u, nk, dv, need_mag ? d : 0, dvg,        \
-                                need_mag ? dkg : NULL);                                      \
+            for (int64_t j = 0; j < nk; ++j) {                                               \
+                const T m = kw[j], *tr = Tt + j * dv;                                        \
+                T *o = dvg + j * dv;                                                         \
+                _Pragma("omp simd")                                                          \
+                for (int64_t i = 0; i < dv; ++i) o[i] = tr[i] * m;                           \
+            }                                                                                \
         }                                                                                    \
         if (!need_f) continue;                                                               \
         /* dA_ij = <gn_i, vm_j> = m_j (<g_i, v_j> + gd_i); dF = 2 c4 F dA */                 \
@@ -836,11 +835,33 @@ void ffw_bwd_##SUF(void *gemm_p, void *threads_p, const T *q, const T *k, const 
         } else {                                                                             \
             ffw_mm_##SUF(gemm, 0, 1, nq, nk, dv, 1, gm, dv, vg, dv, 0, A, nk);               \
         }                                                                                    \
-        for (int64_t i = 0; i < nq; ++i) {                                                   \
-            const T *f = F + i * nk, gi = gd[i];                                             \
-            T *ar = A + i * nk;                                                              \
-            _Pragma("omp simd")                                                              \
-            for (int64_t j = 0; j < nk; ++j) ar[j] = (ar[j] + gi) * kw[j] * two * f[j];      \
+        /* and dm_j = sum_i A_ij (<g_i, v_j> + gd_i) (= <v_j, T_j> + (A^T gd)_j) in the same loop: \
+         * the magnitude's share of dk, u (dm m c) */                                        \
+        if (need_mag) {                                                                      \
+            for (int64_t j = 0; j < nk; ++j) td[j] = 0;                                      \
+            for (int64_t i = 0; i < nq; ++i) {                                               \
+                const T *f = F + i * nk, gi = gd[i];                                         \
+                T *ar = A + i * nk;                                                          \
+                _Pragma("omp simd")                                                          \
+                for (int64_t j = 0; j < nk; ++j) {                                           \
+                    const T t = ar[j] + gi;                                                  \
+                    td[j] += (teps + tc4 * f[j] * f[j]) * t;                                 \
+                    ar[j] = t * kw[j] * two * f[j];                                          \
+                }                                                                            \
+            }                                                                                \
+            for (int64_t j = 0; j < nk; ++j) {                                               \
+                const T fj = td[j] * kw[j] * cm[j], *ur = u + j * d;                         \
+                T *o = dkg + j * d;                                                          \
+                _Pragma("omp simd")                                                          \
+                for (int64_t i = 0; i < d; ++i) o[i] = ur[i] * fj;                           \
+            }                                                                                \
+        } else {                                                                             \
+            for (int64_t i = 0; i < nq; ++i) {                                               \
+                const T *f = F + i * nk, gi = gd[i];                                         \
+                T *ar = A + i * nk;                                                          \
+                _Pragma("omp simd")                                                          \
+                for (int64_t j = 0; j < nk; ++j) ar[j] = (ar[j] + gi) * kw[j] * two * f[j];  \
+            }                                                                                \
         }                                                                                    \
         ffw_mm_##SUF(gemm, 0, 0, nq, r2, nk, 1, A, nk, phk, r2, 0, dphq, r2);                \
         ffw_mm_##SUF(gemm, 1, 0, nk, r2, nq, 1, A, nk, phq, r2, 0, dphk, r2);                \
@@ -869,8 +890,7 @@ void ffw_bwd_##SUF(void *gemm_p, void *threads_p, const T *q, const T *k, const 
         gd[row] = -dot;                                                                      \
     }
 
-/* ff_key_grads with T's last column apart (td): dv = m T, dm = <v, T> + td, dk = u (dm m c) */
-#define FFW_KG(T, SUF)                                                                       \
+#define FFW_GN(T, SUF)                                                                       \
 static inline void ffw_gn_##SUF(const T *dout, int64_t rs, int64_t cs, const T *inv, const T *out, \
                                 int64_t rows, int64_t dv, T *gm, T *gd) {                    \
     if (cs == 1) {                                                                           \
@@ -880,30 +900,9 @@ static inline void ffw_gn_##SUF(const T *dout, int64_t rs, int64_t cs, const T *
     } else {                                                                                 \
         FFW_GN_ROW(T, d[i * cs])                                                             \
     }                                                                                        \
-}                                                                                            \
-static inline void ffw_key_grads_##SUF(const T *t, const T *td, const T *v, const T *kw, const T *cm, \
-                                       const T *u, int64_t rows, int64_t dv, int64_t d, T *dvo, T *dk) { \
-    for (int64_t row = 0; row < rows; ++row) {                                               \
-        const T *tr = t + row * dv, *vr = v + row * dv;                                      \
-        const T m = kw[row];                                                                 \
-        if (dvo) {                                                                           \
-            T *o = dvo + row * dv;                                                           \
-            _Pragma("omp simd")                                                              \
-            for (int64_t i = 0; i < dv; ++i) o[i] = tr[i] * m;                               \
-        }                                                                                    \
-        if (dk) {                                                                            \
-            T s;                                                                             \
-            FFW_SUM(T, dv, s, term_ = tr[i] * vr[i]);                                        \
-            const T f = (s + td[row]) * m * cm[row];                                         \
-            const T *ur = u + row * d;                                                       \
-            T *o = dk + row * d;                                                             \
-            _Pragma("omp simd")                                                              \
-            for (int64_t i = 0; i < d; ++i) o[i] = ur[i] * f;                                \
-        }                                                                                    \
-    }                                                                                        \
 }
 
-FFW_KG(float, f32)
-FFW_KG(double, f64)
+FFW_GN(float, f32)
+FFW_GN(double, f64)
 FFW(float, f32)
 FFW(double, f64)
