@@ -211,30 +211,30 @@ static void ff_lp_f64(const double *k, int64_t rows, int64_t d, int mode, double
     LP_BODY(double, sqrt, pow, fabs, copysign)
 }
 
-#define FF_KW(T, MAG, EXP)                                                                   \
-    for (int64_t h = 0; h < heads; ++h) {                                                    \
-        T *a = kw + h * n;                                                                   \
-        if (mode >= 0) {                                                                     \
+#define FF_KW(T, MAG, EXP)                                                                 \
+    for (int64_t h = 0; h < heads; ++h) {                                                  \
+        T *a = kw + h * n;                                                                 \
+        if (mode >= 0) {                                                                   \
             MAG(k + h * n * d, n, d, mode, p, scale, cap, a, u ? u + h * n * d : 0, c ? c + h * n : 0); \
-        } else {                                                                             \
-            for (int64_t j = 0; j < n; ++j) a[j] = 0;                                        \
-        }                                                                                    \
-        if (mask) {                                                                          \
-            const T *mk = mask + h * n;                                                      \
-            for (int64_t j = 0; j < n; ++j) a[j] += mk[j];                                   \
-        }                                                                                    \
-        T mx = -INFINITY;                                                                    \
-        for (int64_t j = 0; j < n; ++j) mx = a[j] > mx ? a[j] : mx;                          \
-        const T shift = isfinite(mx) ? mx : (T)0;                                            \
-        for (int64_t j = 0; j < n; ++j) {                                                    \
-            const T m = EXP(a[j] - shift);                                                   \
-            const T *vr = v + (h * n + j) * dv;                                              \
-            T *o = vm + (h * n + j) * (dv + 1);                                              \
-            a[j] = m;                                                                        \
-            _Pragma("omp simd")                                                              \
-            for (int64_t i = 0; i < dv; ++i) o[i] = vr[i] * m;                               \
-            o[dv] = m;                                                                       \
-        }                                                                                    \
+        } else {                                                                           \
+            for (int64_t j = 0; j < n; ++j) a[j] = 0;                                      \
+        }                                                                                  \
+        if (mask) {                                                                        \
+            const T *mk = mask + h * n;                                                    \
+            for (int64_t j = 0; j < n; ++j) a[j] += mk[j];                                 \
+        }                                                                                  \
+        T mx = -INFINITY;                                                                  \
+        for (int64_t j = 0; j < n; ++j) mx = a[j] > mx ? a[j] : mx;                        \
+        const T shift = isfinite(mx) ? mx : (T)0;                                          \
+        for (int64_t j = 0; j < n; ++j) {                                                  \
+            const T m = EXP(a[j] - shift);                                                 \
+            const T *vr = v + (h * n + j) * dv;                                            \
+            T *o = vm + (h * n + j) * (dv + 1);                                            \
+            a[j] = m;                                                                      \
+            _Pragma("omp simd")                                                            \
+            for (int64_t i = 0; i < dv; ++i) o[i] = vr[i] * m;                             \
+            o[dv] = m;                                                                     \
+        }                                                                                  \
     }
 
 void ff_key_weights_f32(const float *k, const float *v, const float *mask, int64_t heads, int64_t n, int64_t d,
@@ -359,7 +359,7 @@ int64_t ffw_work_size(int64_t nq, int64_t nk, int64_t d, int64_t dv, int64_t r, 
 /* The whole call's key weights: per row of k (one head of n keys), a_j = s*||k_j||_p^2/2 (mode -1:
  * none) + mask_j, m_j = exp(a_j - max_l a_l) into kw (no vm: the forward scales A's columns by m
  * instead), u and c where not NULL. The L^p loop is lp_body.h's, except that T^{2/p-1} is taken
- * after it, over the rows: p = 1 (T), p = 1.5 (cube root: ffw_cbrt, Newton in float32), p = 2 (1)
+ * after it, over the rows: p = 1 (T), p = 1.5 (cube root: ffw_cbrtf, Newton, in float32), p = 2 (1)
  * without a libm pow per row. */
 static inline float ffw_cbrtf(float x) {
     /* x >= 0: exponent / 3 by the integer trick (~4 %), three Newton steps (~1 ulp); 0, NaN kept;
@@ -382,8 +382,8 @@ static inline float ffw_cbrtf(float x) {
 static inline T ffw_lp15_c_##SUF(const T *x, int64_t d, T *ur) {                             \
     T tot;                                                                                   \
     if (ur) {                                                                                \
-        FFW_SUM(T, d, tot, const T ax = FABS(x[i]); const T pw = SQRT(ax); ur[i] = COPYSIGN(pw, x[i]); \
-                term_ = ax * pw);                                                            \
+        FFW_SUM(T, d, tot, const T ax = FABS(x[i]); const T pw = SQRT(ax);                   \
+                ur[i] = COPYSIGN(pw, x[i]); term_ = ax * pw);                                \
     } else {                                                                                 \
         FFW_SUM(T, d, tot, const T ax = FABS(x[i]); term_ = ax * SQRT(ax));                  \
     }                                                                                        \
@@ -411,7 +411,8 @@ static inline float ffw_lp15_f32(const float *x, int64_t d, float *ur) {
         acc = _mm512_fmadd_ps(ax, pw, acc);
         if (ur) {
             const __m512i sx = _mm512_and_si512(_mm512_castps_si512(xv), sign);
-            _mm512_mask_storeu_ps(ur + i, live, _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(pw), sx)));
+            const __m512i su = _mm512_or_si512(_mm512_castps_si512(pw), sx);
+            _mm512_mask_storeu_ps(ur + i, live, _mm512_castsi512_ps(su));
         }
     }
     return _mm512_reduce_add_ps(acc);
@@ -423,7 +424,6 @@ static inline float ffw_lp15_f32(const float *x, int64_t d, float *ur) { return 
 #define FFW_LP_ROWS(T, ROW15, POW, CBRT, FABS, COPYSIGN)                                     \
     /* pass 1: T_r = sum |k|^p (and u) per row into a */                                     \
     {                                                                                        \
-        T *const a_ = a;                                                                     \
         for (int64_t r = 0; r < rows; ++r) {                                                 \
             const T *x = k + r * d;                                                          \
             T *ur = u ? u + r * d : 0;                                                       \
@@ -448,7 +448,7 @@ static inline float ffw_lp15_f32(const float *x, int64_t d, float *ur) { return 
                     if (ur) ur[i] = COPYSIGN(pw, x[i]);                                      \
                 }                                                                            \
             }                                                                                \
-            a_[r] = tot;                                                                     \
+            a[r] = tot;                                                                      \
         }                                                                                    \
     }                                                                                        \
     /* pass 2, over the rows: tp = T^{2/p-1}, a = s T tp / 2 clamped at cap, c = s tp */     \
