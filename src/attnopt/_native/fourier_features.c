@@ -27,6 +27,7 @@
 #include "lp_body.h"
 #include "pexp.h"
 #include "psincos.h"
+#include "psum.h"
 
 #define FF_BIG 8192.0f
 
@@ -203,12 +204,12 @@ void ff_key_grads_f64(const double *t, const double *v, const double *kw, const 
 
 static void ff_lp_f32(const float *k, int64_t rows, int64_t d, int mode, double p, double scale, double cap,
                       float *a, float *u, float *c) {
-    LP_BODY(float, sqrtf, powf, fabsf, copysignf)
+    lp_rows_f32(k, rows, d, mode, p, scale, cap, a, u, c);
 }
 
 static void ff_lp_f64(const double *k, int64_t rows, int64_t d, int mode, double p, double scale, double cap,
                       double *a, double *u, double *c) {
-    LP_BODY(double, sqrt, pow, fabs, copysign)
+    lp_rows_f64(k, rows, d, mode, p, scale, cap, a, u, c);
 }
 
 #define FF_KW(T, MAG, EXP)                                                                 \
@@ -324,171 +325,14 @@ int64_t ffw_work_size(int64_t nq, int64_t nk, int64_t d, int64_t dv, int64_t r, 
     return fwd > bwd ? fwd : bwd;
 }
 
-/* OUT = sum over i < N of term_, set by the statements (...) from i: 64 bytes of partial sums and
- * a tree at the end. (GCC 12's `omp simd reduction` spills the lanes and adds them one after
- * another, 16 dependent adds per row of 64 floats: that was most of this file's row loops.) */
-#define FFW_SUM(T, N, OUT, ...)                                                              \
-    do {                                                                                     \
-        enum { L_ = 64 / sizeof(T) };                                                        \
-        T acc_[L_];                                                                          \
-        for (int l_ = 0; l_ < L_; ++l_) acc_[l_] = 0;                                        \
-        const int64_t n_ = (N);                                                              \
-        int64_t b_ = 0;                                                                      \
-        for (; b_ + L_ <= n_; b_ += L_) {                                                    \
-            _Pragma("omp simd")                                                              \
-            for (int l_ = 0; l_ < L_; ++l_) {                                                \
-                const int64_t i = b_ + l_;                                                   \
-                T term_;                                                                     \
-                __VA_ARGS__;                                                                 \
-                acc_[l_] += term_;                                                           \
-            }                                                                                \
-        }                                                                                    \
-        for (int l_ = 0; b_ + l_ < n_; ++l_) {                                               \
-            const int64_t i = b_ + l_;                                                       \
-            T term_;                                                                         \
-            __VA_ARGS__;                                                                     \
-            acc_[l_] += term_;                                                               \
-        }                                                                                    \
-        for (int w_ = L_ / 2; w_ >= 1; w_ /= 2) {                                            \
-            _Pragma("omp simd")                                                              \
-            for (int l_ = 0; l_ < w_; ++l_) acc_[l_] += acc_[l_ + w_];                       \
-        }                                                                                    \
-        OUT = acc_[0];                                                                       \
-    } while (0)
-
 /* The whole call's key weights: per row of k (one head of n keys), a_j = s*||k_j||_p^2/2 (mode -1:
- * none) + mask_j, m_j = exp(a_j - max_l a_l) into kw (no vm: the forward scales A's columns by m
- * instead), u and c where not NULL. The L^p loop is lp_body.h's, except that T^{2/p-1} is taken
- * after it, over the rows: p = 1 (T), p = 1.5 (cube root: ffw_cbrtf, Newton, in float32), p = 2 (1)
- * without a libm pow per row. */
-static inline float ffw_cbrtf(float x) {
-    /* x >= 0: exponent / 3 by the integer trick (~4 %), three Newton steps (~1 ulp); 0, NaN kept;
-     * +inf -> NaN, which the callers clamp like inf (a = cap, c = 0) */
-    int32_t i;
-    memcpy(&i, &x, sizeof i);
-    i = i / 3 + 0x2a5137a0;
-    float y;
-    memcpy(&y, &i, sizeof y);
-    y = (2.0f * y + x / (y * y)) * (1.0f / 3.0f);
-    y = (2.0f * y + x / (y * y)) * (1.0f / 3.0f);
-    y = (2.0f * y + x / (y * y)) * (1.0f / 3.0f);
-    return x > 0.0f ? y : x;
-}
-
-/* p = 1.5 on one row of d: returns sum |x|^1.5, u = sign(x) |x|^0.5 where u is not NULL. float32
- * with AVX-512: |x|^0.5 = |x| y with y = rsqrt14(|x|) and one Newton step (~1 ulp; vsqrtps is
- * about 6x slower, and this loop was bound by it), 0 at x = 0. */
-#define FFW_LP15_C(T, SUF, SQRT, FABS, COPYSIGN)                                             \
-static inline T ffw_lp15_c_##SUF(const T *x, int64_t d, T *ur) {                             \
-    T tot;                                                                                   \
-    if (ur) {                                                                                \
-        FFW_SUM(T, d, tot, const T ax = FABS(x[i]); const T pw = SQRT(ax);                   \
-                ur[i] = COPYSIGN(pw, x[i]); term_ = ax * pw);                                \
-    } else {                                                                                 \
-        FFW_SUM(T, d, tot, const T ax = FABS(x[i]); term_ = ax * SQRT(ax));                  \
-    }                                                                                        \
-    return tot;                                                                              \
-}
-FFW_LP15_C(float, f32, sqrtf, fabsf, copysignf)
-FFW_LP15_C(double, f64, sqrt, fabs, copysign)
-
-static inline double ffw_lp15_f64(const double *x, int64_t d, double *ur) { return ffw_lp15_c_f64(x, d, ur); }
-
-#if defined(__AVX512F__)
-static inline float ffw_lp15_f32(const float *x, int64_t d, float *ur) {
-    const __m512 half = _mm512_set1_ps(0.5f), three_halves = _mm512_set1_ps(1.5f);
-    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < d; i += 16) {
-        const __mmask16 live = d - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (d - i)) - 1u);
-        const __m512 xv = _mm512_maskz_loadu_ps(live, x + i);
-        const __m512 ax = _mm512_abs_ps(xv);
-        __m512 y = _mm512_rsqrt14_ps(ax);
-        /* y (1.5 - 0.5 ax y^2) */
-        y = _mm512_mul_ps(y, _mm512_fnmadd_ps(_mm512_mul_ps(half, ax), _mm512_mul_ps(y, y), three_halves));
-        const __mmask16 pos = _mm512_cmp_ps_mask(ax, _mm512_setzero_ps(), _CMP_GT_OQ) & live;
-        const __m512 pw = _mm512_maskz_mul_ps(pos, ax, y); /* |x|^0.5, 0 at 0 (and off the row) */
-        acc = _mm512_fmadd_ps(ax, pw, acc);
-        if (ur) {
-            const __m512i sx = _mm512_and_si512(_mm512_castps_si512(xv), sign);
-            const __m512i su = _mm512_or_si512(_mm512_castps_si512(pw), sx);
-            _mm512_mask_storeu_ps(ur + i, live, _mm512_castsi512_ps(su));
-        }
-    }
-    return _mm512_reduce_add_ps(acc);
-}
-#else
-static inline float ffw_lp15_f32(const float *x, int64_t d, float *ur) { return ffw_lp15_c_f32(x, d, ur); }
-#endif
-
-#define FFW_LP_ROWS(T, ROW15, POW, CBRT, FABS, COPYSIGN)                                     \
-    /* pass 1: T_r = sum |k|^p (and u) per row into a */                                     \
-    {                                                                                        \
-        for (int64_t r = 0; r < rows; ++r) {                                                 \
-            const T *x = k + r * d;                                                          \
-            T *ur = u ? u + r * d : 0;                                                       \
-            T tot = 0;                                                                       \
-            if (mode == 3) {                                                                 \
-                FFW_SUM(T, d, tot, term_ = x[i] * x[i]);                                     \
-                if (ur) memcpy(ur, x, (size_t)d * sizeof(T));                                \
-            } else if (mode == 1) {                                                          \
-                FFW_SUM(T, d, tot, term_ = FABS(x[i]));                                      \
-                if (ur) {                                                                    \
-                    _Pragma("omp simd")                                                      \
-                    for (int64_t i = 0; i < d; ++i)                                          \
-                        ur[i] = x[i] > 0 ? (T)1 : (x[i] < 0 ? (T)-1 : (T)0);                 \
-                }                                                                            \
-            } else if (mode == 2) {                                                          \
-                tot = ROW15(x, d, ur);                                                       \
-            } else {                                                                         \
-                const T pm1 = (T)(p - 1.0);                                                  \
-                for (int64_t i = 0; i < d; ++i) {                                            \
-                    const T ax = FABS(x[i]), pw = POW(ax, pm1);                              \
-                    tot += ax * pw;                                                          \
-                    if (ur) ur[i] = COPYSIGN(pw, x[i]);                                      \
-                }                                                                            \
-            }                                                                                \
-            a[r] = tot;                                                                      \
-        }                                                                                    \
-    }                                                                                        \
-    /* pass 2, over the rows: tp = T^{2/p-1}, a = s T tp / 2 clamped at cap, c = s tp */     \
-    {                                                                                        \
-        const T hs = (T)(0.5 * scale), ts = (T)scale, tcap = (T)cap, ex = (T)(2.0 / p - 1.0); \
-        if (mode == 2) {                                                                     \
-            _Pragma("omp simd")                                                              \
-            for (int64_t r = 0; r < rows; ++r) {                                             \
-                const T tot = a[r], tp = CBRT(tot), ar = tot * tp * hs;                      \
-                const int live = ar < tcap;                                                  \
-                a[r] = live ? ar : tcap;                                                     \
-                if (c) c[r] = live ? tp * ts : (T)0;                                         \
-            }                                                                                \
-        } else {                                                                             \
-            for (int64_t r = 0; r < rows; ++r) {                                             \
-                const T tot = a[r];                                                          \
-                const T tp = mode == 3 ? (T)1 : (mode == 1 ? tot : POW(tot, ex));            \
-                const T ar = tot * tp * hs;                                                  \
-                const int live = ar < tcap;                                                  \
-                a[r] = live ? ar : tcap;                                                     \
-                if (c) c[r] = live ? tp * ts : (T)0;                                         \
-            }                                                                                \
-        }                                                                                    \
-    }
-
-static void ffw_lp_f32(const float *k, int64_t rows, int64_t d, int mode, double p, double scale, double cap,
-                       float *a, float *u, float *c) {
-    FFW_LP_ROWS(float, ffw_lp15_f32, powf, ffw_cbrtf, fabsf, copysignf)
-}
-
-static void ffw_lp_f64(const double *k, int64_t rows, int64_t d, int mode, double p, double scale, double cap,
-                       double *a, double *u, double *c) {
-    FFW_LP_ROWS(double, ffw_lp15_f64, pow, cbrt, fabs, copysign)
-}
-
+ * none; lp_body.h's lp_rows) + mask_j, m_j = exp(a_j - max_l a_l) into kw (no vm: the forward scales
+ * A's columns by m instead), u and c where not NULL. */
 #define FFW_KW(T, SUF, EXP)                                                                  \
 static void ffw_kw_##SUF(const T *k, const T *mask, int64_t n, int64_t d, int mode, double p, \
                          double scale, double cap, T *a, T *u, T *c) {                       \
     if (mode >= 0) {                                                                         \
-        ffw_lp_##SUF(k, n, d, mode, p, scale, cap, a, u, c);                                 \
+        lp_rows_##SUF(k, n, d, mode, p, scale, cap, a, u, c);                                 \
     } else {                                                                                 \
         for (int64_t j = 0; j < n; ++j) a[j] = 0;                                            \
     }                                                                                        \
@@ -609,7 +453,7 @@ static void ffw_features_f32(const float *restrict P, int64_t rows, int64_t r, i
     }
     const int64_t sr = r * nsets;
     float nbig;
-    FFW_SUM(float, rows * sr, nbig, term_ = !(__builtin_fabsf(P[i]) <= FF_BIG) ? 1.0f : 0.0f);
+    PSUM(float, rows * sr, nbig, term_ = !(__builtin_fabsf(P[i]) <= FF_BIG) ? 1.0f : 0.0f);
     if (nbig != 0.0f) {
         ff_features_f32(P, rows, r, nsets, phi, cs, sn);
     } else if (nsets == 1) {
@@ -778,7 +622,7 @@ void ffw_fwd_##SUF(void *gemm_p, void *threads_p, const T *q, const T *k, const 
         for (int64_t i = 0; i < nq; ++i) {                                                   \
             const T *f = F + i * nk;                                                         \
             T *ar = A + i * nk, den;                                                         \
-            FFW_SUM(T, nk, den, term_ = ar[i] = (teps + tc4 * f[i] * f[i]) * kw[i]);         \
+            PSUM(T, nk, den, term_ = ar[i] = (teps + tc4 * f[i] * f[i]) * kw[i]);         \
             const T iv = den > 0 ? (T)1 / den : (T)0;                                        \
             inv[i] = iv;                                                                     \
             _Pragma("omp simd")                                                              \
@@ -886,7 +730,7 @@ void ffw_bwd_##SUF(void *gemm_p, void *threads_p, const T *q, const T *k, const 
         const T iv = inv[row];                                                               \
         T *gr = gm + row * dv;                                                               \
         T dot;                                                                               \
-        FFW_SUM(T, dv, dot, const T x = (LOAD) * iv; gr[i] = x; term_ = x * o[i]);           \
+        PSUM(T, dv, dot, const T x = (LOAD) * iv; gr[i] = x; term_ = x * o[i]);           \
         gd[row] = -dot;                                                                      \
     }
 

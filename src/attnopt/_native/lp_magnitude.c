@@ -10,10 +10,10 @@
 
 void lp_magnitude_f32(const float *k, int64_t rows, int64_t d, int mode, double p, double scale,
                       double cap, float *a, float *u, float *c) {
-    LP_BODY(float, sqrtf, powf, fabsf, copysignf)
+    lp_rows_f32(k, rows, d, mode, p, scale, cap, a, u, c);
 }
 
 void lp_magnitude_f64(const double *k, int64_t rows, int64_t d, int mode, double p, double scale,
                       double cap, double *a, double *u, double *c) {
-    LP_BODY(double, sqrt, pow, fabs, copysign)
+    lp_rows_f64(k, rows, d, mode, p, scale, cap, a, u, c);
 }
