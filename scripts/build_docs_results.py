@@ -116,6 +116,11 @@ def build_report(note: str) -> None:
         md = (Path(tmp) / "report.md").read_text(encoding="utf-8")
         head, body = _demote_title(md, "Reproduction report")
         _copy_figures(Path(tmp) / "figures", RESULTS / "figures")
+        # the training claims' figures: train/<task>/figures/*.png, linked as such from the report
+        if (RESULTS / "train").exists():
+            shutil.rmtree(RESULTS / "train")
+        for figs in sorted((Path(tmp) / "train").glob("*/figures")):
+            _copy_figures(figs, RESULTS / "train" / figs.parent.name / "figures")
     (RESULTS / "report.md").write_text(head + "\n" + stamp + "\n" + body, encoding="utf-8")
 
 
