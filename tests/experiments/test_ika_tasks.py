@@ -221,6 +221,33 @@ def test_regression_rmse_matches_sklearn_and_sparsity(tmp_path):
     assert (tmp_path / "attention" / "diabetes-mikan-p0.25-seed0-fold0.json").is_file()
 
 
+def test_regression_fig4_histograms_read_the_saved_weights(tmp_path, monkeypatch):
+    """Fig. 4a-b draw the weights evaluate() saved in OUT/attention (the engine hands figures()
+    OUT/figures): the bars hold every recorded weight (they were empty when the folder was wrong)."""
+    import json
+
+    import matplotlib.axes
+    import numpy as np
+
+    from attnopt.experiments.ika_regression import TASK
+
+    folder = tmp_path / "attention"
+    folder.mkdir()
+    recs = []
+    for arm, counts in (("mikan-p0.25", [3, 0, 1]), ("mikan-p2", [0, 5, 0])):
+        (folder / f"diabetes-{arm}-seed0-fold0.json").write_text(
+            json.dumps({"arm": arm, "bins": [0, 0.1, 0.2, 0.3], "counts": counts}))
+        recs.append({"arm": arm, "seed": 0, "fold": 0, "dataset": "diabetes", "metrics": {"rmse": 0.5}})
+    drawn = []
+    bar = matplotlib.axes.Axes.bar
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar",
+                        lambda self, x, h, *a, **k: drawn.append(list(h)) or bar(self, x, h, *a, **k))
+    monkeypatch.setattr("attnopt.experiments.ika_regression._BINS", np.array([0, 0.1, 0.2, 0.3]))
+    figs = TASK.figures(recs, tmp_path / "figures")
+    assert figs and figs[0].exists()
+    assert drawn == [[3, 0, 1], [0, 5, 0]]
+
+
 @pytest.mark.parametrize("arm", ["transformer", "ikan-direct", "mikan"])
 def test_translation_one_step_per_arm_and_diagnostics(arm, tmp_path):
     from attnopt.experiments.ika_translation import TASK

@@ -176,7 +176,7 @@ class Regression(Task):
         ps = sorted(p for p in {arm_p(r["arm"]) for r in mikan} if p is not None)
         if not ps:
             return []
-        folder = Path(out_dir) / "attention"
+        folder = Path(out_dir).parent / "attention"  # out_dir is OUT/figures; the weights: OUT/attention
         fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
         for ax, p in zip(axes[:2], (ps[0], ps[-1])):
             counts = np.zeros(len(_BINS) - 1)
@@ -187,6 +187,8 @@ class Regression(Task):
                 f = folder / f"{ds}-{r['arm']}-seed{r['seed']}-fold{r['fold']}.json"
                 if f.is_file():
                     counts += np.asarray(json.loads(f.read_text())["counts"])
+            if not counts.any():  # say so on the panel rather than draw an empty one
+                ax.text(0.5, 0.5, "no weights recorded", ha="center", va="center", transform=ax.transAxes)
             ax.bar(_BINS[:-1], counts, width=_BINS[1] - _BINS[0], align="edge", color="tab:blue")
             ax.set_yscale("log")
             ax.set_title(f"MIKAN weights, p = {p:g}")
