@@ -367,10 +367,14 @@ def additive_mask(
     check_mask(attn_mask, target, name)
     assert isinstance(attn_mask, Tensor)
     if attn_mask.dtype == torch.bool:
-        out = torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device)
+        # zeros_like: batched like the mask under torch.func.vmap (an in-place fill of unbatched
+        # zeros by a batched mask is an error there)
+        out = torch.zeros_like(attn_mask, dtype=dtype)
         return to_rank(out.masked_fill_(~attn_mask, float("-inf")), len(target))
-    # one reduction: max() is NaN if any entry is NaN and +inf if any is +inf
-    if attn_mask.numel() and not bool(attn_mask.detach().max() < float("inf")):
+    # one reduction: max() is NaN if any entry is NaN and +inf if any is +inf; under torch.func the
+    # values under the wrappers are read (none for meta tensors)
+    values = _values(attn_mask)
+    if values is not None and values.numel() and not bool(values.detach().max() < float("inf")):
         raise ValueError(f"{name} must not contain NaN or +inf")
     return to_rank(attn_mask.to(dtype), len(target))
 

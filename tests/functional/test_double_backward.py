@@ -245,7 +245,8 @@ def test_every_function_states_its_double_backward():
 
 def test_torch_func_first_order_keeps_working_and_nested_grad_is_policed():
     """``torch.func`` runs backwards with grad mode on: one ``grad`` is first order (allowed),
-    ``grad(grad(f))`` is a second derivative (exact or refused, as under autograd)."""
+    ``grad(grad(f))`` is a second derivative: exact (DNAS takes its plain-ops path under
+    ``torch.func``, tests/functional/test_func_transforms.py) or refused, as under autograd."""
     q, k, v = (x.detach() for x in _leaves(*QKV))
 
     def dnas(q: Tensor) -> Tensor:
@@ -254,8 +255,11 @@ def test_torch_func_first_order_keeps_working_and_nested_grad_is_policed():
     x = q.clone().requires_grad_()
     (expected,) = torch.autograd.grad(dnas(x), x)
     torch.testing.assert_close(torch.func.grad(dnas)(q), expected)
-    with pytest.raises(RuntimeError, match="double backward"):
-        torch.func.grad(lambda q: torch.func.grad(dnas)(q).sum())(q)
+    x = q.clone().requires_grad_()
+    w = attnopt.doubly_normalized_weights(x, k)  # the plain reference, differentiated twice by autograd
+    (g,) = torch.autograd.grad(torch.matmul(w, v).square().sum(), x, create_graph=True)
+    (hv,) = torch.autograd.grad(g.sum(), x)
+    torch.testing.assert_close(torch.func.grad(lambda q: torch.func.grad(dnas)(q).sum())(q), hv)
 
     def sm(s: Tensor) -> Tensor:
         return attnopt.sparsemax(s).pow(3).sum()

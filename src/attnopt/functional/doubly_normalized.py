@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnopt._validation import (
+    _values,
     additive_mask,
     causal_additive_mask,
     check_attention_inputs,
@@ -45,6 +46,7 @@ from attnopt._validation import (
 )
 from attnopt.functional import _flash_cpu as fc
 from attnopt.functional import dispatch
+from attnopt.functional._autograd import under_transform
 from attnopt.functional._dnas_materialized import dispatched_sinkhorn
 from attnopt.functional._sinkhorn_chunked import chunked_attn_pass, chunked_lse_pass
 from attnopt.functional._softmax import safe_logsumexp, safe_softmax
@@ -254,8 +256,11 @@ def doubly_normalized_attention(
         return empty
     if iterations == 0:
         return _lnas(q, k, v, attn_mask, alpha, is_causal)
-    if isinstance(attn_mask, Tensor) and attn_mask.requires_grad and torch.is_grad_enabled():
-        # a differentiable mask: materialize (as SDPA's math kernel does) so that it gets its gradient
+    if under_transform() or q.is_meta or (isinstance(attn_mask, Tensor) and attn_mask.requires_grad
+                                          and torch.is_grad_enabled()):
+        # torch.func transforms (the fused Functions have no vmap rule and are ctx-style), meta tensors
+        # (the fused paths read values) and a differentiable mask: the materialized weights in plain
+        # ops (as SDPA's math kernel does)
         w = _weights(q, k, iterations, attn_mask, alpha, is_causal)
         return torch.matmul(w, v.to(w.dtype)).to(q.dtype)
     mech = "doubly_normalized" if iterations == 1 else "sinkhorn"
@@ -330,8 +335,10 @@ def _check_weight(weight: Tensor, q: Tensor) -> Tensor:
             f"got shape {tuple(weight.shape)}"
         )
     if weight.numel():
-        low, high = torch.aminmax(weight.detach())  # one op: NaN fails both comparisons below
-        if not (0.0 <= float(low) and float(high) <= 1.0):
+        values = _values(weight)  # under torch.func: the values under the wrappers (all of vmap's batch)
+        low, high = torch.aminmax(weight.detach() if values is None else values.detach())
+        # one op: NaN fails both comparisons below; meta tensors have no values to check
+        if values is not None and not (0.0 <= float(low) and float(high) <= 1.0):
             raise ValueError("weight must lie in [0, 1]")
     return w
 
@@ -380,6 +387,11 @@ def hybrid_normalized_attention(
         _check_iterations(iterations)
         return empty
     iterations = _check_iterations(iterations)
+    if under_transform() or q.is_meta:  # torch.func, meta: plain ops (see doubly_normalized_attention)
+        alpha = resolve_scale(scale, q.shape[-1])
+        dn = _weights(q, k, iterations, attn_mask, alpha, is_causal)
+        mixed = torch.lerp(_weights(q, k, 0, attn_mask, alpha, is_causal), dn, w.to(dn.dtype))
+        return torch.matmul(mixed, v.to(mixed.dtype)).to(q.dtype)
     grad_mask = isinstance(attn_mask, Tensor) and attn_mask.requires_grad and torch.is_grad_enabled()
     if iterations >= 1 and not grad_mask:
         fused = dispatched_sinkhorn("hybrid_normalized", q, k, v, iterations, w, attn_mask,

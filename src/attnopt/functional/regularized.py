@@ -38,7 +38,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnopt._validation import (
+    _values,
     additive_mask,
+    any_nonfinite,
     broadcast_shapes,
     causal_additive_mask,
     check_attention_inputs,
@@ -50,6 +52,7 @@ from attnopt._validation import (
     validate_attention,
 )
 from attnopt.functional import dispatch
+from attnopt.functional._autograd import under_transform
 from attnopt.functional._blocked_sparse import blocked_sparse_attention
 from attnopt.functional._denormal import flushed_sdpa
 from attnopt.functional._generalized_fused import (
@@ -136,7 +139,7 @@ def locality_bias(
             raise TypeError(f"locality must be a floating-point tensor, got {locality.dtype}")
         if locality.dim() > 1:
             raise ValueError(f"locality must be a scalar or an (H,) tensor, got {tuple(locality.shape)}")
-        if not bool(torch.isfinite(locality).all()):
+        if any_nonfinite(locality):  # reads under torch.func's wrappers
             raise ValueError("locality must be finite")
         beta = locality.to(device)
         if beta.dim() == 0:
@@ -261,7 +264,10 @@ def regularized_attention(
         alpha = 2.0
     elif isinstance(reg, Tsallis) and not isinstance(reg.alpha, Tensor) and reg.alpha > 1.0:
         alpha = float(reg.alpha)  # sparse (α > 1): fused / blocked paths; α < 1 is dense: below
-    if alpha is not None and not (attn_mask is not None and attn_mask.requires_grad):
+    # under torch.func transforms (grad, vmap, ...) the fused / blocked Functions (ctx-style, no vmap
+    # rule) give way to the materialized map in plain ops below, and so do meta tensors (shapes only)
+    if (alpha is not None and not (attn_mask is not None and attn_mask.requires_grad)
+            and not (under_transform() or q.is_meta)):
         beta = None
         if locality is not None:
             beta = _beta_tensor(locality, q)
@@ -278,6 +284,9 @@ def regularized_attention(
             q, k, v, alpha=alpha, scale=alpha_scale, mask=mask, beta=beta, is_causal=is_causal,
             block_size=block_size,
         )
+    if q.is_meta:  # shapes only: the map's threshold searches read values; its output has the scores' shape
+        scores = _scores(q, k, attn_mask, scale, locality, is_causal)
+        return torch.matmul(scores, v.to(scores.dtype)).to(q.dtype)
     weights = regularized_attention_weights(
         q, k, regularizer=reg, attn_mask=attn_mask, scale=scale, locality=locality, is_causal=is_causal
     )
@@ -308,7 +317,8 @@ def _check_regularizer(reg: object) -> None:
 def _check_scores(scores: Tensor, dim: int) -> None:
     if not isinstance(dim, int) or not -scores.dim() <= dim < scores.dim():
         raise ValueError(f"dim={dim!r} is out of range for scores with {scores.dim()} dimensions")
-    if scores.numel() and bool((torch.isnan(scores) | torch.isposinf(scores)).any()):
+    values = _values(scores)  # under torch.func: the values under the wrappers; None for meta
+    if values is not None and values.numel() and bool((torch.isnan(values) | torch.isposinf(values)).any()):
         raise ValueError("scores must not contain NaN or +inf (use -inf to mask an entry)")
 
 

@@ -88,7 +88,8 @@ def query_padding(query_padding_mask: Tensor | None, batch: int, nq: int) -> Ten
 
 def _to_additive(mask: Tensor, name: str) -> Tensor:
     if mask.dtype == torch.bool:
-        return torch.zeros(mask.shape, device=mask.device).masked_fill_(mask, float("-inf"))
+        # zeros_like: batched like the mask under torch.func.vmap (per-example calls)
+        return torch.zeros_like(mask, dtype=torch.get_default_dtype()).masked_fill_(mask, float("-inf"))
     if not mask.is_floating_point():
         raise TypeError(f"{name} must be boolean or floating point, got {mask.dtype}")
     return mask
