@@ -52,6 +52,9 @@ OPS = {
     "sparsemax-streaming": _reg("streaming", SquaredL2()),
     "entmax15-auto": _reg("auto", Tsallis(1.5)),
     "entmax13-streaming": _reg("streaming", Tsallis(1.3)),
+    # Shannon with a bias (mask / locality): the fused biased-softmax Functions give way too
+    "softmax-locality": lambda q, k, v, m, c: regularized_attention(q, k, v, attn_mask=m, is_causal=c,
+                                                                    locality=0.3),
 }
 
 
@@ -65,8 +68,10 @@ def _inputs(seed=0, b=3, h=2, n=5, d=4):
     return q, k, v, keys
 
 
-CASES = [(name, masked, causal) for name in OPS
-         for masked, causal in ((False, False), (True, False), (False, True))]
+_CAUSAL = ("dnas-streaming", "sinkhorn3-materialized", "hnas-materialized", "sparsemax-streaming",
+           "entmax15-auto", "softmax-locality")
+CASES = ([(name, masked, False) for name in OPS for masked in (False, True)]
+         + [(name, False, True) for name in _CAUSAL])
 
 
 @pytest.mark.parametrize(("name", "masked", "causal"), CASES)
@@ -115,6 +120,20 @@ def test_jacrev_equals_the_autograd_jacobian(name):
     want = torch.autograd.functional.jacobian(lambda a, b: op(a, b, v, keys, False), (q, k))
     for g_, w_ in zip(got, want):
         torch.testing.assert_close(g_, w_, **TOL)
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_jvp_equals_the_jacobian_times_the_tangent(name):
+    """Forward mode (``jvp``, hence ``jacfwd`` / ``hessian``): the sparse maps' Functions have a
+    ``jvp`` (their symmetric Jacobian), the rest is plain ops."""
+    op = OPS[name]
+    q, k, v, keys = _inputs(6, b=1, h=2, n=4, d=2)
+    t = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    f = lambda a: op(a, k, v, keys, False)  # noqa: E731
+    out, got = func.jvp(f, (q,), (t,))
+    jac = func.jacrev(f)(q)
+    torch.testing.assert_close(out, f(q), **TOL)
+    torch.testing.assert_close(got, (jac * t).flatten(-q.dim()).sum(-1), **TOL)
 
 
 def test_hnas_weight_gradient_under_grad_and_vmap():
@@ -186,3 +205,21 @@ def test_registry_module_per_example_gradients(name):
         layer(x[i:i + 1], key_padding_mask=pad[i:i + 1])[0].square().sum().backward()
         for n, p in layer.named_parameters():
             torch.testing.assert_close(per[n][i], p.grad, **TOL, msg=f"{name}: {n}")
+
+
+def test_forward_mode_limits_raise_clearly():
+    """Forward mode in a tensor ``alpha`` equals ``jacrev``; ``torch.autograd.forward_ad`` dual
+    tensors (outside torch.func) are not supported by the sparse maps: a NotImplementedError."""
+    import torch.autograd.forward_ad as fwad
+
+    from attnopt.functional import entmax, sparsemax
+
+    x = torch.randn(2, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    for a in (0.6, 1.0, 1.4, 2.5):
+        alpha = torch.tensor(a, dtype=torch.float64)
+        got = func.jvp(lambda b: entmax(x, alpha=b), (alpha,), (torch.ones_like(alpha),))[1]
+        torch.testing.assert_close(got, func.jacrev(lambda b: entmax(x, alpha=b))(alpha), **TOL)
+    got = func.jvp(lambda s: entmax(s, alpha=alpha), (x,), (torch.ones_like(x),))[1]
+    torch.testing.assert_close(got, torch.zeros_like(x), **TOL)  # a shift of all scores: p unchanged
+    with fwad.dual_level(), pytest.raises(NotImplementedError, match=r"^sparsemax: forward-mode AD"):
+        sparsemax(fwad.make_dual(x, torch.ones_like(x)))

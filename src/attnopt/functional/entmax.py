@@ -51,7 +51,7 @@ from torch import Tensor
 from attnopt._validation import check_tensor
 from attnopt.functional import _sparse_groups as _groups
 from attnopt.functional import _sparse_native as _native_maps
-from attnopt.functional._autograd import double_backward
+from attnopt.functional._autograd import double_backward, under_transform
 from attnopt.functional._entmax15_passes import entmax15_passes
 
 __all__ = ["sparsemax", "entmax"]
@@ -403,7 +403,12 @@ def _phi(x: Tensor) -> Tensor:
 
 
 def _alpha_backward(p: Tensor, grad: Tensor, alpha: Tensor, dim: int) -> Tensor:
-    r"""``Σ_j d_j ∂p_j/∂α`` per slice, including across ``α = 1``.
+    """``Σ_j d_j ∂p_j/∂α`` per slice (:func:`_alpha_derivative`)."""
+    return (grad * _alpha_derivative(p, alpha, dim)).sum(dim=dim, keepdim=True)
+
+
+def _alpha_derivative(p: Tensor, alpha: Tensor, dim: int) -> Tensor:
+    r"""``∂p_j/∂α`` (the shape of ``p``), including across ``α = 1``.
 
     Peters et al. (2019) give ``∂p/∂α = (p − p̃)/ε² − (p log p − p̃ Σ p log p)/ε`` with
     ``ε = α − 1``, ``p̃ = p^{1−ε}/Σ p^{1−ε}``: a 0/0 at ``α = 1``. With ``l = log p``,
@@ -436,8 +441,7 @@ def _alpha_backward(p: Tensor, grad: Tensor, alpha: Tensor, dim: int) -> Tensor:
     plogp = p * logp
     safe = torch.where(am1 == 0, torch.ones_like(am1), am1)
     original = (p - skew) / (safe * safe) - (plogp - skew * a_) / safe
-    dp = torch.where(am1.abs() < 1, stable, original)
-    return (grad * dp).sum(dim=dim, keepdim=True)
+    return torch.where(am1.abs() < 1, stable, original)
 
 
 def _reduce_to(g: Tensor, shape: torch.Size) -> Tensor:
@@ -458,6 +462,31 @@ def _rowwise_vmap(fn: Any, in_dims: tuple[Any, ...], x: Tensor, dim: int, *rest:
     return fn(x.movedim(in_dims[0], 0), dim + 1, *rest), 0
 
 
+def _save_for_forward(ctx: Any, *tensors: Tensor) -> None:
+    """Keep the output for :func:`_map_jvp` under ``torch.func`` only (~60 ns check otherwise)."""
+    if under_transform():
+        ctx.save_for_forward(*tensors)  # sets ctx.saved_for_forward
+
+
+def _forward_saved(ctx: Any, op: str) -> tuple[Tensor, ...]:
+    saved: tuple[Tensor, ...] | None = getattr(ctx, "saved_for_forward", None)
+    if saved is None:
+        raise NotImplementedError(
+            f"{op}: forward-mode AD is supported under torch.func (jvp, jacfwd, hessian), "
+            "not with torch.autograd.forward_ad dual tensors"
+        )
+    return saved
+
+
+def _map_jvp(ctx: Any, x_t: Tensor, alpha: Tensor | float, op: str) -> Tensor:
+    """Forward-mode derivative ``J x_t`` of the map: ``J`` is symmetric, so it is the backward's
+    formula (tracked: out-of-place, differentiable again, e.g. under ``hessian``)."""
+    p = _forward_saved(ctx, op)[0]
+    compute = _compute_dtype(p.dtype)
+    a = alpha.to(compute) if isinstance(alpha, Tensor) else alpha
+    return _entmax_backward(p.to(compute), x_t.to(compute), a, ctx.dim, tracked=True).to(p.dtype)
+
+
 class _Sparsemax(torch.autograd.Function):
     @staticmethod
     def forward(x: Tensor, dim: int, max_iter: int) -> Tensor:
@@ -468,10 +497,15 @@ class _Sparsemax(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
         ctx.dim = inputs[1]
         ctx.save_for_backward(output)
+        _save_for_forward(ctx, output)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], x: Tensor, dim: int, max_iter: int) -> tuple[Tensor, int]:  # noqa: ARG004
         return _rowwise_vmap(_Sparsemax.apply, in_dims, x, dim, max_iter)
+
+    @staticmethod
+    def jvp(ctx: Any, x_t: Tensor, *_: Any) -> Tensor:
+        return _map_jvp(ctx, x_t, 2.0, "sparsemax")
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
@@ -493,6 +527,11 @@ class _Entmax(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
         ctx.alpha, ctx.dim = inputs[1], inputs[2]
         ctx.save_for_backward(output)
+        _save_for_forward(ctx, output)
+
+    @staticmethod
+    def jvp(ctx: Any, x_t: Tensor, *_: Any) -> Tensor:
+        return _map_jvp(ctx, x_t, ctx.alpha, "entmax")
 
     @staticmethod
     def vmap(
@@ -522,6 +561,18 @@ class _EntmaxAlpha(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
         ctx.dim = inputs[2]
         ctx.save_for_backward(output, inputs[1])
+        _save_for_forward(ctx, output, inputs[1])
+
+    @staticmethod
+    def jvp(ctx: Any, x_t: Tensor | None, alpha_t: Tensor | None, *_: Any) -> Tensor:
+        p, alpha = _forward_saved(ctx, "entmax")
+        out = None if x_t is None else _map_jvp(ctx, x_t, alpha, "entmax")
+        if alpha_t is not None:
+            compute = _compute_dtype(p.dtype)
+            da = _alpha_derivative(p.to(compute), alpha.to(compute), ctx.dim) * alpha_t.to(compute)
+            out = da.to(p.dtype) if out is None else out + da.to(p.dtype)
+        assert out is not None
+        return out
 
     @staticmethod
     def vmap(

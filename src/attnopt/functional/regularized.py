@@ -60,6 +60,7 @@ from attnopt.functional._generalized_fused import (
     biased_softmax_attention,
     flash_bias_available,
 )
+from attnopt.functional._softmax import safe_softmax
 from attnopt.functional._sparse_attention_fused import fused_sparse_attention
 from attnopt.functional.regularizers import Regularizer, Shannon, SquaredL2, Tsallis
 
@@ -295,6 +296,11 @@ def regularized_attention(
 
 def _biased_softmax(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
     """``softmax(scale·qkᵀ + bias) v`` with subnormals flushed where a fused CPU path exists."""
+    if under_transform():  # torch.func: the fused Functions are ctx-style (no vmap rule, refuse grad),
+        # SDPA's CPU flash kernel has no forward AD: the math in plain ops (rows without keys: zeros)
+        compute = _compute(q.dtype)
+        s = torch.matmul(q.to(compute), k.to(compute).transpose(-2, -1)) * scale + bias.to(compute)
+        return torch.matmul(safe_softmax(s, dim=-1), v.to(compute)).to(q.dtype)
     if flash_bias_available(q, k, v, bias):
         return biased_flash_attention(q, k, v, bias, scale)
     if bias.requires_grad and q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64):
