@@ -218,7 +218,9 @@ def doubly_normalized_attention(
     Finite key-only biases cancel in the column normalization (only ``-inf``/``False``
     matters); a key no query may see is left out of every normalization (weight 0). Masks
     are differentiated only when they require grad, and then through the materialized
-    ``Nq × Nk`` weights (as SDPA's math kernel does).
+    ``Nq × Nk`` weights (as SDPA's math kernel does). Under ``torch.func`` transforms (``vmap``,
+    ``grad``, ``jacrev``, ``jvp``) and on meta tensors the op runs as plain PyTorch ops on the
+    materialized weights (``impl`` is then ignored and the O(N)-memory guarantee does not hold).
 
     Args:
         q: (B, H, Nq, d) queries (any leading batch dims that broadcast).
