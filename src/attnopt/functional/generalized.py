@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnopt._validation import (
+    _values,
     additive_mask,
     broadcast_shapes,
     causal_additive_mask,
@@ -116,9 +117,14 @@ def check_log_preference_values(log_preference: Tensor) -> tuple[float, float]:
     if stamp is not None and stamp[0] == log_preference._version:
         lo, hi = stamp[1], stamp[2]
     else:
-        low, high = torch.aminmax(log_preference.detach())  # NaN propagates into both
+        values: Tensor | None = log_preference
+        if _LEVEL() is not None:  # under torch.func (no .item() on a vmapped tensor): the values
+            values = _values(log_preference)  # under the wrappers (for vmap: the whole batch's)
+            if values is None:  # meta / fake: nothing to read
+                return 0.0, 0.0
+        low, high = torch.aminmax(values.detach())  # NaN propagates into both
         lo, hi = float(low), float(high)
-        if not torch.compiler.is_compiling():
+        if values is log_preference and not torch.compiler.is_compiling():
             log_preference._attnopt_range = (log_preference._version, lo, hi)  # type: ignore[attr-defined]
     if not hi < float("inf"):
         raise ValueError(_LOG_PREFERENCE_ERROR)
@@ -263,6 +269,8 @@ def generalized_attention(
         )
     # log_preference's values are checked below, once per path (the fused node checks its output)
     bias = score_bias(q, k, preference, log_preference, attn_mask, is_causal, check_values=False)
+    if bias is not None and _LEVEL() is not None:  # inside torch.func: plain differentiable ops
+        return _transformed(q, k, v, bias, log_preference, alpha, dropout_p)
     if is_causal and log_preference is not None and attn_mask is None and bias is not None:
         bias = causal_toeplitz(log_preference, bias)  # a relative-position bias stays one (see _toeplitz)
     path = _path(q, k, v, bias, dropout_p, impl)
@@ -336,6 +344,30 @@ NATIVE_MIN_HEAD_SCORES = 1 << 16
 #: bias): N = 512: ALiBi 1.23 vs 1.31, T5 1.45 vs 1.60 (B·H = 8, d = 64); 1.21 vs 1.33, 1.20 vs 1.38
 #: (B·H = 128, d = 16); N = 256, d = 64: 1.78 vs 1.58, 1.88 vs 1.87; N = 128, d = 16: 1.44 vs 1.30.
 NATIVE_FORWARD_MIN_HEAD_SCORES = 1 << 18
+
+
+#: the current ``torch.func`` transform level (``None`` outside every transform; ~40 ns)
+_LEVEL = torch._C._functorch.maybe_current_level
+
+
+def _transformed(
+    q: Tensor, k: Tensor, v: Tensor, bias: Tensor, log_preference: Tensor | None, alpha: float,
+    dropout_p: float,
+) -> Tensor:
+    """``softmax(α·QKᵀ + bias) V`` by PyTorch ops: the path inside ``torch.func`` transforms (``vmap``,
+    ``grad``, ``jacrev``, ...), whose wrapped tensors have no memory for the C paths, whose rules the
+    old-style autograd nodes lack, and under which SDPA refuses a bias that requires grad.
+    ``impl`` is not followed there; ``last_dispatch`` records ``"materialized"`` / ``"plain"``."""
+    if log_preference is not None:
+        check_log_preference_values(log_preference)
+    dispatch.record("generalized", "materialized")
+    dispatch.record("generalized_kernel", "plain")
+    compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    scores = torch.matmul(q.to(compute), k.to(compute).transpose(-2, -1)) * alpha + bias.to(compute)
+    weights = safe_softmax(scores, dim=-1)
+    if dropout_p > 0.0:
+        weights = F.dropout(weights, p=dropout_p)
+    return torch.matmul(weights, v.to(compute)).to(q.dtype)
 
 
 def _sdpa_below(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> int:

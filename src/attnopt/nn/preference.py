@@ -120,6 +120,8 @@ class T5RelativePreference(PreferenceModule):
         # generalized attention read it (or the per-offset values gathered from it) instead of the
         # bias and send the gradient to it directly (no (H, Nq, Nk) gradient)
         buckets, index = self._buckets(query_len, key_len, weight.device)
+        if _LEVEL() is not None:  # inside torch.func (vmap, grad, ...): plain ops, no custom node
+            return _t5_plain(weight, buckets, query_len, key_len)
         bias: Tensor = _T5Bias.apply(weight, buckets, index, query_len, key_len)
         return mark_toeplitz_table(bias, weight, buckets)
 
@@ -166,6 +168,18 @@ def _toeplitz_view(buf: Tensor, nq: int, nk: int) -> Tensor:
 GATHER_LIMIT = 1 << 20
 
 
+#: the current ``torch.func`` transform level (``None`` outside every transform; ~40 ns)
+_LEVEL = torch._C._functorch.maybe_current_level
+
+
+def _t5_plain(table: Tensor, buckets: Tensor, nq: int, nk: int) -> Tensor:
+    """:class:`_T5Bias`'s PyTorch-op forward, differentiated by autograd: the path under
+    ``torch.func`` transforms (an old-style Function has no vmap rule; wrapped tensors have no
+    memory for C). Not marked with its table: the consumers see an ordinary tensor."""
+    per_offset = table.t().index_select(1, buckets)  # row i: the window from Nq − 1 − i
+    return per_offset.unfold(-1, nk, 1).flip(-2).contiguous().view(1, table.shape[1], nq, nk)
+
+
 class _T5Bias(torch.autograd.Function):
     """``table (num_buckets, H)`` -> contiguous ``(1, H, Nq, Nk)``, entry ``(h, i, j)`` =
     ``table[buckets[j − i + Nq − 1], h]``: one C call where the native kernels run (CPU
@@ -185,8 +199,7 @@ class _T5Bias(torch.autograd.Function):
                 and not torch.compiler.is_compiling() and _native.has_storage(table)):
             lib = _native.library("biased_softmax")
         if lib is None:
-            per_offset = table.t().index_select(1, buckets)  # row i: the window from Nq − 1 − i
-            return per_offset.unfold(-1, nk, 1).flip(-2).contiguous().view(1, heads, nq, nk)
+            return _t5_plain(table, buckets, nq, nk)
         out = table.new_empty(1, heads, nq, nk)
         fill = _fill(lib, table.dtype)
         if fill(table.data_ptr(), table.stride(0), table.stride(1), buckets.data_ptr(), heads, nq, nk,
