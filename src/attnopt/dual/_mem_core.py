@@ -27,6 +27,7 @@ from torch import Tensor
 __all__ = ["newton_mem", "apply_inverse_hessian", "gram", "tol_floor"]
 
 _ARMIJO = 1e-4
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _MAX_BACKTRACK = 40
 
 
@@ -93,9 +94,10 @@ def _cg_lowrank(G: Tensor, p: Tensor, alpha: float, y: Tensor, rtol: Tensor, max
     stop = gamma.clamp(min=0) * rtol.square()
     tiny = torch.finfo(y.dtype).tiny
     inv_alpha = 1.0 / alpha
+    early_exit = not _is_wrapped(gamma)  # no bool() on a vmapped tensor: every iteration, masked
     for _ in range(max_cg):
         active = gamma > stop
-        if not bool(active.any()):
+        if early_exit and not bool(active.any()):
             break
         # W (G d) = p ⊙ (Gd − <p, Gd>)
         WGd = torch.sub(Gd, torch.linalg.vecdot(p, Gd).unsqueeze(-1)).mul_(p)
@@ -103,9 +105,14 @@ def _cg_lowrank(G: Tensor, p: Tensor, alpha: float, y: Tensor, rtol: Tensor, max
         Md = WGd.add_(d, alpha=inv_alpha)  # M d = d/α + W G d (reuses WGd's storage)
         curv = torch.linalg.vecdot(d, GMd)
         a = torch.where(active, gamma / curv.clamp(min=tiny), torch.zeros_like(gamma)).unsqueeze(-1)
-        x.addcmul_(a, d)
-        rho.addcmul_(a, Md, value=-1.0)
-        Grho.addcmul_(a, GMd, value=-1.0)
+        if early_exit:
+            x.addcmul_(a, d)
+            rho.addcmul_(a, Md, value=-1.0)
+            Grho.addcmul_(a, GMd, value=-1.0)
+        else:  # (vmap has no batching rule for addcmul_)
+            x.add_(a * d)
+            rho.sub_(a * Md)
+            Grho.sub_(a * GMd)
         gamma_new = torch.linalg.vecdot(rho, Grho)
         beta = torch.where(active, gamma_new / gamma.clamp(min=tiny), torch.zeros_like(gamma)).unsqueeze(-1)
         d.mul_(beta).add_(rho)

@@ -60,6 +60,23 @@ class _MEMWeights(torch.autograd.Function):
         ctx.mark_non_differentiable(lam)
 
     @staticmethod
+    def vmap(
+        info: Any, in_dims: tuple[int | None, ...], T: Tensor, z: Tensor, logu: Tensor, alpha: float,
+        tol: float, max_iter: int, lowrank: bool,
+    ) -> tuple[tuple[Tensor, Tensor], tuple[int, int]]:
+        """``torch.func.vmap``: the vmapped dimension joins the problem batch ``K`` (an input
+        without it is expanded), one solve for the whole batch; the outputs get it back in front."""
+        size = info.batch_size
+
+        def fold(x: Tensor, dim: int | None) -> Tensor:
+            x = x.expand(size, *x.shape) if dim is None else x.movedim(dim, 0)
+            return x.reshape(size * x.shape[1], *x.shape[2:])
+
+        w, lam = _MEMWeights.apply(fold(T, in_dims[0]), fold(z, in_dims[1]), fold(logu, in_dims[2]),
+                                   alpha, tol, max_iter, lowrank)
+        return (w.view(size, -1, *w.shape[1:]), lam.view(size, -1, *lam.shape[1:])), (0, 0)
+
+    @staticmethod
     def backward(ctx: Any, grad_w: Tensor, _grad_lam: Tensor | None) -> tuple[Tensor | None, ...]:
         refuse_double_backward(ctx, "mem_attention / mem_weights", "no plain path (implicit differentiation)")
         T, logu, p, lam = ctx.saved_tensors

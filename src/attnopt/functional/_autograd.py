@@ -53,23 +53,21 @@ def double_backward(ctx: Any) -> bool:
     """Whether this backward runs under ``create_graph=True`` with an input that needs grad.
 
     ``torch.func`` runs every backward with grad mode on; there the result is differentiated
-    again only under a nested transform (level > 1, e.g. ``grad(grad(f))``), so a single
-    ``torch.func.grad`` / ``vjp`` / ``jacrev`` keeps the fast first-order backward.
+    again only under a second differentiating transform (``grad``/``vjp``/``jacrev``/``jvp``, e.g.
+    ``grad(grad(f))``, ``jacfwd(jacrev(f))``), so a single ``torch.func.grad`` / ``vjp`` /
+    ``jacrev`` keeps the fast first-order backward — also inside ``vmap`` (``vmap(grad(f))``,
+    per-example gradients).
     """
     if not (torch.is_grad_enabled() and any(ctx.needs_input_grad)):
         return False
-    level = _functorch_level(ctx)
-    return level is None or level > 1
+    if _ft.maybe_current_level() is None:
+        # torch.func.vjp calls the backward outside its level; its saved tensors stay wrapped
+        saved = ctx.saved_tensors if hasattr(ctx, "saved_tensors") else ()
+        return not any(t is not None and _ft.is_functorch_wrapped_tensor(t) for t in saved)
+    return sum(i.key() in _DIFFERENTIATING for i in _ft.get_interpreter_stack()) > 1
 
 
-def _functorch_level(ctx: Any) -> int | None:
-    """The ``torch.func`` transform level this backward runs at (``None``: plain autograd)."""
-    level: int | None = _ft.maybe_current_level()
-    if level is not None:
-        return level
-    # torch.func.vjp calls the backward outside its level; its saved tensors stay wrapped
-    saved = ctx.saved_tensors if hasattr(ctx, "saved_tensors") else ()
-    return 1 if any(t is not None and _ft.is_functorch_wrapped_tensor(t) for t in saved) else None
+_DIFFERENTIATING = (_ft.TransformType.Grad, _ft.TransformType.Jvp)
 
 
 def refuse_double_backward(ctx: Any, op: str, instead: str) -> None:

@@ -33,6 +33,10 @@ __all__ = [
     "alibi_slopes",
 ]
 
+#: the current ``torch.func`` transform level (``None`` outside every transform; ~40 ns). Inside
+#: one, the bias is built by plain ops and nothing is cached (new tensors may be wrapped there)
+_LEVEL = torch._C._functorch.maybe_current_level
+
 
 class PreferenceModule(nn.Module):
     """Base class: a module producing ``log u`` broadcastable to ``(B, H, Nq, Nk)``."""
@@ -131,9 +135,8 @@ class T5RelativePreference(PreferenceModule):
         key = (query_len, key_len, device)
         cache: dict[tuple[int, int, torch.device], tuple[Tensor, Tensor | None]] = self.__dict__.setdefault(
             "_bucket_cache", {})
-        if key not in cache:
-            if len(cache) >= 8:
-                cache.clear()
+        hit = cache.get(key)
+        if hit is None:
             rel = torch.arange(-(query_len - 1), key_len, device=device)
             buckets = relative_position_bucket(
                 rel, bidirectional=self.bidirectional, num_buckets=self.num_buckets,
@@ -144,8 +147,12 @@ class T5RelativePreference(PreferenceModule):
                 i = torch.arange(query_len, device=device)
                 j = torch.arange(key_len, device=device)
                 index = (j[None, :] - i[:, None] + (query_len - 1)).flatten()
-            cache[key] = (buckets, index)
-        return cache[key]
+            hit = (buckets, index)
+            if _LEVEL() is None:  # inside torch.func (vmap of grad) the new tensors are wrapped
+                if len(cache) >= 8:
+                    cache.clear()
+                cache[key] = hit
+        return hit
 
     def log_preference(self, query: Tensor, key: Tensor) -> Tensor:
         return self(query.shape[-2], key.shape[-2])
@@ -166,10 +173,6 @@ def _toeplitz_view(buf: Tensor, nq: int, nk: int) -> Tensor:
 #: forward lays the rows out by ``unfold``, faster than either);
 #: above it, the O(Nq + Nk) strided route keeps the cache small.
 GATHER_LIMIT = 1 << 20
-
-
-#: the current ``torch.func`` transform level (``None`` outside every transform; ~40 ns)
-_LEVEL = torch._C._functorch.maybe_current_level
 
 
 def _t5_plain(table: Tensor, buckets: Tensor, nq: int, nk: int) -> Tensor:
@@ -301,10 +304,12 @@ class ALiBiPreference(PreferenceModule):
         hit = cache.get(key)
         if hit is not None and hit[0] == stamp and hit[1]._version == hit[2]:
             return hit[1]
-        if len(cache) >= 8:
-            cache.clear()
         per_offset = self._per_offset(query_len, key_len)
         bias = self._build(query_len, key_len, per_offset).to(dtype).contiguous()
+        if _LEVEL() is not None:  # inside torch.func the new tensors may be wrapped: not kept
+            return bias
+        if len(cache) >= 8:
+            cache.clear()
         if per_offset is not None:  # the C path of generalized attention reads these (see _toeplitz)
             mark_toeplitz(bias, per_offset.to(dtype))
         cache[key] = (stamp, bias, bias._version)
