@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnopt import _func
+from attnopt._func import all_true, largest
 from attnopt._native import has_storage
 from attnopt._validation import (
     additive_mask,
@@ -161,7 +163,8 @@ def split_key_query_mask(mask: Tensor) -> tuple[Tensor, Tensor]:
     dead = torch.isneginf(mask).all(dim=-1, keepdim=True)
     inf = torch.full((), float("inf"), dtype=mask.dtype, device=mask.device)
     key = torch.where(dead, inf, mask).amin(dim=-2, keepdim=True)
-    if not bool(torch.where(dead, key, mask).eq(key).all()):
+    same = torch.where(dead, key, mask).eq(key).all()
+    if not (bool(same) if _func.level() is None else all_true(same)):
         raise ValueError(
             "mode='linear' needs a key mask: attn_mask may only mask keys (the same keys for every "
             "query) and whole query rows; got a query-dependent mask of shape "
@@ -242,7 +245,10 @@ def _direct_ok(kernel: Kernel, mask: Tensor | None, eps: float, q: Tensor, k: Te
     with torch.no_grad():
         bq = kernel.features(q).norm(dim=-1).amax()
         bk = kernel.features(k).norm(dim=-1).amax()
-        b2 = float(bq.double() * bk.double()) ** 2
+        if _func.level() is None:
+            b2 = float(bq.double() * bk.double()) ** 2
+        else:  # inside torch.func (no float() under vmap): the largest over the examples
+            b2 = (largest(bq.double()) * largest(bk.double())) ** 2
     fi = torch.finfo(q.dtype)
     return b2 <= min(fi.max / (4.0 * max(1, k.shape[-2])), fi.eps * eps / fi.tiny)
 
