@@ -115,6 +115,8 @@ class _LpHalfSquare(torch.autograd.Function):
     ``x_i = 0`` for ``p > 1``; ``T^{2/p−1}`` has a non-negative exponent).
     """
 
+    generate_vmap_rule = True  # forward and backward are out-of-place torch ops: vmap batches them
+
     @staticmethod
     def forward(x: Tensor, p: float, scale: float) -> tuple[Tensor, Tensor, Tensor]:
         ax = x.abs()

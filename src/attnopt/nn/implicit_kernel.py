@@ -36,6 +36,9 @@ from attnopt.nn.spectral import GaussianCopula, ImplicitSpectralDensity
 
 __all__ = ["ImplicitKernelAttention"]
 
+#: the current ``torch.func`` transform level (``None`` outside every transform; ~40 ns)
+_LEVEL = torch._C._functorch.maybe_current_level
+
 Variant = Literal["ika-s", "ika-ns", "ikan", "ikan-direct", "mikan"]
 _VARIANTS = ("ika-s", "ika-ns", "ikan", "ikan-direct", "mikan")
 
@@ -136,11 +139,30 @@ class ImplicitKernelAttention(MultiheadBase):
         b = k.shape[0]
         if self.training:
             n_sets, half = len(self._modules["densities"]), self.num_samples // 2  # type: ignore[arg-type]
-            noise = torch.randn(n_sets, b, self.num_heads, half, self.head_dim, generator=self._generator)
+            shape = (n_sets, b, self.num_heads, half, self.head_dim)
+            if _LEVEL() is not None:
+                return self._noise_under_transform(shape, k)
+            noise = torch.randn(shape, generator=self._generator)
             if noise.dtype == k.dtype and noise.device == k.device:
                 return noise
             return noise.to(device=k.device, dtype=k.dtype)
         return self.get_buffer("eval_noise").to(k.dtype).unsqueeze(1).expand(-1, b, -1, -1, -1)
+
+    def _noise_under_transform(self, shape: tuple[int, ...], k: Tensor) -> Tensor:
+        """The training noise drawn inside a ``torch.func`` transform: ``vmap``'s ``randomness``
+        decides (``"different"``: each example its own draw, as in a batched call; ``"same"``: one
+        draw for all); its default ``"error"`` raises, naming the module."""
+        try:
+            noise = torch.randn(shape, generator=self._generator)
+        except RuntimeError as exc:
+            if "randomness" not in str(exc):
+                raise
+            raise RuntimeError(
+                f"ImplicitKernelAttention({self.variant!r}) draws fresh spectral noise in training mode: "
+                "under torch.func.vmap pass randomness='different' (each example its own draw, as a "
+                "batched call) or 'same', or call eval() (the fixed evaluation noise)"
+            ) from exc
+        return noise.to(device=k.device, dtype=k.dtype)
 
     def _sample(
         self, k: Tensor, mask: Tensor | None, split: bool = True, kl_mean: bool = False,
