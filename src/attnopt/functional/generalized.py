@@ -117,11 +117,12 @@ def check_log_preference_values(log_preference: Tensor) -> tuple[float, float]:
     if stamp is not None and stamp[0] == log_preference._version:
         lo, hi = stamp[1], stamp[2]
     else:
-        values: Tensor | None = log_preference
+        values = log_preference
         if _LEVEL() is not None:  # under torch.func (no .item() on a vmapped tensor): the values
-            values = _values(log_preference)  # under the wrappers (for vmap: the whole batch's)
-            if values is None:  # meta / fake: nothing to read
+            under = _values(log_preference)  # under the wrappers (for vmap: the whole batch's)
+            if under is None:  # meta / fake: nothing to read
                 return 0.0, 0.0
+            values = under
         low, high = torch.aminmax(values.detach())  # NaN propagates into both
         lo, hi = float(low), float(high)
         if values is log_preference and not torch.compiler.is_compiling():
@@ -177,8 +178,8 @@ def generalized_attention(
     Computed as softmax attention with the additive bias ``log u + m`` (no ``Nq × Nk`` is
     formed for a key-only preference of shape ``(B, H, 1, Nk)``) by one of these paths;
     ``dispatch.last_dispatch["generalized"]`` says which class ran (and
-    ``last_dispatch["generalized_kernel"]`` which kernel: ``"fused"``, ``"node"``, ``"flash"`` or
-    ``"sdpa"``):
+    ``last_dispatch["generalized_kernel"]`` which kernel: ``"fused"``, ``"node"``, ``"flash"``,
+    ``"sdpa"`` or, under ``torch.func``, ``"plain"``):
 
     * ``"materialized"`` by the whole-call C path (``"fused"``) — a relative-position bias from
       :class:`~attnopt.nn.T5RelativePreference` or :class:`~attnopt.nn.ALiBiPreference` (also with
@@ -193,6 +194,11 @@ def generalized_attention(
     * ``"streaming"`` (``"flash"``, ``"sdpa"``) — on CPU (float32/64, 4-D inputs, d = dv)
       PyTorch's fused flash kernel with the bias as its float mask; elsewhere
       :func:`torch.nn.functional.scaled_dot_product_attention`. O(N) memory beyond the bias.
+
+    Inside ``torch.func`` transforms (``vmap``, ``grad``, ``jacrev``, ...) a call with a bias runs
+    ``softmax(α·QKᵀ + bias) V`` by plain PyTorch ops (``last_dispatch["generalized_kernel"]`` is
+    ``"plain"``): the C paths cannot read wrapped tensors, and SDPA refuses a bias that needs a
+    gradient there.
 
     ``log_preference`` is checked for NaN / ``+inf`` once per tensor version (a cached bias such
     as ALiBi's is read once), or, on the materialized path, after the fact from the output.

@@ -18,6 +18,12 @@ Training draws fresh base noise (reparameterized; from ``seed``'s generator when
 evaluation uses a fixed base sample drawn once at construction from ``seed`` (common random
 numbers), so ``eval()`` outputs are deterministic and represent the density by the same R
 quasi-samples every call.
+
+Under ``torch.func`` transforms (``vmap``, ``grad``, ``jacrev``; per-example gradients) the sampler
+and the attention take their plain PyTorch forms (the same function). In training mode the noise is
+drawn inside the call: under ``vmap`` its ``randomness`` flag decides (``"different"``: a draw per
+example, ``"same"``: one shared draw); the default ``"error"`` raises a ``RuntimeError`` naming the
+module. ``kl()`` holds the transform's tensor: read it inside the transformed function.
 """
 from __future__ import annotations
 

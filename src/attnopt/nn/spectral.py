@@ -187,7 +187,12 @@ class ImplicitSpectralPoints(nn.Module):
         params = fusable(self.densities)
         if params is not None:  # the same draws, per set, then every set's math in one node
             n_sets = len(self.densities)
-            if self.training:  # set by set into one buffer: the stream of one draw per set, no stack
+            if self.training and torch._C._functorch.maybe_current_level() is not None:
+                # inside torch.func (vmap takes no out= random ops): the same draws, stacked
+                stacked = torch.stack([torch.randn(*batch, self.num_heads, half, self.dim,
+                                                   generator=self._generator) for _ in range(n_sets)])
+                stacked = stacked.to(device=h.device, dtype=h.dtype)
+            elif self.training:  # set by set into one buffer: the stream of one draw per set, no stack
                 stacked = torch.empty(n_sets, *batch, self.num_heads, half, self.dim)
                 for i in range(n_sets):
                     torch.randn(stacked.shape[1:], generator=self._generator, out=stacked[i])
