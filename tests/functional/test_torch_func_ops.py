@@ -12,6 +12,8 @@ from attnopt.dual import _mem_core, mem_attention
 from attnopt.functional import dispatch, generalized_attention, kernel_attention
 from attnopt.kernels import Linear
 
+# PyTorch warns where it batches an op by a loop (no batching rule): correct, only slower
+pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
 TOL = {"rtol": 1e-9, "atol": 1e-11}
 
 

@@ -16,6 +16,8 @@ from attnopt.functional import dispatch
 from attnopt.nn import make_attention
 
 # float64, tight: the same function by other ops (plain vs fused/C), rounding only
+# PyTorch warns where it batches an op by a loop (no batching rule): correct, only slower
+pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
 TOL = {"rtol": 1e-9, "atol": 1e-11}
 CASES = [
     ("t5", {}), ("mem", {}), ("linear", {}), ("linear", {"mode": "linear"}),
