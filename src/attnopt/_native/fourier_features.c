@@ -602,18 +602,16 @@ void ffw_fwd_##SUF(void *gemm_p, void *threads_p, const T *q, const T *k, const 
             ffw_tr_##SUF(wg, sr, d, d, Wt, sr);                                              \
             wt_of = wg;                                                                      \
         }                                                                                    \
-        if (FFW_NN_##SUF) {                                                                  \
-            ffw_mm_##SUF(gemm, 0, 0, nq, sr, d, 1, qg, d, Wt, sr, 0, P, sr);                 \
-        } else {                                                                             \
-            ffw_mm_##SUF(gemm, 0, 1, nq, sr, d, 1, qg, d, wg, d, 0, P, sr);                  \
+        for (int side = 0; side < 2; ++side) { /* the queries' features, then the keys' */  \
+            const int64_t nx = side ? nk : nq;                                               \
+            const T *xg = side ? kg : qg;                                                    \
+            if (FFW_NN_##SUF) {                                                              \
+                ffw_mm_##SUF(gemm, 0, 0, nx, sr, d, 1, xg, d, Wt, sr, 0, P, sr);             \
+            } else {                                                                         \
+                ffw_mm_##SUF(gemm, 0, 1, nx, sr, d, 1, xg, d, wg, d, 0, P, sr);              \
+            }                                                                                \
+            ffw_features_##SUF(P, nx, r, nsets, side ? phk : phq, side ? ck : cq, side ? sk : sq); \
         }                                                                                    \
-        ffw_features_##SUF(P, nq, r, nsets, phq, cq, sq);                                    \
-        if (FFW_NN_##SUF) {                                                                  \
-            ffw_mm_##SUF(gemm, 0, 0, nk, sr, d, 1, kg, d, Wt, sr, 0, P, sr);                 \
-        } else {                                                                             \
-            ffw_mm_##SUF(gemm, 0, 1, nk, sr, d, 1, kg, d, wg, d, 0, P, sr);                  \
-        }                                                                                    \
-        ffw_features_##SUF(P, nk, r, nsets, phk, ck, sk);                                    \
         ffw_kw_##SUF(kg, mask ? mask + g * nk : NULL, nk, d, mode, p, scale, cap, kw,        \
                      grad ? u : NULL, grad ? cm : NULL);                                     \
         ffw_mm_##SUF(gemm, 0, 1, nq, nk, r2, 1, phq, r2, phk, r2, 0, F, nk);                 \
