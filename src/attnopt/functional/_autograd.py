@@ -30,6 +30,8 @@ import torch
 import torch._C._functorch as _ft
 from torch import Tensor
 
+from attnopt import _func
+
 __all__ = ["double_backward", "records_graph", "refuse_double_backward", "tracked_vjp", "under_transform"]
 
 
@@ -40,7 +42,7 @@ def under_transform() -> bool:
     have no vmap rule and refuse ``grad``; callers take their plain differentiable PyTorch-ops path
     then, so the transforms apply by PyTorch's own rules. One C call, ~60 ns.
     """
-    return _ft.maybe_current_level() is not None
+    return _func.level() is not None
 
 
 def records_graph(*xs: torch.Tensor | None) -> bool:

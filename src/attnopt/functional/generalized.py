@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnopt import _func
 from attnopt._validation import (
     _values,
     additive_mask,
@@ -118,7 +119,7 @@ def check_log_preference_values(log_preference: Tensor) -> tuple[float, float]:
         lo, hi = stamp[1], stamp[2]
     else:
         values = log_preference
-        if _LEVEL() is not None:  # under torch.func (no .item() on a vmapped tensor): the values
+        if _func.level() is not None:  # under torch.func (no .item() on a vmapped tensor): the values
             under = _values(log_preference)  # under the wrappers (for vmap: the whole batch's)
             if under is None:  # meta / fake: nothing to read
                 return 0.0, 0.0
@@ -275,7 +276,7 @@ def generalized_attention(
         )
     # log_preference's values are checked below, once per path (the fused node checks its output)
     bias = score_bias(q, k, preference, log_preference, attn_mask, is_causal, check_values=False)
-    if bias is not None and _LEVEL() is not None:  # inside torch.func: plain differentiable ops
+    if bias is not None and _func.level() is not None:  # inside torch.func: plain differentiable ops
         return _transformed(q, k, v, bias, log_preference, alpha, dropout_p)
     if is_causal and log_preference is not None and attn_mask is None and bias is not None:
         bias = causal_toeplitz(log_preference, bias)  # a relative-position bias stays one (see _toeplitz)
@@ -350,10 +351,6 @@ NATIVE_MIN_HEAD_SCORES = 1 << 16
 #: bias): N = 512: ALiBi 1.23 vs 1.31, T5 1.45 vs 1.60 (B·H = 8, d = 64); 1.21 vs 1.33, 1.20 vs 1.38
 #: (B·H = 128, d = 16); N = 256, d = 64: 1.78 vs 1.58, 1.88 vs 1.87; N = 128, d = 16: 1.44 vs 1.30.
 NATIVE_FORWARD_MIN_HEAD_SCORES = 1 << 18
-
-
-#: the current ``torch.func`` transform level (``None`` outside every transform; ~40 ns)
-_LEVEL = torch._C._functorch.maybe_current_level
 
 
 def _transformed(

@@ -27,13 +27,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attnopt import _func
 from attnopt.functional._autograd import double_backward
 from attnopt.nn import _spectral_native
 
 __all__ = ["copula_factor", "fusable", "sample_spectral_points"]
 
-#: the current ``torch.func`` transform level (``None`` outside every transform; ~40 ns)
-_LEVEL = torch._C._functorch.maybe_current_level
 _PER_SET = 8  # W_1a, b_1a, W_1b, b_1b, W_2a, b_2a, W_2b, b_2b
 _LS_MIN, _LS_MAX = -10.0, 5.0
 
@@ -272,7 +271,7 @@ def sample_spectral_points(
         return _spectral_native.native_sample(h, noise, copula_raw, scales, params, lib, kl_mean, keys)
     if keys:
         h = torch.div(h.sum(dim=-2), h.shape[-2])
-    if _LEVEL() is None:
+    if _func.level() is None:
         pts, kl = _SpectralSample.apply(h, noise, copula_raw, scales, *params)
     else:  # inside torch.func (vmap, grad, ...): the plain ops (the node is ctx-style, no vmap rule)
         pts, kl = _plain(h, noise, copula_raw, scales, params)

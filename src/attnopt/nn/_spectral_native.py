@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnopt import _native
+from attnopt import _func, _native
 from attnopt.functional._autograd import double_backward
 
 __all__ = ["library", "native_sample"]
@@ -50,7 +50,7 @@ def library(
     if (dt not in _DTYPES or not h.is_cpu or h.dim() < 2 or not params or len(params) % 8
             or type(h) not in _PLAIN or type(noise) not in _PLAIN or noise.dtype != dt or not noise.is_cpu
             or (raw is not None and (type(raw) not in _PLAIN or raw.dtype != dt or not raw.is_cpu))
-            or _LEVEL() is not None):
+            or _func.level() is not None):
         return None
     if _WRAPPED(h) or _WRAPPED(noise) or (raw is not None and _WRAPPED(raw)):  # dead torch.func wrappers
         return None
@@ -74,7 +74,6 @@ def library(
 THREADED_MAX_POINTS = 1024
 _DTYPES = (torch.float32, torch.float64)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-_LEVEL = torch._C._functorch.maybe_current_level
 _WRAPPED = torch._C._functorch.is_functorch_wrapped_tensor
 
 

@@ -33,6 +33,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from attnopt import _func
 from attnopt.functional.kernel import kernel_attention, kernel_weights
 from attnopt.kernels import Kernel, NonStationaryFourier, RandomFourier
 from attnopt.nn._multihead import MultiheadBase
@@ -42,8 +43,6 @@ from attnopt.nn.spectral import GaussianCopula, ImplicitSpectralDensity
 
 __all__ = ["ImplicitKernelAttention"]
 
-#: the current ``torch.func`` transform level (``None`` outside every transform; ~40 ns)
-_LEVEL = torch._C._functorch.maybe_current_level
 
 Variant = Literal["ika-s", "ika-ns", "ikan", "ikan-direct", "mikan"]
 _VARIANTS = ("ika-s", "ika-ns", "ikan", "ikan-direct", "mikan")
@@ -146,7 +145,7 @@ class ImplicitKernelAttention(MultiheadBase):
         if self.training:
             n_sets, half = len(self._modules["densities"]), self.num_samples // 2  # type: ignore[arg-type]
             shape = (n_sets, b, self.num_heads, half, self.head_dim)
-            if _LEVEL() is not None:
+            if _func.level() is not None:
                 return self._noise_under_transform(shape, k)
             noise = torch.randn(shape, generator=self._generator)
             if noise.dtype == k.dtype and noise.device == k.device:

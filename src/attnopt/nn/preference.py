@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnopt import _native
+from attnopt import _func, _native
 from attnopt.functional._toeplitz import mark_toeplitz, mark_toeplitz_table
 
 __all__ = [
@@ -32,10 +32,6 @@ __all__ = [
     "relative_position_bucket",
     "alibi_slopes",
 ]
-
-#: the current ``torch.func`` transform level (``None`` outside every transform; ~40 ns). Inside
-#: one, the bias is built by plain ops and nothing is cached (new tensors may be wrapped there)
-_LEVEL = torch._C._functorch.maybe_current_level
 
 
 class PreferenceModule(nn.Module):
@@ -124,7 +120,7 @@ class T5RelativePreference(PreferenceModule):
         # generalized attention read it (or the per-offset values gathered from it) instead of the
         # bias and send the gradient to it directly (no (H, Nq, Nk) gradient)
         buckets, index = self._buckets(query_len, key_len, weight.device)
-        if _LEVEL() is not None:  # inside torch.func (vmap, grad, ...): plain ops, no custom node
+        if _func.level() is not None:  # inside torch.func (vmap, grad, ...): plain ops, no custom node
             return _t5_plain(weight, buckets, query_len, key_len)
         bias: Tensor = _T5Bias.apply(weight, buckets, index, query_len, key_len)
         return mark_toeplitz_table(bias, weight, buckets)
@@ -148,7 +144,7 @@ class T5RelativePreference(PreferenceModule):
                 j = torch.arange(key_len, device=device)
                 index = (j[None, :] - i[:, None] + (query_len - 1)).flatten()
             hit = (buckets, index)
-            if _LEVEL() is None:  # inside torch.func (vmap of grad) the new tensors are wrapped
+            if _func.level() is None:  # inside torch.func (vmap of grad) the new tensors are wrapped
                 if len(cache) >= 8:
                     cache.clear()
                 cache[key] = hit
@@ -306,7 +302,7 @@ class ALiBiPreference(PreferenceModule):
             return hit[1]
         per_offset = self._per_offset(query_len, key_len)
         bias = self._build(query_len, key_len, per_offset).to(dtype).contiguous()
-        if _LEVEL() is not None:  # inside torch.func the new tensors may be wrapped: not kept
+        if _func.level() is not None:  # inside torch.func the new tensors may be wrapped: not kept
             return bias
         if len(cache) >= 8:
             cache.clear()

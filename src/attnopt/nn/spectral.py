@@ -22,6 +22,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from attnopt import _func
 from attnopt.nn._spectral_fused import copula_factor, fusable, sample_spectral_points
 
 __all__ = ["ImplicitSpectralDensity", "ImplicitSpectralPoints", "GaussianCopula"]
@@ -187,7 +188,7 @@ class ImplicitSpectralPoints(nn.Module):
         params = fusable(self.densities)
         if params is not None:  # the same draws, per set, then every set's math in one node
             n_sets = len(self.densities)
-            if self.training and torch._C._functorch.maybe_current_level() is not None:
+            if self.training and _func.level() is not None:
                 # inside torch.func (vmap takes no out= random ops): the same draws, stacked
                 stacked = torch.stack([torch.randn(*batch, self.num_heads, half, self.dim,
                                                    generator=self._generator) for _ in range(n_sets)])
