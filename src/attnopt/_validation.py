@@ -24,11 +24,12 @@ The policies, one for every op (README "Layout and conventions"):
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+
+from attnopt import _native
 
 __all__ = [
     "check_tensor",
@@ -247,18 +248,15 @@ def _raise_nonfinite(name: str) -> None:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # not subclasses such as torch.compile's fake tensors
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor  # torch.func's grad/vmap wrappers
 _unwrap = torch._C._functorch.get_unwrapped  # one level of them
-#: ``(ATTNOPT_NATIVE, {dtype: (dense, strided)} or None)``: the ``finite.c`` entry points, loaded
-#: on the first check (this module is imported by everything: the loader and the compiler are
-#: not), looked up again when ``ATTNOPT_NATIVE`` changes
+#: ``(ATTNOPT_NATIVE=0?, {dtype: (dense, strided)} or None)``: the ``finite.c`` entry points,
+#: loaded (and compiled) on the first check, looked up again when ``ATTNOPT_NATIVE`` changes
 _FINITE: list = [None, None]
 
 
 def _finite_fns() -> dict | None:
-    state = os.environ.get("ATTNOPT_NATIVE", "1")
-    if _FINITE[0] == state:
+    state = _native.switched_off()
+    if _FINITE[0] is state:
         return _FINITE[1]
-    from attnopt import _native
-
     lib = _native.library("finite")
     fns = None
     if lib is not None:

@@ -831,11 +831,14 @@ def _whole_call(
         return None
     if q.shape[-1] == 0 or v.shape[-1] == 0 or points.shape[-2] == 0:
         return None
-    if any(t.dtype != dtype or t.device != q.device for t in (k, v, points)):
+    # (explicit tests, no generators: this runs on every call at N = 64, where a call is ~0.4 ms)
+    if k.dtype != dtype or v.dtype != dtype or points.dtype != dtype:
         return None
-    if key_mask is not None and (key_mask.dtype != dtype or key_mask.device != q.device):
+    if not (k.is_cpu and v.is_cpu and points.is_cpu):
         return None
-    if not _native.has_storage(q, k, v, points, key_mask):
+    if key_mask is not None and (key_mask.dtype != dtype or not key_mask.is_cpu):
+        return None
+    if not (_native.has_storage(q, k, v) and _native.has_storage(points, key_mask)):
         return None
     # under a dispatch mode (FlopCounterMode, the claims' PeakMemory) the node's aten ops are seen;
     # the products inside the C call would not be
