@@ -22,13 +22,13 @@ def _native_on(monkeypatch):
 
 def _count(monkeypatch) -> list[int]:
     calls = [0]
-    apply = _sampled_fourier._SampledFourier.apply
+    apply = _sampled_fourier._apply
 
     def counted(*args):
         calls[0] += 1
         return apply(*args)
 
-    monkeypatch.setattr(_sampled_fourier._SampledFourier, "apply", counted)
+    monkeypatch.setattr(_sampled_fourier, "_apply", counted)
     return calls
 
 
@@ -158,3 +158,31 @@ def test_no_reference_cycle_and_a_retained_graph_runs_twice():
         assert ref() is None
     finally:
         gc.enable()
+
+
+def test_two_threads_split_the_heads_and_agree_bitwise(monkeypatch):
+    """B·H·N² = 2¹⁶ scores on two torch threads: the attention's C calls split the heads over two
+    threads (the plan says so); outputs, KL and gradients are the two-node path's, bitwise."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = []
+        for one_node in (True, False):
+            with monkeypatch.context() as m:
+                if not one_node:
+                    m.setattr(ik, "sampled_fourier_attention", lambda *a, **k: None)
+                _sampled_fourier._PLANS.clear()
+                torch.manual_seed(1)  # the networks' first layers start from the global generator
+                mod = ImplicitKernelAttention(64, 8, "mikan", num_samples=4, p=1.5, seed=2, hidden=5)
+                g = torch.Generator().manual_seed(0)
+                q, k, v = (torch.randn(2, 8, 64, 8, generator=g).requires_grad_() for _ in range(3))
+                out, _ = mod.attend(q, k, v, None, False, False)
+                own = [*mod.densities.parameters(), *mod.copula.parameters()]
+                grads = torch.autograd.grad(torch.add(out.sum(), mod.kl(), alpha=0.5), [q, k, v, *own])
+                got.append((out, mod.kl(), *grads))
+                if one_node:
+                    assert [plan.threads for plan in _sampled_fourier._PLANS.values()] == [2]
+        for a, b in zip(*got, strict=True):
+            assert torch.equal(a, b)
+    finally:
+        torch.set_num_threads(previous)

@@ -17,6 +17,15 @@ and the attention's argument checks are made once. At B·H = 8, N = 64 the two n
 glue cost more than the arithmetic. The function, the random stream and every gradient are
 those of :meth:`attnopt.nn.ImplicitKernelAttention.attend`'s two-node path, bitwise (tested).
 
+The node calls the C functions itself (not through the two nodes' Functions): the constants
+of a call shape (sizes, options, C entry points, scratch offsets) are a :class:`_Plan` built
+once per shape; the summaries, points, KL, workspaces and the attention's saved block are one
+scratch tensor (one allocation, one saved tensor); the parameters' addresses go as one int64
+array; the finiteness checks are C bit tests on the contiguous heads and the points. Measured
+(fwd+bwd ÷ SDPA, B·H = 8, N = 64, d = 64, one thread, IKAN R = 16): 2.3× through the two
+Functions' code, 2.0× this way. What remains is the C arithmetic (~0.43 ms of ~0.88) and
+autograd's per-leaf cost of the 16 network parameters (~5 µs each, ~80 µs).
+
 Taken by :meth:`~attnopt.nn.ImplicitKernelAttention.attend` without a mask, ``need_weights``
 or dropout, in the quadratic mode, where the C sampler (:func:`._spectral_native.library`)
 and the whole-call Fourier path (:func:`attnopt.functional._kernel_fused._whole_call`) both
@@ -24,100 +33,196 @@ apply; everything else takes the two nodes.
 """
 from __future__ import annotations
 
+import array
+import ctypes
+import itertools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from attnopt._validation import any_nonfinite, check_finite
+from attnopt._validation import _finite_fns, check_finite
 from attnopt.functional import dispatch
 from attnopt.functional._autograd import refuse_double_backward
-from attnopt.functional._kernel_fused import _whole_call, _WholeFourier
-from attnopt.nn._spectral_native import _NativeSpectralSample
+from attnopt.functional._kernel_fused import _CAP, _LP_MODES, _each, _heads_split, _size, _whole_call
+from attnopt.nn._spectral_native import _functions, _noise_layout, _set_stride
 from attnopt.nn._spectral_native import library as sampler_library
 
 __all__ = ["sampled_fourier_attention"]
 
 
-class _Part:
-    """The context of one of the two Functions whose forward / backward run inside this node."""
+class _Plan(NamedTuple):
+    """The constants of one call shape (no tensor, no address: shared between calls and threads)."""
 
-    needs_input_grad: tuple[bool, ...]
-    saved_tensors: tuple[Tensor | None, ...]
-    add_keys_grad_to: Tensor | None = None
+    sample_fwd: Any
+    sample_bwd: Any
+    attend_fwd: Any
+    attend_bwd: Any
+    gemm: int
+    set_threads: int
+    nonfinite: Any  # finite.c's dense test for the dtype
+    dims: tuple[int, int, int, int, int, int]  # (S, B, H, R/2, d, hidden): the sampler's
+    scales: Any  # the densities' base_scale (a C double array)
+    threads: int  # threads over the heads (the attention's calls)
+    fwd_tail: tuple[Any, ...]  # the attention forward's size and option arguments
+    bwd_tail: tuple[Any, ...]  # the backward's (before the saved block)
+    # the forward's scratch (one tensor, saved for the backward): offsets in elements of the
+    # summaries h (B·H, d), the points (B, H, S·R, d), the per-example KL (B), the sampler's
+    # workspace, the attention's saved block (B·H per-head blocks) and its per-thread work;
+    # the backward's: dpts, then the per-thread work
+    at_h: int
+    at_pts: int
+    at_kl: int
+    at_ws: int
+    at_save: int
+    at_work: int
+    scratch: int
+    work: int  # the attention's work entries per thread
+    backward_scratch: int
 
-    def __init__(self, needs: tuple[bool, ...]) -> None:
-        self.needs_input_grad = needs
-        self.saved_tensors = ()
 
-    def save_for_backward(self, *tensors: Tensor | None) -> None:
-        self.saved_tensors = tensors
-
-    def with_saved(self, tensors: tuple[Tensor | None, ...]) -> _Part:
-        """A copy holding ``tensors`` (one backward call's; ctx's parts never hold a tensor)."""
-        out = _Part.__new__(_Part)
-        out.__dict__.update(self.__dict__)
-        out.saved_tensors = tensors
-        return out
+_PLANS: dict[tuple[Any, ...], _Plan] = {}
 
 
-#: ``_NativeSpectralSample``'s non-tensor inputs between ``raw`` and the parameters
-_SAMPLER_OPTIONS = 4
-#: ``_WholeFourier``'s inputs after ``points``
-_ATTENTION_OPTIONS = 7
+def _plan(key: tuple[Any, ...], lib: Any, cfg: Any, nonfinite: Any) -> _Plan:
+    dtype, b, h, nq, nk, d, dv, nsets, half, hid, p, eps, scales, threads, cop = key[:15]
+    fwd, bwd, save_size, work_size, gemm, set_threads = cfg
+    r = 2 * half
+    sizes = (nq, nk, d, dv, r, nsets)
+    coef = 1.0 / math.sqrt(r) if nsets == 1 else 1.0 / (2 * math.sqrt(r))
+    c4 = coef**4
+    sample_fwd, sample_bwd = _functions(lib, dtype)
+    work = _size(work_size, sizes)
+    workspace = nsets * _set_stride(b * h, half, d, hid, cop) + (2 * h * h if cop else 0)
+    ends = list(itertools.accumulate(_aligned(n) for n in (
+        b * h * d, b * h * nsets * r * d, b, workspace, b * h * _size(save_size, sizes), threads * work)))
+    if len(_PLANS) > 256:  # many shapes (variable lengths): keep the table small
+        _PLANS.clear()
+    plan = _PLANS[key] = _Plan(
+        sample_fwd, sample_bwd, fwd, bwd, gemm, set_threads, nonfinite, (nsets, b, h, half, d, hid),
+        (ctypes.c_double * nsets)(*scales), threads,
+        (nq, nk, d, dv, r, nsets, _LP_MODES.get(p, 0), p, 1.0 / math.sqrt(d), _CAP[dtype], c4, eps, 1),
+        (nq, nk, d, dv, r, nsets, 1, c4, eps), 0, *ends[:-1], ends[-1], work,
+        _aligned(b * h * nsets * r * d) + threads * work)
+    return plan
+
+
+def _aligned(n: int) -> int:
+    """``n`` elements rounded up to 16 (64 bytes in float32: every region starts on a cache line)."""
+    return -(-n // 16) * 16
+
+
+def _addresses(tensors: tuple[Tensor, ...] | list[Tensor]) -> tuple[array.array, int]:
+    """The tensors' addresses as a C int64 array (kept alive by the caller) and its address."""
+    addrs = array.array("q", [t.data_ptr() for t in tensors])
+    return addrs, addrs.buffer_info()[0]
 
 
 class _SampledFourier(torch.autograd.Function):
-    """q, k, v ``(B, H, N, d)``; noise ``(S, B|1, H, R/2, d)``; raw (H, H) or None; then the
-    sampler's and the attention's options; then the ``8·S`` network parameters.
-    Returns ``(O (B, H, Nq, dv), KL mean (0-d))``."""
+    """q, k, v ``(B, H, N, d)``; noise ``(S, B|1, H, R/2, d)`` (no gradient); raw ``(H, H)`` or
+    None; the :class:`_Plan`; then the ``8·S`` network parameters.
+    Returns ``(O (B, H, Nq, dv), KL batch mean (0-d))``."""
 
     @staticmethod
     def forward(
-        ctx: Any, q: Tensor, k: Tensor, v: Tensor, noise: Tensor, raw: Tensor | None,
-        sampler: tuple[Any, ...], attention: tuple[Any, ...], *params: Tensor,
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, noise: Tensor, raw: Tensor | None, plan: _Plan,
+        *params: Tensor,
     ) -> tuple[Tensor, Tensor]:
-        scales, lib = sampler
-        nsets, coef, eps, p, scale, cfg = attention
-        k = k.contiguous()  # once for both calls (heads from a projection are transposed views)
-        part1 = _Part((False,) * (3 + _SAMPLER_OPTIONS + len(params)))
-        pts, kl = _NativeSpectralSample.forward(part1, k, noise, raw, scales, lib, True, True, *params)
-        if any_nonfinite(pts):  # the check NonStationaryFourier.stacked makes (C bit test)
+        nsets, b, h, half, d, hid = plan.dims
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # heads from a projection are views
+        nonfinite = plan.nonfinite
+        # kernel_attention's entry check (the message from check_finite, naming the argument)
+        if nonfinite(q.data_ptr(), q.numel()) or nonfinite(k.data_ptr(), k.numel()) or nonfinite(
+                v.data_ptr(), v.numel()):
+            check_finite(q=q, k=k, v=v)
+        ne = _noise_layout(noise, nsets, (b, h), half, d)
+        rc = None if raw is None else raw.contiguous()
+        scratch = q.new_empty(plan.scratch)
+        out, klm = q.new_empty(b, h, q.shape[2], v.shape[3]), q.new_empty(())
+        base, size = scratch.data_ptr(), scratch.element_size()
+        pts, sr = base + plan.at_pts * size, nsets * 2 * half
+        # the sampler: the keys' mean, the networks, the points and the KL's batch mean in one call
+        addrs, paddrs = _addresses(params)
+        if plan.sample_fwd(*plan.dims, k.data_ptr(), k.shape[2], base + plan.at_h * size, ne.data_ptr(),
+                           ne.stride(0), ne.stride(1), ne.stride(2), None if rc is None else rc.data_ptr(),
+                           paddrs, plan.scales, pts, base + plan.at_kl * size, klm.data_ptr(),
+                           base + plan.at_ws * size):
+            raise MemoryError("spectral sampler (native): out of memory for its scratch")
+        if nonfinite(pts, b * h * sr * d):  # the check NonStationaryFourier.stacked makes
             raise ValueError("spectral points must be finite (the density networks gave NaN or ±inf)")
-        part2 = _Part((False, ctx.needs_input_grad[1], False, False) + (False,) * _ATTENTION_OPTIONS)
-        out = _WholeFourier.forward(part2, q, k, v, pts, None, eps, coef, nsets, p, scale, cfg)
-        ctx.parts = (part1, part2)
-        ctx.split = len(part1.saved_tensors)
-        ctx.save_for_backward(*part1.saved_tensors, *part2.saved_tensors)
-        part1.saved_tensors = part2.saved_tensors = ()  # held by ctx only (out -> ctx -> out: no cycle)
-        return out, kl
+        # the attention of every head with the points' features and the L^p key magnitude
+        g = b * h
+        head = (q.data_ptr(), k.data_ptr(), v.data_ptr(), pts, h * sr * d, sr * d, h, None)
+        tail = (*plan.fwd_tail, base + plan.at_save * size, out.data_ptr())
+        work, step = base + plan.at_work * size, plan.work * size
+        fwd = plan.attend_fwd
+        if plan.threads == 1:
+            fwd(plan.gemm, plan.set_threads, *head, 0, g, *tail, work)
+        else:
+            _each(plan.threads, g, lambda t, g0, g1: fwd(plan.gemm, plan.set_threads, *head, g0, g1, *tail,
+                                                         work + t * step))
+        ctx.plan = plan
+        ctx.save_for_backward(q, k, v, ne, rc, scratch, out, *params)
+        return out, klm
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor, dkl: Tensor) -> tuple[Tensor | None, ...]:
         refuse_double_backward(
             ctx, "ImplicitKernelAttention (sampled points, whole-call node)",
             "the Fourier-feature attention has no double backward at these sizes either")
-        # this call's copies take the saved tensors (ctx's parts never hold one: no out -> ctx -> out
-        # cycle, and a retained graph can run backward again)
-        saved = ctx.saved_tensors
-        part1 = ctx.parts[0].with_saved(saved[: ctx.split])
-        part2 = ctx.parts[1].with_saved(saved[ctx.split :])
-        need_q, need_k, need_v, need_noise, need_raw = ctx.needs_input_grad[:5]
-        need_params = ctx.needs_input_grad[7:]
-        need_points = need_k or need_noise or need_raw or any(need_params)
-        part2.needs_input_grad = (need_q, need_k, need_v, need_points) + (False,) * _ATTENTION_OPTIONS
-        dq, dk, dv, dpts = _WholeFourier.backward(part2, dout)[:4]
-        dnoise = draw = None
-        grads: tuple[Tensor | None, ...] = (None,) * len(need_params)
-        if dpts is not None:
-            options = (False,) * _SAMPLER_OPTIONS
-            part1.needs_input_grad = (need_k, need_noise, need_raw, *options, *need_params)
-            part1.add_keys_grad_to = dk  # the summary's share of dk (dh/N on every key) added in C
-            sampled = _NativeSpectralSample.backward(part1, dpts, dkl)
-            dnoise, draw = sampled[1:3]
-            grads = sampled[3 + _SAMPLER_OPTIONS :]
-        return (dq, dk, dv, dnoise, draw, None, None, *grads)
+        plan: _Plan = ctx.plan
+        q, k, v, ne, rc, scratch, out, *params = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        nsets, b, h, half, d, hid = plan.dims
+        g, nq, dv, sr = b * h, q.shape[2], v.shape[3], nsets * 2 * half
+        if dout.dtype != out.dtype:
+            dout = dout.to(out.dtype)
+        # as (g, nq, dv) with its strides (the gradient of a sum is an expanded scalar: strides 0)
+        d3 = dout if dout.is_contiguous() else dout.reshape(g, nq, dv)
+        dstrides = (nq * dv, dv, 1) if d3 is dout else (d3.stride(0), d3.stride(1), d3.stride(2))
+        dq = torch.empty_like(q) if need[0] else None
+        dk = torch.empty_like(k) if need[1] else None
+        dvv = torch.empty_like(v) if need[2] else None
+        need_pts = need[1] or need[4] or any(need[6:])
+        bscratch = q.new_empty(plan.backward_scratch)  # dpts, then the attention's work per thread
+        base, size = scratch.data_ptr(), scratch.element_size()
+        dpts = bscratch.data_ptr() if need_pts else None
+        head = (q.data_ptr(), k.data_ptr(), v.data_ptr(), base + plan.at_pts * size, h * sr * d, sr * d, h,
+                d3.data_ptr(), *dstrides, out.data_ptr())
+        outs = (None if dq is None else dq.data_ptr(), None if dk is None else dk.data_ptr(),
+                None if dvv is None else dvv.data_ptr(), dpts)
+        tail = (*plan.bwd_tail, base + plan.at_save * size)
+        work, step = bscratch.data_ptr() + _aligned(b * h * sr * d) * size, plan.work * size
+        bwd = plan.attend_bwd
+        if plan.threads == 1:
+            bwd(plan.gemm, plan.set_threads, *head, 0, g, *tail, work, *outs, h * sr * d, sr * d, 0)
+        else:
+            _each(plan.threads, g, lambda t, g0, g1: bwd(plan.gemm, plan.set_threads, *head, g0, g1, *tail,
+                                                         work + t * step, *outs, h * sr * d, sr * d, 0))
+        if dpts is None:
+            return (dq, dk, dvv, None, None, None, *([None] * len(params)))
+        # the sampler's backward: the KL's batch mean (dkl / B on every example, divided in C), the
+        # networks' and the copula's gradients, and the summary's share of dk (dh / N on every key)
+        # added to dk in C
+        draw = q.new_empty(h, h) if need[4] else None
+        every = [torch.empty_like(p) for p in params]  # (the C call writes all of them)
+        addrs, paddrs = _addresses(params)  # again: ``p.data = ...`` swaps storage without a version bump
+        gaddrs, pgaddrs = _addresses(every)
+        if dkl.dtype != out.dtype:
+            dkl = dkl.to(out.dtype)
+        if plan.sample_bwd(*plan.dims, base + plan.at_h * size, ne.data_ptr(), ne.stride(0), ne.stride(1),
+                           ne.stride(2), None if rc is None else rc.data_ptr(), paddrs, plan.scales,
+                           base + plan.at_ws * size, dpts, dkl.data_ptr(), 0, b, None, k.shape[2], outs[1], 1,
+                           None, None if draw is None else draw.data_ptr(), pgaddrs):
+            raise MemoryError("spectral sampler (native): out of memory for its scratch")
+        grads = [gr if n else None for gr, n in zip(every, need[6:], strict=True)]
+        return (dq, dk, dvv, None, draw, None, *grads)
+
+
+#: ``torch.autograd.Function.apply`` without its ``torch.func`` dead-wrapper pass over the ~24
+#: arguments (~8 µs): the caller has checked that no tensor is a wrapper and no transform is active
+_apply = super(torch.autograd.Function, _SampledFourier).apply
 
 
 def sampled_fourier_attention(
@@ -128,37 +233,41 @@ def sampled_fourier_attention(
 
     Args:
         q, k, v: ``(B, H, N, d)`` heads (no mask).
-        noise: ``(S, B|1, H, R/2, d)`` base noise.
+        noise: ``(S, B|1, H, R/2, d)`` base noise (no gradient).
         raw: the copula's raw parameter ``(H, H)`` or None.
         scales: the densities' ``base_scale`` per set.
         params: :func:`._spectral_fused.fusable` of the densities.
         p: the magnitude exponent (``1 <= p <= 2``).
         eps: the ``ε`` of ``f² + ε`` (``> 0``).
     """
-    if not (eps > 0 and 1.0 <= p <= 2.0) or q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+    if not (eps > 0 and 1.0 <= p <= 2.0) or noise.requires_grad:
         return None
-    same = q.shape[:2] == k.shape[:2] == v.shape[:2] and k.shape[2] == v.shape[2] and q.shape[3] == k.shape[3]
-    if not same:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return None
+    b, h, nq, d = q.shape
+    nk, dv = k.shape[2], v.shape[3]
+    if not (k.shape[:2] == v.shape[:2] == (b, h) and k.shape[3] == d and v.shape[2] == nk):
         return None  # (the two-node path reports bad shapes)
-    if 0 in q.shape or 0 in k.shape or 0 in v.shape:
+    if 0 in (b, h, nq, d, nk, dv):
         return None
-    nq, nk = q.shape[2], k.shape[2]
-    path = dispatch.choose_impl("kernel", nq=nq, nk=nk, batch=q.shape[0] * q.shape[1], dtype=q.dtype)
+    path = dispatch.choose_impl("kernel", nq=nq, nk=nk, batch=b * h, dtype=q.dtype)
     if path != "materialized":
         return None
     lib = sampler_library(k, noise, raw, params, True)
     if lib is None:
         return None
-    nsets = len(scales)
-    r = 2 * noise.shape[-2]
     # the attention's checks, with the points' stand-in: k has their dtype, device and storage kind
     cfg = _whole_call(q, k, v, k, None)
     if cfg is None:
         return None
-    check_finite(q=q, k=k, v=v)  # kernel_attention's entry check (shapes and dtypes are checked above)
+    fns = _finite_fns()
+    if fns is None:
+        return None
     dispatch.record("kernel", "materialized")
-    coef = 1.0 / math.sqrt(r) if nsets == 1 else 1.0 / (2 * math.sqrt(r))
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    out: tuple[Tensor, Tensor] = _SampledFourier.apply(
-        q, k, v, noise, raw, (scales, lib), (nsets, coef, float(eps), float(p), scale, cfg), *params)
+    key = (q.dtype, b, h, nq, nk, d, dv, len(scales), noise.shape[-2], params[0].shape[0], float(p),
+           float(eps), scales, _heads_split(b * h, nq * nk), raw is not None, id(lib), id(cfg[0]))
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(key, lib, cfg, fns[q.dtype][0])
+    out: tuple[Tensor, Tensor] = _apply(q, k, v, noise, raw, plan, *params)
     return out

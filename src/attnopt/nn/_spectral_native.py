@@ -32,7 +32,7 @@ from attnopt.functional._autograd import double_backward
 __all__ = ["library", "native_sample"]
 
 _I64, _VP = ctypes.c_int64, ctypes.c_void_p
-_PI64, _PF64 = ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_double)
+_PF64 = ctypes.POINTER(ctypes.c_double)
 
 
 def library(
@@ -99,10 +99,12 @@ def _functions(lib: ctypes.CDLL, dtype: torch.dtype) -> tuple[Any, Any]:
     fwd, bwd = getattr(lib, f"ss_fwd_{suffix}"), getattr(lib, f"ss_bwd_{suffix}")
     fwd.restype = bwd.restype = ctypes.c_int
     dims = [_I64] * 6
-    rest = [_VP, _I64, _I64, _I64, _VP, _PI64, _PF64]  # noise, its strides, raw, params, scales
+    # noise, its strides, raw, the parameters' addresses (an int64 array: a ctypes array or an
+    # address), scales
+    rest = [_VP, _I64, _I64, _I64, _VP, _VP, _PF64]
     fwd.argtypes = [*dims, _VP, _I64, _VP, *rest, _VP, _VP, _VP, _VP]
     bwd.argtypes = [*dims, _VP, *rest, _VP, _VP, _VP, _I64, _I64, _VP, _I64, _VP, ctypes.c_int,
-                    _VP, _VP, _PI64]
+                    _VP, _VP, _VP]
     done[suffix] = (fwd, bwd)
     return fwd, bwd
 
@@ -187,12 +189,8 @@ class _NativeSpectralSample(torch.autograd.Function):
         # of the mean taken here, gkl / B for every example (divided in C, read with stride 0)
         gk = gkl if gkl.dim() == 1 or ctx.kl_mean else gkl.contiguous()
         gdiv = batch if ctx.kl_mean else 1
-        # keys: the mean's backward (dh / N on every key) in C, written to a new tensor or added to
-        # the one a caller put in ctx.add_keys_grad_to (the one-node path of ._sampled_fourier)
-        add_to = getattr(ctx, "add_keys_grad_to", None) if ctx.keys is not None else None
-        dkeys = None
-        if ctx.keys is not None and need[0] and add_to is None:
-            dkeys = h.new_empty(ctx.keys)
+        # keys: the mean's backward (dh / N on every key) in C, written to a new tensor
+        dkeys = h.new_empty(ctx.keys) if ctx.keys is not None and need[0] else None
         dh = h.new_empty(m, d) if need[0] and ctx.keys is None else None
         dn = h.new_empty(n_sets, m, half, d) if need[1] else None
         draw = h.new_empty(heads, heads) if raw is not None and need[2] else None
@@ -205,10 +203,9 @@ class _NativeSpectralSample(torch.autograd.Function):
         rc = raw.contiguous() if raw is not None else None
         gks = 0 if ctx.kl_mean else gk.stride(0) if gk.dim() == 1 else 1
         nkeys = 0 if ctx.keys is None else ctx.keys[-2]
-        keys_out = add_to if add_to is not None else dkeys
         if bwd(*ctx.dims, h.contiguous().data_ptr(), ne.data_ptr(), *ctx.strides, _ptr(rc), addrs, ctx.sc,
-               ws.data_ptr(), gp.data_ptr(), gk.data_ptr(), gks, gdiv, _ptr(dh), nkeys, _ptr(keys_out),
-               int(add_to is not None), _ptr(dn), _ptr(draw), gaddrs):
+               ws.data_ptr(), gp.data_ptr(), gk.data_ptr(), gks, gdiv, _ptr(dh), nkeys, _ptr(dkeys), 0,
+               _ptr(dn), _ptr(draw), gaddrs):
             raise MemoryError("spectral sampler (native): out of memory for its scratch")
         dnoise = None
         if dn is not None:
