@@ -103,7 +103,9 @@ def _sampled(mod: ImplicitKernelAttention) -> Fn:
 
     The module's parameter gradients are reset before each call, as ``q``, ``k``, ``v``'s are (a
     training step's ``zero_grad(set_to_none=True)``): gradients accumulated over thousands of
-    timed calls would add an ``add_`` per parameter that no training step runs.
+    timed calls would add an ``add_`` per parameter that no training step runs. Returns the
+    scalar ``O.sum() + 0·KL`` (the caller's ``.sum()`` of it is the identity), as a training
+    loss adds the KL to the task's scalar loss.
     """
     params = list(mod.parameters())
 
@@ -111,7 +113,8 @@ def _sampled(mod: ImplicitKernelAttention) -> Fn:
         for p in params:
             p.grad = None
         out, _ = mod.attend(q, k, v, None, False, False)
-        return torch.add(out, mod.kl(), alpha=0.0)  # the KL's backward is part of a training step
+        # a training loss: the task's scalar plus the KL term (weight 0 here: its backward runs)
+        return torch.add(out.sum(), mod.kl(), alpha=0.0)
 
     return run
 
