@@ -70,8 +70,8 @@ def switched_off() -> bool:
 # assignment to os.environ, which is also how os.putenv is reached); None if that ever changes
 try:
     _ENV_DATA: dict | None = os.environ._data  # type: ignore[attr-defined]
-    _ENV_KEY = os.environ.encodekey("ATTNOPT_NATIVE")  # type: ignore[attr-defined]
-    _ENV_OFF = os.environ.encodevalue("0")  # type: ignore[attr-defined]
+    _ENV_KEY = os.environ.encodekey("ATTNOPT_NATIVE")
+    _ENV_OFF = os.environ.encodevalue("0")
     if not isinstance(_ENV_DATA, dict):
         _ENV_DATA = None
 except (AttributeError, TypeError):

@@ -95,15 +95,15 @@ def _plan(key: tuple[Any, ...], lib: Any, cfg: Any, nonfinite: Any) -> _Plan:
     sample_fwd, sample_bwd = _functions(lib, dtype)
     work = _size(work_size, sizes)
     workspace = nsets * _set_stride(b * h, half, d, hid, cop) + (2 * h * h if cop else 0)
-    ends = list(itertools.accumulate(_aligned(n) for n in (
-        b * h * d, b * h * nsets * r * d, b, workspace, b * h * _size(save_size, sizes), threads * work)))
+    at_pts, at_kl, at_ws, at_save, at_work, total = itertools.accumulate(_aligned(n) for n in (
+        b * h * d, b * h * nsets * r * d, b, workspace, b * h * _size(save_size, sizes), threads * work))
     if len(_PLANS) > 256:  # many shapes (variable lengths): keep the table small
         _PLANS.clear()
     plan = _PLANS[key] = _Plan(
         sample_fwd, sample_bwd, fwd, bwd, gemm, set_threads, nonfinite, (nsets, b, h, half, d, hid),
         (ctypes.c_double * nsets)(*scales), threads,
         (nq, nk, d, dv, r, nsets, _LP_MODES.get(p, 0), p, 1.0 / math.sqrt(d), _CAP[dtype], c4, eps, 1),
-        (nq, nk, d, dv, r, nsets, 1, c4, eps), 0, *ends[:-1], ends[-1], work,
+        (nq, nk, d, dv, r, nsets, 1, c4, eps), 0, at_pts, at_kl, at_ws, at_save, at_work, total, work,
         _aligned(b * h * nsets * r * d) + threads * work)
     return plan
 
