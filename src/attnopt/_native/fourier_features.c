@@ -291,8 +291,7 @@ void ff_tail_f64(const double *t, const double *v, const double *kw, const doubl
  *             (ffw_kw); F = phi_q phi_k^T; A_ij = (c4 F_ij^2 + eps) m_j / den_i with den_i the
  *             row sum before the division; O = A V (= num / den of the per-pass node, num = A vm:
  *             no vm, no 65th column in the product, no finishing pass). Saved per head
- *             (ffw_save_size entries): F, phi_q, phi_k, cos/sin of Pq and Pk, (the per-pass
- *             node's vm block, unused), m, u, c, 1/den.
+ *             (ffw_save_size entries): F, phi_q, phi_k, cos/sin of Pq and Pk, m, u, c, 1/den.
  *   backward: g = dout / den, gd = -<g, O> (ffw_gn); dv = m A^T g with A = c4 F^2 + eps
  *             again; dA_ij = m_j (<g_i, v_j> + gd_i) from the product G V^T, dF = 2 c4 F dA, and
  *             in the same loop dm_j = sum_i A_ij (<g_i, v_j> + gd_i) -> the magnitude's share of
@@ -315,7 +314,8 @@ typedef int (*ffw_threads_t)(int);
 
 int64_t ffw_save_size(int64_t nq, int64_t nk, int64_t d, int64_t dv, int64_t r, int64_t nsets) {
     const int64_t sr = r * nsets;
-    return nq * nk + (nq + nk) * 2 * r + 2 * (nq + nk) * sr + nk * (dv + 1) + nk + nk * d + nk + nq;
+    (void)dv;
+    return nq * nk + (nq + nk) * 2 * r + 2 * (nq + nk) * sr + nk + nk * d + nk + nq;
 }
 
 int64_t ffw_work_size(int64_t nq, int64_t nk, int64_t d, int64_t dv, int64_t r, int64_t nsets) {
@@ -557,14 +557,14 @@ static void ffw_tr_f64(const double *a, int64_t rows, int64_t cols, int64_t lda,
 
 /* Save layout per head (ffw_save_size entries; the vm block of the per-pass node is left unused) */
 #define FFW_LAYOUT(T)                                                                        \
-    const int64_t sr = r * nsets, r2 = 2 * r, e = dv + 1;                                    \
+    const int64_t sr = r * nsets, r2 = 2 * r;                                                \
     const int64_t per = ffw_save_size(nq, nk, d, dv, r, nsets);                              \
     T *F = save + g * per, *phq = F + nq * nk, *phk = phq + nq * r2;                         \
     T *cq = phk + nk * r2, *sq = cq + nq * sr, *ck = sq + nq * sr, *sk = ck + nk * sr;       \
-    T *kw = sk + nk * sr + nk * e, *u = kw + nk, *cm = u + nk * d, *inv = cm + nk;           \
+    T *kw = sk + nk * sr, *u = kw + nk, *cm = u + nk * d, *inv = cm + nk;                    \
     const T *qg = q + g * nq * d, *kg = k + g * nk * d, *vg = v + g * nk * dv;               \
     const T *wg = w + (g / hi) * wsb + (g % hi) * wsh;                                       \
-    (void)inv; (void)u; (void)cm; (void)sq; (void)sk; (void)e; (void)vg;
+    (void)inv; (void)u; (void)cm; (void)sq; (void)sk; (void)vg;
 
 #define FFW(T, SUF)                                                                          \
 typedef void (*ffw_gemm_##SUF##_t)(const char *, const char *, const int64_t *, const int64_t *, \

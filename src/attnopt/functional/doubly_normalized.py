@@ -363,7 +363,10 @@ def hybrid_normalized_attention(
 
     Both terms are computed in O(N) memory (see :func:`doubly_normalized_attention`); the
     result is differentiable in ``weight``. ``weight = 1`` gives DNAS and ``0`` LNAS (exactly with
-    ``impl="streaming"``, up to rounding on the materialized path).
+    ``impl="streaming"``, up to rounding on the materialized path). Under ``torch.func``
+    transforms and on meta tensors both terms run as plain PyTorch ops on the materialized
+    ``Nq × Nk`` weights, as in :func:`doubly_normalized_attention` (``impl`` is then ignored and
+    the O(N)-memory guarantee does not hold).
 
     Args:
         q, k, v, attn_mask, scale, is_causal: as :func:`doubly_normalized_attention`.

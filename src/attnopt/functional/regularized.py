@@ -224,7 +224,10 @@ def regularized_attention(
             for the backward; :mod:`._sparse_attention_fused`) or ``"auto"`` (by size,
             :func:`attnopt.functional.dispatch.choose_impl`, recorded in
             ``dispatch.last_dispatch["sparse"]``; an explicit ``block_size`` means blocked).
-            Ignored by the other regularizers.
+            Ignored by the other regularizers, and under ``torch.func`` transforms (``vmap``,
+            ``grad``, ``jacrev``, ``jvp``) and on meta tensors, where the map runs as plain
+            PyTorch ops on the materialized ``(…, Nq, Nk)`` weights (no blocking: memory grows
+            with ``Nq·Nk``).
     Returns:
         (B, H, Nq, dv) in the dtype of ``q``; a row with no admissible key is zeros (every
         row when ``Nk = 0``; ``Nq = 0`` gives an empty output).

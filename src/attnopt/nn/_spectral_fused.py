@@ -37,9 +37,11 @@ _PER_SET = 8  # W_1a, b_1a, W_1b, b_1b, W_2a, b_2a, W_2b, b_2b
 _LS_MIN, _LS_MAX = -10.0, 5.0
 
 
-def _mlp_params(net: object) -> list[Tensor] | None:
-    mods = getattr(net, "_modules", None)  # Sequential's dict: indexing a Sequential costs ~1 µs
-    if type(net) is not nn.Sequential or mods is None or len(mods) != 3:
+def _mlp_params(net: object) -> tuple[Tensor, ...] | None:
+    if type(net) is not nn.Sequential:
+        return None
+    mods = net._modules  # Sequential's dict: indexing a Sequential costs ~1 µs
+    if len(mods) != 3:
         return None
     a, t, b = mods.values()
     if type(a) is not nn.Linear or type(t) is not nn.Tanh or type(b) is not nn.Linear:
@@ -48,7 +50,7 @@ def _mlp_params(net: object) -> list[Tensor] | None:
     wa, ba, wb, bb = pa.get("weight"), pa.get("bias"), pb.get("weight"), pb.get("bias")
     if wa is None or ba is None or wb is None or bb is None:
         return None
-    return [wa, ba, wb, bb]
+    return wa, ba, wb, bb
 
 
 def fusable(densities: nn.ModuleList) -> list[Tensor] | None:
@@ -56,11 +58,11 @@ def fusable(densities: nn.ModuleList) -> list[Tensor] | None:
     out: list[Tensor] = []
     for dens in densities._modules.values():
         mods = dens._modules if dens is not None else {}
-        for name in ("nn1", "nn2"):
-            p = _mlp_params(mods.get(name))
-            if p is None:
-                return None
-            out.extend(p)
+        one, two = _mlp_params(mods.get("nn1")), _mlp_params(mods.get("nn2"))
+        if one is None or two is None:
+            return None
+        out += one
+        out += two
     return out
 
 

@@ -60,9 +60,9 @@ def library(
     if points > THREADED_MAX_POINTS and torch.get_num_threads() > 1:
         return None  # the C kernel runs on one thread: large samples go to the multithreaded matmuls
     shapes = _shapes(len(params) // 8, h.shape[-1], params[0].shape[0])
-    for p, shape in zip(params, shapes, strict=True):  # one pass: ~0.5 µs a parameter
-        if (type(p) not in _PLAIN or p.dtype != dt or p.shape != shape or not p.is_cpu
-                or not p.is_contiguous() or _WRAPPED(p)):
+    for p, shape in zip(params, shapes, strict=True):  # one pass: ~0.4 µs a parameter
+        if (p.shape != shape or p.dtype is not dt or type(p) not in _PLAIN or not p.is_contiguous()
+                or not p.is_cpu or _WRAPPED(p)):
             return None
     return _native.library("spectral_sample")
 
