@@ -234,11 +234,11 @@ def test_every_function_states_its_double_backward():
     """Each Function's backward either refuses (``refuse_double_backward``) or switches to a
     differentiable formula (``double_backward(ctx)`` / ``torch.is_grad_enabled()``), or says
     ``# exact double backward`` (its formula is already tracked: then a gradgradcheck test
-    backs it). A new Function joins the policy or this test fails; ``@once_differentiable``
-    does not count."""
+    backs it), or ``# refuses every backward`` (``first_order_only``'s marker node). A new
+    Function joins the policy or this test fails; ``@once_differentiable`` does not count."""
     funcs = _functions()
     assert len(funcs) >= 15, funcs
-    marks = ("double_backward(", "is_grad_enabled()", "# exact double backward")
+    marks = ("double_backward(", "is_grad_enabled()", "# exact double backward", "# refuses every backward")
     silent = [f"{f}:{c}" for f, c, src in funcs if not any(m in src for m in marks)]
     assert not silent, f"backward without a double-backward policy (see functional/_autograd.py): {silent}"
 

@@ -27,7 +27,7 @@ from attnopt._validation import (
 )
 from attnopt.dual._mem_batch import canonicalize, check_alpha, check_solver_knobs, safe_log, validate
 from attnopt.dual._mem_core import _w_apply, apply_inverse_hessian, gram, newton_mem
-from attnopt.functional._autograd import refuse_double_backward
+from attnopt.functional._autograd import first_order_only, refuse_double_backward
 from attnopt.functional.generalized import score_bias
 
 __all__ = ["mem_estimate", "mem_weights", "mem_attention"]
@@ -90,7 +90,8 @@ class _MEMWeights(torch.autograd.Function):
         grad_logu = q + u_bar * (Ty - (u_bar * Ty).sum(-1, keepdim=True))
         if ctx.logu_shape[1] == 1 and grad_logu.shape[1] != 1:
             grad_logu = grad_logu.sum(1, keepdim=True)
-        return grad_T, y, grad_logu, None, None, None, None
+        grads = (grad_T, y, grad_logu, None, None, None, None)
+        return first_order_only(ctx, grads, "mem_attention / mem_weights")
 
 
 def _solve_weights(

@@ -32,7 +32,8 @@ from torch import Tensor
 
 from attnopt import _func
 
-__all__ = ["double_backward", "records_graph", "refuse_double_backward", "tracked_vjp", "under_transform"]
+__all__ = ["double_backward", "first_order_only", "records_graph", "refuse_double_backward", "tracked_vjp",
+           "under_transform"]
 
 
 def under_transform() -> bool:
@@ -52,28 +53,55 @@ def records_graph(*xs: torch.Tensor | None) -> bool:
 
 
 def double_backward(ctx: Any) -> bool:
-    """Whether this backward runs under ``create_graph=True`` with an input that needs grad.
+    """Whether this backward's result is differentiated again: it runs under
+    ``create_graph=True`` with an input that needs grad, or under ``torch.func`` where the result
+    is differentiated again.
 
     ``torch.func`` runs every backward with grad mode on; there the result is differentiated
-    again only under a second differentiating transform (``grad``/``vjp``/``jacrev``/``jvp``, e.g.
-    ``grad(grad(f))``, ``jacfwd(jacrev(f))``), so a single ``torch.func.grad`` / ``vjp`` /
-    ``jacrev`` keeps the fast first-order backward — also inside ``vmap`` (``vmap(grad(f))``,
-    per-example gradients).
+    again under a second differentiating transform (``grad``/``vjp``/``jacrev``/``jvp``, e.g.
+    ``grad(grad(f))``, ``jacfwd(jacrev(f))``), or by ordinary autograd outside the transform
+    (``torch.autograd.grad`` of ``torch.func.grad(f)(x)`` with ``x.requires_grad``; seen as a saved
+    tensor whose plain tensor, under the transforms' wrappers, requires grad — the parameters of
+    a module called inside ``jacrev`` are such tensors too). A single ``torch.func.grad`` /
+    ``vjp`` / ``jacrev`` on plain tensors keeps the fast first-order backward — also inside
+    ``vmap`` (``vmap(grad(f))``, per-example gradients). A closed form that has a tracked variant
+    takes it when this is true (exact, only slower).
     """
+    nested, outer = _again(ctx)
+    return nested or outer
+
+
+def _again(ctx: Any) -> tuple[bool, bool]:
+    """``(create_graph or a second differentiating transform, ordinary autograd around one)``."""
     if not (torch.is_grad_enabled() and any(ctx.needs_input_grad)):
-        return False
+        return False, False
+    saved = ctx.saved_tensors if hasattr(ctx, "saved_tensors") else ()
     if _ft.maybe_current_level() is None:
         # torch.func.vjp calls the backward outside its level; its saved tensors stay wrapped
-        saved = ctx.saved_tensors if hasattr(ctx, "saved_tensors") else ()
-        return not any(t is not None and _ft.is_functorch_wrapped_tensor(t) for t in saved)
-    return sum(i.key() in _DIFFERENTIATING for i in _ft.get_interpreter_stack()) > 1
+        return not any(t is not None and _ft.is_functorch_wrapped_tensor(t) for t in saved), False
+    if sum(i.key() in _DIFFERENTIATING for i in _ft.get_interpreter_stack()) > 1:
+        return True, False
+    return False, any(t is not None and _base_requires_grad(t) for t in saved)
+
+
+def _base_requires_grad(t: Tensor) -> bool:
+    """Whether the plain tensor under ``t``'s ``torch.func`` wrappers requires grad."""
+    while _ft.is_functorch_wrapped_tensor(t):
+        t = _ft.get_unwrapped(t)
+    return t.requires_grad
 
 
 _DIFFERENTIATING = (_ft.TransformType.Grad, _ft.TransformType.Jvp)
 
 
 def refuse_double_backward(ctx: Any, op: str, instead: str) -> None:
-    """Raise when :func:`double_backward`: ``op``'s closed-form backward is first order only.
+    """Raise under ``create_graph=True`` or a second differentiating ``torch.func`` transform:
+    ``op``'s closed-form backward is first order only.
+
+    Ordinary autograd around a single transform (:func:`double_backward`'s second case) is not
+    refused here: there the graph exists whenever a module's parameters require grad (``jacrev``
+    of a module's output) and is rarely differentiated; the backward returns its gradients
+    through :func:`first_order_only`, which raises only when they are differentiated.
 
     Args:
         ctx: the Function's context.
@@ -82,11 +110,45 @@ def refuse_double_backward(ctx: Any, op: str, instead: str) -> None:
     Raises:
         RuntimeError: under ``create_graph=True``; never returns a silently wrong result.
     """
-    if double_backward(ctx):
+    if _again(ctx)[0]:
         raise RuntimeError(
             f"{op}: double backward (create_graph=True, e.g. a gradient penalty or gradgradcheck) "
             f"is not supported by its closed-form backward; {instead}"
         )
+
+
+def first_order_only(ctx: Any, grads: tuple[Any, ...], op: str) -> tuple[Any, ...]:
+    """``grads``, marked when ordinary autograd around a ``torch.func`` transform tracks them
+    (:func:`double_backward`'s second case) so that differentiating them raises, naming ``op``.
+
+    The gradients themselves are right (``jacrev`` of a module whose parameters require grad,
+    ``vmap(grad(f))``); only a second derivative through them — which a first-order closed form
+    would give silently wrong — raises, when it is asked for.
+    """
+    if not _again(ctx)[1]:
+        return grads
+    msg = (f"{op}: its backward is first order only; a second derivative through "
+           "torch.func.grad / vjp / jacrev of it is not supported")
+    return tuple(_FirstOrderOnly.apply(g, msg) if isinstance(g, Tensor) else g for g in grads)
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """Identity whose backward raises (see :func:`first_order_only`)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: Tensor, msg: str) -> Tensor:  # noqa: ARG004
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:  # noqa: ARG004
+        ctx.msg = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, None]:  # noqa: ARG004
+        # refuses every backward: it is reached only by a second derivative
+        raise RuntimeError(ctx.msg)
 
 
 def tracked_vjp(ctx: Any, fn: Callable[..., Tensor], inputs: Sequence[Any], grad: Tensor) -> tuple[Any, ...]:

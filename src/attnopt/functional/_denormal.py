@@ -30,9 +30,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnopt._native import has_storage
-from attnopt.functional._autograd import double_backward, tracked_vjp
+from attnopt.functional._autograd import double_backward, tracked_vjp, under_transform
 
-__all__ = ["flush_denormal", "flush_denormal_on", "flushed_sdpa"]
+__all__ = ["flush_denormal", "flush_denormal_on", "flushed_sdpa", "sdpa"]
 
 _fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -100,6 +100,25 @@ def _flash_ok(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> bool:
     )
 
 
+def sdpa(
+    q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None = None, dropout_p: float = 0.0,
+    is_causal: bool = False, scale: float | None = None,
+) -> Tensor:
+    """``F.scaled_dot_product_attention``; under ``torch.func`` transforms its math kernel.
+
+    SDPA's fused CPU flash kernel has no forward AD and no double backward, so ``jvp`` /
+    ``jacfwd``, ``grad(grad(f))`` and ordinary autograd around ``torch.func.grad(f)`` (second
+    derivatives of a transformed function) fail there; the math kernel is plain differentiable
+    ops with the same semantics (a row with no admissible key gives zeros).
+    """
+    if under_transform():
+        out: Tensor = torch.ops.aten._scaled_dot_product_attention_math(
+            q, k, v, attn_mask, dropout_p, is_causal, None, scale=scale)[0]
+        return out
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+
+
 def flushed_sdpa(
     q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = False, scale: float | None = None
 ) -> Tensor:
@@ -113,7 +132,7 @@ def flushed_sdpa(
     backward on the fused path (as SDPA's flash kernel).
     """
     if not _flash_ok(q, k, v, is_causal):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+        return sdpa(q, k, v, is_causal=is_causal, scale=scale)
     qkv = [x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v)]
     out: Tensor = _FlushedFlash.apply(*qkv, is_causal, scale)
     return out

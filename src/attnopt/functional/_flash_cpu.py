@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnopt.functional._autograd import refuse_double_backward
+from attnopt.functional._autograd import first_order_only, refuse_double_backward
 from attnopt.functional._denormal import flush_denormal
 
 _NO_DOUBLE = ("doubly_normalized_attention (streaming)", "use doubly_normalized_weights(q, k, ...) @ v")
@@ -194,7 +194,7 @@ class _Dnas1(torch.autograd.Function):
         gk = (gamma[..., None] * k.to(gamma.dtype)).to(q.dtype)
         corr = _flash(q, k, gk, bias, causal, scale)[0]
         dq = dq0 + (scale * r.exp()[..., None] * corr.to(r.dtype)).to(dq0.dtype)
-        return dq, dk, dv, None, None, None, None, None
+        return first_order_only(ctx, (dq, dk, dv, None, None, None, None, None), _NO_DOUBLE[0])
 
 
 def dnas1(
@@ -250,7 +250,7 @@ class _LsePass(torch.autograd.Function):
         t = t.to(pdt) * factor[..., None]  # an excluded column j has P_ij = 0 for every i
         db = (scale * t[..., :d]).to(b.dtype)
         dpot = torch.where(valid, -t[..., -1], zero)
-        return da, db, dpot, None, None, None, None
+        return first_order_only(ctx, (da, db, dpot, None, None, None, None), _NO_DOUBLE[0])
 
 
 def lse_pass(
@@ -287,7 +287,7 @@ class _AttnPass(torch.autograd.Function):
         q, k, v, out, lse, bias, valid = ctx.saved_tensors
         dq, dk, dv, colsum = _augmented_backward(dout, q, k, v, out, lse, bias, ctx.causal, ctx.scale)
         dpot = torch.where(valid, -colsum, torch.zeros_like(colsum))
-        return dq, dk, dv, dpot, None, None, None, None
+        return first_order_only(ctx, (dq, dk, dv, dpot, None, None, None, None), _NO_DOUBLE[0])
 
 
 def attn_pass(

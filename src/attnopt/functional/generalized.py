@@ -34,6 +34,7 @@ from attnopt._validation import (
     validate_attention,
 )
 from attnopt.functional import _generalized_native, dispatch
+from attnopt.functional._denormal import sdpa
 from attnopt.functional._generalized_fused import (
     biased_flash_attention,
     biased_softmax_attention,
@@ -271,9 +272,7 @@ def generalized_attention(
     if preference is None and log_preference is None and attn_mask is None:
         dispatch.record("generalized", "streaming")
         dispatch.record("generalized_kernel", "sdpa")
-        return F.scaled_dot_product_attention(
-            q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=alpha
-        )
+        return sdpa(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=alpha)
     # log_preference's values are checked below, once per path (the fused node checks its output)
     bias = score_bias(q, k, preference, log_preference, attn_mask, is_causal, check_values=False)
     if bias is not None and _func.level() is not None:  # inside torch.func: plain differentiable ops
@@ -294,7 +293,7 @@ def generalized_attention(
     dispatch.record("generalized_kernel", "sdpa")
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=alpha)
+    return sdpa(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=alpha)
 
 
 #: ``B·H·Nq·Nk`` up to which ``impl="auto"`` runs a relative-position bias (T5's table, ALiBi's

@@ -21,7 +21,6 @@ import math
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from attnopt import _func
@@ -40,6 +39,7 @@ from attnopt._validation import (
 )
 from attnopt.functional import dispatch
 from attnopt.functional._autograd import double_backward
+from attnopt.functional._denormal import sdpa
 from attnopt.functional._kernel_chunked import chunked_feature_kernel_attention
 from attnopt.functional._kernel_fused import (
     fused_fourier_attention,
@@ -449,9 +449,7 @@ def _rbf_key_bias_sdpa(
     ka = torch.cat([k, c], dim=-1)
     dv = v.shape[-1]
     va = torch.cat([v, torch.zeros_like(v[..., :1])], dim=-1) if dv == q.shape[-1] else v
-    out = F.scaled_dot_product_attention(
-        qa, ka, va, attn_mask=None if mask is None else mask.contiguous(), scale=inv_l2
-    )
+    out = sdpa(qa, ka, va, attn_mask=None if mask is None else mask.contiguous(), scale=inv_l2)
     return out[..., :dv]
 
 
@@ -585,9 +583,7 @@ def kernel_attention(
         # which cancels exactly when l² = 1/s and p = 2 (Prop. 1).
         inv_l2 = kernel.inv_sq_lengthscale(q.shape[-1])
         if magnitude_p is not None and float(magnitude_p) == 2.0 and math.isclose(inv_l2, s, rel_tol=1e-12):
-            out = F.scaled_dot_product_attention(
-                qc, kc, vc, attn_mask=None if mask is None else mask.contiguous(), scale=inv_l2
-            )
+            out = sdpa(qc, kc, vc, attn_mask=None if mask is None else mask.contiguous(), scale=inv_l2)
         else:
             out = _rbf_key_bias_sdpa(qc, kc, vc, inv_l2, bias, mask)
         return out.to(q.dtype)

@@ -34,7 +34,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from attnopt._validation import (
@@ -54,7 +53,7 @@ from attnopt._validation import (
 from attnopt.functional import dispatch
 from attnopt.functional._autograd import under_transform
 from attnopt.functional._blocked_sparse import blocked_sparse_attention
-from attnopt.functional._denormal import flushed_sdpa
+from attnopt.functional._denormal import flushed_sdpa, sdpa
 from attnopt.functional._generalized_fused import (
     biased_flash_attention,
     biased_softmax_attention,
@@ -308,7 +307,7 @@ def _biased_softmax(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float)
         return biased_flash_attention(q, k, v, bias, scale)
     if bias.requires_grad and q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64):
         return biased_softmax_attention(q, k, v, bias, scale)  # the fused path with a bias gradient
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+    return sdpa(q, k, v, attn_mask=bias, scale=scale)
 
 
 def _compute(dtype: torch.dtype) -> torch.dtype:
