@@ -1,5 +1,6 @@
 """The small_n bench suite runs on tiny sizes and reports the path ``auto`` chose (timings never asserted)."""
 import math
+import time
 
 import pytest
 
@@ -87,10 +88,41 @@ def test_every_section_runs_its_rows_untimed_before_the_first_timed_row(monkeypa
             timed.setdefault(events[start][0], start)
         return out
 
+    real_interleaved = small_n._interleaved
+
+    def interleaved(runs, repeat, device):  # the function rows' timed rounds
+        timed.setdefault("fn", len(events))
+        return real_interleaved(runs, repeat, device)
+
     monkeypatch.setattr(small_n, "_best", best)
+    monkeypatch.setattr(small_n, "_interleaved", interleaved)
     rows = list(small_n.suite(BenchContext(quick=True, memory=False, repeat=1)))
     assert rows and all(r.seconds > 0 for r in rows)
-    for kind, calls in (("fn", 2 * small_n.WARMUP_CALLS), ("reg", 2), ("enc", 1)):
+    # function rows: the warm-up round (fwd and fwd+bwd), then the row's own untimed first call
+    for kind, calls in (("fn", 2 * small_n.WARMUP_CALLS + 1), ("reg", 2), ("enc", 1)):
         before = [name for k, name in events[: timed[kind]] if k == kind]
         names = {name for k, name in events if k == kind}
         assert len(names) > 1 and all(before.count(name) == calls for name in names), (kind, before)
+
+
+def test_function_rows_are_timed_in_interleaved_rounds():
+    """Each round times one call of every row in turn, so a slow spell of the machine costs every
+    row one round (not all the rounds of the rows timed in it); the minimum per row is kept."""
+    calls: list[str] = []
+
+    def heavy() -> None:
+        sum(range(300_000))
+
+    def row(name):
+        def run():
+            calls.append(name)
+            if name == "b" and calls.count("b") <= 2:  # b's first two rounds are slow
+                heavy()
+        return run
+
+    best = small_n._interleaved({"a": row("a"), "b": row("b")}, 4, "cpu")
+    assert calls == ["a", "b"] * 4
+    c0 = time.thread_time()
+    heavy()
+    slow = time.thread_time() - c0
+    assert set(best) == {"a", "b"} and best["b"][0] < slow / 2

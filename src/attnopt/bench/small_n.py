@@ -28,7 +28,10 @@ against the ``softmax`` arm.
 
 Timing (CPU): torch limited to one thread, best of ``repeat`` in *thread CPU time* after a
 warm-up — on a shared, loaded 2-core machine wall-clock medians swing by several × while CPU
-time measures the work; the wall time of the same best run is in the note. CUDA: harness
+time measures the work; the wall time of the same best run is in the note. The function rows
+of a case are timed in interleaved rounds (:func:`_interleaved`: every row once per round), so
+a slow spell of the machine costs each row one round rather than every round of the rows that
+ran during it. CUDA: harness
 wall time. Before the first timed row of each section, one untimed round runs every row
 (:func:`_warm_up`): the first rows (the baselines) no longer pay the process's first-call costs
 (lazy imports, C libraries loaded, the allocator's first growth), which read the N = 64 SDPA
@@ -288,6 +291,46 @@ def _case_rows(
     return qkv, rows
 
 
+def _interleaved(
+    runs: dict[str, Callable[[], None]], repeat: int, device: str
+) -> dict[str, tuple[float, float]]:
+    """``name -> (best thread CPU seconds, wall seconds of that run)`` over ``repeat`` rounds, each
+    round one timed call of every row in turn (CUDA: :func:`_best` per row). A slow spell of the
+    machine then costs every row one round, instead of all the rounds of the rows that ran in it
+    (a baseline read 0.70 ms where it takes 0.42, and every ratio of its case with it)."""
+    if device.startswith("cuda"):
+        return {name: _best(run, repeat, device) for name, run in runs.items()}
+    best = {name: (float("inf"), float("nan")) for name in runs}
+    for _ in range(repeat):
+        for name, run in runs.items():
+            w0, c0 = time.perf_counter(), time.thread_time()
+            run()
+            c, w = time.thread_time() - c0, time.perf_counter() - w0
+            if c < best[name][0]:
+                best[name] = (c, w)
+    return best
+
+
+def _rule(name: str, key: str, qkv: tuple[torch.Tensor, ...]) -> str:
+    """The dispatch rule behind a row's ``auto`` choice, for its note."""
+    limit = dispatch.CROSSOVERS[key]["float32"]
+    rule = "a learned bias: always" if "learned" in name else f"crossover B*H*N^2 <= {limit}"
+    if key != "generalized":
+        return rule
+    native = generalized._generalized_native.library(*qkv) is not None
+    if native and "learned" not in name:
+        rule += (f" (C passes, Nq*Nk >= {generalized.NATIVE_MIN_HEAD_SCORES}: "
+                 f"<= {generalized.NATIVE_CROSSOVER})")
+    below = (generalized.SDPA_BELOW_LEARNED_NATIVE if "learned" in name and native
+             else generalized.SDPA_BELOW)
+    rule = f"SDPA itself at B*H*N^2 <= {below}; above, {rule}"
+    if native and _native.blas() is not None:  # T5 / ALiBi: the whole-call C path first
+        kernel = dispatch.last_dispatch.get("generalized_kernel", "?")
+        rule = (f"kernel {kernel}; whole-call C path under autograd at B*H*N^2 <= "
+                f"{generalized.FUSED_BELOW}, Nq*Nk <= {generalized.FUSED_MAX_HEAD_SCORES}; else {rule}")
+    return rule
+
+
 def _function_rows(ctx: BenchContext) -> Iterator[Measurement]:
     auto = _impls(ctx.device, "auto")
     cases = _cases(ctx)
@@ -303,37 +346,32 @@ def _function_rows(ctx: BenchContext) -> Iterator[Measurement]:
         for backward in (False, True):
             case = f"B*H={b * H} N={n} d={D} {'fwd+bwd' if backward else 'fwd'}"
             qkv, rows = _case_rows(ctx, auto, b, n, backward)
-            done: dict[str, Measurement] = {}
-            for name, fn in rows.items():
-                cpu, wall = _best(_closure(fn, qkv, backward), repeat, ctx.device)
-                note = f"wall {wall * 1e3:.2f} ms"
+            runs = {name: _closure(fn, qkv, backward) for name, fn in rows.items()}
+            notes: dict[str, str] = {}
+            forced: list[str] = []  # rows of the path auto did not choose (full mode)
+            for name in rows:
+                runs[name]()  # each row's untimed first call; ``auto``'s choice is read right after it
                 key = DISPATCHED.get(name)
-                if key is not None:
-                    path = dispatch.last_dispatch.get(key, "?")
-                    limit = dispatch.CROSSOVERS[key]["float32"]
-                    rule = "a learned bias: always" if "learned" in name else f"crossover B*H*N^2 <= {limit}"
-                    if key == "generalized":
-                        native = generalized._generalized_native.library(*qkv) is not None
-                        if native and "learned" not in name:
-                            rule += (f" (C passes, Nq*Nk >= {generalized.NATIVE_MIN_HEAD_SCORES}: "
-                                     f"<= {generalized.NATIVE_CROSSOVER})")
-                        below = (generalized.SDPA_BELOW_LEARNED_NATIVE if "learned" in name and native
-                                 else generalized.SDPA_BELOW)
-                        rule = f"SDPA itself at B*H*N^2 <= {below}; above, {rule}"
-                        if native and _native.blas() is not None:  # T5 / ALiBi: the whole-call C path first
-                            kernel = dispatch.last_dispatch.get("generalized_kernel", "?")
-                            rule = (f"kernel {kernel}; whole-call C path under autograd at B*H*N^2 <= "
-                                    f"{generalized.FUSED_BELOW}, Nq*Nk <= "
-                                    f"{generalized.FUSED_MAX_HEAD_SCORES}; else {rule}")
-                    note = f"auto -> {path} ({rule}); {note}"
-                    if not ctx.quick:
-                        other: dispatch.Impl = "streaming" if path == "materialized" else "materialized"
-                        if other == "streaming" or size <= 1 << 24:
-                            alt = _impls(ctx.device, other)[name]
-                            c2, w2 = _best(_closure(alt, qkv, backward), repeat, ctx.device)
-                            yield Measurement(SUITE, case, f"{name} [{other}]", c2,
-                                              note=f"forced; wall {w2 * 1e3:.2f} ms")
+                if key is None:
+                    continue
+                path = dispatch.last_dispatch.get(key, "?")
+                notes[name] = f"auto -> {path} ({_rule(name, key, qkv)})"
+                if not ctx.quick:
+                    other: dispatch.Impl = "streaming" if path == "materialized" else "materialized"
+                    if other == "streaming" or size <= 1 << 24:
+                        runs[f"{name} [{other}]"] = _closure(_impls(ctx.device, other)[name], qkv, backward)
+                        forced.append(f"{name} [{other}]")
+            best = _interleaved(runs, repeat, ctx.device)
+            done: dict[str, Measurement] = {}
+            for name in rows:
+                cpu, wall = best[name]
+                note = f"wall {wall * 1e3:.2f} ms"
+                if name in notes:
+                    note = f"{notes[name]}; {note}"
                 done[name] = Measurement(SUITE, case, name, cpu, baseline=name == "sdpa", note=note)
+            for alt in forced:
+                cpu, wall = best[alt]
+                yield Measurement(SUITE, case, alt, cpu, note=f"forced; wall {wall * 1e3:.2f} ms")
             for name, m in done.items():
                 peer = done.get(SAME_FUNCTION.get(name, ""))
                 if peer is not None:
