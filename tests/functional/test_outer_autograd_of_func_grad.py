@@ -18,6 +18,7 @@ from torch import Tensor, func
 import attnopt.functional as AF
 from attnopt.kernels import RBF, NonStationaryFourier, RandomFourier
 from attnopt.nn import make_attention
+from attnopt.nn.registry import attention_names
 
 pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
 D = torch.float64
@@ -78,14 +79,20 @@ def test_functional_op(name):
     _second_derivative_matches(f, *shapes)
 
 
-@pytest.mark.parametrize("name", ["softmax", "dnas", "sparsemax", "t5", "ikan", "expsin"])
+@pytest.mark.parametrize("name", [n for n in attention_names() if n != "ot"])
 def test_registry_module_input_second_derivative(name):
+    """Every registry module (``ot`` pools, no per-token output); MEM's closed form is first
+    order: it raises when the second derivative is asked for (below)."""
     torch.manual_seed(0)
-    opts = {"seed": 0, "p": 1.5} if name == "ikan" else {}
+    opts = {"seed": 0} if name.startswith(("ika", "mika")) else {}
     mod = make_attention(name, 8, 2, **opts).to(D).eval()
     with torch.no_grad():  # off the initialization (zero last layers)
         for p in mod.parameters():
             p.add_(0.3 * torch.randn_like(p))
+    if name == "mem":
+        with pytest.raises(RuntimeError, match="first order only"):
+            _second_derivative_matches(lambda x: mod(x)[0], (2, 5, 8))
+        return
     _second_derivative_matches(lambda x: mod(x)[0], (2, 5, 8))
 
 
