@@ -207,9 +207,10 @@ def test_registry_module_per_example_gradients(name):
             torch.testing.assert_close(per[n][i], p.grad, **TOL, msg=f"{name}: {n}")
 
 
-def test_forward_mode_limits_raise_clearly():
+def test_forward_mode_in_alpha_and_with_dual_tensors():
     """Forward mode in a tensor ``alpha`` equals ``jacrev``; ``torch.autograd.forward_ad`` dual
-    tensors (outside torch.func) are not supported by the sparse maps: a NotImplementedError."""
+    tensors (outside torch.func) give ``torch.func.jvp``'s tangent (they raised before; every op:
+    tests/functional/test_forward_mode.py)."""
     import torch.autograd.forward_ad as fwad
 
     from attnopt.functional import entmax, sparsemax
@@ -221,5 +222,7 @@ def test_forward_mode_limits_raise_clearly():
         torch.testing.assert_close(got, func.jacrev(lambda b: entmax(x, alpha=b))(alpha), **TOL)
     got = func.jvp(lambda s: entmax(s, alpha=alpha), (x,), (torch.ones_like(x),))[1]
     torch.testing.assert_close(got, torch.zeros_like(x), **TOL)  # a shift of all scores: p unchanged
-    with fwad.dual_level(), pytest.raises(NotImplementedError, match=r"^sparsemax: forward-mode AD"):
-        sparsemax(fwad.make_dual(x, torch.ones_like(x)))
+    t = torch.randn(x.shape, dtype=x.dtype, generator=torch.Generator().manual_seed(9))
+    with fwad.dual_level():
+        dual = fwad.unpack_dual(sparsemax(fwad.make_dual(x, t))).tangent
+    torch.testing.assert_close(dual, func.jvp(sparsemax, (x,), (t,))[1], **TOL)

@@ -5,7 +5,7 @@ grad differentiates the backward that ran inside the transform. A closed-form ba
 is first order only there (the L^p magnitude's, which reused forward intermediates without
 history) gave silently wrong second derivatives (12–39 % off); SDPA's CPU flash kernel, called
 inside the transform, refused them. Checked in float64 against central differences of ``h``
-along a random direction, for every functional op and a registry module per mechanism family.
+along a random direction, for every functional op and registry module.
 """
 from __future__ import annotations
 
@@ -15,14 +15,9 @@ import pytest
 import torch
 from torch import Tensor, func
 
-import attnopt.functional as AF
-from attnopt.kernels import RBF, NonStationaryFourier, RandomFourier
-from attnopt.nn import make_attention
-from attnopt.nn.registry import attention_names
+from tests.functional._ad_cases import MODULES, OPS, D, Q, registry_module
 
 pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
-D = torch.float64
-Q = (2, 2, 5, 4)
 
 
 def _second_derivative_matches(f: Callable[..., Tensor], *shapes: tuple[int, ...]) -> None:
@@ -47,48 +42,16 @@ def _second_derivative_matches(f: Callable[..., Tensor], *shapes: tuple[int, ...
     assert float(abs(along - fd)) <= 1e-6 * max(1.0, float(abs(fd))), (float(along), float(fd))
 
 
-_RFF = RandomFourier(torch.randn(8, 4, dtype=D, generator=torch.Generator().manual_seed(3)))
-_NSF = NonStationaryFourier(*torch.randn(2, 8, 4, dtype=D, generator=torch.Generator().manual_seed(4)))
-OPS: dict[str, tuple[Callable[..., Tensor], tuple[tuple[int, ...], ...]]] = {
-    "entmax-1.5": (lambda x: AF.entmax(x, alpha=1.5), ((3, 7),)),
-    "dnas": (lambda q, k, v: AF.doubly_normalized_attention(q, k, v), (Q, Q, Q)),
-    "sinkhorn-3": (lambda q, k, v: AF.doubly_normalized_attention(q, k, v, iterations=3), (Q, Q, Q)),
-    "hnas": (lambda q, k, v: AF.hybrid_normalized_attention(q, k, v, torch.tensor(0.3, dtype=D)), (Q, Q, Q)),
-    "sparsemax-attention": (lambda q, k, v: AF.regularized_attention(q, k, v, regularizer=AF.SquaredL2()),
-                            (Q, Q, Q)),
-    "entmax-attention": (lambda q, k, v: AF.regularized_attention(q, k, v, regularizer=AF.Tsallis(1.5)),
-                         (Q, Q, Q)),
-    "softmax-attention": (lambda q, k, v: AF.regularized_attention(q, k, v), (Q, Q, Q)),
-    "generalized": (lambda q, k, v, b: AF.generalized_attention(q, k, v, log_preference=b),
-                    (Q, Q, Q, (1, 2, 5, 5))),
-    "rbf-p2 (sdpa)": (lambda q, k, v: AF.kernel_attention(q, k, v, kernel=RBF()), (Q, Q, Q)),
-    "rbf-p1.5": (lambda q, k, v: AF.kernel_attention(q, k, v, kernel=RBF(), magnitude_p=1.5), (Q, Q, Q)),
-    "rff-p1.5": (lambda q, k, v: AF.kernel_attention(q, k, v, kernel=_RFF, magnitude_p=1.5), (Q, Q, Q)),
-    "nsf-p1.5": (lambda q, k, v: AF.kernel_attention(q, k, v, kernel=_NSF, magnitude_p=1.5), (Q, Q, Q)),
-    "nsf-p1.5-linear": (
-        lambda q, k, v: AF.kernel_attention(q, k, v, kernel=_NSF, magnitude_p=1.5, mode="linear"), (Q, Q, Q)),
-    "nsf-p1.5-linear-causal": (
-        lambda q, k, v: AF.kernel_attention(q, k, v, kernel=_NSF, magnitude_p=1.5, mode="linear",
-                                            is_causal=True), (Q, Q, Q)),
-}
-
-
 @pytest.mark.parametrize("name", list(OPS))
 def test_functional_op(name):
     f, shapes = OPS[name]
     _second_derivative_matches(f, *shapes)
 
 
-@pytest.mark.parametrize("name", [n for n in attention_names() if n != "ot"])
+@pytest.mark.parametrize("name", MODULES)
 def test_registry_module_input_second_derivative(name):
-    """Every registry module (``ot`` pools, no per-token output); MEM's closed form is first
-    order: it raises when the second derivative is asked for (below)."""
-    torch.manual_seed(0)
-    opts = {"seed": 0} if name.startswith(("ika", "mika")) else {}
-    mod = make_attention(name, 8, 2, **opts).to(D).eval()
-    with torch.no_grad():  # off the initialization (zero last layers)
-        for p in mod.parameters():
-            p.add_(0.3 * torch.randn_like(p))
+    """MEM's closed form is first order: it raises when the second derivative is asked for."""
+    mod = registry_module(name)
     if name == "mem":
         with pytest.raises(RuntimeError, match="first order only"):
             _second_derivative_matches(lambda x: mod(x)[0], (2, 5, 8))

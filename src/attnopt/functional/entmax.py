@@ -463,7 +463,8 @@ def _rowwise_vmap(fn: Any, in_dims: tuple[Any, ...], x: Tensor, dim: int, *rest:
 
 
 def _save_for_forward(ctx: Any, *tensors: Tensor) -> None:
-    """Keep the output for :func:`_map_jvp` under ``torch.func`` only (~60 ns check otherwise)."""
+    """Keep the output for :func:`_map_jvp` under ``torch.func`` or a forward-AD dual level only
+    (~100 ns check otherwise)."""
     if under_transform():
         ctx.save_for_forward(*tensors)  # sets ctx.saved_for_forward
 
@@ -472,8 +473,8 @@ def _forward_saved(ctx: Any, op: str) -> tuple[Tensor, ...]:
     saved: tuple[Tensor, ...] | None = getattr(ctx, "saved_for_forward", None)
     if saved is None:
         raise NotImplementedError(
-            f"{op}: forward-mode AD is supported under torch.func (jvp, jacfwd, hessian), "
-            "not with torch.autograd.forward_ad dual tensors"
+            f"{op}: forward-mode AD needs the map to run under torch.func (jvp, jacfwd, hessian) or "
+            "inside a torch.autograd.forward_ad dual level"
         )
     return saved
 

@@ -38,7 +38,7 @@ from attnopt._validation import (
     validate_attention,
 )
 from attnopt.functional import dispatch
-from attnopt.functional._autograd import double_backward
+from attnopt.functional._autograd import double_backward, under_transform
 from attnopt.functional._denormal import sdpa
 from attnopt.functional._kernel_chunked import chunked_feature_kernel_attention
 from attnopt.functional._kernel_fused import (
@@ -133,7 +133,22 @@ class _LpHalfSquare(torch.autograd.Function):
         out, pw, total = output
         ctx.p, ctx.scale = p, scale
         ctx.mark_non_differentiable(pw, total)
-        ctx.save_for_backward(x, pw, total, out < torch.finfo(x.dtype).max / 8)
+        live = out < torch.finfo(x.dtype).max / 8
+        ctx.save_for_backward(x, pw, total, live)
+        if under_transform():  # forward mode happens there only (torch.func, forward_ad dual levels)
+            ctx.save_for_forward(x, live)
+
+    @staticmethod
+    def jvp(ctx: Any, x_t: Tensor, *_: Any) -> tuple[Tensor, None, None]:
+        """Forward mode (``torch.func.jvp`` / ``jacfwd``, ``torch.autograd.forward_ad``): the
+        backward's formula contracted with the tangent, recomputed from ``x`` in tracked ops (so
+        that it is differentiable again, e.g. under ``hessian``)."""
+        x, live = ctx.saved_for_forward
+        ax = x.abs()
+        pw = _abs_pow(ax, ctx.p - 1.0)
+        total = (ax * pw).sum(-1)
+        coef = torch.where(live, ctx.scale * total.pow(2.0 / ctx.p - 1.0), 0.0)
+        return coef * (pw * x.sign() * x_t).sum(-1), None, None
 
     @staticmethod
     def backward(
@@ -316,7 +331,9 @@ def _quadratic(
         qc = q[..., start : start + chunk, :]
         if direct:
             f = kernel(qc, k) if phi_k is None else torch.matmul(qc, phi_k)
-            if torch.is_grad_enabled() and (f.requires_grad or (vm is not None and vm.requires_grad)):
+            # in place only where no autodiff sees it (forward-mode AD of mul_(f, f) on f itself is wrong)
+            tracked = torch.is_grad_enabled() and (f.requires_grad or (vm is not None and vm.requires_grad))
+            if tracked or under_transform():
                 w = f.square() + eps
             else:
                 w = f.mul_(f).add_(eps)

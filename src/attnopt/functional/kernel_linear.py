@@ -30,6 +30,7 @@ import math
 import torch
 from torch import Tensor
 
+from attnopt.functional._autograd import under_transform
 from attnopt.kernels import Kernel
 
 __all__ = ["linear_kernel_attention"]
@@ -106,7 +107,7 @@ def linear_kernel_attention(
         esum = es if esum is None else esum + es
     assert state is not None and esum is not None
     nq = q.shape[-2]
-    track = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, state))
+    track = under_transform() or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, state)))
     out = None if track else q.new_empty(*batch, nq, dv)
     outs = []
     for start in range(0, nq, rows):  # query side, chunk by chunk

@@ -12,16 +12,26 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from attnopt import _func
+from attnopt._native import forward_ad_active
 from attnopt._validation import any_nonfinite, broadcast_shapes, check_attention_inputs, check_tensor
 
 __all__ = ["Kernel", "dist", "sqdist", "safe_norm"]
 
 
 def dist(a: Tensor, b: Tensor) -> Tensor:
-    """Pairwise ``‖a_i − b_j‖`` (..., Na, Nb) by ``torch.cdist`` (matmul form; zero gradient at 0)."""
+    """Pairwise ``‖a_i − b_j‖`` (..., Na, Nb) by ``torch.cdist`` (matmul form; zero gradient at 0).
+
+    Under ``torch.func`` and ``torch.autograd.forward_ad`` the same matmul form in plain ops
+    (``torch.cdist`` has no forward-mode rule: ``jvp`` / ``jacfwd`` / ``hessian`` would fail).
+    """
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     a = a.expand(*batch, *a.shape[-2:])
     b = b.expand(*batch, *b.shape[-2:])
+    if _func.level() is not None or forward_ad_active():
+        sq = (a.square().sum(-1, keepdim=True) + b.square().sum(-1).unsqueeze(-2)
+              - 2 * torch.matmul(a, b.transpose(-2, -1)))
+        return safe_norm(sq.clamp_min(0.0))
     return torch.cdist(a, b, compute_mode="use_mm_for_euclid_dist")
 
 

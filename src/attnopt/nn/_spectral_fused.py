@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from attnopt import _func
+from attnopt._native import forward_ad_active
 from attnopt.functional._autograd import double_backward
 from attnopt.nn import _spectral_native
 
@@ -273,8 +274,9 @@ def sample_spectral_points(
         return _spectral_native.native_sample(h, noise, copula_raw, scales, params, lib, kl_mean, keys)
     if keys:
         h = torch.div(h.sum(dim=-2), h.shape[-2])
-    if _func.level() is None:
+    if _func.level() is None and not forward_ad_active():
         pts, kl = _SpectralSample.apply(h, noise, copula_raw, scales, *params)
-    else:  # inside torch.func (vmap, grad, ...): the plain ops (the node is ctx-style, no vmap rule)
+    else:  # torch.func (vmap, grad, ...), forward AD: the plain ops (the node is ctx-style, no vmap
+        # or forward-mode rule)
         pts, kl = _plain(h, noise, copula_raw, scales, params)
     return pts, (kl.mean() if kl_mean else kl)
