@@ -11,12 +11,25 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from attnopt._native import forward_ad_active
 from attnopt._validation import _values
 
-__all__ = ["level", "all_true", "largest"]
+__all__ = ["level", "all_true", "largest", "under_transform"]
 
 #: the current ``torch.func`` transform level, ``None`` outside every transform (~40 ns)
 level = torch._C._functorch.maybe_current_level
+
+
+def under_transform() -> bool:
+    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jvp``, ``jacrev``, ...) is running,
+    or a ``torch.autograd.forward_ad`` dual level is open.
+
+    A transform's tensors are wrappers without storage, and the ctx-style Functions of the fused
+    paths have no vmap rule and refuse ``grad``; dual tensors have storage but no Function here
+    has a forward-mode rule outside ``torch.func``. Callers take their plain differentiable
+    PyTorch-ops path then, so the transforms and forward AD apply by PyTorch's own rules. ~100 ns.
+    """
+    return level() is not None or forward_ad_active()
 
 
 def all_true(x: Tensor) -> bool:

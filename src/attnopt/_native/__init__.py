@@ -99,7 +99,7 @@ def has_storage(*tensors: torch.Tensor | None) -> bool:
     False too while a ``torch.autograd.forward_ad`` dual level is open (:func:`forward_ad_active`):
     a dual tensor has storage, but a C kernel would drop its tangent.
     """
-    if _fwad._current_level >= 0:
+    if forward_ad_active():
         return False
     for t in tensors:  # (a loop, not all() over a generator: ~1 µs less at three tensors)
         if t is not None and (type(t) not in _PLAIN or _is_wrapped(t)):

@@ -30,23 +30,10 @@ import torch
 import torch._C._functorch as _ft
 from torch import Tensor
 
-from attnopt import _func
-from attnopt._native import forward_ad_active
+from attnopt._func import under_transform
 
 __all__ = ["double_backward", "first_order_only", "records_graph", "refuse_double_backward", "tracked_vjp",
            "under_transform"]
-
-
-def under_transform() -> bool:
-    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jvp``, ``jacrev``, ...) is running,
-    or a ``torch.autograd.forward_ad`` dual level is open.
-
-    A transform's tensors are wrappers without storage, and the ctx-style Functions of the fused
-    paths have no vmap rule and refuse ``grad``; dual tensors have storage but no Function here
-    has a forward-mode rule outside ``torch.func``. Callers take their plain differentiable
-    PyTorch-ops path then, so the transforms and forward AD apply by PyTorch's own rules. ~100 ns.
-    """
-    return _func.level() is not None or forward_ad_active()
 
 
 def records_graph(*xs: torch.Tensor | None) -> bool:

@@ -13,7 +13,6 @@ import torch
 from torch import Tensor
 
 from attnopt import _func
-from attnopt._native import forward_ad_active
 from attnopt._validation import any_nonfinite, broadcast_shapes, check_attention_inputs, check_tensor
 
 __all__ = ["Kernel", "dist", "sqdist", "safe_norm"]
@@ -28,7 +27,7 @@ def dist(a: Tensor, b: Tensor) -> Tensor:
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     a = a.expand(*batch, *a.shape[-2:])
     b = b.expand(*batch, *b.shape[-2:])
-    if _func.level() is not None or forward_ad_active():
+    if _func.under_transform():
         sq = (a.square().sum(-1, keepdim=True) + b.square().sum(-1).unsqueeze(-2)
               - 2 * torch.matmul(a, b.transpose(-2, -1)))
         return safe_norm(sq.clamp_min(0.0))

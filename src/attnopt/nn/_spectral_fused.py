@@ -28,7 +28,6 @@ import torch
 from torch import Tensor, nn
 
 from attnopt import _func
-from attnopt._native import forward_ad_active
 from attnopt.functional._autograd import double_backward
 from attnopt.nn import _spectral_native
 
@@ -274,7 +273,7 @@ def sample_spectral_points(
         return _spectral_native.native_sample(h, noise, copula_raw, scales, params, lib, kl_mean, keys)
     if keys:
         h = torch.div(h.sum(dim=-2), h.shape[-2])
-    if _func.level() is None and not forward_ad_active():
+    if not _func.under_transform():
         pts, kl = _SpectralSample.apply(h, noise, copula_raw, scales, *params)
     else:  # torch.func (vmap, grad, ...), forward AD: the plain ops (the node is ctx-style, no vmap
         # or forward-mode rule)

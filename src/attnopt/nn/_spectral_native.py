@@ -50,7 +50,7 @@ def library(
     if (dt not in _DTYPES or not h.is_cpu or h.dim() < 2 or not params or len(params) % 8
             or type(h) not in _PLAIN or type(noise) not in _PLAIN or noise.dtype != dt or not noise.is_cpu
             or (raw is not None and (type(raw) not in _PLAIN or raw.dtype != dt or not raw.is_cpu))
-            or _func.level() is not None or _native.forward_ad_active()):
+            or _func.under_transform()):
         return None
     if _WRAPPED(h) or _WRAPPED(noise) or (raw is not None and _WRAPPED(raw)):  # dead torch.func wrappers
         return None
