@@ -7,8 +7,8 @@ the ``linear`` one, tangents 40–190 % off under ``jvp``); dual tensors have st
 ``requires_grad``, so sparsemax / entmax attention took their no-grad C path and dropped the
 tangent of the weights (150–250 % off). Now a forward-AD level makes every op take its plain
 PyTorch path (:func:`attnopt.functional._autograd.under_transform`), the L^p magnitude has a
-forward-mode rule and ``torch.cdist`` gives way to its matmul form. MEM has no forward-mode
-rule: it raises.
+forward-mode rule, ``torch.cdist`` gives way to its matmul form, and MEM has a forward rule by
+implicit differentiation (it raised before).
 """
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ def _jvp(f: Callable[..., Tensor], xs: list[Tensor], ts: list[Tensor]) -> Tensor
 
 
 def _tangent_matches(
-    how: Callable[..., Tensor], f: Callable[..., Tensor], shapes: tuple[tuple[int, ...], ...]
+    how: Callable[..., Tensor], f: Callable[..., Tensor], shapes: tuple[tuple[int, ...], ...],
+    tol: float = 1e-6,
 ) -> None:
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(*s, dtype=D, generator=g) for s in shapes]
@@ -47,7 +48,7 @@ def _tangent_matches(
     with torch.no_grad():
         fd = (f(*[x + eps * t for x, t in zip(xs, ts, strict=True)])
               - f(*[x - eps * t for x, t in zip(xs, ts, strict=True)])) / (2 * eps)
-    torch.testing.assert_close(got, fd, rtol=0, atol=1e-6 * max(1.0, float(fd.abs().max())))
+    torch.testing.assert_close(got, fd, rtol=0, atol=tol * max(1.0, float(fd.abs().max())))
 
 
 HOW = {"torch.func.jvp": _jvp, "forward_ad": _dual}
@@ -64,11 +65,20 @@ def test_functional_op(name, how):
 @pytest.mark.parametrize("name", MODULES)
 def test_registry_module(name, how):
     mod = registry_module(name)
-    if name == "mem":
-        with pytest.raises(NotImplementedError, match="jvp"):
-            _tangent_matches(HOW[how], lambda x: mod(x)[0], ((2, 5, 8),))
-        return
-    _tangent_matches(HOW[how], lambda x: mod(x)[0], ((2, 5, 8),))
+    # MEM: its Newton solve stops at tol = 1e-8 (the difference quotient sees that)
+    _tangent_matches(HOW[how], lambda x: mod(x)[0], ((2, 5, 8),), 1e-5 if name == "mem" else 1e-6)
+
+
+@pytest.mark.parametrize("how", list(HOW))
+@pytest.mark.parametrize("n, d", [(5, 4), (5, 8)])  # Cholesky and low-rank (n < d) Hessian solves
+def test_mem_attention_with_a_preference(how, n, d):
+    """MEM's forward rule (implicit differentiation, the backward's Hessian solve): tangents in
+    q, k, v and the log-preference."""
+    from attnopt.dual import mem_attention
+
+    q = (2, 2, n, d)
+    _tangent_matches(HOW[how], lambda q_, k, v, b: mem_attention(q_, k, v, log_preference=b),
+                     (q, q, q, (1, 2, n, n)), 1e-5)
 
 
 def test_frozen_module_under_forward_ad_keeps_the_tangent():

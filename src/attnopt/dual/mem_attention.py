@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnopt._func import under_transform
 from attnopt._validation import (
     empty_attention,
     empty_weights,
@@ -58,6 +59,36 @@ class _MEMWeights(torch.autograd.Function):
         ctx.logu_shape = logu.shape
         ctx.save_for_backward(T, logu, w, lam)
         ctx.mark_non_differentiable(lam)
+        if under_transform():  # forward mode happens there only (torch.func, forward_ad dual levels)
+            ctx.save_for_forward(T, logu, w, lam)
+
+    @staticmethod
+    def jvp(
+        ctx: Any, T_t: Tensor | None, z_t: Tensor | None, logu_t: Tensor | None, *_: Any
+    ) -> tuple[Tensor, None]:
+        r"""Forward mode by the same implicit function theorem: with ``s = log u + Tλ``,
+        ``ū = softmax(log u)`` and the optimality condition ``Tᵀū + z − λ/α − Tᵀp = 0``,
+
+        .. math:: A\,dλ = dz + dTᵀ(ū - p) + Tᵀ W_ū\, d\log u - Tᵀ W_p (d\log u + dT\,λ),\qquad
+                  dp = W_p (d\log u + dT\,λ + T\,dλ)
+
+        (``A = I/α + Cov_p[t]``, one Hessian solve, as the backward)."""
+        T, logu, p, lam = ctx.saved_for_forward
+        u_bar = torch.softmax(logu, dim=-1).expand_as(p)
+        rhs = torch.zeros_like(lam)
+        ds = torch.zeros_like(p)
+        if z_t is not None:
+            rhs = rhs + z_t
+        if T_t is not None:
+            rhs = rhs + (u_bar - p) @ T_t
+            ds = ds + lam @ T_t.transpose(-1, -2)
+        if logu_t is not None:
+            lt = logu_t.expand_as(p)
+            rhs = rhs + _w_apply(u_bar, lt) @ T
+            ds = ds + lt
+        rhs = rhs - _w_apply(p, ds) @ T
+        dlam = apply_inverse_hessian(T, gram(T) if ctx.lowrank else None, p, ctx.alpha, rhs, ctx.lowrank)
+        return _w_apply(p, ds + dlam @ T.transpose(-1, -2)), None
 
     @staticmethod
     def vmap(
