@@ -86,3 +86,24 @@ def test_frozen_module_under_forward_ad_keeps_the_tangent():
     while a dual level is open, so the input's tangent goes through."""
     mod = registry_module("sparsemax").requires_grad_(False)
     _tangent_matches(_dual, lambda x: mod(x)[0], ((2, 5, 8),))
+
+
+@pytest.mark.parametrize("order", ["jacfwd(jacrev)", "jacrev(jacfwd)"])
+def test_mem_hessian_mixes_its_forward_and_backward_rules(order):
+    """``torch.func.hessian`` (forward over reverse) and reverse over forward of MEM agree with
+    central differences of its gradient (the rules are exact implicit derivatives; reverse over
+    reverse is refused: tests/functional/test_double_backward.py)."""
+    from attnopt.dual import mem_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 4, 3, dtype=D, generator=g) for _ in range(3))
+
+    def f(x: Tensor) -> Tensor:
+        return mem_attention(x, k, v).square().sum()
+
+    d = torch.randn(q.shape, dtype=D, generator=g)
+    eps = 1e-5
+    fd = (func.grad(f)(q + eps * d) - func.grad(f)(q - eps * d)) / (2 * eps)
+    outer, inner = (func.jacfwd, func.jacrev) if order == "jacfwd(jacrev)" else (func.jacrev, func.jacfwd)
+    hd = (outer(inner(f))(q).reshape(q.numel(), q.numel()) @ d.flatten()).reshape(q.shape)
+    torch.testing.assert_close(hd, fd, rtol=0, atol=1e-6 * float(fd.abs().max()))
