@@ -37,6 +37,10 @@ OPS: dict[str, tuple[Callable[..., Tensor], tuple[tuple[int, ...], ...]]] = {
     "nsf-p1.5-linear-causal": (
         lambda q, k, v: AF.kernel_attention(q, k, v, kernel=_NSF, magnitude_p=1.5, mode="linear",
                                             is_causal=True), (Q, Q, Q)),
+    "ot": (lambda z, t: AF.ot_attention(z, t), (Q, (2, 2, 6, 4))),
+    "ot-bank-sqeuclidean": (
+        lambda z, t, b, v: AF.ot_attention(z, t, bank=b, bank_values=v, cost="sqeuclidean"),
+        (Q, (2, 2, 6, 4), (2, 2, 7, 4), (2, 2, 7, 4))),
 }
 
 #: every registry module with a per-token output (``ot`` pools)
