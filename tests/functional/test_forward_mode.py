@@ -107,3 +107,23 @@ def test_mem_hessian_mixes_its_forward_and_backward_rules(order):
     outer, inner = (func.jacfwd, func.jacrev) if order == "jacfwd(jacrev)" else (func.jacrev, func.jacfwd)
     hd = (outer(inner(f))(q).reshape(q.numel(), q.numel()) @ d.flatten()).reshape(q.shape)
     torch.testing.assert_close(hd, fd, rtol=0, atol=1e-6 * float(fd.abs().max()))
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 8), (1, 3, 8), (0, 5, 8), (2, 0, 8)])
+@pytest.mark.parametrize("name", MODULES)
+def test_registry_module_edge_sizes_under_forward_ad(name, shape):
+    """One token, three tokens, an empty batch, empty sequences: dual tensors through every
+    module (T5's one-token call took a node without a forward rule)."""
+    mod = registry_module(name)
+    g = torch.Generator().manual_seed(0)
+    x, t = (torch.randn(*shape, dtype=D, generator=g) for _ in range(2))
+    got = _dual(lambda a: mod(a)[0], [x], [t]) if x.numel() else None
+    if got is None:
+        with fwad.dual_level():
+            out = mod(fwad.make_dual(x, t))[0]
+        assert out.shape == x.shape
+        return
+    eps = 1e-6
+    with torch.no_grad():
+        fd = (mod(x + eps * t)[0] - mod(x - eps * t)[0]) / (2 * eps)
+    torch.testing.assert_close(got, fd, rtol=0, atol=1e-5 * max(1.0, float(fd.abs().max())))

@@ -275,7 +275,7 @@ def generalized_attention(
         return sdpa(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=alpha)
     # log_preference's values are checked below, once per path (the fused node checks its output)
     bias = score_bias(q, k, preference, log_preference, attn_mask, is_causal, check_values=False)
-    if bias is not None and _func.level() is not None:  # inside torch.func: plain differentiable ops
+    if bias is not None and _func.under_transform():  # torch.func, forward AD: plain differentiable ops
         return _transformed(q, k, v, bias, log_preference, alpha, dropout_p)
     if is_causal and log_preference is not None and attn_mask is None and bias is not None:
         bias = causal_toeplitz(log_preference, bias)  # a relative-position bias stays one (see _toeplitz)

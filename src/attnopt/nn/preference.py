@@ -120,7 +120,7 @@ class T5RelativePreference(PreferenceModule):
         # generalized attention read it (or the per-offset values gathered from it) instead of the
         # bias and send the gradient to it directly (no (H, Nq, Nk) gradient)
         buckets, index = self._buckets(query_len, key_len, weight.device)
-        if _func.level() is not None:  # inside torch.func (vmap, grad, ...): plain ops, no custom node
+        if _func.under_transform():  # torch.func (vmap, grad, ...), forward AD: plain ops, no custom node
             return _t5_plain(weight, buckets, query_len, key_len)
         bias: Tensor = _T5Bias.apply(weight, buckets, index, query_len, key_len)
         return mark_toeplitz_table(bias, weight, buckets)
