@@ -186,3 +186,51 @@ def test_two_threads_split_the_heads_and_agree_bitwise(monkeypatch):
             assert torch.equal(a, b)
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.filterwarnings("ignore:grad and param do not obey the gradient layout contract")
+def test_a_seen_call_still_checks_what_can_change_between_calls(monkeypatch):
+    """The second call of a shape takes the plan by its key but checks the per-call state again:
+    a parameter made non-contiguous in place (``p.data = ...`` keeps the object), the native
+    switch, a dispatch mode, a crossover changed to stream, another build of the libraries —
+    each sends the call to the two-node path (no one-node call), and back once it is undone."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from attnopt.functional import dispatch
+
+    calls = _count(monkeypatch)
+    mod = ImplicitKernelAttention(32, 4, "mikan", num_samples=4, p=1.5, seed=0)
+    q, k, v = (torch.randn(2, 4, 5, 8, requires_grad=True) for _ in range(3))
+
+    def one_node_calls() -> int:
+        before = calls[0]
+        out, _ = mod.attend(q, k, v, None, False, False)
+        torch.add(out.sum(), mod.kl()).backward()
+        assert torch.isfinite(out).all()
+        return calls[0] - before
+
+    assert one_node_calls() == 1 and one_node_calls() == 1
+    weight = mod.densities[1].nn2[0].weight
+    kept = weight.data
+    weight.data = kept.t().contiguous().t()  # same shape and values, column-major
+    assert one_node_calls() == 0
+    weight.data = kept
+    assert one_node_calls() == 1
+    with monkeypatch.context() as m:
+        m.setenv("ATTNOPT_NATIVE", "0")
+        assert one_node_calls() == 0
+    with FlopCounterMode(display=False):
+        assert one_node_calls() == 0
+    with monkeypatch.context() as m:
+        m.setitem(dispatch.CROSSOVERS["kernel"], "float32", 0)
+        assert one_node_calls() == 0
+    plans = []
+    counted = _sampled_fourier._apply
+    monkeypatch.setattr(_sampled_fourier, "_apply", lambda *a: plans.append(a[5]) or counted(*a))
+    with monkeypatch.context() as m:  # another build of the libraries: its plan, not the old one's
+        m.setattr(_native, "_LIBS", {})
+        assert one_node_calls() == 1
+        assert plans[-1].libs == (_native._LIBS["spectral_sample"], _native._LIBS["fourier_features"])
+    assert one_node_calls() == 1
+    assert plans[-1].libs == (_native._LIBS["spectral_sample"], _native._LIBS["fourier_features"])
+    assert plans[-1] is not plans[0]

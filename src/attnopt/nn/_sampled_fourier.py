@@ -19,12 +19,17 @@ those of :meth:`attnopt.nn.ImplicitKernelAttention.attend`'s two-node path, bitw
 
 The node calls the C functions itself (not through the two nodes' Functions): the constants
 of a call shape (sizes, options, C entry points, scratch offsets) are a :class:`_Plan` built
-once per shape; the summaries, points, KL, workspaces and the attention's saved block are one
-scratch tensor (one allocation, one saved tensor); the parameters' addresses go as one int64
-array; the finiteness checks are C bit tests on the contiguous heads and the points. Measured
-(fwd+bwd ÷ SDPA, B·H = 8, N = 64, d = 64, one thread, IKAN R = 16): 2.3× through the two
-Functions' code, 2.0× this way. What remains is the C arithmetic (~0.43 ms of ~0.88) and
-autograd's per-leaf cost of the 16 network parameters (~5 µs each, ~80 µs).
+once per shape; the summaries, points, KL, workspaces, the attention's saved block and, in
+training, the base noise (made from its seed by ``_native/normal.c``, :mod:`._gaussian_noise`)
+are one scratch tensor (one allocation, one saved tensor); the parameters' addresses go as one
+int64 array; the finiteness checks are C bit tests on the contiguous heads and the points. A
+call whose dtypes, shapes and options were seen before (:func:`_call_key`) makes only the checks
+that can change between such calls (:func:`_still_applies`: tensor kinds and devices, transforms,
+dispatch modes, the native switch, every parameter's shape, dtype and layout), not the path's
+whole list. Measured (fwd+bwd ÷ SDPA, B·H = 8, N = 64, d = 64, one thread, IKAN R = 16): 2.3×
+through the two Functions' code, 2.0× with the plan, 1.9× with the noise from its seed and the
+per-call checks. What remains is the C arithmetic (~0.43 ms of ~0.8) and autograd's per-leaf
+cost of the 16 network parameters (~5 µs each, ~80 µs).
 
 Taken by :meth:`~attnopt.nn.ImplicitKernelAttention.attend` without a mask, ``need_weights``
 or dropout, in the quadratic mode, where the C sampler (:func:`._spectral_native.library`)
@@ -42,11 +47,14 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from attnopt import _func, _native
 from attnopt._validation import _finite_fns, check_finite
-from attnopt.functional import dispatch
+from attnopt.functional import _kernel_fused, dispatch
 from attnopt.functional._autograd import refuse_double_backward
 from attnopt.functional._kernel_fused import _CAP, _LP_MODES, _each, _heads_split, _size, _whole_call
-from attnopt.nn._spectral_native import _functions, _noise_layout, _set_stride
+from attnopt.nn import _spectral_native
+from attnopt.nn._gaussian_noise import seeded_fill
+from attnopt.nn._spectral_native import _PLAIN, _WRAPPED, _functions, _noise_layout, _set_stride, _shapes
 from attnopt.nn._spectral_native import library as sampler_library
 
 __all__ = ["sampled_fourier_attention"]
@@ -62,6 +70,9 @@ class _Plan(NamedTuple):
     gemm: int
     set_threads: int
     nonfinite: Any  # finite.c's dense test for the dtype
+    noise_fill: Any  # normal.c's seeded fill for the dtype, or None: the noise comes as a tensor
+    libs: tuple[Any, Any]  # the sampler's and the attention's libraries (the calls' check: still them)
+    param_shapes: tuple[torch.Size, ...]  # the network parameters' shapes
     dims: tuple[int, int, int, int, int, int]  # (S, B, H, R/2, d, hidden): the sampler's
     scales: Any  # the densities' base_scale (a C double array)
     threads: int  # threads over the heads (the attention's calls)
@@ -69,14 +80,16 @@ class _Plan(NamedTuple):
     bwd_tail: tuple[Any, ...]  # the backward's (before the saved block)
     # the forward's scratch (one tensor, saved for the backward): offsets in elements of the
     # summaries h (B·H, d), the points (B, H, S·R, d), the per-example KL (B), the sampler's
-    # workspace, the attention's saved block (B·H per-head blocks) and its per-thread work;
-    # the backward's: dpts, then the per-thread work
+    # workspace, the attention's saved block (B·H per-head blocks), its per-thread work and, from
+    # a seed, the noise (S, B, H, R/2, d); the backward's: dpts, then the per-thread work
     at_h: int
     at_pts: int
     at_kl: int
     at_ws: int
     at_save: int
     at_work: int
+    at_noise: int
+    noise_strides: tuple[int, int, int]  # the seeded noise's (S, B, H) strides
     scratch: int
     work: int  # the attention's work entries per thread
     backward_scratch: int
@@ -85,8 +98,9 @@ class _Plan(NamedTuple):
 _PLANS: dict[tuple[Any, ...], _Plan] = {}
 
 
-def _plan(key: tuple[Any, ...], lib: Any, cfg: Any, nonfinite: Any) -> _Plan:
+def _plan(key: tuple[Any, ...], lib: Any, cfg: Any, nonfinite: Any, noise_fill: Any) -> _Plan:
     dtype, b, h, nq, nk, d, dv, nsets, half, hid, p, eps, scales, threads, cop = key[:15]
+    cfg_lib = _native.library("fourier_features")
     fwd, bwd, save_size, work_size, gemm, set_threads = cfg
     r = 2 * half
     sizes = (nq, nk, d, dv, r, nsets)
@@ -95,15 +109,19 @@ def _plan(key: tuple[Any, ...], lib: Any, cfg: Any, nonfinite: Any) -> _Plan:
     sample_fwd, sample_bwd = _functions(lib, dtype)
     work = _size(work_size, sizes)
     workspace = nsets * _set_stride(b * h, half, d, hid, cop) + (2 * h * h if cop else 0)
-    at_pts, at_kl, at_ws, at_save, at_work, total = itertools.accumulate(_aligned(n) for n in (
-        b * h * d, b * h * nsets * r * d, b, workspace, b * h * _size(save_size, sizes), threads * work))
+    noise = nsets * b * h * half * d if noise_fill is not None else 0
+    at_pts, at_kl, at_ws, at_save, at_work, at_noise, total = itertools.accumulate(_aligned(n) for n in (
+        b * h * d, b * h * nsets * r * d, b, workspace, b * h * _size(save_size, sizes), threads * work,
+        noise))
     if len(_PLANS) > 256:  # many shapes (variable lengths): keep the table small
         _PLANS.clear()
     plan = _PLANS[key] = _Plan(
-        sample_fwd, sample_bwd, fwd, bwd, gemm, set_threads, nonfinite, (nsets, b, h, half, d, hid),
+        sample_fwd, sample_bwd, fwd, bwd, gemm, set_threads, nonfinite, noise_fill, (lib, cfg_lib),
+        _shapes(nsets, d, hid), (nsets, b, h, half, d, hid),
         (ctypes.c_double * nsets)(*scales), threads,
         (nq, nk, d, dv, r, nsets, _LP_MODES.get(p, 0), p, 1.0 / math.sqrt(d), _CAP[dtype], c4, eps, 1),
-        (nq, nk, d, dv, r, nsets, 1, c4, eps), 0, at_pts, at_kl, at_ws, at_save, at_work, total, work,
+        (nq, nk, d, dv, r, nsets, 1, c4, eps), 0, at_pts, at_kl, at_ws, at_save, at_work, at_noise,
+        (b * h * half * d, h * half * d, half * d), total, work,
         _aligned(b * h * nsets * r * d) + threads * work)
     return plan
 
@@ -120,8 +138,9 @@ def _addresses(tensors: tuple[Tensor, ...] | list[Tensor]) -> tuple[array.array,
 
 
 class _SampledFourier(torch.autograd.Function):
-    """q, k, v ``(B, H, N, d)``; noise ``(S, B|1, H, R/2, d)`` (no gradient); raw ``(H, H)`` or
-    None; the :class:`_Plan`; then the ``8·S`` network parameters.
+    """q, k, v ``(B, H, N, d)``; noise ``(S, B|1, H, R/2, d)`` (no gradient), or its int64 seed
+    (0-d, :mod:`._gaussian_noise`) with a seeded plan; raw ``(H, H)`` or None; the :class:`_Plan`;
+    then the ``8·S`` network parameters.
     Returns ``(O (B, H, Nq, dv), KL batch mean (0-d))``."""
 
     @staticmethod
@@ -136,16 +155,23 @@ class _SampledFourier(torch.autograd.Function):
         if nonfinite(q.data_ptr(), q.numel()) or nonfinite(k.data_ptr(), k.numel()) or nonfinite(
                 v.data_ptr(), v.numel()):
             check_finite(q=q, k=k, v=v)
-        ne = _noise_layout(noise, nsets, (b, h), half, d)
         rc = None if raw is None else raw.contiguous()
         scratch = q.new_empty(plan.scratch)
         out, klm = q.new_empty(b, h, q.shape[2], v.shape[3]), q.new_empty(())
         base, size = scratch.data_ptr(), scratch.element_size()
         pts, sr = base + plan.at_pts * size, nsets * 2 * half
+        if plan.noise_fill is not None:  # the noise from its seed, into the scratch
+            ne = None
+            noise_at, (ns, nb, nh) = base + plan.at_noise * size, plan.noise_strides
+            plan.noise_fill(noise.data_ptr(), noise_at, nsets * b * h * half * d)
+        else:
+            ne = _noise_layout(noise, nsets, (b, h), half, d)
+            noise_at, (ns, nb, nh) = ne.data_ptr(), ne.stride()[:3]
+        ctx.noise = noise_at - base if ne is None else None, ns, nb, nh
         # the sampler: the keys' mean, the networks, the points and the KL's batch mean in one call
         addrs, paddrs = _addresses(params)
-        if plan.sample_fwd(*plan.dims, k.data_ptr(), k.shape[2], base + plan.at_h * size, ne.data_ptr(),
-                           ne.stride(0), ne.stride(1), ne.stride(2), None if rc is None else rc.data_ptr(),
+        if plan.sample_fwd(*plan.dims, k.data_ptr(), k.shape[2], base + plan.at_h * size, noise_at,
+                           ns, nb, nh, None if rc is None else rc.data_ptr(),
                            paddrs, plan.scales, pts, base + plan.at_kl * size, klm.data_ptr(),
                            base + plan.at_ws * size):
             raise MemoryError("spectral sampler (native): out of memory for its scratch")
@@ -187,6 +213,8 @@ class _SampledFourier(torch.autograd.Function):
         need_pts = need[1] or need[4] or any(need[6:])
         bscratch = q.new_empty(plan.backward_scratch)  # dpts, then the attention's work per thread
         base, size = scratch.data_ptr(), scratch.element_size()
+        at, ns, nb, nh = ctx.noise  # the noise's offset in the scratch (bytes; None: the saved tensor)
+        noise_at = ne.data_ptr() if at is None else base + at
         dpts = bscratch.data_ptr() if need_pts else None
         head = (q.data_ptr(), k.data_ptr(), v.data_ptr(), base + plan.at_pts * size, h * sr * d, sr * d, h,
                 d3.data_ptr(), *dstrides, out.data_ptr())
@@ -211,8 +239,8 @@ class _SampledFourier(torch.autograd.Function):
         gaddrs, pgaddrs = _addresses(every)
         if dkl.dtype != out.dtype:
             dkl = dkl.to(out.dtype)
-        if plan.sample_bwd(*plan.dims, base + plan.at_h * size, ne.data_ptr(), ne.stride(0), ne.stride(1),
-                           ne.stride(2), None if rc is None else rc.data_ptr(), paddrs, plan.scales,
+        if plan.sample_bwd(*plan.dims, base + plan.at_h * size, noise_at, ns, nb, nh,
+                           None if rc is None else rc.data_ptr(), paddrs, plan.scales,
                            base + plan.at_ws * size, dpts, dkl.data_ptr(), 0, b, None, k.shape[2], outs[1], 1,
                            None, None if draw is None else draw.data_ptr(), pgaddrs):
             raise MemoryError("spectral sampler (native): out of memory for its scratch")
@@ -227,19 +255,94 @@ _apply = super(torch.autograd.Function, _SampledFourier).apply
 
 def sampled_fourier_attention(
     q: Tensor, k: Tensor, v: Tensor, noise: Tensor, raw: Tensor | None, scales: tuple[float, ...],
-    params: list[Tensor], p: float, eps: float,
+    params: list[Tensor], p: float, eps: float, half: int,
 ) -> tuple[Tensor, Tensor] | None:
     """``(O, KL batch mean)`` in one node, or None where it does not apply.
 
     Args:
         q, k, v: ``(B, H, N, d)`` heads (no mask).
-        noise: ``(S, B|1, H, R/2, d)`` base noise (no gradient).
+        noise: ``(S, B|1, H, R/2, d)`` base noise (no gradient), or the int64 seed (0-d) of its
+            draw (:func:`._gaussian_noise.draw_seed`): the node makes the values in its scratch.
         raw: the copula's raw parameter ``(H, H)`` or None.
         scales: the densities' ``base_scale`` per set.
         params: :func:`._spectral_fused.fusable` of the densities.
         p: the magnitude exponent (``1 <= p <= 2``).
         eps: the ``ε`` of ``f² + ε`` (``> 0``).
+        half: ``R/2``, the base points per set and head.
+
+    A call whose :func:`_call_key` was seen with a plan makes only the checks that can change
+    between calls of one key (:func:`_still_applies`); the others make every check.
     """
+    key = _call_key(q, k, v, noise, raw, scales, params, p, eps, half)
+    plan = _BY_CALL.get(key)
+    if plan is None or not _still_applies(q, k, v, noise, raw, params, plan):
+        plan = _checked_plan(q, k, v, noise, raw, scales, params, p, eps, half)
+        if plan is None:
+            return None
+        if len(_BY_CALL) > 256:
+            _BY_CALL.clear()
+        _BY_CALL[key] = plan
+    dispatch.record("kernel", "materialized")
+    out: tuple[Tensor, Tensor] = _apply(q, k, v, noise, raw, plan, *params)
+    return out
+
+
+#: plans by :func:`_call_key`: keys whose calls passed every check once
+_BY_CALL: dict[tuple[Any, ...], _Plan] = {}
+
+
+def _call_key(
+    q: Tensor, k: Tensor, v: Tensor, noise: Tensor, raw: Tensor | None, scales: tuple[float, ...],
+    params: list[Tensor], p: float, eps: float, half: int,
+) -> tuple[Any, ...]:
+    """Everything :func:`_checked_plan`'s outcome depends on but the per-call state
+    :func:`_still_applies` checks: dtypes, shapes, options, the thread count and the module
+    constants of the size rules (tests and users change them)."""
+    return (q.dtype, k.dtype, v.dtype, noise.dtype, None if raw is None else raw.dtype, q.shape, k.shape,
+            v.shape, noise.shape, noise.requires_grad, half, scales, len(params), p, eps,
+            torch.get_num_threads(),
+            _kernel_fused.WHOLE_CALL_BELOW, _kernel_fused.WHOLE_CALL_MAX_HEAD_SCORES,
+            _spectral_native.THREADED_MAX_POINTS, _native._MIN_PARALLEL)
+
+
+def _still_applies(
+    q: Tensor, k: Tensor, v: Tensor, noise: Tensor, raw: Tensor | None, params: list[Tensor], plan: _Plan
+) -> bool:
+    """The checks of :func:`_checked_plan` that can change between calls of one :func:`_call_key`:
+    plain CPU tensors with storage (no ``torch.func`` wrapper, no subclass), no transform, forward-AD
+    level or dispatch mode, native kernels on and the plan's libraries still the built ones,
+    ``auto``'s choice (``CROSSOVERS`` can be changed), and every parameter's shape, dtype, layout
+    and kind (``p.data = ...`` keeps the object)."""
+    if type(q) not in _PLAIN or type(k) not in _PLAIN or type(v) not in _PLAIN or type(noise) not in _PLAIN:
+        return False
+    if not (q.is_cpu and k.is_cpu and v.is_cpu and noise.is_cpu):
+        return False
+    if _WRAPPED(q) or _WRAPPED(k) or _WRAPPED(v) or _WRAPPED(noise):
+        return False
+    if raw is not None and (type(raw) not in _PLAIN or not raw.is_cpu or _WRAPPED(raw)):
+        return False
+    if _func.under_transform() or torch._C._len_torch_dispatch_stack() or _native.switched_off():
+        return False
+    libs = _native._LIBS
+    if libs.get("spectral_sample") is not plan.libs[0] or libs.get("fourier_features") is not plan.libs[1]:
+        return False
+    b, h, nq, _ = q.shape
+    if dispatch.choose_impl("kernel", nq=nq, nk=k.shape[2], batch=b * h, dtype=q.dtype) != "materialized":
+        return False
+    dt = q.dtype
+    for par, shape in zip(params, plan.param_shapes, strict=True):
+        if (par.shape != shape or par.dtype is not dt or type(par) not in _PLAIN or not par.is_contiguous()
+                or not par.is_cpu or _WRAPPED(par)):
+            return False
+    return True
+
+
+def _checked_plan(
+    q: Tensor, k: Tensor, v: Tensor, noise: Tensor, raw: Tensor | None, scales: tuple[float, ...],
+    params: list[Tensor], p: float, eps: float, half: int,
+) -> _Plan | None:
+    """Every check of the path (the sampler's :func:`._spectral_native.library`, the attention's
+    :func:`attnopt.functional._kernel_fused._whole_call`, ...), then the shape's :class:`_Plan`."""
     if not (eps > 0 and 1.0 <= p <= 2.0) or noise.requires_grad:
         return None
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -253,7 +356,11 @@ def sampled_fourier_attention(
     path = dispatch.choose_impl("kernel", nq=nq, nk=nk, batch=b * h, dtype=q.dtype)
     if path != "materialized":
         return None
-    lib = sampler_library(k, noise, raw, params, True)
+    # a seed (a plain CPU int64 scalar: draw_seed's) stands for noise of k's dtype and kind
+    seeded = noise.dtype == torch.int64
+    if seeded and (noise.dim() != 0 or not noise.is_cpu):
+        return None
+    lib = sampler_library(k, k if seeded else noise, raw, params, True, half)
     if lib is None:
         return None
     # the attention's checks, with the points' stand-in: k has their dtype, device and storage kind
@@ -263,11 +370,12 @@ def sampled_fourier_attention(
     fns = _finite_fns()
     if fns is None:
         return None
-    dispatch.record("kernel", "materialized")
-    key = (q.dtype, b, h, nq, nk, d, dv, len(scales), noise.shape[-2], params[0].shape[0], float(p),
-           float(eps), scales, _heads_split(b * h, nq * nk), raw is not None, id(lib), id(cfg[0]))
+    key = (q.dtype, b, h, nq, nk, d, dv, len(scales), half, params[0].shape[0], float(p),
+           float(eps), scales, _heads_split(b * h, nq * nk), raw is not None, seeded, id(lib), id(cfg[0]))
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _plan(key, lib, cfg, fns[q.dtype][0])
-    out: tuple[Tensor, Tensor] = _apply(q, k, v, noise, raw, plan, *params)
-    return out
+        fill = seeded_fill(q.dtype) if seeded else None
+        if seeded and fill is None:
+            return None
+        plan = _plan(key, lib, cfg, fns[q.dtype][0], fill)
+    return plan

@@ -36,14 +36,16 @@ _PF64 = ctypes.POINTER(ctypes.c_double)
 
 
 def library(
-    h: Tensor, noise: Tensor, raw: Tensor | None, params: list[Tensor], keys: bool = False
+    h: Tensor, noise: Tensor, raw: Tensor | None, params: list[Tensor], keys: bool = False,
+    half: int | None = None,
 ) -> ctypes.CDLL | None:
     """The compiled ``spectral_sample.c`` when the native path applies, else ``None``: CPU
     float32/64 tensors with storage (not ``torch.func`` / fake tensors), one dtype, contiguous
     parameters shaped as the stock networks' (``W₁ₐ (hid, d)``, ``b₁ₐ (hid)``, ``W₁ᵦ (2d, hid)``,
     ``b₁ᵦ (2d)``, ``W₂ₐ (hid, d)``, ``b₂ₐ (hid)``, ``W₂ᵦ (d, hid)``, ``b₂ᵦ (d)`` per set); with
     more than one torch thread, at most :data:`THREADED_MAX_POINTS` base points. ``keys``: ``h``
-    is the keys ``(..., H, N, d)`` whose mean over ``N`` is the summary (:func:`native_sample`)."""
+    is the keys ``(..., H, N, d)`` whose mean over ``N`` is the summary (:func:`native_sample`);
+    ``half``: the base points per set and head, where ``noise`` is a stand-in (else its ``shape[-2]``)."""
     dt = h.dtype
     # inside a torch.func transform (its tensors are wrapped: no storage to read) the PyTorch node
     # runs; outside one no tensor is wrapped, and subclasses (fake tensors) fail the type test
@@ -54,7 +56,8 @@ def library(
         return None
     if _WRAPPED(h) or _WRAPPED(noise) or (raw is not None and _WRAPPED(raw)):  # dead torch.func wrappers
         return None
-    points = h.numel() // max(h.shape[-1], 1) * noise.shape[-2] * (len(params) // 8)
+    half = noise.shape[-2] if half is None else half
+    points = h.numel() // max(h.shape[-1], 1) * half * (len(params) // 8)
     if keys:
         points //= max(h.shape[-2], 1)
     if points > THREADED_MAX_POINTS and torch.get_num_threads() > 1:

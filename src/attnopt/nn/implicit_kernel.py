@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from attnopt import _func
 from attnopt.functional.kernel import kernel_attention, kernel_weights
 from attnopt.kernels import Kernel, NonStationaryFourier, RandomFourier
+from attnopt.nn._gaussian_noise import draw_seed, gaussian_noise, noise_from_seed
 from attnopt.nn._multihead import MultiheadBase
 from attnopt.nn._sampled_fourier import sampled_fourier_attention
 from attnopt.nn._spectral_fused import fusable, sample_spectral_points
@@ -139,15 +140,21 @@ class ImplicitKernelAttention(MultiheadBase):
         sets, _, kl = self._sample(k, mask)
         return sets, kl
 
-    def _base_noise(self, k: Tensor) -> Tensor:
-        """Every set's base noise ``(S, B, H, R/2, d)`` in one draw (eval: the fixed buffer)."""
+    def _base_noise(self, k: Tensor, seed: Tensor | None = None) -> Tensor:
+        """Every set's base noise ``(S, B, H, R/2, d)`` in one draw (training: float32 values from one
+        seed of the module's generator, :mod:`._gaussian_noise`; eval: the fixed buffer).
+
+        ``seed``: the training draw's seed when the caller drew it already (:meth:`_attend_whole`).
+        """
         b = k.shape[0]
         if self.training:
             n_sets, half = len(self._modules["densities"]), self.num_samples // 2  # type: ignore[arg-type]
             shape = (n_sets, b, self.num_heads, half, self.head_dim)
             if _func.level() is not None:
                 return self._noise_under_transform(shape, k)
-            noise = torch.randn(shape, generator=self._generator)
+            if seed is None:
+                seed = draw_seed(self._generator)
+            noise = noise_from_seed(seed, shape, torch.float64 if k.dtype == torch.float64 else torch.float32)
             if noise.dtype == k.dtype and noise.device == k.device:
                 return noise
             return noise.to(device=k.device, dtype=k.dtype)
@@ -158,7 +165,7 @@ class ImplicitKernelAttention(MultiheadBase):
         decides (``"different"``: each example its own draw, as in a batched call; ``"same"``: one
         draw for all); its default ``"error"`` raises, naming the module."""
         try:
-            noise = torch.randn(shape, generator=self._generator)
+            noise = gaussian_noise(shape, self._generator)
         except RuntimeError as exc:
             if "randomness" not in str(exc):
                 raise
@@ -287,11 +294,20 @@ class ImplicitKernelAttention(MultiheadBase):
             raw = copula.raw
         if params is None:
             return None, None
-        noise = self._base_noise(k)
         scales = tuple(float(dens.base_scale) for dens in densities._modules.values())  # type: ignore[arg-type]
-        done = sampled_fourier_attention(q, k, v, noise, raw, scales, params, self.p, self.eps)
-        if done is None:
-            return noise, None
+        half = self.num_samples // 2
+        if self.training and _func.level() is None:
+            # the training draw's seed: the one-node path makes the noise inside its node, and hands
+            # the seed back where it does not apply (the same values either way)
+            seed = draw_seed(self._generator)
+            done = sampled_fourier_attention(q, k, v, seed, raw, scales, params, self.p, self.eps, half)
+            if done is None:
+                return self._base_noise(k, seed), None
+        else:
+            noise = self._base_noise(k)
+            done = sampled_fourier_attention(q, k, v, noise, raw, scales, params, self.p, self.eps, half)
+            if done is None:
+                return noise, None
         out, kl = done
         object.__setattr__(self, "_kl", kl)  # a plain attribute (nn.Module.__setattr__ costs ~3 µs)
-        return noise, out
+        return None, out
