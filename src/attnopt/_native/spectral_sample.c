@@ -467,17 +467,20 @@ int SS_F(ss_bwd)(int64_t S, int64_t B, int64_t H, int64_t half, int64_t d, int64
             }
         }
     }
-    if (N > 0 && dkeys) { /* the mean's backward: dh / N on every key */
+    if (N > 0 && dkeys) { /* the mean's backward: dh / N on every key (divided once per row: dsh) */
+        T *dsh = gi; /* R d >= d entries of scratch, no longer needed */
         for (int64_t row = 0; row < M; ++row) {
             const T *dr = dh + row * d;
             T *kr = dkeys + row * N * d;
+            #pragma omp simd
+            for (int64_t k = 0; k < d; ++k) dsh[k] = dr[k] / (T)N;
             for (int64_t n = 0; n < N; ++n) {
                 if (acc) {
                     #pragma omp simd
-                    for (int64_t k = 0; k < d; ++k) kr[n * d + k] += dr[k] / (T)N;
+                    for (int64_t k = 0; k < d; ++k) kr[n * d + k] += dsh[k];
                 } else {
                     #pragma omp simd
-                    for (int64_t k = 0; k < d; ++k) kr[n * d + k] = dr[k] / (T)N;
+                    for (int64_t k = 0; k < d; ++k) kr[n * d + k] = dsh[k];
                 }
             }
         }
