@@ -279,8 +279,9 @@ class ImplicitKernelAttention(MultiheadBase):
 
     def _attend_whole(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor | None, Tensor | None]:
         """``(base noise or None, O or None)``: the one-node path of :mod:`._sampled_fourier` where it
-        applies (stock networks and copula, quadratic mode); the noise drawn for it is handed on
-        to the two-node path where it does not (one draw either way: the same random stream)."""
+        applies (stock networks and copula, quadratic mode). In training it takes the draw's seed
+        (the node makes the values); where it does not apply the noise of that seed is handed on
+        to the two-node path (one draw either way: the same random stream)."""
         if self.variant == "ikan-direct" or self.mode != "quadratic" or k.dim() != 4:
             return None, None
         mods = self._modules  # (nn.Module.__getattr__ costs ~1 µs a submodule)
