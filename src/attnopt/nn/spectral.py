@@ -22,7 +22,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from attnopt import _func
+from attnopt.nn._gaussian_noise import gaussian_noise
 from attnopt.nn._spectral_fused import copula_factor, fusable, sample_spectral_points
 
 __all__ = ["ImplicitSpectralDensity", "ImplicitSpectralPoints", "GaussianCopula"]
@@ -188,15 +188,9 @@ class ImplicitSpectralPoints(nn.Module):
         params = fusable(self.densities)
         if params is not None:  # the same draws, per set, then every set's math in one node
             n_sets = len(self.densities)
-            if self.training and _func.level() is not None:
-                # inside torch.func (vmap takes no out= random ops): the same draws, stacked
-                stacked = torch.stack([torch.randn(*batch, self.num_heads, half, self.dim,
-                                                   generator=self._generator) for _ in range(n_sets)])
-                stacked = stacked.to(device=h.device, dtype=h.dtype)
-            elif self.training:  # set by set into one buffer: the stream of one draw per set, no stack
-                stacked = torch.empty(n_sets, *batch, self.num_heads, half, self.dim)
-                for i in range(n_sets):
-                    torch.randn(stacked.shape[1:], generator=self._generator, out=stacked[i])
+            if self.training:  # one draw per set (a seed each, :mod:`._gaussian_noise`), stacked
+                shape = (*batch, self.num_heads, half, self.dim)
+                stacked = torch.stack([gaussian_noise(shape, self._generator) for _ in range(n_sets)])
                 stacked = stacked.to(device=h.device, dtype=h.dtype)
             else:
                 stacked = self.get_buffer("eval_noise").to(device=h.device, dtype=h.dtype)
@@ -218,7 +212,7 @@ class ImplicitSpectralPoints(nn.Module):
             assert isinstance(dens, ImplicitSpectralDensity)
             mu, log_sigma = dens.posterior(h)
             if self.training:
-                noise = torch.randn(*batch, self.num_heads, half, self.dim, generator=self._generator)
+                noise = gaussian_noise((*batch, self.num_heads, half, self.dim), self._generator)
                 noise = noise.to(device=h.device, dtype=h.dtype)
             else:
                 noise = self.get_buffer("eval_noise")[i].to(device=h.device, dtype=h.dtype)
