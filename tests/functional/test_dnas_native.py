@@ -47,6 +47,11 @@ def _mask(kind, shape, nq, nk):
         m = torch.randn(shape[0], *[1] * (len(shape) - 1), 1, nk, generator=g)
         m[..., 2] = float("-inf")
         return m
+    if kind == "padding":  # key and query padding, as the modules pass it: (B, 1, Nq, Nk)
+        keys = torch.rand(shape[0], nk, generator=g) > 0.3
+        queries = torch.rand(shape[0], nq, generator=g) > 0.3
+        queries[:, 0] = True
+        return (queries[:, :, None] & keys[:, None, :]).view(shape[0], *[1] * (len(shape) - 1), nq, nk)
     if kind == "full":  # an empty row and an unseen key
         m = torch.rand(*shape, nq, nk, generator=g) > 0.3
         m[..., 1, :] = False
@@ -64,7 +69,7 @@ def _check(out, ref, leaves, ref_leaves):
         torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=2e-5)
 
 
-@pytest.mark.parametrize("kind", [None, "key", "keybias", "full"])
+@pytest.mark.parametrize("kind", [None, "key", "keybias", "padding", "full"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_float32_matches_float64_reference(small, path, kind, causal):
     shape = (3, 2)
@@ -81,6 +86,17 @@ def test_float32_matches_float64_reference(small, path, kind, causal):
         out = hybrid_normalized_attention(*leaves, wl, attn_mask=mask, is_causal=causal, impl="materialized")
         ref = hybrid_ref(*ref_leaves, wr, 1, mask=rmask, is_causal=causal)
         _check(out, ref, [*leaves, wl], [*ref_leaves, wr])
+
+
+@pytest.mark.parametrize("shape", [(3, 1), (1, 2), (3, 2)])
+def test_admissible_rows_of_a_full_mask_read_without_broadcasting(shape):
+    """The shortcut for a full mask alone (query padding) is the general rule's answer."""
+    g = torch.Generator().manual_seed(1)
+    full = torch.where(torch.rand(*shape, 5, 6, generator=g) > 0.6, 0.0, float("-inf"))
+    full[..., 2, :] = float("-inf")
+    fast = native._admissible_rows(full, None, False, 3, 2, 5, 6)
+    general = torch.isfinite(full).expand(3, 2, 5, 6).reshape(6, 5, 6).any(-1)
+    assert torch.equal(fast, general) and not bool(fast[:, 2].any())
 
 
 @needs_native

@@ -87,6 +87,26 @@ def _add_mask(s: Tensor, full: Tensor, h: int, h0: int, h1: int) -> None:
         s[lo - h0 : hi - h0].add_(mb[lo - bi * h : hi - bi * h] if mb.shape[0] > 1 else mb)
 
 
+def _admissible_rows(full: Tensor | None, kbias: Tensor | None, causal: bool, b: int, h: int, nq: int,
+                     nk: int) -> Tensor:
+    """``(B·H, Nq)``: the rows with an admissible key (the others get zeros, whatever their sums).
+
+    A full mask alone is reduced before it is broadcast over the batch / heads it omits (query
+    padding: ``(B, 1, Nq, Nk)``, one pass over it, not over ``B·H·Nq·Nk`` entries); masks are
+    finite or ``-inf`` (validated), so ``> -inf`` is ``isfinite``.
+    """
+    if full is not None and kbias is None and not causal:
+        return (full > float("-inf")).any(-1).expand(b, h, nq).reshape(b * h, nq)
+    fin = torch.ones(b * h, nq, nk, dtype=torch.bool)
+    if full is not None:
+        fin = fin & torch.isfinite(full).expand(b, h, nq, nk).reshape(b * h, nq, nk)
+    if kbias is not None:
+        fin = fin & torch.isfinite(kbias)
+    if causal:
+        fin = fin & torch.ones(nq, nk, dtype=torch.bool).tril_()
+    return fin.any(-1)
+
+
 class _NativeSinkhorn(torch.autograd.Function):
     """DNAS (``w is None``) or HNAS, K = 1, on contiguous 4-D ``(B, H, N, ·)`` float32 inputs."""
 
@@ -124,17 +144,9 @@ class _NativeSinkhorn(torch.autograd.Function):
         thr = torch.finfo(torch.float32).tiny * 2.0**40
         dens = rs if rho is None else torch.minimum(rs, rho)
         low = dens < thr
-        if bool(low.any()):
-            fin = torch.ones(g, nq, nk, dtype=torch.bool)
-            if full is not None:
-                fin = fin & torch.isfinite(full).expand(b, h, nq, nk).reshape(g, nq, nk)
-            if kbias is not None:
-                fin = fin & torch.isfinite(kbias)
-            if causal:
-                fin = fin & torch.ones(nq, nk, dtype=torch.bool).tril_()
-            if bool((low & fin.any(-1)).any()):
-                info[0] = False
-                return q.new_empty(0)
+        if bool(low.any()) and bool((low & _admissible_rows(full, kbias, causal, b, h, nq, nk)).any()):
+            info[0] = False
+            return q.new_empty(0)
         ctx.save_for_backward(qs, k3, v3, wv, full, m, beta, u, alpha, binv)
         ctx.shape = (b, h, nq, nk, causal, scale, lib, w is not None and w.requires_grad)
         ctx.w_shape = None if w is None else w.shape
