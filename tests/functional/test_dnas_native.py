@@ -154,3 +154,18 @@ def test_polynomial_exp_accuracy():
     ref = torch.exp(x[live].double())
     assert ((y[live].double() - ref).abs() / ref).max() < 4 * 2.0**-24  # a few ulp
     assert torch.equal(y[~live], torch.zeros_like(y[~live]))  # below e^-87 and -inf: exactly 0
+
+
+@pytest.mark.parametrize(("b", "h"), [(3, 2), (1, 4), (4, 1), (2, 5)])
+def test_add_mask_over_any_head_range(b, h):
+    """Every head range a chunk can be, against the mask broadcast head by head (whole batches
+    go in one add, partial ones at either end by themselves)."""
+    g = torch.Generator().manual_seed(0)
+    for fshape in [(b, h), (b, 1), (1, h), (1, 1)]:
+        full = torch.randn(*fshape, 3, 4, generator=g)
+        want = full.expand(b, h, 3, 4).reshape(b * h, 3, 4)
+        for h0 in range(b * h):
+            for h1 in range(h0 + 1, b * h + 1):
+                s = torch.zeros(h1 - h0, 3, 4)
+                native._add_mask(s, full, h, h0, h1)
+                assert torch.equal(s, want[h0:h1]), (fshape, h0, h1)

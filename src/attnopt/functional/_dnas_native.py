@@ -80,11 +80,21 @@ def _flat(x: Tensor | None, b: int, h: int, tail: tuple[int, ...]) -> Tensor | N
 
 
 def _add_mask(s: Tensor, full: Tensor, h: int, h0: int, h1: int) -> None:
-    """``s += mask`` for the flat heads ``[h0, h1)`` (``mask`` 4-D, batch / head dims 1 or full)."""
-    for bi in range(h0 // h, (h1 - 1) // h + 1):
-        lo, hi = max(h0, bi * h), min(h1, (bi + 1) * h)
-        mb = full[bi if full.shape[0] > 1 else 0]
-        s[lo - h0 : hi - h0].add_(mb[lo - bi * h : hi - bi * h] if mb.shape[0] > 1 else mb)
+    """``s += mask`` for the flat heads ``[h0, h1)`` (``mask`` 4-D, batch / head dims 1 or full):
+    the whole batches of the range in one broadcast add, a partial batch at either end by itself."""
+    b0, b1 = -(-h0 // h), h1 // h  # the whole batches [b0, b1)
+    if b0 < b1:
+        mb = full[b0:b1] if full.shape[0] > 1 else full
+        s[b0 * h - h0 : b1 * h - h0].view(-1, h, *s.shape[1:]).add_(mb)
+        parts = [(h0, b0 * h), (b1 * h, h1)]
+    else:  # no whole batch: the range lies in at most two batches
+        mid = (h0 // h + 1) * h
+        parts = [(h0, min(h1, mid)), (mid, h1)]
+    for lo, hi in parts:
+        if lo < hi:
+            bi = lo // h
+            mb = full[bi if full.shape[0] > 1 else 0]
+            s[lo - h0 : hi - h0].add_(mb[lo - bi * h : hi - bi * h] if mb.shape[0] > 1 else mb)
 
 
 def _admissible_rows(full: Tensor | None, kbias: Tensor | None, causal: bool, b: int, h: int, nq: int,
