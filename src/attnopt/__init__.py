@@ -27,11 +27,13 @@ from attnopt.functional import (
     softmax_weights,
     sparsemax,
 )
+from attnopt.functional.dispatch import backend
 
 __version__ = "0.1.0"
 
 __all__ = [
     "analysis",
+    "backend",
     "dual",
     "functional",
     "kernels",

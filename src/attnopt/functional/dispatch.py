@@ -36,13 +36,57 @@ The choice of the last call is observable: :data:`last_dispatch` maps a mechanis
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Literal
 
 import torch
 
-__all__ = ["Impl", "CROSSOVERS", "choose_impl", "last_dispatch", "check_impl"]
+__all__ = [
+    "BACKENDS", "Backend", "Impl", "CROSSOVERS", "backend", "check_impl", "choose_impl",
+    "current_backend", "last_dispatch",
+]
 
 Impl = Literal["auto", "materialized", "streaming"]
+
+#: Implementation families :func:`backend` can force, as ``torch.nn.attention.sdpa_kernel`` does
+#: for SDPA: ``"auto"`` lets each family's router choose; ``"reference"`` runs the plain-PyTorch
+#: reference (any device); ``"cpu"`` the CPU kernels; ``"triton"`` the GPU kernels.
+Backend = Literal["auto", "reference", "cpu", "triton"]
+BACKENDS: tuple[str, ...] = ("auto", "reference", "cpu", "triton")
+
+# a module-level cell (not a ContextVar): torch.compile guards on it like any global
+_BACKEND: list[str] = ["auto"]
+
+
+def current_backend() -> str:
+    """The backend forced by the innermost :func:`backend` block (``"auto"`` outside any)."""
+    return _BACKEND[0]
+
+
+@contextmanager
+def backend(name: str) -> Iterator[None]:
+    """Force one implementation family inside a ``with`` block (restored on exit).
+
+    Example::
+
+        with attnopt.backend("reference"):
+            out = attnopt.doubly_normalized_attention(q, k, v)
+        attnopt.functional.dispatch.last_dispatch["doubly_normalized"]  # names what ran
+
+    Args:
+        name: one of :data:`BACKENDS`.
+    Raises:
+        ValueError: unknown ``name``.
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"backend name must be one of {BACKENDS}, got {name!r}")
+    previous = _BACKEND[0]
+    _BACKEND[0] = name
+    try:
+        yield
+    finally:
+        _BACKEND[0] = previous
 
 #: Largest ``B·H·Nq·Nk`` at which ``auto`` materializes, per mechanism and dtype
 #: (``"half"`` = float16/bfloat16, computed in float32 by the materialized path).
