@@ -189,6 +189,7 @@ class _T5Bias(torch.autograd.Function):
     into the buckets."""
 
     @staticmethod
+    @_native.untraced
     def forward(ctx: Any, table: Tensor, buckets: Tensor, index: Tensor | None, nq: int, nk: int) -> Tensor:
         ctx.save_for_backward(buckets, index)
         ctx.rows = table.shape[0]
@@ -291,6 +292,7 @@ class ALiBiPreference(PreferenceModule):
         """
         return self._cached(query_len, key_len, self.slopes.dtype)
 
+    @_native.untraced
     def _cached(self, query_len: int, key_len: int, dtype: torch.dtype) -> Tensor:
         slopes = self.slopes
         key = (query_len, key_len, slopes.device, dtype)
