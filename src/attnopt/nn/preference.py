@@ -292,7 +292,6 @@ class ALiBiPreference(PreferenceModule):
         """
         return self._cached(query_len, key_len, self.slopes.dtype)
 
-    @_native.untraced
     def _cached(self, query_len: int, key_len: int, dtype: torch.dtype) -> Tensor:
         slopes = self.slopes
         key = (query_len, key_len, slopes.device, dtype)
