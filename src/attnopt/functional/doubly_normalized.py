@@ -451,7 +451,7 @@ def hybrid_normalized_attention(
         if fused is not None:
             return fused
     dn = doubly_normalized_attention(q, k, v, iterations=iterations, attn_mask=attn_mask, scale=scale,
-                                     is_causal=is_causal, impl="streaming")
+                                     is_causal=is_causal, causal="plan", impl="streaming")
     ln = doubly_normalized_attention(q, k, v, iterations=0, attn_mask=attn_mask, scale=scale,
                                      is_causal=is_causal)
     w = w.to(dn.dtype)
