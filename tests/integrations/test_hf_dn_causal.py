@@ -169,3 +169,22 @@ def test_encoder_is_unaffected():
         mp.undo()
         hf.register()
     assert calls and set(calls) == {"plan"}  # the ordinary mechanism; no causal mask in an encoder
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_generate_with_cache_equals_generate_without(name):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = LlamaForCausalLM._from_config(copy.deepcopy(CONFIGS["llama-gqa"][1]),
+                                          attn_implementation=name).double().eval()
+        ids = _ids(6, seed=5)
+        kw = {"max_new_tokens": 5, "do_sample": False, "output_scores": True, "return_dict_in_generate": True,
+              "pad_token_id": 0}
+        cached = m.generate(ids, use_cache=True, **kw)
+        fresh = m.generate(ids, use_cache=False, **kw)
+    assert torch.equal(cached.sequences, fresh.sequences)
+    for a, b in zip(cached.scores, fresh.scores, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
