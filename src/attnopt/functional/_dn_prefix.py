@@ -32,8 +32,9 @@ Cost (materialized, plain PyTorch ops, autograd through them). DNAS / HNAS: ``O(
 and the ``Nq × Nk`` scores in memory, as the materialized path of
 :mod:`._dnas_materialized`. Sinkhorn-K (K ≥ 2): each row solves its own ``(i + 1) × Nk``
 problem, ``O(K Nq² Nk)`` time, computed a chunk of rows at a time (``R × Nq × Nk`` live
-elements, :data:`CHUNK_ELEMENTS`); the backward keeps every chunk's normalizations,
-``O(K Nq² Nk)`` memory: meant for analysis and short sequences.
+elements, :data:`CHUNK_ELEMENTS`); with gradient each chunk is checkpointed and recomputed in
+the backward (one chunk's normalizations live at a time, the forward's time twice): meant for
+analysis and moderate sequence lengths.
 
 No streaming (O(N)-memory) path: the normalizer ``c_j^{(i)}`` belongs to a (query, key) pair, not
 to a key, so the flash passes of :mod:`._flash_cpu` / :mod:`._sinkhorn_chunked` (a per-key bias
@@ -48,7 +49,9 @@ from typing import Literal
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
+from attnopt._func import under_transform
 from attnopt._validation import additive_mask, causal_additive_mask, check_attention_inputs
 from attnopt.functional._softmax import safe_logsumexp, safe_softmax
 
@@ -111,22 +114,37 @@ def _normalize(x: Tensor, dim: int) -> Tensor:
     return x - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
 
 
+def _chunk_rows(block: Tensor, start: int, iterations: int) -> Tensor:
+    """Rows ``start..stop-1`` (``stop`` = the block's query count) of the per-prefix Sinkhorn-K."""
+    stop = block.shape[-2]
+    rows = torch.arange(start, stop, device=block.device)
+    keep = torch.arange(stop, device=block.device) <= rows.unsqueeze(-1)  # (R, stop): i' in row i's prefix
+    x = torch.where(keep.unsqueeze(-1), block.unsqueeze(-3), float("-inf"))  # (…, R, stop, Nk)
+    for _ in range(iterations):
+        x = _normalize(_normalize(x, -2), -1)
+    return torch.exp(x[..., torch.arange(stop - start, device=block.device), rows, :])
+
+
 def _sinkhorn_rows(s: Tensor, iterations: int, first_row: int) -> Tensor:
-    """Rows ``first_row..Nq-1`` of the per-prefix Sinkhorn-K weights (see the module docstring)."""
+    """Rows ``first_row..Nq-1`` of the per-prefix Sinkhorn-K weights (see the module docstring).
+
+    With gradient, each chunk is checkpointed (recomputed in the backward): the backward then
+    holds one chunk's ``K`` normalizations at a time instead of all of them.
+    """
     nq, nk = s.shape[-2], s.shape[-1]
     lead = 1
     for n in s.shape[:-2]:
         lead *= n
     chunk = max(1, CHUNK_ELEMENTS // max(1, lead * nq * nk))
+    recompute = s.requires_grad and torch.is_grad_enabled() and not under_transform()
     out = []
     for start in range(first_row, nq, chunk):
-        stop = min(nq, start + chunk)
-        rows = torch.arange(start, stop, device=s.device)
-        keep = torch.arange(stop, device=s.device) <= rows.unsqueeze(-1)  # (R, stop): i' in row i's prefix
-        x = torch.where(keep.unsqueeze(-1), s[..., :stop, :].unsqueeze(-3), float("-inf"))  # (…, R, stop, Nk)
-        for _ in range(iterations):
-            x = _normalize(_normalize(x, -2), -1)
-        out.append(torch.exp(x[..., torch.arange(stop - start, device=s.device), rows, :]))
+        block = s[..., : min(nq, start + chunk), :]
+        if recompute:
+            rows = checkpoint(_chunk_rows, block, start, iterations, use_reentrant=False)
+        else:
+            rows = _chunk_rows(block, start, iterations)
+        out.append(rows)
     if not out:
         return s[..., first_row:, :] * 0
     return torch.cat(out, dim=-2)
