@@ -76,7 +76,11 @@ def test_encoder_padding_without_n_by_n_mask_equals_the_old_mask(name: str, opts
 
 def _seq2seq(name: str, opts: dict[str, Any], decoder: str | None = None) -> EncoderDecoder:
     torch.manual_seed(0)
-    o = _options(name, opts)
+    o: Any = _options(name, opts)
+    if attention_spec(decoder or name).defaults.get("causal", False) is None:
+        # normalizations over queries: the decoder's self-attention is autoregressive (causal="prefix",
+        # the default under is_causal); the old explicit causal mask asks for it by name
+        o = {"encoder": o, "decoder": {**o, "causal": "prefix"}, "cross": o}
     return EncoderDecoder(
         src_vocab_size=11, tgt_vocab_size=9, d_model=8, num_heads=2, num_encoder_layers=1,
         num_decoder_layers=2, encoder_attention=name, decoder_attention=decoder or name,

@@ -25,9 +25,10 @@ t5             generalized attention, T5 preference (fenchel 17)  num_buckets (3
 alibi          generalized attention, ALiBi preference            —
 mem            exact MEM / Fenchel-dual attention (fenchel 7, 9)  scale (1/√d), tol (1e-6),
                                                                   max_iter (50)
-dnas           doubly-normalized attention (DNAS, eq. 6–8)        —
-hnas           hybrid w·DNAS + (1−w)·LNAS, learned w (Sec. 6)     init_weight (0.5), per_head (False)
-sinkhorn       K Sinkhorn normalizations (eq. 10)                 iterations (3)
+dnas           doubly-normalized attention (DNAS, eq. 6–8)        causal (None)
+hnas           hybrid w·DNAS + (1−w)·LNAS, learned w (Sec. 6)     init_weight (0.5), per_head (False),
+                                                                  causal (None)
+sinkhorn       K Sinkhorn normalizations (eq. 10)                 iterations (3), causal (None)
 sparsemax      Ω = ½‖p‖² (one-sided EOT Prop. 4.2)                —
 entmax         Ω = Tsallis α (Prop. 4.3)                          alpha (1.5)
 rbf-only       RBF similarity, no magnitude (implicit-kernel T2)  —
@@ -49,6 +50,12 @@ the same attention exactly in O(N) time and memory (implicit-kernel-attention §
 features ``φ(x)⊗φ(x)``); it takes ``key_padding_mask``, ``query_padding_mask`` and ``is_causal``
 (as :mod:`attnopt.models` passes them, also in a padded causal decoder), but not another
 query-dependent ``attn_mask``.
+
+``causal`` (``dnas``, ``hnas``, ``sinkhorn``): a causal mask restricts the transport plan but does
+not make a normalization over queries autoregressive. ``None`` runs the autoregressive
+``"prefix"`` variant when the module is called with ``is_causal=True`` (a decoder: no future
+leak); ``"prefix"`` always normalizes over the queries up to each row (e.g. a decoder's
+cross-attention); ``"plan"`` keeps the masked plan, which reads later queries (analysis).
 
 The Hugging Face registration (:mod:`attnopt.integrations.hf`) and ``attnopt train`` use
 the same names.
@@ -110,16 +117,17 @@ def _mem(e: int, h: int, *, scale: float | None, tol: float, max_iter: int) -> n
     return MEMAttention(e, h, scale=scale, tol=tol, max_iter=max_iter)
 
 
-def _dn(e: int, h: int, *, iterations: int = 1) -> nn.Module:
+def _dn(e: int, h: int, *, iterations: int = 1, causal: str | None = None) -> nn.Module:
     from attnopt.nn.doubly_normalized import DoublyNormalizedMultiheadAttention
 
-    return DoublyNormalizedMultiheadAttention(e, h, iterations=iterations)
+    return DoublyNormalizedMultiheadAttention(e, h, iterations=iterations, causal=causal)  # type: ignore[arg-type]
 
 
-def _hnas(e: int, h: int, *, init_weight: float, per_head: bool) -> nn.Module:
+def _hnas(e: int, h: int, *, init_weight: float, per_head: bool, causal: str | None = None) -> nn.Module:
     from attnopt.nn.doubly_normalized import HybridNormalizedMultiheadAttention
 
-    return HybridNormalizedMultiheadAttention(e, h, init_weight=init_weight, per_head=per_head)
+    return HybridNormalizedMultiheadAttention(e, h, init_weight=init_weight, per_head=per_head,
+                                              causal=causal)  # type: ignore[arg-type]
 
 
 def _sparsemax(e: int, h: int) -> nn.Module:
@@ -191,15 +199,15 @@ _SPECS: tuple[AttentionSpec, ...] = (
         {"scale": None, "tol": 1e-6, "max_iter": 50},
         _mem,
     ),
-    AttentionSpec("dnas", "doubly-normalized attention (one Sinkhorn step)", _DN, {}, _dn),
+    AttentionSpec("dnas", "doubly-normalized attention (one Sinkhorn step)", _DN, {"causal": None}, _dn),
     AttentionSpec(
         "hnas",
         "hybrid w*DNAS + (1-w)*LNAS with learned w",
         _DN,
-        {"init_weight": 0.5, "per_head": False},
+        {"init_weight": 0.5, "per_head": False, "causal": None},
         _hnas,
     ),
-    AttentionSpec("sinkhorn", "K Sinkhorn normalizations", _DN, {"iterations": 3}, _dn),
+    AttentionSpec("sinkhorn", "K Sinkhorn normalizations", _DN, {"iterations": 3, "causal": None}, _dn),
     AttentionSpec("sparsemax", "sparsemax (squared-L2 regularizer)", _EOT, {}, _sparsemax),
     AttentionSpec("entmax", "alpha-entmax (Tsallis regularizer)", _EOT, {"alpha": 1.5}, _entmax),
     AttentionSpec("rbf-only", "RBF similarity without the magnitude term", _IK, {}, _kernel("rbf-only")),
