@@ -229,7 +229,8 @@ class MultiheadBase(nn.Module):
         result equals passing the ``Nq × Nk`` mask ``key padding ∪ query padding``.
 
         Dropout (``dropout`` of the constructor, training mode only) acts on the attention
-        weights before the sum over values; the returned weights are the ones before dropout.
+        weights before the sum over values. The returned weights are the mechanism's, before
+        dropout (``nn.MultiheadAttention`` returns them after its dropout): what analysis reads.
 
         Args:
             need_weights: also return the attention weights (default ``False``, see above).
