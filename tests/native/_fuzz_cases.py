@@ -33,7 +33,9 @@ def _layout(draw: Any, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Ge
     return torch.randn(shape, generator=gen, dtype=dtype)
 
 
-def _qkv(draw: Any, dtype: torch.dtype, gen: torch.Generator, same_len: bool = False) -> tuple[torch.Tensor, ...]:
+def _qkv(
+    draw: Any, dtype: torch.dtype, gen: torch.Generator, same_len: bool = False
+) -> tuple[torch.Tensor, ...]:
     b, h = draw(st.integers(1, 3)), draw(st.integers(1, 3))
     nq = draw(LENGTHS)
     nk = nq if same_len else draw(LENGTHS)
@@ -74,7 +76,9 @@ def dnas(draw: Any, dtype: torch.dtype, gen: torch.Generator) -> tuple[Fn, tuple
     return fn, (q, k, v, w)
 
 
-def sparse_attention(draw: Any, dtype: torch.dtype, gen: torch.Generator) -> tuple[Fn, tuple[torch.Tensor, ...]]:
+def sparse_attention(
+    draw: Any, dtype: torch.dtype, gen: torch.Generator
+) -> tuple[Fn, tuple[torch.Tensor, ...]]:
     causal = draw(st.booleans())
     q, k, v = _qkv(draw, dtype, gen, same_len=causal)
     mask = None if causal else _key_padding(draw, q, k)
@@ -82,7 +86,8 @@ def sparse_attention(draw: Any, dtype: torch.dtype, gen: torch.Generator) -> tup
     impl = draw(st.sampled_from(["auto", "materialized", "streaming"]))
 
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return attnopt.regularized_attention(q, k, v, regularizer=reg, attn_mask=mask, is_causal=causal, impl=impl)
+        return attnopt.regularized_attention(q, k, v, regularizer=reg, attn_mask=mask, is_causal=causal,
+                                             impl=impl)
 
     return fn, (q, k, v)
 

@@ -57,6 +57,7 @@ from attnopt.functional import _flash_cpu as fc
 from attnopt.functional import dispatch
 from attnopt.functional._autograd import under_transform
 from attnopt.functional._dnas_materialized import dispatched_sinkhorn
+from attnopt.functional._dropout import check_dropout_p, dropout_attention
 from attnopt.functional._sinkhorn_chunked import chunked_attn_pass, chunked_lse_pass
 from attnopt.functional._softmax import safe_logsumexp, safe_softmax
 from attnopt.functional.generalized import generalized_attention
@@ -212,6 +213,7 @@ def doubly_normalized_attention(
     scale: float | None = None,
     is_causal: bool = False,
     causal: prefix.Causal | None = None,
+    dropout_p: float = 0.0,
     impl: dispatch.Impl = "auto",
 ) -> Tensor:
     r"""Doubly-normalized attention (DNAS) and Sinkhorn-K, doubly-normalized-attention eq. (6)–(8), (10).
@@ -250,6 +252,12 @@ def doubly_normalized_attention(
             column normalization runs over every query — under ``is_causal`` row ``i`` reads the
             queries after ``i`` (not autoregressive; for analysis). ``None`` (default):
             ``"prefix"`` if ``is_causal`` else ``"plan"``.
+        dropout_p: dropout probability on the weights ``π`` before the sum over values (as in
+            SDPA: applied whenever > 0, the modules pass 0 in ``eval()``). A call with
+            ``dropout_p > 0`` runs on the materialized ``Nq × Nk`` weights (plain PyTorch ops,
+            :mod:`._dropout`; ``impl`` is then ignored and ``last_dispatch`` says
+            ``"materialized"``; with the
+            prefix variant the dropout falls on its weights).
         impl: ``"streaming"`` (the O(N)-memory passes above), ``"materialized"`` (one fused
             pass over the ``Nq × Nk`` scores, :mod:`._dnas_materialized`; fastest at short
             sequences) or ``"auto"`` (by size, :func:`attnopt.functional.dispatch.choose_impl`;
@@ -274,9 +282,20 @@ def doubly_normalized_attention(
     alpha = resolve_scale(scale, q.shape[-1])
     dispatch.check_impl(impl)
     use_prefix = _use_prefix(causal, is_causal, impl, iterations)
+    dropout_p = check_dropout_p(dropout_p)
     empty = empty_attention(q, k, v)
     if empty is not None:
         return empty
+    if dropout_p > 0.0:  # the streaming / fused passes never hold π: drop on the materialized weights
+        name = "doubly_normalized" if iterations == 1 else "sinkhorn"
+        if use_prefix:
+            dispatch.record(name, "prefix")
+            weights = prefix.prefix_weights(q, k, iterations=iterations, attn_mask=attn_mask, scale=alpha,
+                                            is_causal=is_causal)
+        else:
+            dispatch.record(name, "materialized")
+            weights = _weights(q, k, iterations, attn_mask, alpha, is_causal)
+        return dropout_attention(weights, v, dropout_p, q.dtype)
     if iterations == 0:
         return _lnas(q, k, v, attn_mask, alpha, is_causal)
     if use_prefix:
@@ -396,6 +415,7 @@ def hybrid_normalized_attention(
     scale: float | None = None,
     is_causal: bool = False,
     causal: prefix.Causal | None = None,
+    dropout_p: float = 0.0,
     impl: dispatch.Impl = "auto",
 ) -> Tensor:
     r"""Hybrid normalized attention (HNAS), doubly-normalized-attention Sec. 6.
@@ -413,6 +433,8 @@ def hybrid_normalized_attention(
         q, k, v, attn_mask, scale, is_causal, causal: as :func:`doubly_normalized_attention`;
             ``causal="prefix"`` (the default with ``is_causal``) mixes the autoregressive
             doubly-normalized rows with the causal softmax (LNAS), so HNAS is autoregressive too.
+        dropout_p: dropout on the mixed weights ``w π^DNAS + (1 − w) π^LNAS`` (as
+            :func:`doubly_normalized_attention`: materialized when > 0).
         weight: mixing weight ``w`` in [0, 1]: a 0-d tensor or one value per head ``(H,)``.
         iterations: Sinkhorn steps of the doubly-normalized term (default 1 = DNAS).
         impl: ``"materialized"`` shares one score matrix between both terms and mixes the
@@ -430,6 +452,7 @@ def hybrid_normalized_attention(
     validate_attention(q, k, v, attn_mask)
     w = _check_weight(weight, q)
     dispatch.check_impl(impl)
+    dropout_p = check_dropout_p(dropout_p)
     empty = empty_attention(q, k, v, weight)
     if empty is not None:
         _use_prefix(causal, is_causal, impl, _check_iterations(iterations))
@@ -437,8 +460,19 @@ def hybrid_normalized_attention(
     iterations = _check_iterations(iterations)
     if _use_prefix(causal, is_causal, impl, iterations):
         dispatch.record("hybrid_normalized", "prefix")
+        if dropout_p > 0.0:
+            mixed = prefix.prefix_weights(q, k, iterations=iterations, attn_mask=attn_mask,
+                                          scale=resolve_scale(scale, q.shape[-1]), is_causal=is_causal,
+                                          weight=w)
+            return dropout_attention(mixed, v, dropout_p, q.dtype)
         return prefix.prefix_attention(q, k, v, iterations=iterations, attn_mask=attn_mask,
                                        scale=resolve_scale(scale, q.shape[-1]), is_causal=is_causal, weight=w)
+    if dropout_p > 0.0:  # dropout on the mixed, materialized weights (see doubly_normalized_attention)
+        alpha = resolve_scale(scale, q.shape[-1])
+        dn = _weights(q, k, iterations, attn_mask, alpha, is_causal)
+        mixed = torch.lerp(_weights(q, k, 0, attn_mask, alpha, is_causal), dn, w.to(dn.dtype))
+        dispatch.record("hybrid_normalized", "materialized")
+        return dropout_attention(mixed, v, dropout_p, q.dtype)
     if under_transform() or q.is_meta:  # torch.func, meta: plain ops (see doubly_normalized_attention)
         alpha = resolve_scale(scale, q.shape[-1])
         dn = _weights(q, k, iterations, attn_mask, alpha, is_causal)
