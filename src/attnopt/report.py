@@ -47,11 +47,14 @@ def format_duration(seconds: float) -> str:
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A GitHub-flavoured Markdown table; cells go through :func:`format_value`."""
+    """A GitHub-flavoured Markdown table; cells go through :func:`format_value`.
+
+    A ``|`` inside a header or a cell (``max |Δ|``) is escaped as ``\\|``, so it stays text.
+    """
     def cell(x: Any) -> str:
         return format_value(x).replace("|", "\\|").replace("\n", " ")
 
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines = ["| " + " | ".join(cell(h) for h in headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     lines += ["| " + " | ".join(cell(x) for x in row) + " |" for row in rows]
     return "\n".join(lines)
 
