@@ -169,6 +169,7 @@ class SentenceClassification(Task):
         batch_size=64,
         sizes={"d_model": 32, "num_heads": 4, "num_layers": 1, "max_len": 16, "num_samples": 8},
     )
+    extra_sizes = {"dropout": float, "attention_mode": str}  # --size knobs no scale sets
     full = Scale(
         epochs=20,
         seeds=5,

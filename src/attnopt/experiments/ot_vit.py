@@ -129,6 +129,7 @@ class OTViTTask(Task):
         batch_size=64,
         sizes={"d_model": 32, "num_heads": 4, "num_layers": 2, "patch_size": 2, "dropout": 0.1},
     )
+    extra_sizes = {"train_limit": int, "bank_p": float}  # --size knobs no scale sets
     full = Scale(
         epochs=40,
         seeds=5,
