@@ -112,6 +112,7 @@ class OnlyTorchAndNumpy(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, OnlyTorchAndNumpy())
 import torch, attnopt
 assert attnopt.__file__.startswith({str(wheel)!r}), attnopt.__file__
+assert torch.__file__.startswith(tuple({site_dirs!r})), torch.__file__  # this environment's torch
 q = torch.randn(1, 2, 4, 8)
 assert attnopt.generalized_attention(q, q, q).shape == (1, 2, 4, 8)
 from attnopt.cli import main
