@@ -87,3 +87,21 @@ def test_html_falls_back_without_markdown_it(tmp_path, monkeypatch):
     _, html = write_report(tmp_path, "r", "T", [Section("S", text="Verdict: reproduced\n\n| a |\n|---|")])
     h = html.read_text()
     assert 'class="reproduced"' in h and "<pre>| a |" in h
+
+
+def test_report_has_provenance_and_coloured_summary_verdicts(tmp_path):
+    import torch
+
+    from attnopt import __version__
+
+    rows = [("a", "reproduced"), ("b", "partially reproduced"), ("c", "not reproduced"), ("d", "skipped")]
+    md, html = write_report(tmp_path, "r", "T", [Section("Summary", headers=("claim", "verdict"), rows=rows)])
+    first = md.read_text().splitlines()[2]
+    assert first.startswith("*Generated ") and " UTC by attnopt " + __version__ in first
+    assert f"torch {torch.__version__}" in first and "logical cores" in first
+    h = html.read_text()
+    assert 'class="provenance"' in h
+    assert '<td class="reproduced">reproduced</td>' in h and '<td class="partially">partially' in h
+    assert '<td class="not">not reproduced</td>' in h and "<td>skipped</td>" in h and "<td>a</td>" in h
+    md2, _ = write_report(tmp_path, "s", "T", [], stamp=False)
+    assert "Generated" not in md2.read_text()
