@@ -154,6 +154,8 @@ class SentenceClassification(Task):
     paper = "implicit-kernel-attention"
     table = "Table 2 (+ Fig. 2: attention maps of ikan and mikan)"
     metric = "accuracy"
+    metric_unit = "%"
+    metric_scale = 100.0  # evaluate() gives a fraction; the paper a percentage
     higher_is_better = True
     arms: Mapping[str, Mapping[str, Any]] = {
         a: arm_options(a, p=P_CLASSIFICATION, num_samples=8) for a in ARMS

@@ -203,6 +203,7 @@ class PretrainFinetuneTask(Task):
     paper = "doubly-normalized-attention"
     table = "Table 3, Fig. 4 (HNAS weight per layer)"
     metric = "pair_accuracy"
+    metric_unit = "%"
     arms = {"lnas": {"attention": "lnas"}, "hnas": {"attention": "hnas"}}
     default_arms = ("lnas", "hnas")
     lr_grid = (2e-3,)
