@@ -28,11 +28,21 @@ def test_fraction_accuracy_is_shown_in_the_papers_percent(tmp_path: Path) -> Non
     assert "| 81.00 ± " in row and "—" not in row.split("|")[3]
 
 
-def test_every_task_states_its_papers_unit_consistently() -> None:
-    for name in ("multiview-fusion", "node-classification", "sentence-classification", "pretrain-finetune"):
+def test_every_accuracy_is_shown_in_percent_beside_the_papers_percent() -> None:
+    for name in ("multiview-fusion", "node-classification", "sentence-classification", "pretrain-finetune",
+                 "ot-vit"):
         task = get_task(name)
         assert task.metric_unit == "%", name
-        assert all(v > 1 for tab in task.paper_results.values() for v in tab.values()), name
+        paper = [v * task.paper_scale for tab in task.paper_results.values() for v in tab.values()]
+        assert paper and all(1 < v <= 100 for v in paper), name
+
+
+def test_a_fraction_paper_is_converted_too(tmp_path: Path) -> None:
+    task = get_task("ot-vit")
+    rec = {**_rec("vit", 0, 0.9), "dataset": "fashion-mnist"}
+    md = write_results_md(task, [rec], tmp_path / "r.md").read_text()
+    row = next(ln for ln in md.splitlines() if ln.startswith("| vit |"))
+    assert "| 90.00 ± — | 1 | 92.8 |" in row
 
 
 def test_one_run_has_no_interval() -> None:

@@ -78,8 +78,8 @@ def _table(task: Task, records: Sequence[Mapping[str, Any]]) -> list[str]:
             pv = paper_value(task, d, arm, lr)
             lines.append(
                 f"| {arm} | {lr:g} | {mean_ci_text(s['mean'] * sc, s['ci'] * sc, s['n'], digits)} "
-                f"| {s['n']} | "
-                f"{'—' if pv is None else f'{pv:g}'} | {step:.2f} | {rs[0].get('n_params', '')} |"
+                f"| {s['n']} | {'—' if pv is None else f'{pv * task.paper_scale:g}'} "
+                f"| {step:.2f} | {rs[0].get('n_params', '')} |"
             )
         lines.append("")
     return lines

@@ -136,10 +136,12 @@ class Task:
     full: Scale = Scale(epochs=10, seeds=5, batch_size=32)
     folds: int = 1
     description: str = ""
-    #: the unit of ``paper_results`` (and so of ``metric`` in results.md), e.g. ``"%"``
+    #: the unit ``metric`` is shown in (results.md), e.g. ``"%"``; the paper's numbers beside it too
     metric_unit: str = ""
     #: factor from :meth:`evaluate`'s ``metric`` to ``metric_unit`` (100: a fraction shown in %)
     metric_scale: float = 1.0
+    #: factor from ``paper_results`` to ``metric_unit`` (100: the paper gives a fraction)
+    paper_scale: float = 1.0
     #: size knobs the task reads (``cfg.size(key, default)``) that neither scale sets -> their type
     extra_sizes: Mapping[str, type] = {}
 

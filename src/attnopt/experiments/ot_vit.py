@@ -104,6 +104,9 @@ class OTViTTask(Task):
     paper = "fenchel-dual-attention"
     table = "Table 1 (LR grid, CIFAR-100) and Table 2 (Fashion-MNIST, CIFAR-10, CIFAR-100)"
     metric = "accuracy"
+    metric_unit = "%"  # evaluate() and the paper give fractions; results.md shows %
+    metric_scale = 100.0
+    paper_scale = 100.0
     description = "ViT vs OT-ViT (last layer OT-based attention, same-class template bank in training)"
     arms = {"vit": {"ot_last_layer": False}, "ot-vit": {"ot_last_layer": True}}
     default_arms = ("vit", "ot-vit")
