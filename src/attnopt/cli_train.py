@@ -198,7 +198,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from attnopt.experiments._engine import is_global_zero
 
     if is_global_zero():
-        print(f"{len(records)} runs in {time.perf_counter() - t0:.0f}s -> {out}/results.md")
+        n = len(records)
+        print(f"{n} run{'' if n == 1 else 's'} in {time.perf_counter() - t0:.0f}s -> {out}/results.md")
         md = out / "results.md"
         if md.is_file():
             print(md.read_text(encoding="utf-8"))

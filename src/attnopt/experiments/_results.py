@@ -98,7 +98,7 @@ def write_results_md(task: Task, records: Sequence[Mapping[str, Any]], path: Pat
     head = [
         f"# {task.name}: {task.paper}, {task.table}",
         "",
-        f"{len(records)} runs ({_scale_name(scale)} scale, "
+        f"{len(records)} run{'' if len(records) == 1 else 's'} ({_scale_name(scale)} scale, "
         f"epochs {epochs}). Mean ± 95 % Student-t CI over seeds; the paper's numbers come from its own "
         "(larger) setting, so they are a reference, not a target at this scale.",
         "",
