@@ -82,9 +82,14 @@ def _run(args: list[str]) -> None:
 
 
 def _demote_title(md: str, title: str) -> tuple[str, str]:
-    """Replace the first ``# `` heading by ``title``; return (heading line, rest)."""
+    """Replace the first ``# `` heading by ``title``, drop the report's own provenance line
+    (the page's stamp says more); return (heading line, rest)."""
     lines = md.splitlines()
     if lines and lines[0].startswith("# "):
+        lines = lines[1:]
+    while lines and not lines[0].strip():
+        lines = lines[1:]
+    if lines and lines[0].startswith("*Generated "):
         lines = lines[1:]
     return f"# {title}\n", "\n".join(lines).lstrip("\n") + "\n"
 

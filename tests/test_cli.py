@@ -18,3 +18,31 @@ def test_reproduce_unknown_paper_exits_2(tmp_path, capsys):
 def test_bench_unknown_suite_exits_2(capsys):
     assert main(["bench", "--only", "nope", "--quick", "--no-memory"]) == 2
     assert "unknown bench suite" in capsys.readouterr().err
+
+
+def test_bench_help_lists_every_suite():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from attnopt.bench._harness import all_suites
+
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, "-m", "attnopt", "bench", "--help"], capture_output=True, text=True,
+                         timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(root / "src")})
+    assert res.returncode == 0, res.stderr
+    listed = res.stdout.split("suites (--only NAME[,NAME]):", 1)[1].split()
+    for name in all_suites():
+        assert name in listed, name
+
+
+def test_bench_threads_1_runs_no_two_thread_row(capsys):
+    from attnopt.bench._harness import BenchContext
+
+    assert BenchContext(threads=1).thread_counts((1, 2)) == [1]
+    assert BenchContext(threads=4).thread_counts((1, 2)) == [1, 2]
+    assert BenchContext().thread_counts((1, 2)) == [1, 2]
+    args = ["bench", "--only", "regularized", "--quick", "--no-memory", "--repeat", "1", "--threads", "1"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "1 thread" in out and "2 threads" not in out

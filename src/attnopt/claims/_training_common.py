@@ -92,9 +92,10 @@ def combine_verdicts(verdicts: Sequence[Verdict]) -> Verdict:
     return "not reproduced"
 
 
-def fmt_ci(m: float, h: float, *, digits: int = 2, scale: float = 1.0) -> str:
-    """``"mean ± half-width"`` (both times ``scale``) with ``digits`` decimals."""
-    return f"{m * scale:.{digits}f} ± {h * scale:.{digits}f}"
+def fmt_ci(m: float, h: float, *, digits: int = 2, scale: float = 1.0, n: int | None = None) -> str:
+    """``"mean ± half-width"`` (both times ``scale``) with ``digits`` decimals; ``"mean ± —"``
+    when ``n`` says there was one run (no interval can be estimated)."""
+    return f"{m * scale:.{digits}f} ± " + ("—" if n is not None and n < 2 else f"{h * scale:.{digits}f}")
 
 
 def mean_ci_table(
@@ -123,7 +124,8 @@ def mean_ci_table(
             if show_missing:
                 rows.append([arm, *["not run"] * len(metrics), 0, paper.get(arm, "")])
             continue
-        cells = [fmt_ci(*arm_stats(recs, arm, m)[:2], digits=digits, scale=scale) for m in metrics]
+        stats = [arm_stats(recs, arm, m) for m in metrics]
+        cells = [fmt_ci(m_, h_, digits=digits, scale=scale, n=n_) for m_, h_, n_ in stats]
         rows.append([arm, *cells, arm_stats(recs, arm, metrics[0])[2], paper.get(arm, "")])
     return markdown_table(["arm", *[f"{m} (mean ± 95% CI)" for m in metrics], count, "paper"], rows)
 

@@ -126,6 +126,7 @@ class MultiviewFusionTask(Task):
     paper = "doubly-normalized-attention"
     table = "Table 1, Fig. 3 (HNAS weight), Fig. 1 (column mass during training)"
     metric = "accuracy"
+    metric_unit = "%"
     arms = {"single-view": {"fusion": None}, "concat": {"fusion": "concat"}, "lnas": {"fusion": "lnas"},
             "dnas": {"fusion": "dnas"}, "hnas": {"fusion": "hnas"}}
     default_arms = ("single-view", "concat", "lnas", "dnas", "hnas")
