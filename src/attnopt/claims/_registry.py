@@ -26,8 +26,8 @@ __all__ = [
     "verdict",
 ]
 
-Verdict = Literal["reproduced", "partially reproduced", "not reproduced"]
-_VERDICTS = ("reproduced", "partially reproduced", "not reproduced")
+Verdict = Literal["reproduced", "partially reproduced", "not reproduced", "inconclusive"]
+_VERDICTS = ("reproduced", "partially reproduced", "not reproduced", "inconclusive")
 #: Extras a claim needs by default: nearly every claim draws a figure.
 DEFAULT_REQUIRES: tuple[str, ...] = ("plots",)
 
@@ -44,16 +44,25 @@ class ClaimResult:
     """What a claim measured and what it concludes.
 
     Attributes:
-        verdict: one of ``"reproduced"``, ``"partially reproduced"``, ``"not reproduced"``.
+        verdict: one of ``"reproduced"``, ``"partially reproduced"``, ``"not reproduced"``,
+            ``"inconclusive"`` (trained claims: the run cannot decide, see
+            :mod:`attnopt.claims._verdict`).
         summary: one sentence: what was measured against what the paper states.
         figures: the key measured numbers (name -> value), shown in the summary table.
         details: optional Markdown (tables of sweeps, notes on the reduced scale).
+        reason: why this verdict, in one clause (trained claims: the effect's CI or the failed
+            sanity gate); empty when the summary says it.
+        training: trained claims' machine-readable record (report.json's ``training``:
+            ``metric``, ``higher_is_better``, ``arms``, ``baseline``, ``effect``; see
+            :func:`attnopt.claims._verdict.training_record`); ``None`` for theory claims.
     """
 
     verdict: Verdict
     summary: str
     figures: Mapping[str, Any] = field(default_factory=dict)
     details: str = ""
+    reason: str = ""
+    training: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.verdict not in _VERDICTS:
