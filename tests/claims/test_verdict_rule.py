@@ -28,7 +28,8 @@ def _recs(arm_values: dict[str, list[float]], metric: str = "accuracy") -> list[
 
 
 def _passing_gate():  # noqa: ANN202
-    return sanity_gate({"a": 90.0, "b": 80.0}, name="logistic regression", value=70.0, margin=1.0, chance=10.0)
+    return sanity_gate({"a": 90.0, "b": 80.0}, name="logistic regression", value=70.0, margin=1.0,
+                       chance=10.0)
 
 
 def test_effect_ci_is_student_t():
@@ -107,14 +108,16 @@ def test_gate_lower_is_better():
     assert not lose.passed
 
 
-def test_combine_partially_only_with_a_part_reproduced_and_none_contradicted():
+def test_combine_partially_only_with_some_part_reproduced():
     r, n, i = (Judgement("reproduced", "x"), Judgement("not reproduced", "y"), Judgement("inconclusive", "z"))
     assert combine({"a": r, "b": r}).verdict == "reproduced"
     assert combine({"a": r, "b": i}).verdict == "partially reproduced"
     assert combine({"a": n, "b": i}).verdict == "not reproduced"
-    assert combine({"a": r, "b": n}).verdict == "inconclusive"
+    assert combine({"a": r, "b": n}).verdict == "partially reproduced"
     assert combine({"a": i, "b": i}).verdict == "inconclusive"
     assert combine({"a": n}).verdict == "not reproduced"
+    p = Judgement("partially reproduced", "w")
+    assert combine({"a": p, "b": i}).verdict == "partially reproduced"
 
 
 def test_non_finite_differences_raise():

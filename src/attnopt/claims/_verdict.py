@@ -18,7 +18,7 @@ decide (:func:`judge_effect`):
   difference to mean anything).
 
 *Partially reproduced* exists only for claims with several parts (:func:`combine`): some
-parts reproduced, none contradicted. A single effect of the wrong sign is never "partially".
+parts reproduced, not all. A single effect of the wrong sign is never "partially".
 
 Every outcome comes with its reason in words, e.g. ``"undertrained: best arm 0.55 vs
 logistic regression 0.97"`` or ``"underpowered: CI ± 3.2 vs the paper's effect 0.56; about
@@ -272,23 +272,25 @@ def judge_effect(effect: Effect, *, gate: Gate | None = None, unit: str = "") ->
 def combine(parts: Mapping[str, Judgement]) -> Judgement:
     """The verdict of a claim with several parts.
 
-    Reproduced: every part is. Partially reproduced: some part is and none is contradicted
-    (not reproduced). Not reproduced: some part is contradicted and none reproduced.
-    Inconclusive otherwise (every part inconclusive, or parts that contradict each other:
-    some reproduced, some not). The reason lists every part.
+    Reproduced: every part is. Partially reproduced: some part is (or is itself partially
+    reproduced), not all — the claim holds in part. Not reproduced: some part is
+    contradicted and none reproduced. Inconclusive: every part inconclusive. The reason lists
+    every part.
     """
     if not parts:
         return Judgement("inconclusive", "no parts")
-    vs = [j.verdict for j in parts.values()]
-    reason = "; ".join(f"{k}: {j.verdict} ({j.reason})" for k, j in parts.items())
     if len(parts) == 1:
         return next(iter(parts.values()))
+    vs = [j.verdict for j in parts.values()]
+    reasons = {j.reason for j in parts.values()}
+    if len(set(vs)) == 1 and len(reasons) == 1:  # e.g. one failed sanity gate behind every part
+        return Judgement(vs[0], reasons.pop())
+    reason = "; ".join(f"{k}: {j.verdict} ({j.reason})" for k, j in parts.items())
     if all(v == "reproduced" for v in vs):
         return Judgement("reproduced", reason)
-    ok, bad = "reproduced" in vs, "not reproduced" in vs
-    if ok and not bad:
+    if "reproduced" in vs or "partially reproduced" in vs:
         return Judgement("partially reproduced", reason)
-    if bad and not ok:
+    if "not reproduced" in vs:
         return Judgement("not reproduced", reason)
     return Judgement("inconclusive", reason)
 
