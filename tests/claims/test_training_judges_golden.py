@@ -78,7 +78,7 @@ def _records(arms: dict[str, float], *, seed: int, sign: float, n: int = 3, fold
 
 
 def _as_text(res: ClaimResult | tuple) -> dict[str, str]:
-    if isinstance(res, tuple):  # judge_ranking / judge_fig5_spectral: Judged(verdict, summary, figures, table, ...)
+    if isinstance(res, tuple):  # judge_ranking / judge_fig5_spectral: Judged(verdict, summary, ...)
         res = ClaimResult(res[0], res[1], res[2], res[3], reason=res[4])
     return {
         "verdict": res.verdict,

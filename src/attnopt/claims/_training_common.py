@@ -43,7 +43,7 @@ def run_records(
 ) -> list[dict]:
     """The engine's records of ``task`` at the context's scale, run once per (task, scale,
     out_dir, seed) and kept in ``cache`` (claims that judge the same runs share them)."""
-    key = (task, ctx.quick, str(ctx.out_dir), ctx.seed)
+    key = (task, ctx.scale, str(ctx.out_dir), ctx.seed)
     if key not in cache:
         from attnopt.experiments._engine import run_task
 
@@ -192,7 +192,7 @@ def scale_note(
         ran = describe_runs(planned()) + " (as planned; the records carry no config)"
     else:
         ran = "scale unknown (the records carry no config)"
-    mode = "quick" if ctx.quick else "full"
+    mode = ctx.scale
     return (
         f"\n\nScale ({mode}): {what}; {ran}. The paper's data are not available offline; "
         "see the task's docstring for the stand-in."

@@ -65,11 +65,16 @@ class QuickPlan(_QuickPlanRequired, total=False):
     seeds: tuple[int, ...]
 
 
+#: Adam's step on the HNAS mixing logit (sizes ``hnas_lr``; :mod:`attnopt.experiments._hnas_optim`):
+#: at the model's LR the weight cannot leave ~[0.4, 0.6] in a few hundred steps; at 0.05 it can
+#: reach sigmoid(± 0.05 × steps), i.e. (0.01, 0.99) after ~100 steps
+HNAS_LR = 0.05
+
 #: What each task trains in quick mode (full mode: the task's own full scale and arms).
 QUICK: dict[str, QuickPlan] = {
     "multiview-fusion": {
         "arms": ("single-view", "concat", "lnas", "dnas", "hnas"),
-        "sizes": {},
+        "sizes": {"hnas_lr": HNAS_LR},
         "epochs": 5,
     },
     "headline": {
@@ -80,7 +85,30 @@ QUICK: dict[str, QuickPlan] = {
     "pretrain-finetune": {
         "arms": ("lnas", "hnas"),
         "epochs": 2,
-        "sizes": {"seq_len": 32, "max_train": 500, "finetune_epochs": 3, "max_finetune": 300},
+        "sizes": {"seq_len": 32, "max_train": 500, "finetune_epochs": 3, "max_finetune": 300,
+                  "layers": 4, "hnas_lr": HNAS_LR},
+    },
+}
+#: Standard scale: the task's full sizes, longer and with more seeds (the MiniLM-initialized
+#: headline rows stay full-scale only).
+STANDARD: dict[str, QuickPlan] = {
+    "multiview-fusion": {
+        "arms": ("single-view", "concat", "lnas", "dnas", "hnas"),
+        "sizes": {"hnas_lr": HNAS_LR},
+        "epochs": 30,
+        "seeds": tuple(range(10)),
+    },
+    "headline": {
+        "arms": ("lnas-random", "hnas-random"),
+        "sizes": {},
+        "epochs": 12,
+        "seeds": tuple(range(8)),
+    },
+    "pretrain-finetune": {
+        "arms": ("lnas", "hnas"),
+        "sizes": {"hnas_lr": HNAS_LR},
+        "epochs": 8,
+        "seeds": tuple(range(8)),
     },
 }
 
@@ -99,14 +127,16 @@ def _one_thread() -> Iterator[None]:
 def _run_args(ctx: ClaimContext, task: str) -> tuple[str, dict[str, Any]]:
     """The task and :func:`~attnopt.experiments._engine.run_task` keywords of the claim's runs of
     ``task`` at the context's scale (:func:`records` runs them, the scale note plans them)."""
-    kwargs: dict[str, Any] = {"quick": ctx.quick, "out_dir": Path(ctx.out_dir) / "train" / task}
-    if ctx.quick:
-        plan = QUICK[task]
+    quick = ctx.scale == "quick"
+    kwargs: dict[str, Any] = {"quick": quick, "out_dir": Path(ctx.out_dir) / "train" / task,
+                              "resume": ctx.resume}
+    if ctx.scale != "full":
+        plan = (QUICK if quick else STANDARD)[task]
         kwargs["arms"] = list(plan["arms"])
         if plan["sizes"]:
             from attnopt.experiments import get_task
 
-            kwargs["sizes"] = {**get_task(task).quick.sizes, **plan["sizes"]}
+            kwargs["sizes"] = {**get_task(task).scale(quick).sizes, **plan["sizes"]}
         if plan.get("epochs"):
             kwargs["epochs"] = plan["epochs"]
         if plan.get("seeds"):
