@@ -178,8 +178,24 @@ def baseline(task: str, recs: Sequence[Mapping[str, Any]], *, metric: str | None
         cfg = r.get("config")
         if isinstance(cfg, Mapping) and _FULL_CONFIG <= set(cfg):
             splits.setdefault((r.get("dataset"), r.get("fold", 0)), r)
-    values = [_FROM_DATA[task](task_obj.build_data(config_of(r))) for r in splits.values()]
+    values = [_cached(task, task_obj, r) for r in splits.values()]
     return sum(values) / len(values) if values else math.nan
+
+
+#: (task, the split's config) -> baseline value: claims that share runs compute it once
+_CACHE: dict[tuple[str, str], float] = {}
+
+
+def _cached(task: str, task_obj: Any, rec: Mapping[str, Any]) -> float:
+    import json
+
+    cfg = dict(rec["config"])
+    for k in ("arm", "lr", "epochs"):  # the split does not depend on them
+        cfg.pop(k, None)
+    key = (task, json.dumps(cfg, sort_keys=True, default=str))
+    if key not in _CACHE:
+        _CACHE[key] = _FROM_DATA[task](task_obj.build_data(config_of(rec)))
+    return _CACHE[key]
 
 
 def _task(name: str) -> Any:

@@ -58,8 +58,12 @@ def planned_configs(ctx: ClaimContext, task: str, run_args: RunArgs) -> list[dic
     from attnopt.experiments import get_task
     from attnopt.experiments._engine import plan_runs
 
+    import inspect
+
     the_task, kwargs = run_args(ctx, task)
     the_task = get_task(the_task) if isinstance(the_task, str) else the_task
+    accepted = inspect.signature(plan_runs).parameters
+    kwargs = {k: v for k, v in kwargs.items() if k in accepted}  # e.g. run_task's resume
     return [c.to_json() for c in plan_runs(the_task, **kwargs)]
 
 

@@ -420,7 +420,8 @@ def judge_fig1(
     *Lemma 1*: DNAS's min column mass × N_k stays ≥ 1 at every epoch of every seed (a theorem:
     reproduced when it holds, not reproduced otherwise). *Explaining away*: the per-seed
     difference DNAS − LNAS of the minimum over training of N_k·min_j Σ_i π_ij, judged by the
-    rule with the paper's effect 1 (LNAS → 0 while DNAS ≥ 1), gated by the fusion baseline.
+    rule with the paper's effect 1 (LNAS → 0 while DNAS ≥ 1). A failed sanity gate (the fusion
+    baseline) makes the claim inconclusive unless the bound is violated.
     """
 
     def mins(arm: str) -> dict[int, float]:
@@ -446,6 +447,8 @@ def judge_fig1(
     eff = effect_of([dn[s] - ln[s] for s in sorted(set(ln) & set(dn))], paper=1.0)
     away = judge_effect(eff, gate=gate)
     j = combine({"Lemma 1": lemma, "LNAS explains keys away": away})
+    if gate is not None and not gate.passed and bound_ok:  # a failed gate decides, a broken bound too
+        j = Judgement("inconclusive", f"{gate.reason} (Lemma 1's bound holds)")
     lv = list(ln.values())
     return _result(
         j,
