@@ -66,6 +66,12 @@ def test_ci_excluding_the_papers_effect_is_not_reproduced():
     assert "excludes the paper's effect" in j.reason
 
 
+def test_direction_only_claims_identical_runs_are_not_reproduced():
+    j = judge_effect(effect_of([0.0, 0.0, 0.0]), gate=_passing_gate())
+    assert j.verdict == "not reproduced" and "every effect in the paper's direction" in j.reason
+    assert judge_effect(effect_of([0.1, -0.1, 0.05])).verdict == "inconclusive"
+
+
 def test_underpowered_is_inconclusive_and_says_the_runs_needed():
     diffs = [2.0, -1.5, 1.0]  # CI ± ~4.3 straddles 0 and the paper's 0.56
     e = effect_of(diffs, paper=0.56)

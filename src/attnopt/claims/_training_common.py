@@ -55,10 +55,10 @@ def run_records(
 
 def planned_configs(ctx: ClaimContext, task: str, run_args: RunArgs) -> list[dict[str, Any]]:
     """The configs (``RunConfig.to_json()``) :func:`run_records` would run; nothing is trained."""
+    import inspect
+
     from attnopt.experiments import get_task
     from attnopt.experiments._engine import plan_runs
-
-    import inspect
 
     the_task, kwargs = run_args(ctx, task)
     the_task = get_task(the_task) if isinstance(the_task, str) else the_task

@@ -10,7 +10,9 @@ decide (:func:`judge_effect`):
 
 * **reproduced**: the CI lies above 0 (the effect has the paper's sign beyond its noise);
 * **not reproduced**: the CI lies below 0 (the opposite sign beyond its noise), or it lies
-  below the paper's own effect (the effect, if any, is smaller than the paper's);
+  below the paper's own effect (the effect, if any, is smaller than the paper's) — where the
+  paper states only a direction, a CI reaching no higher than 0 (e.g. identical runs, 0 ± 0)
+  excludes every effect in that direction;
 * **inconclusive**: anything else — one run (no CI), a CI that straddles 0 and the paper's
   effect (underpowered: the reason says about how many runs would decide), and always when
   the sanity gate failed (:class:`Gate`: the best arm does not clearly beat a simple
@@ -258,6 +260,8 @@ def judge_effect(effect: Effect, *, gate: Gate | None = None, unit: str = "") ->
         return Judgement("not reproduced", f"{ci}: the opposite sign beyond the CI")
     if effect.paper is not None and hi < effect.paper:
         return Judgement("not reproduced", f"{ci}: CI excludes the paper's effect {_f(effect.paper)}{u}")
+    if effect.paper is None and hi <= 0:  # e.g. identical runs: 0 ± 0 excludes every effect > 0
+        return Judgement("not reproduced", f"{ci}: CI excludes every effect in the paper's direction")
     if effect.paper is None:
         return Judgement("inconclusive", f"underpowered: {ci}, the CI includes 0")
     sd = effect.half * math.sqrt(effect.n) / _t(effect.n)

@@ -447,7 +447,9 @@ def judge_fig1(
     eff = effect_of([dn[s] - ln[s] for s in sorted(set(ln) & set(dn))], paper=1.0)
     away = judge_effect(eff, gate=gate)
     j = combine({"Lemma 1": lemma, "LNAS explains keys away": away})
-    if gate is not None and not gate.passed and bound_ok:  # a failed gate decides, a broken bound too
+    if not bound_ok:  # a broken theorem decides whatever the training
+        j = Judgement("not reproduced", lemma.reason)
+    elif gate is not None and not gate.passed:
         j = Judgement("inconclusive", f"{gate.reason} (Lemma 1's bound holds)")
     lv = list(ln.values())
     return _result(

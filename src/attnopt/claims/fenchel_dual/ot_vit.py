@@ -10,6 +10,7 @@ separate so that negative controls can mutate cheaply.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -93,7 +94,7 @@ def _gate(best: dict[str, float], baseline: float | None) -> Gate | None:
     """The sanity gate: each arm's mean at its chosen LR against logistic regression on the pixels."""
     from attnopt.claims._sanity import BASELINES
 
-    if baseline is None:
+    if baseline is None or math.isnan(baseline):
         return None
     b = BASELINES["ot-vit"]
     return sanity_gate(best, name=b.name, value=baseline, margin=b.margin, chance=b.chance)
