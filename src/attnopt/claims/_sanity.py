@@ -52,7 +52,8 @@ BASELINES: dict[str, Baseline] = {
     "node-classification": Baseline("logistic regression", 0.01),
     "translation": Baseline("copy the source", 1.0),
     "headline": Baseline("copy the body", 0.1),
-    "pretrain-finetune": Baseline("majority class", 0.5),
+    # a few test examples' worth above the majority class (0.5 let a one-example win count)
+    "pretrain-finetune": Baseline("majority class", 3.0),
 }
 
 

@@ -1,7 +1,8 @@
 r"""doubly-normalized-attention Sec. 7 (Tables 1–3, Figs. 1, 3, 4): trained systems, reduced scale.
 
 Each claim runs a task of :mod:`attnopt.experiments` through the training engine (quick: tiny
-models, few epochs, 3 seeds; full: the task's full scale, 5 seeds) and judges the records.
+models, few epochs, 3 seeds; standard: the task's full sizes, longer, 8–10 seeds; full: the
+task's full scale) and judges the records.
 Measure (:func:`records`) and judge (``judge_*``) are separate so that negative controls can
 mutate either cheaply; runs shared by several claims (Table 1, Fig. 1 and Fig. 3 all use the
 multi-view fusion runs; Table 3 and Fig. 4 the pretraining runs) are made once per process
@@ -10,9 +11,11 @@ and output directory.
 The paper's direction: DNAS/HNAS ≥ LNAS (Tables 1–3); the HNAS weight converges to DNAS on
 fusion (Fig. 3) and stays ≥ 0.5 in every layer after pretraining, decreasing with depth
 (Fig. 4); LNAS explains keys away (column mass → 0) while DNAS never goes below 1/N_k (Fig. 1).
-Arm comparisons use the per-seed paired difference and its 95 % CI (Student t): reproduced
-when the CI lies above 0, partially when only the mean difference is ≥ 0, not reproduced
-("at this scale", with the numbers) otherwise.
+Every comparison is judged by the one rule of :mod:`attnopt.claims._verdict` (the paired
+per-seed difference and its 95 % Student-t CI against 0 and the paper's effect) behind a
+sanity gate (:mod:`attnopt.claims._sanity`: logistic regression on the fusion views,
+copy-the-body ROUGE, the majority class): reproduced, not reproduced, or inconclusive with
+the reason (undertrained, underpowered with the runs needed, one seed).
 """
 
 from __future__ import annotations

@@ -1,11 +1,15 @@
 """fenchel-dual-attention Sec. 9, Tables 1–2: OT-ViT vs ViT, trained (reduced scale).
 
 Both claims judge the same runs of the ``ot-vit`` training task (:mod:`attnopt.experiments.ot_vit`):
-every arm (``vit``, ``ot-vit``) × the paper's LR grid {3e-3, 3e-4, 3e-5} × seeds (3 in
-``--quick``, the paper's 5 in full mode) on scikit-learn's digits (the offline stand-in for
-CIFAR; the paper's data sets are read with ``attnopt train ot-vit --dataset ... --data-dir``).
+every arm (``vit``, ``ot-vit``) × an LR grid (the paper's {3e-3, 3e-4, 3e-5} in full mode; with
+1e-2 added above at quick and standard scale, where the paper's top edge is the best LR) ×
+seeds (3 at quick, 10 at standard, the paper's 5 in full mode) on scikit-learn's digits (the
+offline stand-in for CIFAR; the paper's data sets are read with
+``attnopt train ot-vit --dataset ... --data-dir``).
 Measuring (:func:`measure`) and judging (:func:`judge_table1`, :func:`judge_table2`) are
-separate so that negative controls can mutate cheaply.
+separate so that negative controls can mutate cheaply. The verdicts follow the one rule of
+:mod:`attnopt.claims._verdict` (the paired per-seed OT-ViT − ViT difference and its CI, against
+0 and the paper's effect) behind a sanity gate: logistic regression on the same pixels.
 """
 
 from __future__ import annotations
@@ -31,8 +35,11 @@ PAPER = "fenchel_dual"
 _CACHE: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
 
 
-#: standard scale: the task's full sizes and epochs, 10 seeds, and the LR grid widened by 1e-2
-#: above the paper's {3e-3, 3e-4, 3e-5}, whose top edge is the best LR of both arms on digits
+#: the LR grid at quick scale: the paper's {3e-3, 3e-4, 3e-5} has its best LR for both arms at
+#: its top edge on digits and 3e-5 at chance in a few epochs, so 1e-2 is added above and 3e-5
+#: dropped: the best LR lies inside the grid
+QUICK_LRS = (1e-2, 3e-3, 3e-4)
+#: standard scale: the task's full sizes and epochs, 10 seeds, the paper's grid widened by 1e-2
 STANDARD = {"seeds": 10, "lrs": (1e-2, 3e-3, 3e-4, 3e-5)}
 
 
@@ -46,6 +53,8 @@ def _run_args(ctx: ClaimContext, task: str) -> tuple[str, dict[str, Any]]:
                               "out_dir": Path(ctx.out_dir) / "train" / task, "resume": ctx.resume}
     if ctx.scale == "standard":
         kwargs["lrs"] = list(STANDARD["lrs"])
+    elif quick and get_task(task).lr_grid == (3e-3, 3e-4, 3e-5):  # negative controls shrink the grid
+        kwargs["lrs"] = list(QUICK_LRS)
     return task, kwargs
 
 
