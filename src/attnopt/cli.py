@@ -31,7 +31,11 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
         return _list_claims(args.only)
     out = Path(args.out)
     t0 = time.perf_counter()
-    print(f"attnopt reproduce ({'quick' if args.quick else 'full'}) -> {out}/report.md")
+    scale = args.scale or ("quick" if args.quick else "full")
+    if args.quick and args.scale not in (None, "quick"):
+        print(f"error: --quick contradicts --scale {args.scale}", file=sys.stderr)
+        return 2
+    print(f"attnopt reproduce ({scale}) -> {out}/report.md")
     print(f"{'claim':<58} {'verdict':<22} measured")
 
     def echo(run) -> None:  # type: ignore[no-untyped-def]
@@ -40,17 +44,20 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
         print(f"{name:<58} {run.verdict:<22} {figures_text(run, 3)}  [{took}]", flush=True)
 
     try:
-        runs = run_claims(quick=args.quick, out_dir=out, only=args.only, seed=args.seed, on_done=echo)
+        runs = run_claims(quick=scale == "quick", out_dir=out, only=args.only, seed=args.seed, on_done=echo,
+                          scale=scale, resume=args.resume)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    md, _ = write_claims_report(runs, out, quick=args.quick)
+    md, _ = write_claims_report(runs, out, quick=scale == "quick", scale=scale,
+                                wall_s=time.perf_counter() - t0)
     errors = [r for r in runs if r.verdict == "error"]
     skipped = [r for r in runs if r.verdict == "skipped"]
     n_ok = sum(r.verdict == "reproduced" for r in runs)
+    n_inc = sum(r.verdict == "inconclusive" for r in runs)
     print(
-        f"\n{n_ok}/{len(runs)} reproduced, {len(skipped)} skipped, {len(errors)} errors, "
-        f"{time.perf_counter() - t0:.0f}s. Report: {md}"
+        f"\n{n_ok}/{len(runs)} reproduced, {n_inc} inconclusive, {len(skipped)} skipped, "
+        f"{len(errors)} errors, {time.perf_counter() - t0:.0f}s. Report: {md}"
     )
     if skipped:
         print(f"{len(skipped)} claims skipped for missing optional packages: {REPRODUCE_INSTALL}")
@@ -137,7 +144,14 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     rep = sub.add_parser("reproduce", help="check every claim of the papers and write a report")
-    rep.add_argument("--quick", action="store_true", help="reduced scale (a few minutes on a CPU)")
+    rep.add_argument("--quick", action="store_true",
+                     help="reduced scale (a few minutes on a CPU); the same as --scale quick")
+    rep.add_argument("--scale", choices=("quick", "standard", "full"), default=None,
+                     help="quick: minutes, may answer 'inconclusive'; standard: the trained claims to "
+                          "convergence with more seeds (hours on a CPU); full: the paper's scale "
+                          "(default: full, or quick with --quick)")
+    rep.add_argument("--resume", action="store_true",
+                     help="continue an interrupted run in --out: finished training runs are kept")
     rep.add_argument("--only", default=None, help="paper(s) or claim id(s), comma-separated")
     rep.add_argument("--out", default="attnopt-report", help="output directory")
     rep.add_argument("--seed", type=int, default=0)

@@ -136,7 +136,7 @@ table{border-collapse:collapse;margin:1em 0;font-size:.9em}td,th{border:1px soli
 padding:3px 8px;text-align:left}th{background:#f3f3f3}pre{background:#f7f7f7;padding:.6em;
 overflow-x:auto}img{max-width:100%;border:1px solid #eee;margin:.5em 0}
 .reproduced{color:#137333;font-weight:600}.not{color:#b3261e;font-weight:600}
-.partially{color:#a36200;font-weight:600}.provenance{color:#555;font-size:.9em}"""
+.partially{color:#a36200;font-weight:600}.inconclusive{color:#555;font-weight:600}.provenance{color:#555;font-size:.9em}"""
 
 
 def _verdict_class(text: str) -> str:
@@ -144,6 +144,8 @@ def _verdict_class(text: str) -> str:
         return "reproduced"
     if text.startswith("partially"):
         return "partially"
+    if text.startswith("inconclusive"):
+        return "inconclusive"
     if text.startswith("not") or text.startswith("error"):
         return "not"
     return ""

@@ -534,6 +534,7 @@ class _Session:
             "eval_time_s": time.perf_counter() - t_fit,
             "step_time_s": statistics.median(steps) if steps else float("nan"),
             "n_params": sum(p.numel() for p in module.model.parameters()),
+            "steps": int(trainer.global_step),
             "resumed_from": None if ckpt_path is None else ckpt_path.name,
         }
 

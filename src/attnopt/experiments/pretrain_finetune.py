@@ -274,6 +274,14 @@ class PretrainFinetuneTask(Task):
                                     generator=generator)
         return {**batch, "inputs": inputs, "labels": labels}
 
+    def configure_optimizers(self, model: nn.Module, cfg: RunConfig, lr: float, epochs: int) -> Any:  # noqa: ARG002
+        """AdamW(lr); the HNAS mixing logits at ``sizes["hnas_lr"]`` when set (see
+        :mod:`attnopt.experiments._hnas_optim`: at the model's LR the weight cannot move far)."""
+        from attnopt.experiments._hnas_optim import hnas_adamw
+
+        h = cfg.sizes.get("hnas_lr")
+        return hnas_adamw(model, lr, None if h is None else float(h))
+
     def training_loss(self, model: nn.Module, batch: dict[str, Any], cfg: RunConfig) -> Tensor:  # noqa: ARG002
         if batch["stage"] == "pretrain":
             if "labels" not in batch:  # the engine did not call train_batch_transform
