@@ -105,7 +105,7 @@ class Translation(Task):
         batch_size=64,
         sizes={"high": 700, "d_model": 32, "num_heads": 4, "layers": 1, "num_samples": 8},
     )
-    extra_sizes = {"dropout": float, "max_train": int}  # --size knobs no scale sets
+    extra_sizes = {"dropout": float, "max_train": int, "p": float}  # --size knobs no scale sets
     full = Scale(
         epochs=24,  # 30 took ~61 min on this machine (see the module docstring)
         seeds=5,

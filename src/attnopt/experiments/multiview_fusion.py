@@ -135,6 +135,7 @@ class MultiviewFusionTask(Task):
     paper_results = {"digits": PAPER_TABLE1, "npz": PAPER_TABLE1}
     quick = Scale(epochs=6, seeds=3, batch_size=64, sizes={"d_model": 32, "num_heads": 2})
     full = Scale(epochs=40, seeds=5, batch_size=64, sizes={"d_model": 64, "num_heads": 4})
+    extra_sizes = {"hnas_lr": float}  # the HNAS mixing logits' own learning rate (claims set it)
 
     def build_data(self, cfg: RunConfig) -> DataBundle:
         dataset = cfg.dataset or self.datasets[0]

@@ -214,7 +214,7 @@ class PretrainFinetuneTask(Task):
                          "max_train": 1000, "finetune_epochs": 4})
     # full: sized so that both arms x 5 seeds fit an hour on a quiet 2-core CPU (module docstring,
     # "Runtime"); 4 layers are kept for Fig. 4's depth trend
-    extra_sizes = {"max_finetune": int}  # --size knobs no scale sets
+    extra_sizes = {"max_finetune": int, "hnas_lr": float}  # --size knobs no scale sets
     full = Scale(epochs=12, seeds=5, batch_size=32,
                  sizes={"d_model": 64, "num_heads": 4, "layers": 4, "seq_len": 64, "n_modules": 12,
                         "finetune_epochs": 5})
