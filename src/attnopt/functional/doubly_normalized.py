@@ -36,11 +36,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnopt._validation import (
-    _values,
     additive_mask,
     causal_additive_mask,
     check_attention_inputs,
+    device_assert,
     empty_attention,
+    host_values,
     resolve_scale,
     validate_attention,
 )
@@ -337,11 +338,13 @@ def _check_weight(weight: Tensor, q: Tensor) -> Tensor:
             f"got shape {tuple(weight.shape)}"
         )
     if weight.numel():
-        values = _values(weight)  # under torch.func: the values under the wrappers (all of vmap's batch)
-        low, high = torch.aminmax(weight.detach() if values is None else values.detach())
-        # one op: NaN fails both comparisons below; meta tensors have no values to check
-        if values is not None and not (0.0 <= float(low) and float(high) <= 1.0):
-            raise ValueError("weight must lie in [0, 1]")
+        values = host_values(weight)  # under torch.func: the values under the wrappers (all of vmap's batch)
+        if values is None:  # off the CPU, compiling, meta: the VALUE_CHECKS policy
+            device_assert(weight, lambda t: ((t >= 0) & (t <= 1)).all(), "weight must lie in [0, 1]")
+        else:
+            low, high = torch.aminmax(values.detach())  # one op: NaN fails both comparisons below
+            if not (0.0 <= float(low) and float(high) <= 1.0):
+                raise ValueError("weight must lie in [0, 1]")
     return w
 
 
