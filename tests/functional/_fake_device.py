@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-__all__ = ["device", "to_device", "to_cpu", "counting", "SYNC_OPS"]
+__all__ = ["device", "to_device", "to_cpu", "counting", "direct_checkpoint", "SYNC_OPS"]
 
 #: aten ops that read a device value on the host
 SYNC_OPS = frozenset({"aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal", "aten::item"})
@@ -126,3 +126,26 @@ def counting() -> Iterator[collections.Counter]:
         yield c
     finally:
         _COUNTS.remove(c)
+
+
+def _direct(fn: Any, *args: Any, use_reentrant: bool = False, **kwargs: Any) -> Any:  # noqa: ARG001
+    return fn(*args, **kwargs)
+
+
+@contextmanager
+def direct_checkpoint() -> Iterator[None]:
+    """Run attnopt's activation checkpoints as plain calls inside the block.
+
+    ``torch.utils.checkpoint``'s backward aborts the process on a Python-defined PrivateUse1
+    device (its device guard has no stream / event support), so the streaming passes of
+    :mod:`attnopt.functional._sinkhorn_chunked` store their blocks here instead of recomputing
+    them: the same ops and values, more memory.
+    """
+    from attnopt.functional import _sinkhorn_chunked
+
+    saved = _sinkhorn_chunked.checkpoint
+    _sinkhorn_chunked.checkpoint = _direct  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        _sinkhorn_chunked.checkpoint = saved

@@ -42,6 +42,8 @@ from typing import NamedTuple
 import torch
 import torch.autograd.forward_ad as _fwad
 
+from attnopt._backend import BACKEND as _BACKEND
+
 __all__ = [
     "FLAGS", "Blas", "blas", "compiler", "enabled", "forward_ad_active", "has_storage", "library",
     "parallel_rows", "pointer", "switched_off",
@@ -60,12 +62,12 @@ def switched_off() -> bool:
     """Whether ``ATTNOPT_NATIVE=0`` is set now (read on every call: tests and users toggle it).
 
     ``True`` while ``torch.compile`` traces: the kernels read memory that fake tensors do not have,
-    and dynamo cannot trace the environment lookup.
+    and dynamo cannot trace the environment lookup; ``True`` inside ``attnopt.backend("reference")``.
 
     Reads the dictionary behind ``os.environ`` (``os.environ.get`` is ~0.85 µs, a few times per
     attention call at small sizes; this is ~50 ns), with ``os.environ`` itself as the fallback.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _BACKEND[0] == "reference":
         return True
     if _ENV_DATA is not None:
         return _ENV_DATA.get(_ENV_KEY) == _ENV_OFF

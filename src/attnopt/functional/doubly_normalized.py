@@ -257,16 +257,17 @@ def doubly_normalized_attention(
     empty = empty_attention(q, k, v)
     if empty is not None:
         return empty
-    if iterations == 0:
+    mech = {0: "lnas", 1: "doubly_normalized"}.get(iterations, "sinkhorn")
+    reference = dispatch.use_reference(mech, q)
+    if iterations == 0 and not reference:
         return _lnas(q, k, v, attn_mask, alpha, is_causal)
-    if under_transform() or q.is_meta or (isinstance(attn_mask, Tensor) and attn_mask.requires_grad
-                                          and torch.is_grad_enabled()):
+    if reference or under_transform() or q.is_meta or (
+            isinstance(attn_mask, Tensor) and attn_mask.requires_grad and torch.is_grad_enabled()):
         # torch.func transforms (the fused Functions have no vmap rule and are ctx-style), meta tensors
         # (the fused paths read values) and a differentiable mask: the materialized weights in plain
         # ops (as SDPA's math kernel does)
         w = _weights(q, k, iterations, attn_mask, alpha, is_causal)
         return torch.matmul(w, v.to(w.dtype)).to(q.dtype)
-    mech = "doubly_normalized" if iterations == 1 else "sinkhorn"
     fused = dispatched_sinkhorn(mech, q, k, v, iterations, None, attn_mask, alpha, is_causal, impl)
     if fused is not None:
         return fused
@@ -395,7 +396,8 @@ def hybrid_normalized_attention(
         _check_iterations(iterations)
         return empty
     iterations = _check_iterations(iterations)
-    if under_transform() or q.is_meta:  # torch.func, meta: plain ops (see doubly_normalized_attention)
+    # the reference backend, torch.func, meta: plain ops (see doubly_normalized_attention)
+    if dispatch.use_reference("hybrid_normalized", q) or under_transform() or q.is_meta:
         alpha = resolve_scale(scale, q.shape[-1])
         dn = _weights(q, k, iterations, attn_mask, alpha, is_causal)
         mixed = torch.lerp(_weights(q, k, 0, attn_mask, alpha, is_causal), dn, w.to(dn.dtype))

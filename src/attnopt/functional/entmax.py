@@ -58,6 +58,7 @@ from attnopt.functional import _sparse_native as _native_maps
 from attnopt.functional._autograd import double_backward, under_transform
 from attnopt.functional._entmax15_passes import entmax15_passes
 from attnopt.functional._sparse_sort import entmax15_sort, sparsemax_sort
+from attnopt.functional.dispatch import current_backend
 
 __all__ = ["sparsemax", "entmax"]
 
@@ -289,11 +290,13 @@ def _threshold_map(x: Tensor, alpha: float, dim: int, max_iter: int, tol: float)
         def solve(t: Tensor, th0: Tensor | None, cap: int | None) -> tuple[Tensor, Tensor]:
             return _entmax15_forward(t, -1, tol, cap or max_iter, th0, warn=cap is None)
     else:
-        a = torch.tensor(alpha, dtype=x.dtype, device=x.device)
+        a = torch.full((), alpha, dtype=x.dtype, device=x.device)
         core, elements = (lambda c, d: _entmax_general_forward(c, a, d, tol, max_iter)), _CHUNK
 
         def solve(t: Tensor, th0: Tensor | None, cap: int | None) -> tuple[Tensor, Tensor]:
             return _entmax_general_forward(t, a, -1, tol, cap or max_iter, th0, warn=cap is None)
+    if current_backend() == "reference":  # the plain searches above, nothing CPU-specific
+        return core(x, dim)
     if alpha in (1.5, 2.0) and _native_maps.usable(x, dim):
         p, theta, redo = _native_maps.forward(x, alpha, max_iter)
         if redo.numel():  # rows the C search did not settle: the PyTorch search (warns if it fails too)

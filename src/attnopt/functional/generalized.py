@@ -258,6 +258,8 @@ def generalized_attention(
             ``impl``.
         TypeError: non-tensor or non-floating inputs.
     """
+    if dispatch.use_reference("generalized", q):  # plain PyTorch, any device
+        return _reference(q, k, v, preference, log_preference, attn_mask, scale, is_causal, dropout_p, impl)
     if (log_preference is not None and impl == "auto" and preference is None and attn_mask is None
             and dropout_p == 0.0):  # small sizes: a relative-position bias in one C call each way
         out = _generalized_native.fused_attention(q, k, v, log_preference, scale, is_causal, FUSED_BELOW,
@@ -356,6 +358,30 @@ NATIVE_MIN_HEAD_SCORES = 1 << 16
 #: bias): N = 512: ALiBi 1.23 vs 1.31, T5 1.45 vs 1.60 (B·H = 8, d = 64); 1.21 vs 1.33, 1.20 vs 1.38
 #: (B·H = 128, d = 16); N = 256, d = 64: 1.78 vs 1.58, 1.88 vs 1.87; N = 128, d = 16: 1.44 vs 1.30.
 NATIVE_FORWARD_MIN_HEAD_SCORES = 1 << 18
+
+
+def _reference(
+    q: Tensor, k: Tensor, v: Tensor, preference: Tensor | None, log_preference: Tensor | None,
+    attn_mask: Tensor | None, scale: float | None, is_causal: bool, dropout_p: float, impl: str,
+) -> Tensor:
+    """``softmax(α·QKᵀ + log u + mask) V`` by plain PyTorch ops (``backend("reference")``)."""
+    validate_attention(q, k, v, attn_mask)
+    alpha = resolve_scale(scale, q.shape[-1])
+    dispatch.check_impl(impl)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    bias = score_bias(q, k, preference, log_preference, attn_mask, is_causal)
+    empty = empty_attention(q, k, v, preference, log_preference)
+    if empty is not None:
+        return empty
+    compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    scores = torch.matmul(q.to(compute), k.to(compute).transpose(-2, -1)) * alpha
+    if bias is not None:
+        scores = scores + bias.to(compute)
+    weights = safe_softmax(scores, dim=-1)
+    if dropout_p > 0.0:
+        weights = F.dropout(weights, p=dropout_p)
+    return torch.matmul(weights, v.to(compute)).to(q.dtype)
 
 
 def _transformed(

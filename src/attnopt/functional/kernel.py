@@ -585,6 +585,15 @@ def kernel_attention(
         resolve_scale(scale, q.shape[-1])
         _full_mask(q, k, attn_mask, is_causal, q.dtype)
         return empty
+    if dispatch.use_reference("kernel", q):  # plain PyTorch, any device: the quadratic log-domain form
+        _check_options(kernel, magnitude_p, eps, mode)
+        if mode == "linear" and is_causal and q.shape[-2] != k.shape[-2]:
+            raise ValueError(f"mode='linear' with is_causal needs Nq == Nk, got {q.shape[-2]}, {k.shape[-2]}")
+        s, compute, bias = _prepare(q, k, kernel, magnitude_p, scale, eps, "quadratic")
+        mask = _full_mask(q, k, attn_mask, is_causal, compute)
+        ref = _quadratic(q.to(compute), k.to(compute), v.to(compute), kernel, bias, mask, eps).to(q.dtype)
+        dispatch.use_reference("kernel", q)  # (recorded again: the helpers above record their paths)
+        return ref
     if isinstance(kernel, Periodic) and mode == "quadratic":
         out = _periodic(q, k, v, kernel, magnitude_p, attn_mask, scale, is_causal, eps)
         if out is not None:

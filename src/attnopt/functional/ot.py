@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from attnopt._validation import check_broadcastable, check_finite, check_tensor, host_readable, zero_anchor
+from attnopt.functional import dispatch
 from attnopt.functional._ot_cost import (
     CostSpec,
     check_ot_inputs,
@@ -118,6 +119,7 @@ def _empty(
     """
     bank_t, batch = check_ot_inputs(z, templates, bank, allow_empty=True)
     check_finite(z=z, templates=templates, bank=bank, bank_values=bank_values)
+    dispatch.use_reference("ot", z)  # one implementation, plain PyTorch: it is the reference
     nq, n, m = z.shape[-2], templates.shape[-2], bank_t.shape[-2]
     if nq and n and m and 0 not in batch:
         return None

@@ -253,7 +253,8 @@ def regularized_attention(
         return empty
     if isinstance(reg, Tsallis) and not isinstance(reg.alpha, Tensor) and reg.alpha == 1.0:
         reg = Shannon()  # the α → 1 limit of Tsallis is Shannon: softmax, i.e. SDPA
-    if isinstance(reg, Shannon):
+    reference = dispatch.use_reference("sparse" if not isinstance(reg, Shannon) else "regularized", q)
+    if isinstance(reg, Shannon) and not reference:
         tau = reg.temperature
         if mask is None and loc is None:
             return flushed_sdpa(q, k, v, is_causal=is_causal, scale=alpha_scale / tau)
@@ -264,16 +265,18 @@ def regularized_attention(
             bias = bias / tau
         return _biased_softmax(q, k, v, bias.to(q.dtype), alpha_scale / tau)
     alpha: float | None = None
-    if isinstance(reg, SquaredL2):
+    if isinstance(reg, Shannon):
+        pass  # (reference: the materialized softmax below)
+    elif isinstance(reg, SquaredL2):
         alpha = 2.0
     elif isinstance(reg, Tsallis) and not isinstance(reg.alpha, Tensor) and reg.alpha > 1.0:
         alpha = float(reg.alpha)  # sparse (α > 1): fused / blocked paths; α < 1 is dense: below
     # under torch.func transforms (grad, vmap, ...) the fused / blocked Functions (ctx-style, no vmap
-    # rule) give way to the materialized map in plain ops below, and so do meta tensors (shapes only)
-    # so does every tensor off the CPU (and a compiled graph): the fused kernel's threshold search
-    # reads values on the host; the materialized map runs the sort-based closed forms there
+    # rule) give way to the materialized map in plain ops below, and so does every tensor off the CPU
+    # (and a compiled graph; the fused kernel's threshold search reads values on the host, the
+    # materialized map runs the sort-based closed forms there) and backend("reference")
     if (alpha is not None and not (attn_mask is not None and attn_mask.requires_grad)
-            and not under_transform() and host_readable(q)):
+            and not under_transform() and host_readable(q) and not reference):
         beta = None
         if locality is not None:
             beta = _beta_tensor(locality, q)
