@@ -116,7 +116,9 @@ def host_readable(x: Tensor) -> bool:
     tensors, a compiled graph) the same code runs the on-device selection (``torch.where``) or
     one chunk, with no host sync and an op count that does not depend on the values or on B·H.
     """
-    return type(x) in _PLAIN and x.is_cpu and not _is_wrapped(x) and not torch.compiler.is_compiling()
+    if torch.compiler.is_compiling():  # first: dynamo cannot trace the functorch query below
+        return False
+    return type(x) in _PLAIN and x.is_cpu and not _is_wrapped(x)
 
 
 def device_assert(x: Tensor, ok: Callable[[Tensor], Tensor], message: str) -> None:
@@ -125,7 +127,9 @@ def device_assert(x: Tensor, ok: Callable[[Tensor], Tensor], message: str) -> No
     ``ok`` maps ``x`` to a 0-d boolean tensor; nothing is read on the host. A no-op otherwise
     (CPU tensors are checked on the host by the caller; meta / fake tensors have no values).
     """
-    if VALUE_CHECKS[0] != "async" or x.is_cpu or x.is_meta or type(x) not in _PLAIN or _is_wrapped(x):
+    if VALUE_CHECKS[0] != "async" or x.is_cpu or x.is_meta:
+        return
+    if not torch.compiler.is_compiling() and (type(x) not in _PLAIN or _is_wrapped(x)):
         return
     torch._assert_async(ok(x.detach()), message)
 

@@ -623,6 +623,43 @@ class _EntmaxAlpha(torch.autograd.Function):
         return gx, ga, None, None, None
 
 
+class _SparsemaxTraced(torch.autograd.Function):
+    """:class:`_Sparsemax` without its ``jvp`` / ``vmap`` rules: what ``torch.compile`` traces (dynamo
+    refuses a Function with a custom ``jvp``); the same forward and closed-form backward."""
+
+    forward = staticmethod(_Sparsemax.forward)
+    setup_context = staticmethod(_Sparsemax.setup_context)
+    backward = staticmethod(_Sparsemax.backward)
+
+
+class _EntmaxTraced(torch.autograd.Function):
+    """:class:`_Entmax` for ``torch.compile`` (see :class:`_SparsemaxTraced`)."""
+
+    forward = staticmethod(_Entmax.forward)
+    setup_context = staticmethod(_Entmax.setup_context)
+    backward = staticmethod(_Entmax.backward)
+
+
+class _EntmaxAlphaTraced(torch.autograd.Function):
+    """:class:`_EntmaxAlpha` for ``torch.compile`` (see :class:`_SparsemaxTraced`)."""
+
+    forward = staticmethod(_EntmaxAlpha.forward)
+    setup_context = staticmethod(_EntmaxAlpha.setup_context)
+    backward = staticmethod(_EntmaxAlpha.backward)
+
+
+def _sparsemax_fn() -> type[torch.autograd.Function]:
+    return _SparsemaxTraced if torch.compiler.is_compiling() else _Sparsemax
+
+
+def _entmax_fn() -> type[torch.autograd.Function]:
+    return _EntmaxTraced if torch.compiler.is_compiling() else _Entmax
+
+
+def _entmax_alpha_fn() -> type[torch.autograd.Function]:
+    return _EntmaxAlphaTraced if torch.compiler.is_compiling() else _EntmaxAlpha
+
+
 def _softmax(scores: Tensor, dim: int) -> Tensor:
     """``torch.softmax`` (α = 1) with the conventions of the sparse maps: NaN/``+inf`` rejected,
     an all ``−inf`` slice gives zeros (and zero gradient), half precision computed in float32."""
@@ -676,7 +713,7 @@ def sparsemax(scores: Tensor, *, dim: int = -1, max_iter: int = 1000) -> Tensor:
     _check_iter(None, max_iter, scores.dtype)
     if scores.shape[dim] == 0:
         return scores.clone()
-    out: Tensor = _Sparsemax.apply(scores, dim, max_iter)
+    out: Tensor = _sparsemax_fn().apply(scores, dim, max_iter)
     return out
 
 
@@ -738,7 +775,7 @@ def entmax(
             raise ValueError(f"alpha must have size 1 along dim={dim}, got shape {tuple(alpha.shape)}")
         if scores.shape[dim] == 0:
             return scores.clone()
-        out: Tensor = _EntmaxAlpha.apply(scores, alpha, dim, tol_, max_iter)
+        out: Tensor = _entmax_alpha_fn().apply(scores, alpha, dim, tol_, max_iter)
         return out
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
         raise TypeError(f"alpha must be a float or a tensor, got {type(alpha).__name__}")
@@ -750,7 +787,7 @@ def entmax(
     if alpha == 1.0:
         return _softmax(scores, dim)
     if alpha == 2.0:
-        res: Tensor = _Sparsemax.apply(scores, dim, max(max_iter, 1000))
+        res: Tensor = _sparsemax_fn().apply(scores, dim, max(max_iter, 1000))
         return res
-    res = _Entmax.apply(scores, alpha, dim, tol_, max_iter)
+    res = _entmax_fn().apply(scores, alpha, dim, tol_, max_iter)
     return res
