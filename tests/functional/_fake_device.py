@@ -7,7 +7,8 @@ take its device-agnostic paths, a C kernel handed such a tensor fails at once (n
 the fallback counts the host syncs (``aten._local_scalar_dense``, ``is_nonzero``, ``equal``) and
 the ops of every call.
 
-Set up once per process (:func:`device`); the backend is renamed ``fakedev``
+Set up once per process (:func:`device`), before the process runs its first backward (the
+autograd engine sizes its per-device queues then); the backend is renamed ``fakedev``
 (a rename is once per process: a process that renames PrivateUse1 otherwise cannot use this).
 """
 from __future__ import annotations

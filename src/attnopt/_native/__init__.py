@@ -108,7 +108,7 @@ def has_storage(*tensors: torch.Tensor | None) -> bool:
     kernels read host memory); and while ``torch.compile`` traces (checked first, so that dynamo
     never reaches the functorch query, which it cannot trace).
     """
-    if forward_ad_active() or torch.compiler.is_compiling():  # compiling: fake tensors, no memory
+    if forward_ad_active() or torch.compiler.is_compiling() or _tracing():  # fake tensors: no memory
         return False
     for t in tensors:  # (a loop, not all() over a generator: ~1 µs less at three tensors)
         if t is not None and (type(t) not in _PLAIN or not t.is_cpu or _is_wrapped(t)):
@@ -118,6 +118,13 @@ def has_storage(*tensors: torch.Tensor | None) -> bool:
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_FAKE_MODE = torch._C._TorchDispatchModeKey.FAKE
+
+
+def _tracing() -> bool:
+    """Whether a fake-tensor mode is active (``torch.export``'s non-strict tracing runs the Python
+    code with it, outside dynamo: the tensors an autograd Function sees there look plain)."""
+    return torch._C._get_dispatch_mode(_FAKE_MODE) is not None
 
 
 def pointer(t: torch.Tensor | None) -> ctypes.c_void_p | None:

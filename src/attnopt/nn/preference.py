@@ -144,7 +144,8 @@ class T5RelativePreference(PreferenceModule):
                 j = torch.arange(key_len, device=device)
                 index = (j[None, :] - i[:, None] + (query_len - 1)).flatten()
             hit = (buckets, index)
-            if _func.level() is None:  # inside torch.func (vmap of grad) the new tensors are wrapped
+            # inside torch.func (vmap of grad) the new tensors are wrapped; under compile / export, fake
+            if _func.level() is None and not torch.compiler.is_compiling():
                 if len(cache) >= 8:
                     cache.clear()
                 cache[key] = hit
