@@ -130,7 +130,12 @@ def build_bench(note: str) -> None:
         out = Path(tmp) / "bench.md"
         _run(["bench", "--quick", "--out", str(out)])
         head, body = _demote_title(out.read_text(encoding="utf-8"), "Benchmarks")
-    (RESULTS / "bench.md").write_text(head + "\n" + stamp + "\n" + body, encoding="utf-8")
+    from attnopt._papers import citations_markdown
+
+    papers = ("\n\n## Papers\n\nThe mechanisms benchmarked here come from these papers.\n\n"
+              + citations_markdown() + "\n")
+    text = head + "\n" + stamp + "\n" + body.rstrip("\n") + papers
+    (RESULTS / "bench.md").write_text(text, encoding="utf-8")
 
 
 def build_analysis(note: str) -> None:

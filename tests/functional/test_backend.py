@@ -5,6 +5,7 @@ reference (no C kernel runs: ``_native.library`` answers ``None`` inside the blo
 the CPU kernels / fast paths (and refuses tensors off the CPU). Both agree with ``"auto"`` and
 with the float64 oracles, values and gradients.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -23,21 +24,34 @@ _LP = torch.randn(16, 16, generator=torch.Generator().manual_seed(3), dtype=torc
 #: (mechanism recorded in last_dispatch, call)
 CASES = {
     "dnas": ("doubly_normalized", lambda q, k, v: F.doubly_normalized_attention(q, k, v)),
-    "dnas-causal": ("doubly_normalized", lambda q, k, v: F.doubly_normalized_attention(q, k, v, is_causal=True)),
+    "dnas-causal": (
+        "doubly_normalized",
+        lambda q, k, v: F.doubly_normalized_attention(q, k, v, is_causal=True),
+    ),
     "lnas": ("lnas", lambda q, k, v: F.doubly_normalized_attention(q, k, v, iterations=0)),
     "sinkhorn": ("sinkhorn", lambda q, k, v: F.doubly_normalized_attention(q, k, v, iterations=3)),
-    "hnas": ("hybrid_normalized",
-             lambda q, k, v: F.hybrid_normalized_attention(q, k, v, weight=torch.tensor(0.3, dtype=q.dtype))),
-    "generalized": ("generalized", lambda q, k, v: F.generalized_attention(q, k, v, log_preference=_LP.to(q.dtype))),
+    "hnas": (
+        "hybrid_normalized",
+        lambda q, k, v: F.hybrid_normalized_attention(q, k, v, weight=torch.tensor(0.3, dtype=q.dtype)),
+    ),
+    "generalized": (
+        "generalized",
+        lambda q, k, v: F.generalized_attention(q, k, v, log_preference=_LP.to(q.dtype)),
+    ),
     "generalized-causal": ("generalized", lambda q, k, v: F.generalized_attention(q, k, v, is_causal=True)),
     "sparsemax": ("sparse", lambda q, k, v: F.regularized_attention(q, k, v, regularizer=SquaredL2())),
     "entmax15": ("sparse", lambda q, k, v: F.regularized_attention(q, k, v, regularizer=Tsallis(1.5))),
     "entmax13": ("sparse", lambda q, k, v: F.regularized_attention(q, k, v, regularizer=Tsallis(1.3))),
     "softmax": ("regularized", lambda q, k, v: F.regularized_attention(q, k, v, regularizer=Shannon())),
     "rbf": ("kernel", lambda q, k, v: F.kernel_attention(q, k, v, kernel=RBF())),
-    "periodic": ("kernel", lambda q, k, v: F.kernel_attention(q, k, v, kernel=Periodic(6.0), magnitude_p=2.0)),
-    "linear": ("kernel", lambda q, k, v: F.kernel_attention(q, k, v, kernel=Linear(), magnitude_p=2.0,
-                                                           mode="linear")),
+    "periodic": (
+        "kernel",
+        lambda q, k, v: F.kernel_attention(q, k, v, kernel=Periodic(6.0), magnitude_p=2.0),
+    ),
+    "linear": (
+        "kernel",
+        lambda q, k, v: F.kernel_attention(q, k, v, kernel=Linear(), magnitude_p=2.0, mode="linear"),
+    ),
     "ot": ("ot", lambda q, k, v: F.ot_attention(q[:, 0], k[:, 0], gamma=1.0)),
 }
 
@@ -71,7 +85,9 @@ def test_reference_and_cpu_match_auto_and_record(name: str) -> None:
     assert dispatch.current_backend() == "auto"
 
 
-@pytest.mark.parametrize("name", ["dnas", "sinkhorn", "hnas", "generalized", "sparsemax", "entmax15", "periodic"])
+@pytest.mark.parametrize(
+    "name", ["dnas", "sinkhorn", "hnas", "generalized", "sparsemax", "entmax15", "periodic"]
+)
 def test_reference_is_float64_exact(name: str) -> None:
     """The reference in float64 against auto in float64: the same function to rounding."""
     _, call = CASES[name]

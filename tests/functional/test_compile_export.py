@@ -12,6 +12,7 @@
 Default run: a few modules per check; ``pytest -m slow tests/functional/test_compile_export.py``
 runs all of them (a few minutes: dynamo traces each module).
 """
+
 from __future__ import annotations
 
 import collections
@@ -133,7 +134,9 @@ def _count(name: str, device: torch.device | str, b: int, h: int) -> collections
 def test_meta_forward_backward_op_count_independent_of_batch_heads(name: str) -> None:
     small, large = _count(name, "meta", 2, 2), _count(name, "meta", 4, 8)
     assert sum(small.values()) > 0
-    assert small == large, {k: (small[k], large[k]) for k in small.keys() | large.keys() if small[k] != large[k]}
+    assert small == large, {
+        k: (small[k], large[k]) for k in small.keys() | large.keys() if small[k] != large[k]
+    }
 
 
 @pytest.fixture
@@ -143,7 +146,9 @@ def fake_device() -> torch.device:
         yield dev
 
 
-def _on_device(name: str, dev: torch.device, b: int, h: int) -> tuple[collections.Counter, torch.Tensor, list]:
+def _on_device(
+    name: str, dev: torch.device, b: int, h: int
+) -> tuple[collections.Counter, torch.Tensor, list]:
     torch.manual_seed(0)
     module = make_attention(name, 8 * h, h)
     cpu_x = torch.randn(b, 24, 8 * h)
@@ -181,41 +186,55 @@ OPS: dict[str, Callable[..., torch.Tensor]] = {
     "dnas": lambda q, k, v: F.doubly_normalized_attention(q, k, v),
     "dnas-streaming": lambda q, k, v: F.doubly_normalized_attention(q, k, v, impl="streaming"),
     "dnas-causal": lambda q, k, v: F.doubly_normalized_attention(q, k, v, is_causal=True),
-    "sinkhorn-streaming": lambda q, k, v: F.doubly_normalized_attention(q, k, v, iterations=3, impl="streaming"),
+    "sinkhorn-streaming": lambda q, k, v: F.doubly_normalized_attention(
+        q, k, v, iterations=3, impl="streaming"
+    ),
     "hnas": lambda q, k, v: F.hybrid_normalized_attention(q, k, v, weight=fd.to_device(torch.tensor(0.3))),
     "hnas-streaming": lambda q, k, v: F.hybrid_normalized_attention(
-        q, k, v, weight=fd.to_device(torch.tensor(0.3)), impl="streaming"),
+        q, k, v, weight=fd.to_device(torch.tensor(0.3)), impl="streaming"
+    ),
     "generalized-preference": lambda q, k, v: F.generalized_attention(
-        q, k, v, preference=fd.to_device(torch.rand(q.shape[-2], k.shape[-2]))),
+        q, k, v, preference=fd.to_device(torch.rand(q.shape[-2], k.shape[-2]))
+    ),
     "generalized-materialized": lambda q, k, v: F.generalized_attention(
-        q, k, v, log_preference=fd.to_device(torch.randn(q.shape[-2], k.shape[-2])), impl="materialized"),
+        q, k, v, log_preference=fd.to_device(torch.randn(q.shape[-2], k.shape[-2])), impl="materialized"
+    ),
     "generalized-streaming": lambda q, k, v: F.generalized_attention(
-        q, k, v, log_preference=fd.to_device(torch.randn(q.shape[-2], k.shape[-2])), impl="streaming"),
+        q, k, v, log_preference=fd.to_device(torch.randn(q.shape[-2], k.shape[-2])), impl="streaming"
+    ),
     "sparsemax": lambda q, k, v: F.regularized_attention(q, k, v, regularizer=SquaredL2()),
-    "sparsemax-streaming": lambda q, k, v: F.regularized_attention(q, k, v, regularizer=SquaredL2(),
-                                                                    impl="streaming"),
+    "sparsemax-streaming": lambda q, k, v: F.regularized_attention(
+        q, k, v, regularizer=SquaredL2(), impl="streaming"
+    ),
     "entmax13": lambda q, k, v: F.regularized_attention(q, k, v, regularizer=Tsallis(1.3)),
-    "entmax15-locality": lambda q, k, v: F.regularized_attention(q, k, v, regularizer=Tsallis(1.5), locality=0.1),
+    "entmax15-locality": lambda q, k, v: F.regularized_attention(
+        q, k, v, regularizer=Tsallis(1.5), locality=0.1
+    ),
     "softmax": lambda q, k, v: F.regularized_attention(q, k, v, regularizer=Shannon()),
     "rbf": lambda q, k, v: F.kernel_attention(q, k, v, kernel=RBF()),
     "rbf-p": lambda q, k, v: F.kernel_attention(q, k, v, kernel=RBF(), magnitude_p=1.5),
     "periodic": lambda q, k, v: F.kernel_attention(q, k, v, kernel=Periodic(6.28)),
     "linear-quadratic": lambda q, k, v: F.kernel_attention(q, k, v, kernel=Linear(), magnitude_p=2.0),
-    "linear-linear": lambda q, k, v: F.kernel_attention(q, k, v, kernel=Linear(), magnitude_p=2.0, mode="linear"),
+    "linear-linear": lambda q, k, v: F.kernel_attention(
+        q, k, v, kernel=Linear(), magnitude_p=2.0, mode="linear"
+    ),
     "sparsemax-map": lambda q, k, v: F.sparsemax(q),
     "entmax15-map": lambda q, k, v: F.entmax(q, 1.5),
     "entmax13-map": lambda q, k, v: F.entmax(q, 1.3, max_iter=30),
-    "entmax-tensor-alpha": lambda q, k, v: F.entmax(q, fd.to_device(torch.full((q.shape[1], 1, 1), 1.4)),
-                                                    max_iter=30),
+    "entmax-tensor-alpha": lambda q, k, v: F.entmax(
+        q, fd.to_device(torch.full((q.shape[1], 1, 1), 1.4)), max_iter=30
+    ),
     "ot": lambda q, k, v: F.ot_attention(q[:, 0], k[:, 0], gamma=1.0),
     "dnas-weights": lambda q, k, v: F.doubly_normalized_weights(q, k),
     "generalized-weights": lambda q, k, v: F.generalized_weights(q, k),
     "kernel-weights": lambda q, k, v: F.kernel_weights(q, k, kernel=RBF()),
     "regularized-weights": lambda q, k, v: F.regularized_attention_weights(q, k, regularizer=Tsallis(1.5)),
     "sparsemax-loss": lambda q, k, v: F.sparsemax_loss(
-        q.reshape(-1, q.shape[-1]), fd.to_device(torch.zeros(q.shape[:-1].numel(), dtype=torch.long))),
+        q.reshape(-1, q.shape[-1]), fd.to_device(torch.zeros(q.shape[:-1].numel(), dtype=torch.long))
+    ),
     "entmax-loss": lambda q, k, v: F.entmax_loss(
-        q.reshape(-1, q.shape[-1]), fd.to_device(torch.zeros(q.shape[:-1].numel(), dtype=torch.long))),
+        q.reshape(-1, q.shape[-1]), fd.to_device(torch.zeros(q.shape[:-1].numel(), dtype=torch.long))
+    ),
 }
 
 

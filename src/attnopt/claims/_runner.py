@@ -145,4 +145,16 @@ def write_claims_report(runs: list[ClaimRun], out_dir: Path, *, quick: bool) -> 
                 images=r.images,
             )
         )
+    sections.append(_papers_section({r.claim.paper for r in runs}))
     return write_report(out_dir, "report", "attnopt — reproduction report", sections, intro)
+
+
+def _papers_section(names: set[str]) -> Section:
+    """The papers whose claims ran, by title (the short names above are their claims modules)."""
+    from attnopt._papers import PAPERS, citations_section
+
+    known = {p.claims for p in PAPERS}
+    headers, rows = citations_section(sorted(n for n in names if n in known))
+    text = "The papers whose claims this report checks; the *paper* column above names each by its " \
+           "claims module (`fenchel_dual` = `fenchel-dual-attention`, ...)."
+    return Section("Papers", text=text, headers=headers, rows=rows)
