@@ -167,9 +167,11 @@ def choose_impl(
 
 
 def record(mechanism: str, path: str) -> str:
-    """Store ``path`` in :data:`last_dispatch` and return it (under ``backend("cpu")`` the entry
-    says ``"cpu"``; the returned path is the size class the caller branches on)."""
-    last_dispatch[mechanism] = "cpu" if _BACKEND[0] == "cpu" else path
+    """Store ``path`` in :data:`last_dispatch` and return it (under ``backend("cpu")`` /
+    ``backend("reference")`` the entry names the backend; the returned path is the size class
+    the caller branches on)."""
+    name = _BACKEND[0]
+    last_dispatch[mechanism] = name if name in ("cpu", "reference") else path
     return path
 
 
