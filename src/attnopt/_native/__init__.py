@@ -42,6 +42,8 @@ from typing import Any, NamedTuple, TypeVar, cast
 import torch
 import torch.autograd.forward_ad as _fwad
 
+from attnopt._backend import BACKEND as _BACKEND
+
 __all__ = [
     "FLAGS", "SANITIZERS", "Blas", "blas", "build_flags", "compiler", "enabled", "forward_ad_active",
     "has_storage", "library", "parallel_rows", "pointer", "switched_off", "untraced",
@@ -66,9 +68,14 @@ _MIN_PARALLEL = 1 << 16  # entries below which one thread does the whole call
 def switched_off() -> bool:
     """Whether ``ATTNOPT_NATIVE=0`` is set now (read on every call: tests and users toggle it).
 
+    ``True`` while ``torch.compile`` traces: the kernels read memory that fake tensors do not have,
+    and dynamo cannot trace the environment lookup; ``True`` inside ``attnopt.backend("reference")``.
+
     Reads the dictionary behind ``os.environ`` (``os.environ.get`` is ~0.85 µs, a few times per
     attention call at small sizes; this is ~50 ns), with ``os.environ`` itself as the fallback.
     """
+    if torch.compiler.is_compiling() or _BACKEND[0] == "reference":
+        return True
     if _ENV_DATA is not None:
         return _ENV_DATA.get(_ENV_KEY) == _ENV_OFF
     return os.environ.get("ATTNOPT_NATIVE", "1") == "0"
@@ -104,18 +111,27 @@ def has_storage(*tensors: torch.Tensor | None) -> bool:
     False for the wrapped tensors of ``torch.func`` transforms (``grad``, ``vmap``, ...) and for
     tensor subclasses such as the fake tensors of ``torch.compile``: those take the PyTorch path.
     False too while a ``torch.autograd.forward_ad`` dual level is open (:func:`forward_ad_active`):
-    a dual tensor has storage, but a C kernel would drop its tangent.
+    a dual tensor has storage, but a C kernel would drop its tangent; for tensors off the CPU (the
+    kernels read host memory); and while ``torch.compile`` traces (checked first, so that dynamo
+    never reaches the functorch query, which it cannot trace).
     """
-    if forward_ad_active():
+    if forward_ad_active() or torch.compiler.is_compiling() or _tracing():  # fake tensors: no memory
         return False
     for t in tensors:  # (a loop, not all() over a generator: ~1 µs less at three tensors)
-        if t is not None and (type(t) not in _PLAIN or _is_wrapped(t)):
+        if t is not None and (type(t) not in _PLAIN or not t.is_cpu or _is_wrapped(t)):
             return False
     return True
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_FAKE_MODE = torch._C._TorchDispatchModeKey.FAKE
+
+
+def _tracing() -> bool:
+    """Whether a fake-tensor mode is active (``torch.export``'s non-strict tracing runs the Python
+    code with it, outside dynamo: the tensors an autograd Function sees there look plain)."""
+    return torch._C._get_dispatch_mode(_FAKE_MODE) is not None
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])

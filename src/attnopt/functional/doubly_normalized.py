@@ -44,11 +44,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnopt._validation import (
-    _values,
     additive_mask,
     causal_additive_mask,
     check_attention_inputs,
+    device_assert,
     empty_attention,
+    host_values,
     resolve_scale,
     validate_attention,
 )
@@ -296,20 +297,21 @@ def doubly_normalized_attention(
             dispatch.record(name, "materialized")
             weights = _weights(q, k, iterations, attn_mask, alpha, is_causal)
         return dropout_attention(weights, v, dropout_p, q.dtype)
-    if iterations == 0:
+    mech = {0: "lnas", 1: "doubly_normalized"}.get(iterations, "sinkhorn")
+    reference = dispatch.use_reference(mech, q)
+    if iterations == 0 and not reference:
         return _lnas(q, k, v, attn_mask, alpha, is_causal)
     if use_prefix:
         dispatch.record("doubly_normalized" if iterations == 1 else "sinkhorn", "prefix")
         return prefix.prefix_attention(q, k, v, iterations=iterations, attn_mask=attn_mask, scale=alpha,
                                        is_causal=is_causal)
-    if under_transform() or q.is_meta or (isinstance(attn_mask, Tensor) and attn_mask.requires_grad
-                                          and torch.is_grad_enabled()):
+    if reference or under_transform() or q.is_meta or (
+            isinstance(attn_mask, Tensor) and attn_mask.requires_grad and torch.is_grad_enabled()):
         # torch.func transforms (the fused Functions have no vmap rule and are ctx-style), meta tensors
         # (the fused paths read values) and a differentiable mask: the materialized weights in plain
         # ops (as SDPA's math kernel does)
         w = _weights(q, k, iterations, attn_mask, alpha, is_causal)
         return torch.matmul(w, v.to(w.dtype)).to(q.dtype)
-    mech = "doubly_normalized" if iterations == 1 else "sinkhorn"
     fused = dispatched_sinkhorn(mech, q, k, v, iterations, None, attn_mask, alpha, is_causal, impl)
     if fused is not None:
         return fused
@@ -396,11 +398,13 @@ def _check_weight(weight: Tensor, q: Tensor) -> Tensor:
             f"got shape {tuple(weight.shape)}"
         )
     if weight.numel():
-        values = _values(weight)  # under torch.func: the values under the wrappers (all of vmap's batch)
-        low, high = torch.aminmax(weight.detach() if values is None else values.detach())
-        # one op: NaN fails both comparisons below; meta tensors have no values to check
-        if values is not None and not (0.0 <= float(low) and float(high) <= 1.0):
-            raise ValueError("weight must lie in [0, 1]")
+        values = host_values(weight)  # under torch.func: the values under the wrappers (all of vmap's batch)
+        if values is None:  # off the CPU, compiling, meta: the VALUE_CHECKS policy
+            device_assert(weight, lambda t: ((t >= 0) & (t <= 1)).all(), "weight must lie in [0, 1]")
+        else:
+            low, high = torch.aminmax(values.detach())  # one op: NaN fails both comparisons below
+            if not (0.0 <= float(low) and float(high) <= 1.0):
+                raise ValueError("weight must lie in [0, 1]")
     return w
 
 
@@ -473,7 +477,8 @@ def hybrid_normalized_attention(
         mixed = torch.lerp(_weights(q, k, 0, attn_mask, alpha, is_causal), dn, w.to(dn.dtype))
         dispatch.record("hybrid_normalized", "materialized")
         return dropout_attention(mixed, v, dropout_p, q.dtype)
-    if under_transform() or q.is_meta:  # torch.func, meta: plain ops (see doubly_normalized_attention)
+    # the reference backend, torch.func, meta: plain ops (see doubly_normalized_attention)
+    if dispatch.use_reference("hybrid_normalized", q) or under_transform() or q.is_meta:
         alpha = resolve_scale(scale, q.shape[-1])
         dn = _weights(q, k, iterations, attn_mask, alpha, is_causal)
         mixed = torch.lerp(_weights(q, k, 0, attn_mask, alpha, is_causal), dn, w.to(dn.dtype))

@@ -32,8 +32,11 @@ from attnopt._validation import (
     causal_additive_mask,
     check_attention_inputs,
     combine_additive,
+    device_assert,
     empty_attention,
     empty_weights,
+    host_readable,
+    host_values,
     resolve_scale,
     validate_attention,
 )
@@ -182,7 +185,13 @@ def split_key_query_mask(mask: Tensor) -> tuple[Tensor, Tensor]:
     inf = torch.full((), float("inf"), dtype=mask.dtype, device=mask.device)
     key = torch.where(dead, inf, mask).amin(dim=-2, keepdim=True)
     same = torch.where(dead, key, mask).eq(key).all()
-    if not (bool(same) if _func.level() is None else all_true(same)):
+    message = (
+        "mode='linear' needs a key mask: attn_mask may only mask keys (the same keys for every "
+        "query) and whole query rows (use mode='quadratic' or is_causal for causal masks)"
+    )
+    if host_values(same) is None:  # off the CPU / compiling: the VALUE_CHECKS policy
+        device_assert(same, lambda t: t, message)
+    elif not (bool(same) if _func.level() is None else all_true(same)):
         raise ValueError(
             "mode='linear' needs a key mask: attn_mask may only mask keys (the same keys for every "
             "query) and whole query rows; got a query-dependent mask of shape "
@@ -260,6 +269,8 @@ def _direct_ok(kernel: Kernel, mask: Tensor | None, eps: float, q: Tensor, k: Te
     if not kernel.has_features:
         return False
     kernel._check(q, k)
+    if _func.level() is None and not host_readable(q):  # the bound is read on the host: CPU only
+        return False  # (elsewhere the log-domain evaluation: exact too, with no host sync)
     with torch.no_grad():
         bq = kernel.features(q).norm(dim=-1).amax()
         bk = kernel.features(k).norm(dim=-1).amax()
@@ -586,6 +597,15 @@ def kernel_attention(
         mask = _full_mask(q, k, attn_mask, is_causal, compute)
         w = _quadratic(q.to(compute), k.to(compute), None, kernel, bias, mask, eps)
         return dropout_attention(w, v, dropout_p, q.dtype)
+    if dispatch.use_reference("kernel", q):  # plain PyTorch, any device: the quadratic log-domain form
+        _check_options(kernel, magnitude_p, eps, mode)
+        if mode == "linear" and is_causal and q.shape[-2] != k.shape[-2]:
+            raise ValueError(f"mode='linear' with is_causal needs Nq == Nk, got {q.shape[-2]}, {k.shape[-2]}")
+        s, compute, bias = _prepare(q, k, kernel, magnitude_p, scale, eps, "quadratic")
+        mask = _full_mask(q, k, attn_mask, is_causal, compute)
+        ref = _quadratic(q.to(compute), k.to(compute), v.to(compute), kernel, bias, mask, eps).to(q.dtype)
+        dispatch.use_reference("kernel", q)  # (recorded again: the helpers above record their paths)
+        return ref
     if isinstance(kernel, Periodic) and mode == "quadratic":
         out = _periodic(q, k, v, kernel, magnitude_p, attn_mask, scale, is_causal, eps)
         if out is not None:

@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnopt._validation import check_broadcastable, check_finite, check_tensor, zero_anchor
+from attnopt._validation import check_broadcastable, check_finite, check_tensor, host_readable, zero_anchor
+from attnopt.functional import dispatch
 from attnopt.functional._dropout import check_dropout_p, dropout_attention
 from attnopt.functional._ot_cost import (
     CostSpec,
@@ -46,7 +47,9 @@ def log_matmul_exp(x: Tensor, y: Tensor) -> Tensor:
     with one BLAS matmul and shifted back. Entries whose shifted sum falls below
     ``sqrt(tiny)`` of the dtype (the two maxima sit at different ``k`` — e.g. a very small
     ``γ``) lose relative precision there; exactly those entries are recomputed by a direct
-    log-sum-exp, so the result is accurate for every input. ``-inf`` entries are allowed; a
+    log-sum-exp, so the result is accurate for every input (off the CPU and in a compiled graph,
+    where the test cannot be read on the host, the direct log-sum-exp of every entry is formed,
+    ``(..., p, q, r)`` at once, and selected where needed). ``-inf`` entries are allowed; a
     sum with no finite term is ``-inf`` (with zero, not NaN, gradients).
 
     Args:
@@ -60,10 +63,14 @@ def log_matmul_exp(x: Tensor, y: Tensor) -> Tensor:
     xm, ym = _finite_or_zero(xm_raw), _finite_or_zero(ym_raw)
     s = torch.matmul(torch.exp(x - xm), torch.exp(y - ym))
     thr = torch.finfo(s.dtype).tiny ** 0.5
-    if s.numel() == 0 or bool(s.amin() >= thr):  # the common case: no underflow anywhere
+    on_host = host_readable(s)
+    if s.numel() == 0 or (on_host and bool(s.amin() >= thr)):  # the common case: no underflow anywhere
         return torch.log(s) + (xm + ym)
     ok = s >= thr
     out = torch.where(ok, torch.log(torch.where(ok, s, torch.ones_like(s))) + xm + ym, float("-inf"))
+    if not on_host:  # no host read (a GPU, a compiled graph): the direct log-sum-exp, selected per entry
+        direct = safe_logsumexp(x.unsqueeze(-1) + y.unsqueeze(-3), dim=-2)  # (..., p, q, r) at once
+        return torch.where(ok, out, direct)
     need = ~ok & torch.isfinite(xm_raw) & torch.isfinite(ym_raw)
     if not bool(need.any()):
         return out
@@ -94,7 +101,7 @@ def _ot_log_weights(
     if bank_mask is not None:
         scores = scores.masked_fill(~bank_mask.unsqueeze(-2), float("-inf"))
     log_z = log_matmul_exp(scores, log_k)  # log Z_{k,i}, (..., Nq, n)
-    if log_z.numel() == 0 or bool(log_z.amin() > float("-inf")):  # log Z is never +inf or NaN
+    if log_z.numel() == 0 or (host_readable(log_z) and bool(log_z.amin() > float("-inf"))):  # never +inf/NaN
         w = _log_preference(u).unsqueeze(-2) - log_z
     else:  # a template with no admissible bank member drops out
         finite = torch.isfinite(log_z)
@@ -113,6 +120,7 @@ def _empty(
     """
     bank_t, batch = check_ot_inputs(z, templates, bank, allow_empty=True)
     check_finite(z=z, templates=templates, bank=bank, bank_values=bank_values)
+    dispatch.use_reference("ot", z)  # one implementation, plain PyTorch: it is the reference
     nq, n, m = z.shape[-2], templates.shape[-2], bank_t.shape[-2]
     if nq and n and m and 0 not in batch:
         return None

@@ -37,7 +37,6 @@ import torch
 from torch import Tensor
 
 from attnopt._validation import (
-    _values,
     additive_mask,
     any_nonfinite,
     broadcast_shapes,
@@ -47,6 +46,8 @@ from attnopt._validation import (
     combine_additive,
     empty_attention,
     empty_weights,
+    host_readable,
+    host_values,
     resolve_scale,
     validate_attention,
 )
@@ -262,7 +263,8 @@ def regularized_attention(
         return dropout_attention(weights, v, dropout_p, q.dtype)
     if isinstance(reg, Tsallis) and not isinstance(reg.alpha, Tensor) and reg.alpha == 1.0:
         reg = Shannon()  # the α → 1 limit of Tsallis is Shannon: softmax, i.e. SDPA
-    if isinstance(reg, Shannon):
+    reference = dispatch.use_reference("sparse" if not isinstance(reg, Shannon) else "regularized", q)
+    if isinstance(reg, Shannon) and not reference:
         tau = reg.temperature
         if mask is None and loc is None:
             return flushed_sdpa(q, k, v, is_causal=is_causal, scale=alpha_scale / tau)
@@ -273,14 +275,18 @@ def regularized_attention(
             bias = bias / tau
         return _biased_softmax(q, k, v, bias.to(q.dtype), alpha_scale / tau)
     alpha: float | None = None
-    if isinstance(reg, SquaredL2):
+    if isinstance(reg, Shannon):
+        pass  # (reference: the materialized softmax below)
+    elif isinstance(reg, SquaredL2):
         alpha = 2.0
     elif isinstance(reg, Tsallis) and not isinstance(reg.alpha, Tensor) and reg.alpha > 1.0:
         alpha = float(reg.alpha)  # sparse (α > 1): fused / blocked paths; α < 1 is dense: below
     # under torch.func transforms (grad, vmap, ...) the fused / blocked Functions (ctx-style, no vmap
-    # rule) give way to the materialized map in plain ops below, and so do meta tensors (shapes only)
+    # rule) give way to the materialized map in plain ops below, and so does every tensor off the CPU
+    # (and a compiled graph; the fused kernel's threshold search reads values on the host, the
+    # materialized map runs the sort-based closed forms there) and backend("reference")
     if (alpha is not None and not (attn_mask is not None and attn_mask.requires_grad)
-            and not (under_transform() or q.is_meta)):
+            and not under_transform() and host_readable(q) and not reference):
         beta = None
         if locality is not None:
             beta = _beta_tensor(locality, q)
@@ -297,9 +303,6 @@ def regularized_attention(
             q, k, v, alpha=alpha, scale=alpha_scale, mask=mask, beta=beta, is_causal=is_causal,
             block_size=block_size,
         )
-    if q.is_meta:  # shapes only: the map's threshold searches read values; its output has the scores' shape
-        scores = _scores(q, k, attn_mask, scale, locality, is_causal)
-        return torch.matmul(scores, v.to(scores.dtype)).to(q.dtype)
     weights = regularized_attention_weights(
         q, k, regularizer=reg, attn_mask=attn_mask, scale=scale, locality=locality, is_causal=is_causal
     )
@@ -335,7 +338,7 @@ def _check_regularizer(reg: object) -> None:
 def _check_scores(scores: Tensor, dim: int) -> None:
     if not isinstance(dim, int) or not -scores.dim() <= dim < scores.dim():
         raise ValueError(f"dim={dim!r} is out of range for scores with {scores.dim()} dimensions")
-    values = _values(scores)  # under torch.func: the values under the wrappers; None for meta
+    values = host_values(scores)  # under torch.func: the values under the wrappers; None off the CPU
     if values is not None and values.numel() and bool((torch.isnan(values) | torch.isposinf(values)).any()):
         raise ValueError("scores must not contain NaN or +inf (use -inf to mask an entry)")
 

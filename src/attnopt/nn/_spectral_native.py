@@ -46,6 +46,8 @@ def library(
     more than one torch thread, at most :data:`THREADED_MAX_POINTS` base points. ``keys``: ``h``
     is the keys ``(..., H, N, d)`` whose mean over ``N`` is the summary (:func:`native_sample`);
     ``half``: the base points per set and head, where ``noise`` is a stand-in (else its ``shape[-2]``)."""
+    if torch.compiler.is_compiling():  # fake tensors: no memory for the C kernel
+        return None
     dt = h.dtype
     # inside a torch.func transform (its tensors are wrapped: no storage to read) the PyTorch node
     # runs; outside one no tensor is wrapped, and subclasses (fake tensors) fail the type test
