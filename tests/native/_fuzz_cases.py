@@ -63,15 +63,18 @@ def dnas(draw: Any, dtype: torch.dtype, gen: torch.Generator) -> tuple[Fn, tuple
     mask = None if causal else _key_padding(draw, q, k)
     iterations = draw(st.sampled_from([1, 1, 2, 3]))
     hybrid = draw(st.booleans())
-    impl = draw(st.sampled_from(["auto", "materialized", "streaming"]))
+    # the masked plan reaches the C passes; the autoregressive prefix variant has no streaming path
+    mode = draw(st.sampled_from(["plan", "prefix"]))
+    impls = ["auto", "materialized"] + (["streaming"] if mode == "plan" else [])
+    impl = draw(st.sampled_from(impls))
     w = torch.rand((), dtype=dtype, generator=gen)
 
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if hybrid:
             return attnopt.hybrid_normalized_attention(q, k, v, w, iterations=iterations, attn_mask=mask,
-                                                       is_causal=causal, impl=impl)
+                                                       is_causal=causal, causal=mode, impl=impl)
         return attnopt.doubly_normalized_attention(q, k, v, iterations=iterations, attn_mask=mask,
-                                                   is_causal=causal, impl=impl)
+                                                   is_causal=causal, causal=mode, impl=impl)
 
     return fn, (q, k, v, w)
 
