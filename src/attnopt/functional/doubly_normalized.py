@@ -46,6 +46,7 @@ from attnopt._validation import (
 )
 from attnopt.functional import _flash_cpu as fc
 from attnopt.functional import dispatch
+from attnopt.functional import triton as gpu
 from attnopt.functional._autograd import under_transform
 from attnopt.functional._dnas_materialized import dispatched_sinkhorn
 from attnopt.functional._sinkhorn_chunked import chunked_attn_pass, chunked_lse_pass
@@ -171,6 +172,18 @@ def _run_passes(
     return attend(g)
 
 
+def _on_triton(
+    mech: str, q: Tensor, k: Tensor, v: Tensor, iterations: int, weight: Tensor | None,
+    attn_mask: Tensor | None, scale: float, is_causal: bool,
+) -> Tensor:
+    """The Triton kernels (:mod:`attnopt.functional.triton.doubly_normalized`), imported on first use."""
+    from attnopt.functional.triton.doubly_normalized import sinkhorn_attention
+
+    dispatch.record(mech, "triton")
+    return sinkhorn_attention(q, k, v, iterations=iterations, weight=weight, attn_mask=attn_mask,
+                              scale=scale, is_causal=is_causal)
+
+
 def _lnas(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, scale: float, is_causal: bool) -> Tensor:
     return generalized_attention(q, k, v, attn_mask=attn_mask, scale=scale, is_causal=is_causal)
 
@@ -266,6 +279,8 @@ def doubly_normalized_attention(
         w = _weights(q, k, iterations, attn_mask, alpha, is_causal)
         return torch.matmul(w, v.to(w.dtype)).to(q.dtype)
     mech = "doubly_normalized" if iterations == 1 else "sinkhorn"
+    if gpu.wanted(q):
+        return _on_triton(mech, q, k, v, iterations, None, attn_mask, alpha, is_causal)
     fused = dispatched_sinkhorn(mech, q, k, v, iterations, None, attn_mask, alpha, is_causal, impl)
     if fused is not None:
         return fused
@@ -398,6 +413,9 @@ def hybrid_normalized_attention(
         mixed = torch.lerp(_weights(q, k, 0, attn_mask, alpha, is_causal), dn, w.to(dn.dtype))
         return torch.matmul(mixed, v.to(mixed.dtype)).to(q.dtype)
     grad_mask = isinstance(attn_mask, Tensor) and attn_mask.requires_grad and torch.is_grad_enabled()
+    if iterations >= 1 and not grad_mask and gpu.wanted(q):
+        return _on_triton("hybrid_normalized", q, k, v, iterations, w, attn_mask,
+                          resolve_scale(scale, q.shape[-1]), is_causal)
     if iterations >= 1 and not grad_mask:
         fused = dispatched_sinkhorn("hybrid_normalized", q, k, v, iterations, w, attn_mask,
                                     resolve_scale(scale, q.shape[-1]), is_causal, impl)
