@@ -51,6 +51,7 @@ from attnopt._validation import (
     validate_attention,
 )
 from attnopt.functional import dispatch
+from attnopt.functional import triton as gpu
 from attnopt.functional._autograd import under_transform
 from attnopt.functional._blocked_sparse import blocked_sparse_attention
 from attnopt.functional._denormal import flushed_sdpa, sdpa
@@ -271,6 +272,12 @@ def regularized_attention(
     # rule) give way to the materialized map in plain ops below, and so do meta tensors (shapes only)
     if (alpha is not None and not (attn_mask is not None and attn_mask.requires_grad)
             and not (under_transform() or q.is_meta)):
+        if loc is None and gpu.wanted(q):  # the Triton kernels (attnopt.functional.triton.sparse)
+            from attnopt.functional.triton.sparse import sparse_attention
+
+            dispatch.record("sparse", "triton")
+            return sparse_attention(q, k, v, alpha=alpha, attn_mask=attn_mask, scale=alpha_scale,
+                                    is_causal=is_causal)
         beta = None
         if locality is not None:
             beta = _beta_tensor(locality, q)
