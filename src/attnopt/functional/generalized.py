@@ -34,6 +34,7 @@ from attnopt._validation import (
     validate_attention,
 )
 from attnopt.functional import _generalized_native, dispatch
+from attnopt.functional import triton as gpu
 from attnopt.functional._denormal import sdpa
 from attnopt.functional._generalized_fused import (
     biased_flash_attention,
@@ -253,7 +254,8 @@ def generalized_attention(
         TypeError: non-tensor or non-floating inputs.
     """
     if (log_preference is not None and impl == "auto" and preference is None and attn_mask is None
-            and dropout_p == 0.0):  # small sizes: a relative-position bias in one C call each way
+            and dropout_p == 0.0 and not gpu.wanted(q)):
+        # small sizes: a relative-position bias in one C call each way
         out = _generalized_native.fused_attention(q, k, v, log_preference, scale, is_causal, FUSED_BELOW,
                                                   FUSED_MAX_HEAD_SCORES)
         if out is not None:
@@ -273,6 +275,13 @@ def generalized_attention(
         dispatch.record("generalized", "streaming")
         dispatch.record("generalized_kernel", "sdpa")
         return sdpa(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=alpha)
+    if dropout_p == 0.0 and not _func.under_transform() and gpu.wanted(q):  # FlexAttention
+        from attnopt.functional.triton.flex_generalized import flex_generalized_attention
+
+        dispatch.record("generalized", "triton")
+        dispatch.record("generalized_kernel", "flex")
+        return flex_generalized_attention(q, k, v, preference=preference, log_preference=log_preference,
+                                          attn_mask=attn_mask, scale=alpha, is_causal=is_causal)
     # log_preference's values are checked below, once per path (the fused node checks its output)
     bias = score_bias(q, k, preference, log_preference, attn_mask, is_causal, check_values=False)
     if bias is not None and _func.under_transform():  # torch.func, forward AD: plain differentiable ops

@@ -48,7 +48,7 @@ def wanted(x: Tensor) -> bool:
     name = dispatch.current_backend()
     if name == "triton":
         return True
-    return name == "auto" and x.is_cuda and available()
+    return name == "auto" and isinstance(x, Tensor) and x.is_cuda and available()
 
 
 def check_device(x: Tensor, interpreted: bool) -> None:
