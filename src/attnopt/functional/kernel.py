@@ -38,6 +38,7 @@ from attnopt._validation import (
     validate_attention,
 )
 from attnopt.functional import dispatch
+from attnopt.functional import triton as gpu
 from attnopt.functional._autograd import double_backward, under_transform
 from attnopt.functional._denormal import sdpa
 from attnopt.functional._kernel_chunked import chunked_feature_kernel_attention
@@ -470,6 +471,21 @@ def _rbf_key_bias_sdpa(
     return out[..., :dv]
 
 
+def _on_triton(
+    q: Tensor, k: Tensor, v: Tensor, kernel: Kernel, magnitude_p: float | None, attn_mask: Tensor | None,
+    scale: float | None, is_causal: bool, eps: float,
+) -> Tensor | None:
+    """The Triton kernels (:mod:`attnopt.functional.triton.kernel`), or None where they do not apply."""
+    from attnopt.functional.triton.kernel import supported, triton_kernel_attention
+
+    _check_options(kernel, magnitude_p, eps, "quadratic")
+    if not supported(kernel) or (attn_mask is not None and attn_mask.requires_grad):
+        return None
+    dispatch.record("kernel", "triton")
+    return triton_kernel_attention(q, k, v, kernel=kernel, magnitude_p=magnitude_p, attn_mask=attn_mask,
+                                   scale=scale, is_causal=is_causal, eps=eps)
+
+
 def kernel_weights(
     q: Tensor,
     k: Tensor,
@@ -574,6 +590,10 @@ def kernel_attention(
         resolve_scale(scale, q.shape[-1])
         _full_mask(q, k, attn_mask, is_causal, q.dtype)
         return empty
+    if mode == "quadratic" and gpu.wanted(q) and not under_transform():
+        out = _on_triton(q, k, v, kernel, magnitude_p, attn_mask, scale, is_causal, eps)
+        if out is not None:
+            return out
     if isinstance(kernel, Periodic) and mode == "quadratic":
         out = _periodic(q, k, v, kernel, magnitude_p, attn_mask, scale, is_causal, eps)
         if out is not None:

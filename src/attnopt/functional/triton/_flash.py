@@ -46,11 +46,17 @@ BLOCKS: list[tuple[int, int] | None] = [None]
 
 
 @triton.jit
-def _scores(a, b_ptrs, cb_ptrs, m_ptrs, offs_m, offs_n, NA, NB, DA, scale, offs_d,
-            CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
-    """One (BLOCK_M, BLOCK_N) tile of ``t``; -inf outside the admissible set."""
+def _scores_x(a, b_ptrs, cb_ptrs, m_ptrs, offs_m, offs_n, NA, NB, DA, scale, offs_d, eps,
+              CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, SCORE: tl.constexpr, ACC: tl.constexpr,
+              PREC: tl.constexpr):
+    """One (BLOCK_M, BLOCK_N) tile ``(t, b, x)``: scores (-inf outside the admissible set), the
+    columns, the raw products ``x = <a_i, b_j>``; ``t = scale·x`` (SCORE 0) or ``log(x² + eps)`` (1)."""
     b = tl.load(b_ptrs, mask=(offs_n[:, None] < NB) & (offs_d[None, :] < DA), other=0.0)
-    s = tl.dot(a, tl.trans(b), out_dtype=ACC, input_precision=PREC) * scale
+    x = tl.dot(a, tl.trans(b), out_dtype=ACC, input_precision=PREC)
+    if SCORE == 0:
+        s = x * scale
+    else:
+        s = tl.log(x * x + eps)
     cb = tl.load(cb_ptrs, mask=offs_n < NB, other=float("-inf")).to(ACC)
     s = s + cb[None, :]
     if HAS_MASK:
@@ -60,15 +66,33 @@ def _scores(a, b_ptrs, cb_ptrs, m_ptrs, offs_m, offs_n, NA, NB, DA, scale, offs_
         s = tl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf"))
     if CAUSAL == 2:
         s = tl.where(offs_n[None, :] >= offs_m[:, None], s, float("-inf"))
+    return s, b, x
+
+
+@triton.jit
+def _scores(a, b_ptrs, cb_ptrs, m_ptrs, offs_m, offs_n, NA, NB, DA, scale, offs_d,
+            CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
+    """``(t, b)`` of :func:`_scores_x` for dot-product scores."""
+    s, b, _x = _scores_x(a, b_ptrs, cb_ptrs, m_ptrs, offs_m, offs_n, NA, NB, DA, scale, offs_d, 0.0,
+                         CAUSAL, HAS_MASK, 0, ACC, PREC)
     return s, b
 
 
 @triton.jit
+def _dx(ds, x, eps, SCORE: tl.constexpr):
+    """Gradient with respect to the raw products ``x`` from the one with respect to ``t``."""
+    if SCORE == 0:
+        return ds
+    den = x * x + eps
+    return tl.where(den > 0, ds * 2.0 * x / tl.where(den > 0, den, 1.0), 0.0)
+
+
+@triton.jit
 def _fwd_kernel(
-    A, B, V, CB, M, O, L, scale, H, NA, NB, DA, DVA,
+    A, B, V, CB, M, O, L, scale, eps, H, NA, NB, DA, DVA,
     sab, sah, san, sad, sbb, sbh, sbn, sbd, svb, svh, svn, svd, scb, sch, scn,
     smb, smh, smi, smj, sob, soh, son, sod, slb, slh, sln,
-    CAUSAL: tl.constexpr, HAS_V: tl.constexpr, HAS_MASK: tl.constexpr, D: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_V: tl.constexpr, HAS_MASK: tl.constexpr, SCORE: tl.constexpr, D: tl.constexpr,
     DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -92,11 +116,11 @@ def _fwd_kernel(
         lo = (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
-        s, _b = _scores(
+        s, _b, _x = _scores_x(
             a, B + ob * sbb + oh * sbh + offs_n[:, None] * sbn + offs_d[None, :] * sbd,
             CB + ob * scb + oh * sch + offs_n * scn,
             M + ob * smb + oh * smh + offs_m[:, None] * smi + offs_n[None, :] * smj,
-            offs_m, offs_n, NA, NB, DA, scale, offs_d, CAUSAL, HAS_MASK, ACC, PREC)
+            offs_m, offs_n, NA, NB, DA, scale, offs_d, eps, CAUSAL, HAS_MASK, SCORE, ACC, PREC)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(s - m_safe[:, None])
@@ -118,10 +142,10 @@ def _fwd_kernel(
 
 @triton.jit
 def _bwd_cols_kernel(
-    A, B, V, CB, M, DO, L, DELTA, DB, DV_, DCB, scale, H, NA, NB, DA, DVA,
+    A, B, V, CB, M, DO, L, DELTA, DB, DV_, DCB, scale, eps, H, NA, NB, DA, DVA,
     sab, sah, san, sad, sbb, sbh, sbn, sbd, svb, svh, svn, svd, scb, sch, scn,
     smb, smh, smi, smj, sdob, sdoh, sdon, sdod, slb, slh, sln,
-    CAUSAL: tl.constexpr, HAS_V: tl.constexpr, HAS_MASK: tl.constexpr, D: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_V: tl.constexpr, HAS_MASK: tl.constexpr, SCORE: tl.constexpr, D: tl.constexpr,
     DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
 ):
     """``db``, ``dv``, ``dcb`` for one block of columns (a loop over the rows)."""
@@ -149,10 +173,10 @@ def _bwd_cols_kernel(
         offs_m = start_m + offs_m0
         a = tl.load(A + ob * sab + oh * sah + offs_m[:, None] * san + offs_d[None, :] * sad,
                     mask=(offs_m[:, None] < NA) & (offs_d[None, :] < DA), other=0.0)
-        s, _b = _scores(
+        s, _b, x = _scores_x(
             a, b_ptrs, CB + ob * scb + oh * sch + offs_n * scn,
             M + ob * smb + oh * smh + offs_m[:, None] * smi + offs_n[None, :] * smj,
-            offs_m, offs_n, NA, NB, DA, scale, offs_d, CAUSAL, HAS_MASK, ACC, PREC)
+            offs_m, offs_n, NA, NB, DA, scale, offs_d, eps, CAUSAL, HAS_MASK, SCORE, ACC, PREC)
         lse = tl.load(L + ob * slb + oh * slh + offs_m * sln, mask=offs_m < NA, other=float("-inf")).to(ACC)
         lse = tl.where(lse == float("-inf"), float("inf"), lse)  # no admissible column: P = 0
         p = tl.exp(s - lse[:, None])
@@ -165,7 +189,7 @@ def _bwd_cols_kernel(
             ds = p * (dp - delta[:, None])
         else:
             ds = p * (-delta[:, None])
-        db += tl.dot(tl.trans(ds.to(a.dtype)), a, out_dtype=ACC, input_precision=PREC)
+        db += tl.dot(tl.trans(_dx(ds, x, eps, SCORE).to(a.dtype)), a, out_dtype=ACC, input_precision=PREC)
         dcb += tl.sum(ds, 0)
     nb = pid_g * NB + offs_n
     tl.store(DB + nb[:, None] * D + offs_d[None, :], (db * scale).to(DB.dtype.element_ty),
@@ -178,10 +202,10 @@ def _bwd_cols_kernel(
 
 @triton.jit
 def _bwd_rows_kernel(
-    A, B, V, CB, M, DO, L, DELTA, DA_, scale, H, NA, NB, DA, DVA,
+    A, B, V, CB, M, DO, L, DELTA, DA_, scale, eps, H, NA, NB, DA, DVA,
     sab, sah, san, sad, sbb, sbh, sbn, sbd, svb, svh, svn, svd, scb, sch, scn,
     smb, smh, smi, smj, sdob, sdoh, sdon, sdod, slb, slh, sln,
-    CAUSAL: tl.constexpr, HAS_V: tl.constexpr, HAS_MASK: tl.constexpr, D: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_V: tl.constexpr, HAS_MASK: tl.constexpr, SCORE: tl.constexpr, D: tl.constexpr,
     DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
 ):
     """``da`` for one block of rows (a loop over the columns)."""
@@ -209,11 +233,11 @@ def _bwd_rows_kernel(
         lo = (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
-        s, b = _scores(
+        s, b, x = _scores_x(
             a, B + ob * sbb + oh * sbh + offs_n[:, None] * sbn + offs_d[None, :] * sbd,
             CB + ob * scb + oh * sch + offs_n * scn,
             M + ob * smb + oh * smh + offs_m[:, None] * smi + offs_n[None, :] * smj,
-            offs_m, offs_n, NA, NB, DA, scale, offs_d, CAUSAL, HAS_MASK, ACC, PREC)
+            offs_m, offs_n, NA, NB, DA, scale, offs_d, eps, CAUSAL, HAS_MASK, SCORE, ACC, PREC)
         p = tl.exp(s - lse[:, None])
         if HAS_V:
             v = tl.load(V + ob * svb + oh * svh + offs_n[:, None] * svn + offs_dv[None, :] * svd,
@@ -222,7 +246,7 @@ def _bwd_rows_kernel(
             ds = p * (dp - delta[:, None])
         else:
             ds = p * (-delta[:, None])
-        da += tl.dot(ds.to(b.dtype), b, out_dtype=ACC, input_precision=PREC)
+        da += tl.dot(_dx(ds, x, eps, SCORE).to(b.dtype), b, out_dtype=ACC, input_precision=PREC)
     rows = pid_g * NA + offs_m
     tl.store(DA_ + rows[:, None] * D + offs_d[None, :], (da * scale).to(DA_.dtype.element_ty),
              mask=(offs_m[:, None] < NA) & (offs_d[None, :] < DA))
@@ -252,7 +276,8 @@ def _meta(a: Tensor) -> tuple[Any, str]:
 
 @triton_op("attnopt::triton_flash", mutates_args=())
 def _flash_fwd(
-    a: Tensor, b: Tensor, v: Tensor | None, cb: Tensor, mask: Tensor | None, causal: int, scale: float
+    a: Tensor, b: Tensor, v: Tensor | None, cb: Tensor, mask: Tensor | None, causal: int, scale: float,
+    score: int, eps: float,
 ) -> tuple[Tensor, Tensor]:
     batch, heads, na, da = a.shape
     nb = b.shape[2]
@@ -268,10 +293,10 @@ def _flash_fwd(
     ms = (0, 0, 0, 0) if mask is None else tuple(mask.stride())
     os_ = (0, 0, 0, 0) if v is None else tuple(out.stride())
     wrap_triton(_fwd_kernel)[grid](
-        a, b, vv, cb, mm, out, lse, scale, heads, na, nb, da, dva,
+        a, b, vv, cb, mm, out, lse, scale, eps, heads, na, nb, da, dva,
         *a.stride(), *b.stride(), *vv.stride(), *cb.stride(), *ms, *os_, *lse.stride(),
-        CAUSAL=causal, HAS_V=v is not None, HAS_MASK=mask is not None, D=_pow2(da), DV=_pow2(dva),
-        BLOCK_M=bm, BLOCK_N=bn, ACC=acc, PREC=prec, num_warps=warps, num_stages=stages,
+        CAUSAL=causal, HAS_V=v is not None, HAS_MASK=mask is not None, SCORE=score, D=_pow2(da),
+        DV=_pow2(dva), BLOCK_M=bm, BLOCK_N=bn, ACC=acc, PREC=prec, num_warps=warps, num_stages=stages,
     )
     return out, lse
 
@@ -279,7 +304,7 @@ def _flash_fwd(
 @triton_op("attnopt::triton_flash_backward", mutates_args=())
 def _flash_bwd(
     dout: Tensor | None, dlse: Tensor, a: Tensor, b: Tensor, v: Tensor | None, cb: Tensor,
-    mask: Tensor | None, out: Tensor | None, lse: Tensor, causal: int, scale: float,
+    mask: Tensor | None, out: Tensor | None, lse: Tensor, causal: int, scale: float, score: int, eps: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     batch, heads, na, da = a.shape
     nb = b.shape[2]
@@ -304,36 +329,37 @@ def _flash_bwd(
     do = dout if has_v and dout is not None else b
     mm = cb if mask is None else mask
     ms = (0, 0, 0, 0) if mask is None else tuple(mask.stride())
-    common = dict(CAUSAL=causal, HAS_V=has_v, HAS_MASK=mask is not None, D=d_pad, DV=dv_pad, BLOCK_M=bm,
-                  BLOCK_N=bn, ACC=acc, PREC=prec, num_warps=warps, num_stages=stages)
+    common = dict(CAUSAL=causal, HAS_V=has_v, HAS_MASK=mask is not None, SCORE=score, D=d_pad, DV=dv_pad,
+                  BLOCK_M=bm, BLOCK_N=bn, ACC=acc, PREC=prec, num_warps=warps, num_stages=stages)
     strides = (*a.stride(), *b.stride(), *vv.stride(), *cb.stride(), *ms, *do.stride(), *lse.stride())
     wrap_triton(_bwd_cols_kernel)[(triton.cdiv(nb, bn), batch * heads)](
-        a, b, vv, cb, mm, do, lse, delta, gb, gv, gcb, scale, heads, na, nb, da, dva, *strides, **common)
+        a, b, vv, cb, mm, do, lse, delta, gb, gv, gcb, scale, eps, heads, na, nb, da, dva, *strides, **common)
     wrap_triton(_bwd_rows_kernel)[(triton.cdiv(na, bm), batch * heads)](
-        a, b, vv, cb, mm, do, lse, delta, ga, scale, heads, na, nb, da, dva, *strides, **common)
+        a, b, vv, cb, mm, do, lse, delta, ga, scale, eps, heads, na, nb, da, dva, *strides, **common)
     gv_out = gv[..., :dva] if has_v else gv
     return ga[..., :da], gb[..., :da], gv_out, gcb
 
 
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    a, b, v, cb, mask, causal, scale = inputs
+    a, b, v, cb, mask, causal, scale, score, eps = inputs
     out, lse = output
-    ctx.causal, ctx.scale, ctx.has_v = causal, scale, v is not None
+    ctx.causal, ctx.scale, ctx.has_v, ctx.score, ctx.eps = causal, scale, v is not None, score, eps
     ctx.save_for_backward(a, b, v, cb, mask, out if v is not None else None, lse)
 
 
 def _backward(ctx: Any, dout: Tensor, dlse: Tensor) -> tuple[Tensor | None, ...]:
     a, b, v, cb, mask, out, lse = ctx.saved_tensors
     ga, gb, gv, gcb = _flash_bwd(dout if ctx.has_v else None, dlse, a, b, v, cb, mask, out, lse,
-                                 ctx.causal, ctx.scale)
-    return ga, gb, (gv if ctx.has_v else None), gcb, None, None, None
+                                 ctx.causal, ctx.scale, ctx.score, ctx.eps)
+    return ga, gb, (gv if ctx.has_v else None), gcb, None, None, None, None, None
 
 
 _flash_fwd.register_autograd(_backward, setup_context=_setup)
 
 
 def flash(
-    a: Tensor, b: Tensor, v: Tensor | None, cb: Tensor, mask: Tensor | None, causal: int, scale: float
+    a: Tensor, b: Tensor, v: Tensor | None, cb: Tensor, mask: Tensor | None, causal: int, scale: float,
+    score: int = 0, eps: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """``(o, ℓ)`` of the module docstring (``o`` empty without ``v``).
 
@@ -343,8 +369,11 @@ def flash(
             ``-inf`` = excluded.
         mask: additive (B, H, Na, Nb) view (any strides, stride 0 allowed) or None.
         causal: 0 none, 1 ``j <= i``, 2 ``j >= i``.
-        scale: score scale.
+        scale: score scale (SCORE 0).
+        score: 0: ``t = scale·<a_i, b_j>``; 1: ``t = log(<a_i, b_j>² + eps)`` (squared feature
+            kernels: ``a``, ``b`` are feature maps, implicit-kernel attention).
+        eps: the ``ε`` of score 1.
     Returns:
         ``o (B, H, Na, dv)`` in ``a``'s dtype and ``ℓ (B, H, Na)`` in the potential dtype.
     """
-    return _flash_fwd(a, b, v, cb, mask, causal, scale)
+    return _flash_fwd(a, b, v, cb, mask, causal, scale, score, eps)
