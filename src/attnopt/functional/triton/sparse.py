@@ -98,7 +98,7 @@ def _fwd_kernel(
     tau = lo
     # 2. safeguarded Newton on f(tau) = sum_j [z_ij - tau]_+^a - 1
     done = (~some) | (offs_m >= NA)
-    it = 0
+    it = tl.full([], 0, tl.int32)
     while (it < max_iter) & (tl.min(done.to(tl.int32), 0) == 0):
         f = tl.zeros([BLOCK_M], ACC) - 1.0
         df = tl.zeros([BLOCK_M], ACC)
