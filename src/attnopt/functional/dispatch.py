@@ -32,7 +32,9 @@ every size (:data:`._sparse_attention_fused.NO_GRAD_MIN_ENTRIES`). ``last_dispat
 ``"materialized"`` for them.
 
 The choice of the last call is observable: :data:`last_dispatch` maps a mechanism name to
-``"materialized"`` or ``"streaming"``.
+``"materialized"`` or ``"streaming"``, or ``"triton"`` when the GPU kernels of
+:mod:`attnopt.functional.triton` ran (CUDA tensors with Triton installed, or
+``backend("triton")``).
 """
 from __future__ import annotations
 

@@ -27,7 +27,9 @@ Dispatch (``_run_passes``): on CPU, PyTorch's fused flash kernel
 ``aten._scaled_dot_product_flash_attention_for_cpu`` (all floating dtypes), with the
 hand-fused backward of :mod:`._flash_cpu`; elsewhere, the blocked pure-PyTorch passes of
 :mod:`._sinkhorn_chunked` (half precision computed in float32), which also serves
-``is_causal`` with ``Nq != Nk`` on CPU. A GPU (Triton / FlexAttention) backend slots in there.
+``is_causal`` with ``Nq != Nk`` on CPU. On CUDA tensors with Triton installed (or under
+``attnopt.backend("triton")``) the Triton kernels of :mod:`attnopt.functional.triton.doubly_normalized`
+run instead (``last_dispatch`` says ``"triton"``).
 """
 from __future__ import annotations
 

@@ -26,6 +26,9 @@ Dispatch of :func:`regularized_attention`:
   (or ``impl="streaming"``) → a blocked implementation (:mod:`attnopt.functional._blocked_sparse`):
   queries are processed in blocks, only the per-query thresholds are kept, and the backward
   recomputes each block of weights from them, so neither pass holds the ``Nq × Nk`` matrix.
+* ``SquaredL2`` / float-α ``Tsallis`` (α > 1) without ``locality`` on a CUDA tensor with Triton
+  installed, or under ``attnopt.backend("triton")`` → the Triton kernels of
+  :mod:`attnopt.functional.triton.sparse` (``last_dispatch["sparse"] == "triton"``).
 * anything else (a user regularizer, a tensor α, a mask that requires grad) → the
   materialized ``regularized_attention_weights(...) @ v`` (autograd through the map).
 """

@@ -68,11 +68,16 @@ def flex_generalized_attention(
     offsets = None if log_preference is None or preference is not None else toeplitz_offsets(log_preference)
     if offsets is not None and offsets.shape[0] != q4.shape[1]:
         offsets = None
-    bias = None if offsets is not None else score_bias(q, k, preference, log_preference, attn_mask, False)
+    bias = None
+    if offsets is None:
+        bias = score_bias(q, k, preference, log_preference, attn_mask, False,
+                          dtype=torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else None)
     score_mod = None
+    # the bias in float32 beside half-precision inputs: Flex adds it to float32 scores
+    bdt = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     if offsets is not None:
-        off = offsets.to(q.dtype)
-        mask = additive_mask(attn_mask, (*batch, nq, nk), q.dtype)
+        off = offsets.to(bdt)
+        mask = additive_mask(attn_mask, (*batch, nq, nk), bdt)
         m4 = None if mask is None else _index4(mask, tuple(batch), nq, nk)
 
         def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -81,7 +86,7 @@ def flex_generalized_attention(
                 out = out + m4[b, h, q_idx, kv_idx]
             return out
     elif bias is not None:
-        b4 = _index4(bias.to(q.dtype), tuple(batch), nq, nk)
+        b4 = _index4(bias.to(bdt), tuple(batch), nq, nk)
 
         def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             return score + b4[b, h, q_idx, kv_idx]
