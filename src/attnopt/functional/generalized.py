@@ -198,6 +198,11 @@ def generalized_attention(
       PyTorch's fused flash kernel with the bias as its float mask; elsewhere
       :func:`torch.nn.functional.scaled_dot_product_attention`. O(N) memory beyond the bias.
 
+    * ``"triton"`` (``"flex"``) — on a CUDA tensor with Triton installed, or under
+      ``attnopt.backend("triton")``, a call with a preference or mask (no dropout) runs
+      FlexAttention with the bias in its ``score_mod`` (:mod:`attnopt.functional.triton.flex_generalized`:
+      a T5 / ALiBi bias as its per-offset values, O(N); the gradient reaches the bucket table).
+
     Inside ``torch.func`` transforms (``vmap``, ``grad``, ``jacrev``, ...) a call with a bias runs
     ``softmax(α·QKᵀ + bias) V`` by plain PyTorch ops (``last_dispatch["generalized_kernel"]`` is
     ``"plain"``): the C paths cannot read wrapped tensors, and SDPA refuses a bias that needs a

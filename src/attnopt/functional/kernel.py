@@ -13,7 +13,9 @@ exactly SDPA (Prop. 1) and is computed by SDPA. ``magnitude_p=None`` drops the m
 (the "RBF-only" attention of Tsai et al.).
 
 ``mode="linear"`` (kernels with a feature map) computes the same output in O(N) time and
-memory (see :mod:`attnopt.functional.kernel_linear`).
+memory (see :mod:`attnopt.functional.kernel_linear`). On a CUDA tensor with Triton installed (or
+under ``attnopt.backend("triton")``) the quadratic mode with a squared feature kernel or RBF runs
+the Triton kernels of :mod:`attnopt.functional.triton.kernel` (``last_dispatch["kernel"] == "triton"``).
 """
 from __future__ import annotations
 
