@@ -92,3 +92,19 @@ def test_dnas_half_precision_error_is_bounded_and_finite():
     assert_close(out, ref, 4e-3, what="out")
     for got, want, name in zip(grads(out, (qh, kh, vh)), grads(ref, (q, k, v)), "qkv"):
         assert_close(got, want, 2e-2, rtol=1e-2, what=f"d{name}")
+
+
+def test_layouts_3d_inputs_one_query_and_broadcast_keys():
+    """Strided views are read as they are: a transposed q, keys shared by every head (stride 0),
+    3-D inputs, and a single query; all against the reference."""
+    base = rand(H, D, 1, seed=13, grad=False)  # (H, D, 1) -> q (H, 1, D) as a transposed view
+    q = base.transpose(-1, -2).requires_grad_()
+    k = rand(1, NK, D, seed=14)  # one set of keys for every head
+    v = rand(H, NK, DV, seed=15)
+    with blocks(), attnopt.backend("triton"):
+        out = doubly_normalized_attention(q, k, v)
+    ref = doubly_normalized_weights(q, k) @ v
+    assert out.shape == (H, 1, DV)
+    assert_close(out, ref, 1e-12, what="out")
+    for got, want, name in zip(grads(out, (k, v)), grads(ref, (k, v)), "kv"):
+        assert_close(got, want, 1e-11, what=f"d{name}")

@@ -19,6 +19,15 @@ Backward (Jacobian ``diag(g) − g gᵀ/Σg`` of the map, Peters et al. 2019): w
 ``p`` from ``τ`` and ``Z`` and skip every tile whose weights are all zero. Memory: O(N) per head
 (``τ``, ``Z``, ``u``). α > 1 (sparse maps); sparsemax (α = 2) and 1.5-entmax have pow-free
 specializations. Fully masked rows give zeros and zero gradients.
+
+Why not route to the ``adasplash`` package (AdaSplash, Triton, α ∈ (1, 2]) where it covers a
+call: its calls are not ``torch.library`` ops (``torch.compile`` / ``export`` would trace into or
+break on them), it takes no ``scale`` and no mask beyond causal / per-sequence lengths, it solves
+the threshold to a fixed iteration count (AdaSplash-2 defaults to one refinement step) rather than
+to a tolerance, and whether it is at least as fast here is a GPU measurement not yet made. It is
+therefore a peer in ``attnopt bench --device cuda`` (``scripts/gpu_check.sh``), where the rows
+decide: if it wins on its domain, routing those calls to it is a one-line change in
+``regularized_attention``'s hook. Installing it is never required.
 """
 from __future__ import annotations
 
