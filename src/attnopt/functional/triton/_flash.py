@@ -82,9 +82,11 @@ def _scores(a, b_ptrs, cb_ptrs, m_ptrs, offs_m, offs_n, NA, NB, DA, scale, offs_
 def _dx(ds, x, eps, SCORE: tl.constexpr):
     """Gradient with respect to the raw products ``x`` from the one with respect to ``t``."""
     if SCORE == 0:
-        return ds
-    den = x * x + eps
-    return tl.where(den > 0, ds * 2.0 * x / tl.where(den > 0, den, 1.0), 0.0)
+        out = ds
+    else:
+        den = x * x + eps
+        out = tl.where(den > 0, ds * 2.0 * x / tl.where(den > 0, den, 1.0), 0.0)
+    return out
 
 
 @triton.jit

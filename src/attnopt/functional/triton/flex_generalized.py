@@ -49,6 +49,21 @@ def _causal(_b: Tensor, _h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
     return kv_idx <= q_idx
 
 
+_BLOCK_MASKS: dict[tuple[int, int, torch.device], Any] = {}
+
+
+def _causal_block_mask(nq: int, nk: int, device: torch.device) -> Any:
+    """SDPA's top-left causal mask as a Flex block mask, built once per (Nq, Nk, device): building
+    one evaluates the mask over the whole grid, so it is kept (a few per process)."""
+    key = (nq, nk, device)
+    hit = _BLOCK_MASKS.get(key)
+    if hit is None:
+        if len(_BLOCK_MASKS) >= 8:
+            _BLOCK_MASKS.clear()
+        hit = _BLOCK_MASKS[key] = create_block_mask(_causal, None, None, nq, nk, device=device)
+    return hit
+
+
 def flex_generalized_attention(
     q: Tensor, k: Tensor, v: Tensor, *, preference: Tensor | None, log_preference: Tensor | None,
     attn_mask: Tensor | None, scale: float, is_causal: bool,
@@ -90,9 +105,7 @@ def flex_generalized_attention(
 
         def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             return score + b4[b, h, q_idx, kv_idx]
-    block_mask = None
-    if is_causal:
-        block_mask = create_block_mask(_causal, None, None, nq, nk, device=q.device)
+    block_mask = _causal_block_mask(nq, nk, q.device) if is_causal else None
     if q.is_cuda:
         out = _flex()(q4, k4, v4, score_mod=score_mod, block_mask=block_mask, scale=scale)
     else:  # eager (forward only in PyTorch): the unfused reference implementation, by design here
