@@ -38,14 +38,15 @@ def main() -> int:
         assert shared <= SHARED_LIMIT, f"{label}: {shared} B of shared memory"
 
     io = {"CB": "fp32", "M": "fp32", "L": "fp32", "DELTA": "fp32", "DCB": "fp32", "TAU": "fp32", "ZN": "fp32",
-          "U": "fp32"}
-    for name in ("A", "B", "V", "O", "DO", "DB", "DV_", "DA_"):
+          "U": "fp32", "CB2": "fp32", "L2": "fp32", "DELTA2": "fp32", "WG": "fp32"}
+    for name in ("A", "B", "V", "O", "O2", "DO", "DB", "DV_", "DA_"):
         io[name] = "bf16"
     common = dict(CAUSAL=1, HAS_MASK=True, D=64, DV=64, BLOCK_M=128, BLOCK_N=64, ACC=tl.float32, PREC="tf32")
-    for has_v, score in ((True, 0), (True, 1), (False, 0)):
-        consts = dict(common, HAS_V=has_v, SCORE=score)
+    for has_v, score, dual in ((True, 0, False), (True, 1, False), (False, 0, False), (True, 0, True)):
+        consts = dict(common, HAS_V=has_v, SCORE=score, DUAL=dual)
         for fn in (_flash._fwd_kernel, _flash._bwd_cols_kernel, _flash._bwd_rows_kernel):
-            build(fn, io, dict(consts), ("scale", "eps"), f"{fn.fn.__name__} has_v={has_v} score={score}")
+            label = f"{fn.fn.__name__} has_v={has_v} score={score} dual={dual}"
+            build(fn, io, dict(consts), ("scale", "eps"), label)
     for kind in (0, 1, 2):
         consts = dict(common, KIND=kind)
         for fn in (sparse._fwd_kernel, sparse._bwd_cols_kernel, sparse._bwd_rows_kernel):

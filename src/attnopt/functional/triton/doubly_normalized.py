@@ -5,7 +5,8 @@ With scores ``s_ij = scale <q_i, k_j> + m_ij`` (design.md §3):
 * column pass (queries and keys swapped): ``c_j = LSE_i (s_ij − f_i)`` (``f = 0`` first);
 * row pass: ``f_i = LSE_j (s_ij − c_j)`` (Sinkhorn-K only, between column passes);
 * attention pass: ``out_i = Σ_j softmax_j(s_ij − c_j) v_j``;
-* HNAS: ``w·out^DNAS + (1 − w)·out^LNAS``, the LNAS term one more attention pass without ``c``.
+* HNAS: ``w·out^DNAS + (1 − w)·out^LNAS``; the LNAS term rides in the attention pass (one score
+  tile, two softmax accumulators, :func:`~attnopt.functional.triton._flash.hnas_attention`).
 
 K = 1 is two flash passes, Sinkhorn-K ``2K`` passes, all with O(N) state (``c``, ``f`` and the
 row log-sum-exps). The backward is autograd through the chain of
@@ -27,7 +28,7 @@ import torch
 from torch import Tensor
 
 from attnopt.functional.triton import check_device
-from attnopt.functional.triton._flash import INTERPRETED, flash
+from attnopt.functional.triton._flash import INTERPRETED, flash, hnas_attention
 from attnopt.functional.triton._shapes import prepare
 
 __all__ = ["sinkhorn_attention"]
@@ -72,10 +73,7 @@ def sinkhorn_attention(
     for _ in range(iterations - 1):
         f = flash(p.q, p.k, None, _bias(c, key_ok), p.mask, fwd, scale)[1]
         c = flash(p.k, p.q, None, _bias(f), mask_t, bwd, scale)[1]
-    out = flash(p.q, p.k, p.v, _bias(c, key_ok), p.mask, fwd, scale)[0]
-    if weight is not None:
-        ln = flash(p.q, p.k, p.v, p.key_bias, p.mask, fwd, scale)[0]
-        out = p.restore(out)
-        w = weight.to(out.dtype)
-        return w * out + (1 - w) * p.restore(ln)
-    return p.restore(out)
+    if weight is not None:  # HNAS: the attention pass and the LNAS pass share their score tiles
+        wg = weight.to(p.pot).expand(*p.batch, 1, 1).reshape(p.q.shape[:2]).contiguous()  # read by index
+        return p.restore(hnas_attention(p.q, p.k, p.v, _bias(c, key_ok), p.key_bias, p.mask, wg, fwd, scale))
+    return p.restore(flash(p.q, p.k, p.v, _bias(c, key_ok), p.mask, fwd, scale)[0])
