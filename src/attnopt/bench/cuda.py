@@ -63,6 +63,10 @@ def _flex_plain() -> Fn:
     return lambda q, k, v: compiled(q, k, v)
 
 
+def _sdpa_bias(bias: torch.Tensor) -> Fn:
+    return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+
 def _triton(fn: Fn) -> Fn:
     import attnopt
 
@@ -112,9 +116,8 @@ def _cases(n: int, heads: int, device: str, dtype: torch.dtype) -> dict[str, tup
             lambda q, k, v: materialized_sinkhorn_peer(q.float(), k.float(), v.float(), 1))
         causal_mask = torch.ones(n, n, dtype=torch.bool, device=device).tril()
         for name, bias in (("t5 causal", t5_bias), ("alibi causal", alibi_bias)):
-            full = bias.detach().masked_fill(~causal_mask, float("-inf")).to(dtype)
-            cases[name][1]["sdpa + materialized bias (peer)"] = (
-                lambda q, k, v, m=full: F.scaled_dot_product_attention(q, k, v, attn_mask=m))
+            cases[name][1]["sdpa + materialized bias (peer)"] = _sdpa_bias(
+                bias.detach().masked_fill(~causal_mask, float("-inf")).to(dtype))
     if importlib.util.find_spec("adasplash") is not None and device == "cuda":
         from adasplash import adasplash
 
@@ -178,8 +181,8 @@ def suite(ctx: BenchContext) -> Iterator[Measurement]:
                 try:
                     secs = time_call(run, repeat=repeat, warmup=warmup, device=ctx.device)
                     peak = _peak_mb(run) if cuda and ctx.memory else None
-                    ours = target is not None and impl.startswith("attnopt")
-                    note = f"target <= {target:g}x sdpa flash" if ours else ""
+                    with_target = target is not None and impl.startswith("attnopt")
+                    note = f"target <= {target:g}x sdpa flash" if with_target else ""
                 except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:  # a peer that does not fit
                     secs, peak, note = float("nan"), None, f"failed: {type(exc).__name__}: {str(exc)[:80]}"
                 yield Measurement("cuda", case, impl, secs, peak, baseline=i == 0, note=note)
