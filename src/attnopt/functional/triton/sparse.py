@@ -8,8 +8,11 @@ renormalizes too). Per row block, without ever holding a row of scores:
 1. one pass over the key blocks: the row maximum ``M`` and the admissible-key count ``n``;
    the root lies in ``[M − 1, M − n^{1−α}]`` (``f ≥ 0`` at the left end, ``≤ 0`` at the right);
 2. safeguarded Newton steps, each one pass over the key blocks for ``f`` and ``f'``, keeping the
-   bracket and bisecting when a step leaves it, until every row's ``|f| ≤ tol`` (sparsemax:
-   Newton from the left is exact once the support is found);
+   bracket and bisecting when a step leaves it, until every row's ``|f| ≤ tol`` (1e-6 in float32,
+   1e-12 in float64) or 50 steps (sparsemax: Newton from the left is exact once the support is
+   found; for α ≤ 2, ``f`` is convex and decreasing, so Newton from the left end is monotone and
+   converges superlinearly, and the bracket keeps α > 2 safe). No host sync checks convergence
+   (the GPU path never waits on the device); the rows are renormalized by their sum ``Z``;
 3. the output pass ``o_i = Σ_j p_ij v_j`` and ``u_i = Σ_j g_ij v_j / Σ_j g_ij`` with
    ``g = p^{2−α} ∝ [z − τ]₊^{a−1}`` (the support weights), kept for the backward.
 
