@@ -204,6 +204,7 @@ def any_nonfinite(x: Tensor) -> bool:
     return not (math.isfinite(float(low)) and math.isfinite(float(high)))
 
 
+@_native.untraced
 def _native_nonfinite(x: Tensor, fns: dict) -> bool | None:
     """NaN/±inf in ``x`` by the C kernel; ``None`` where it does not apply (see :func:`check_finite`)."""
     native = fns.get(x.dtype)

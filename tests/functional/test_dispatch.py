@@ -73,12 +73,12 @@ def test_auto_dispatch_observable_and_both_sides_match_reference(iterations, hyb
                 mask = _full_mask(2, 3, n, n) if use_mask else None
                 if hybrid:
                     out = hybrid_normalized_attention(q, k, v, w, iterations=iterations, attn_mask=mask,
-                                                      is_causal=causal)
+                                                      causal="plan", is_causal=causal)
                     ref = hybrid_ref(q, k, v, w, iterations, mask=mask, is_causal=causal)
                     leaves = (q, k, v, w)
                 else:
                     out = doubly_normalized_attention(q, k, v, iterations=iterations, attn_mask=mask,
-                                                      is_causal=causal)
+                                                      causal="plan", is_causal=causal)
                     ref = attention_ref(q, k, v, iterations, mask=mask, is_causal=causal)
                     leaves = (q, k, v)
                 assert dispatch.last_dispatch[mech] == expected
@@ -97,7 +97,8 @@ def test_materialized_gradcheck_rectangular_causal_and_hybrid(iterations):
                                                     impl="materialized"), (q, k, v), fast_mode=True)
     w = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(
-        lambda q, k, v, w: hybrid_normalized_attention(q, k, v, w, iterations=iterations, is_causal=True,
+        lambda q, k, v, w: hybrid_normalized_attention(q, k, v, w, iterations=iterations,
+                                                       causal="plan", is_causal=True,
                                                        impl="materialized"), (q, k, v, w), fast_mode=True)
 
 
@@ -118,7 +119,8 @@ def test_materialized_row_underflow_falls_back_to_log_domain():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_materialized_half_precision_finite(dtype):
     q, k, v = (x.detach().to(dtype).requires_grad_() for x in _qkv(8, 8, seed=4))
-    out = doubly_normalized_attention(q * 6, k, v, iterations=2, is_causal=True, impl="materialized")
+    out = doubly_normalized_attention(q * 6, k, v, iterations=2,
+                                      causal="plan", is_causal=True, impl="materialized")
     sp = regularized_attention(q * 6, k, v, regularizer=Tsallis(1.5), impl="materialized")
     assert out.dtype == dtype and torch.isfinite(out).all() and torch.isfinite(sp).all()
     (out.float().sum() + sp.float().sum()).backward()

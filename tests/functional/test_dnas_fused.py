@@ -51,14 +51,15 @@ def test_chunked_matches_float64_reference(tiny_chunks, shape, kind, iterations)
         nq, nk = (5, 5) if causal else (5, 6)
         q, k, v = _qkv(shape, nq, nk)
         mask = _mask(kind, shape, nq, nk)
-        out = doubly_normalized_attention(q, k, v, iterations=iterations, attn_mask=mask, is_causal=causal,
+        out = doubly_normalized_attention(q, k, v, iterations=iterations, attn_mask=mask,
+                                          causal="plan", is_causal=causal,
                                           impl="materialized")
         _check(out, attention_ref(q, k, v, iterations, mask=mask, is_causal=causal), (q, k, v))
         for w in (torch.tensor(0.3, dtype=torch.float64),
                   torch.linspace(0.0, 1.0, shape[-1], dtype=torch.float64)):
             w.requires_grad_()
             out = hybrid_normalized_attention(q, k, v, w, iterations=iterations, attn_mask=mask,
-                                              is_causal=causal, impl="materialized")
+                                              causal="plan", is_causal=causal, impl="materialized")
             _check(out, hybrid_ref(q, k, v, w, iterations, mask=mask, is_causal=causal), (q, k, v, w))
 
 

@@ -79,11 +79,13 @@ def test_float32_matches_float64_reference(small, path, kind, causal):
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     ref_leaves = [x.double().requires_grad_() for x in (q, k, v)]
     rmask = mask.double() if mask is not None and mask.is_floating_point() else mask
-    out = doubly_normalized_attention(*leaves, attn_mask=mask, is_causal=causal, impl="materialized")
+    out = doubly_normalized_attention(*leaves, attn_mask=mask,
+                                      causal="plan", is_causal=causal, impl="materialized")
     _check(out, attention_ref(*ref_leaves, 1, mask=rmask, is_causal=causal), leaves, ref_leaves)
     for w in (torch.tensor(0.3), torch.tensor([0.0, 0.8]), torch.tensor(1.0)):
         wl, wr = w.clone().requires_grad_(), w.double().requires_grad_()
-        out = hybrid_normalized_attention(*leaves, wl, attn_mask=mask, is_causal=causal, impl="materialized")
+        out = hybrid_normalized_attention(*leaves, wl, attn_mask=mask,
+                                          causal="plan", is_causal=causal, impl="materialized")
         ref = hybrid_ref(*ref_leaves, wr, 1, mask=rmask, is_causal=causal)
         _check(out, ref, [*leaves, wl], [*ref_leaves, wr])
 

@@ -42,11 +42,12 @@ def _qkv(shape, nq, nk, dtype=torch.float64, seed=0):
 def test_matches_float64_reference_and_the_training_path(calls, iterations, nq, nk, causal):
     q, k, v = _qkv((2, 3), nq, nk)
     with torch.no_grad():
-        out = doubly_normalized_attention(q, k, v, iterations=iterations, is_causal=causal,
+        out = doubly_normalized_attention(q, k, v, iterations=iterations, causal="plan", is_causal=causal,
                                           impl="materialized")
         hyb = {}
         for w in (torch.tensor(0.3, dtype=torch.float64), torch.tensor([0.0, 0.6, 1.0], dtype=torch.float64)):
-            hyb[w.dim()] = hybrid_normalized_attention(q, k, v, w, iterations=iterations, is_causal=causal,
+            hyb[w.dim()] = hybrid_normalized_attention(q, k, v, w, iterations=iterations,
+                                                       causal="plan", is_causal=causal,
                                                        impl="materialized")
             ref = hybrid_ref(q, k, v, w, iterations, is_causal=causal)
             torch.testing.assert_close(hyb[w.dim()], ref, rtol=1e-10, atol=1e-12)
@@ -54,11 +55,12 @@ def test_matches_float64_reference_and_the_training_path(calls, iterations, nq, 
     ref = attention_ref(q, k, v, iterations, is_causal=causal)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
     # grad mode with inputs that do not require grad takes it too; requiring grad does not
-    assert torch.equal(doubly_normalized_attention(q, k, v, iterations=iterations, is_causal=causal,
+    assert torch.equal(doubly_normalized_attention(q, k, v, iterations=iterations,
+                                                   causal="plan", is_causal=causal,
                                                    impl="materialized"), out)
     assert len(calls) == 4
     qg = q.clone().requires_grad_()
-    trained = doubly_normalized_attention(qg, k, v, iterations=iterations, is_causal=causal,
+    trained = doubly_normalized_attention(qg, k, v, iterations=iterations, causal="plan", is_causal=causal,
                                           impl="materialized")
     assert len(calls) == 4 and trained.requires_grad
     torch.testing.assert_close(trained.detach(), out, rtol=1e-12, atol=1e-13)
@@ -84,7 +86,8 @@ def test_masks_and_causal_with_more_keys_take_the_function(calls):
     mask[0, ..., 2:] = False
     with torch.no_grad():
         out = doubly_normalized_attention(q, k, v, attn_mask=mask, impl="materialized")
-        causal = doubly_normalized_attention(q, k, v, iterations=2, is_causal=True, impl="materialized")
+        causal = doubly_normalized_attention(q, k, v, iterations=2,
+                                             causal="plan", is_causal=True, impl="materialized")
     assert calls == []
     torch.testing.assert_close(out, attention_ref(q, k, v, 1, mask=mask), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(causal, attention_ref(q, k, v, 2, is_causal=True), rtol=1e-10, atol=1e-12)
@@ -121,10 +124,10 @@ def test_float32_c_pass_and_its_fallback(native_or_torch, calls, monkeypatch, ca
     k = k.expand(2, 3, -1, -1)  # a broadcast (stride-0) batch dim
     d64 = [x.double() for x in (q, k, v)]
     with torch.no_grad():
-        out = doubly_normalized_attention(q, k, v, is_causal=causal)
+        out = doubly_normalized_attention(q, k, v, causal="plan", is_causal=causal)
         torch.testing.assert_close(out.double(), attention_ref(*d64, is_causal=causal), rtol=2e-5, atol=2e-6)
         for w in (torch.tensor(0.3), torch.tensor([0.0, 0.6, 1.0])):
-            hyb = hybrid_normalized_attention(q, k, v, w, is_causal=causal)
+            hyb = hybrid_normalized_attention(q, k, v, w, causal="plan", is_causal=causal)
             ref = hybrid_ref(*d64, w.double(), is_causal=causal)
             torch.testing.assert_close(hyb.double(), ref, rtol=2e-5, atol=2e-6)
     assert calls == [True, True, True]

@@ -114,7 +114,8 @@ _PREF = torch.rand(1, 2, 3, 4, dtype=F64, generator=torch.Generator().manual_see
 # internal paths with their own autograd.Function, forced by impl: (fn, input shapes)
 PATHS: dict[str, tuple[Callable[..., Tensor], tuple[tuple[int, ...], ...]]] = {
     "dnas K=1 streaming": (lambda q, k, v: DN(q, k, v, impl="streaming", attn_mask=KEYS), QKV),
-    "dnas K=1 streaming causal": (lambda q, k, v: DN(q, k, v, impl="streaming", is_causal=True), SELF),
+    "dnas K=1 streaming causal": (lambda q, k, v: DN(q, k, v, impl="streaming",
+                                                     causal="plan", is_causal=True), SELF),
     "dnas K=2 streaming": (lambda q, k, v: DN(q, k, v, iterations=2, impl="streaming", attn_mask=KEYS), QKV),
     "dnas K=2 materialized": (lambda q, k, v: DN(q, k, v, iterations=2, impl="materialized"), QKV),
     "hnas materialized": (_hyb("materialized", attn_mask=KEYS), QKV),

@@ -94,7 +94,7 @@ def test_matches_float64_reference_forward_and_gradients(name, case):
     for iterations in (1, 2, 3):
         with backend(name):
             out = doubly_normalized_attention(q, k, v, iterations=iterations, attn_mask=mask, scale=0.7,
-                                              is_causal=causal)
+                                              causal="plan", is_causal=causal)
         ref = attention_ref(q, k, v, iterations, scale=0.7, mask=mask, is_causal=causal)
         torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
         go = torch.randn_like(out)
@@ -125,7 +125,8 @@ def test_gradcheck(name, iterations):
         q4 = q.detach()[..., :3, :].clone().requires_grad_()
         k4, v4 = (x.detach()[..., :3, :].clone().requires_grad_() for x in (k, v))
         assert torch.autograd.gradcheck(
-            lambda q, k, v: doubly_normalized_attention(q, k, v, iterations=iterations, is_causal=True),
+            lambda q, k, v: doubly_normalized_attention(q, k, v, iterations=iterations,
+                                                        causal="plan", is_causal=True),
             (q4, k4, v4), fast_mode=True,
         )
 
@@ -145,7 +146,8 @@ def test_backward_saves_nothing_of_size_nq_nk():
     mask[..., :3] = False
     for name in STREAMING:
         for iterations, nk, kw in ((1, 64, {"attn_mask": mask}), (3, 64, {"attn_mask": mask}),
-                                   (1, 48, {"is_causal": True}), (2, 64, {"is_causal": True})):
+                                   (1, 48, {"is_causal": True, "causal": "plan"}),
+                                   (2, 64, {"is_causal": True, "causal": "plan"})):
             q, k, v = _inputs(1, 1, 64, nk, 8, 8, grad=True)
             sizes: list[int] = []
 
@@ -222,8 +224,9 @@ def test_hybrid_weight_zero_and_one_are_exact():
 
 def test_fully_masked_rows_and_unseen_keys():
     q, k, v = _inputs(1, 1, 4, 6, 3, 3)
-    out = doubly_normalized_attention(q, k, v, is_causal=True)  # keys 4, 5 are seen by no query
-    w = doubly_normalized_weights(q, k, is_causal=True)
+    out = doubly_normalized_attention(q, k, v,
+                                      causal="plan", is_causal=True)  # keys 4, 5 are seen by no query
+    w = doubly_normalized_weights(q, k, causal="plan", is_causal=True)
     assert torch.equal(w[..., 4:], torch.zeros_like(w[..., 4:]))
     torch.testing.assert_close(out, w @ v)
     mask = torch.ones(1, 1, 4, 6, dtype=torch.bool)
@@ -245,7 +248,8 @@ def test_half_precision_no_nan_and_close_to_golden(dtype, name):
     qh, kh, vh = (x.to(dtype).requires_grad_() for x in (q, k, v))
     with backend(name):
         out = doubly_normalized_attention(qh, kh, vh, attn_mask=mask)
-        out3 = doubly_normalized_attention(qh, kh, vh, attn_mask=mask, iterations=3, is_causal=True)
+        out3 = doubly_normalized_attention(qh, kh, vh, attn_mask=mask, iterations=3,
+                                           causal="plan", is_causal=True)
     assert out.dtype == dtype and torch.isfinite(out).all() and torch.isfinite(out3).all()
     (out.float().sum() + out3.float().sum()).backward()
     assert all(torch.isfinite(x.grad).all() for x in (qh, kh, vh))
@@ -300,7 +304,7 @@ def test_weights_gradient_finite_with_empty_columns_and_rows():
     q, k, _ = _inputs(1, 1, 3, 5, 2, 2)
     mask = torch.ones(1, 1, 3, 5, dtype=torch.bool)
     mask[..., 1, :] = False
-    for kw in ({"is_causal": True}, {"attn_mask": mask}):
+    for kw in ({"is_causal": True, "causal": "plan"}, {"attn_mask": mask}):
         w = doubly_normalized_weights(q, k, iterations=2, **kw)
         gq, gk = torch.autograd.grad((w * torch.arange(5.0, dtype=torch.float64)).sum(), (q, k))
         assert torch.isfinite(gq).all() and torch.isfinite(gk).all()

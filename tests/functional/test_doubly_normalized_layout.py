@@ -52,7 +52,7 @@ def test_strided_inputs_match_contiguous(kind, which, iterations, causal, key_ma
     assert torch.equal(ins[which], base[which])
     leaves = {n: t.detach().clone().requires_grad_(True) for n, t in ins.items()}
     ref_leaves = {n: t.detach().clone().requires_grad_(True) for n, t in base.items()}
-    kw = {"iterations": iterations, "attn_mask": mask, "is_causal": causal}
+    kw = {"iterations": iterations, "attn_mask": mask, "is_causal": causal, "causal": "plan"}
     out = doubly_normalized_attention(leaves["q"], leaves["k"], leaves["v"], **kw)
     ref = doubly_normalized_attention(ref_leaves["q"], ref_leaves["k"], ref_leaves["v"], **kw)
     w = doubly_normalized_weights(base["q"], base["k"], **kw)

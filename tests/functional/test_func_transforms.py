@@ -26,12 +26,12 @@ W_HEADS = torch.tensor([0.2, 0.9], dtype=torch.float64)
 
 def _dn(impl, iterations):
     return lambda q, k, v, m, c: doubly_normalized_attention(
-        q, k, v, iterations=iterations, attn_mask=m, is_causal=c, impl=impl)
+        q, k, v, iterations=iterations, attn_mask=m, causal="plan", is_causal=c, impl=impl)
 
 
 def _hn(impl, weight, iterations=1):
     return lambda q, k, v, m, c: hybrid_normalized_attention(
-        q, k, v, weight, iterations=iterations, attn_mask=m, is_causal=c, impl=impl)
+        q, k, v, weight, iterations=iterations, attn_mask=m, causal="plan", is_causal=c, impl=impl)
 
 
 def _reg(impl, reg):

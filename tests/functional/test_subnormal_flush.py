@@ -57,7 +57,8 @@ def test_dnas_flash_passes_flush_and_match_unflushed(case: str, iterations: int,
     assert _subnormal_share(scores) > 0.01  # the inputs do produce subnormal weights
 
     def run(q, k, v):  # type: ignore[no-untyped-def]
-        return doubly_normalized_attention(q, k, v, iterations=iterations, attn_mask=mask, is_causal=causal,
+        return doubly_normalized_attention(q, k, v, iterations=iterations, attn_mask=mask,
+                                           causal="plan", is_causal=causal,
                                            impl="streaming")
 
     seen: list[bool] = []

@@ -76,7 +76,11 @@ def test_encoder_padding_without_n_by_n_mask_equals_the_old_mask(name: str, opts
 
 def _seq2seq(name: str, opts: dict[str, Any], decoder: str | None = None) -> EncoderDecoder:
     torch.manual_seed(0)
-    o = _options(name, opts)
+    o: Any = _options(name, opts)
+    if attention_spec(decoder or name).defaults.get("causal", False) is None:
+        # normalizations over queries: the decoder's self-attention is autoregressive (causal="prefix",
+        # the default under is_causal); the old explicit causal mask asks for it by name
+        o = {"encoder": o, "decoder": {**o, "causal": "prefix"}, "cross": o}
     return EncoderDecoder(
         src_vocab_size=11, tgt_vocab_size=9, d_model=8, num_heads=2, num_encoder_layers=1,
         num_decoder_layers=2, encoder_attention=name, decoder_attention=decoder or name,
@@ -166,8 +170,9 @@ def test_query_padding_mask_equals_the_full_mask_with_weights(name: str) -> None
     kp = torch.tensor([[False, False, True, False], [False, True, True, True]])
     qp = torch.tensor([[False, True, False, False, True], [True, True, True, True, True]])
     full = kp[:, None, None, :] | qp[:, None, :, None]
-    out, w = att(q, kv, kv, key_padding_mask=kp, query_padding_mask=qp, need_weights=True)
-    ref, wr = att(q, kv, kv, attn_mask=full, need_weights=True)
+    out, w = att(q, kv, kv, key_padding_mask=kp, query_padding_mask=qp, need_weights=True,
+                 average_attn_weights=False)
+    ref, wr = att(q, kv, kv, attn_mask=full, need_weights=True, average_attn_weights=False)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(w, wr, rtol=1e-10, atol=1e-12)
     assert float(w[1].detach().abs().sum()) == 0.0  # every query padded: zero weights, not NaN

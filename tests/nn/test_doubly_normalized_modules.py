@@ -6,10 +6,11 @@ import torch
 
 from attnopt.functional import doubly_normalized_attention
 from attnopt.nn import DoublyNormalizedMultiheadAttention, HybridNormalizedMultiheadAttention
+from tests.reference.dn_prefix import prefix_attention_ref, prefix_hybrid_ref
 from tests.reference.doubly_normalized import attention_ref, hybrid_ref
 
 
-def _manual(mod, x, iterations, mask=None, causal=False, weight=None):
+def _manual(mod, x, iterations, mask=None, causal=False, weight=None, prefix=False):
     b, n, e = x.shape
     h = mod.num_heads
 
@@ -17,22 +18,27 @@ def _manual(mod, x, iterations, mask=None, causal=False, weight=None):
         return t.view(b, n, h, e // h).transpose(1, 2)
 
     q, k, v = split(mod.q_proj(x)), split(mod.k_proj(x)), split(mod.v_proj(x))
-    if weight is None:
+    if prefix:
+        o = (prefix_attention_ref(q, k, v, iterations, mask=mask, is_causal=causal) if weight is None else
+             prefix_hybrid_ref(q, k, v, weight, iterations, mask=mask, is_causal=causal))
+    elif weight is None:
         o = attention_ref(q, k, v, iterations, mask=mask, is_causal=causal)
     else:
         o = hybrid_ref(q, k, v, weight, iterations, mask=mask, is_causal=causal)
     return mod.out_proj(o.transpose(1, 2).reshape(b, n, e))
 
 
-def test_dnas_module_matches_manual_with_padding_and_causal():
+@pytest.mark.parametrize("causal", [None, "prefix", "plan"])
+def test_dnas_module_matches_manual_with_padding_and_causal(causal):
+    """is_causal=True runs the autoregressive prefix variant unless the module was built with "plan"."""
     torch.manual_seed(0)
-    mod = DoublyNormalizedMultiheadAttention(8, 2, iterations=2).double()
+    mod = DoublyNormalizedMultiheadAttention(8, 2, iterations=2, causal=causal).double()
     x = torch.randn(3, 5, 8, dtype=torch.float64)
     pad = torch.zeros(3, 5, dtype=torch.bool)
     pad[1, 3:] = True
-    out, w = mod(x, key_padding_mask=pad, need_weights=True, is_causal=True)
+    out, w = mod(x, key_padding_mask=pad, need_weights=True, average_attn_weights=False, is_causal=True)
     keep = (~pad).view(3, 1, 1, 5)
-    torch.testing.assert_close(out, _manual(mod, x, 2, keep, True))
+    torch.testing.assert_close(out, _manual(mod, x, 2, keep, True, prefix=causal != "plan"))
     assert w.shape == (3, 2, 5, 5)
     torch.testing.assert_close(w.sum(-1), torch.ones(3, 2, 5, dtype=torch.float64))
     assert torch.equal(w[1, ..., 3:], torch.zeros_like(w[1, ..., 3:]))
@@ -46,7 +52,7 @@ def test_hybrid_module_learned_weight_moves_and_is_exposed():
     mod = HybridNormalizedMultiheadAttention(8, 2, init_weight=0.3).double()
     assert abs(float(mod.mixing_weight) - 0.3) < 1e-6
     x = torch.randn(2, 4, 8, dtype=torch.float64)
-    out, w = mod(x, need_weights=True)
+    out, w = mod(x, need_weights=True, average_attn_weights=False)
     torch.testing.assert_close(out, _manual(mod, x, 1, weight=torch.sigmoid(mod.weight_logit)))
     torch.testing.assert_close(w.sum(-1), torch.ones(2, 2, 4, dtype=torch.float64))
     out.pow(2).sum().backward()

@@ -63,6 +63,7 @@ has_storage = _native.has_storage
 _ptr = _native.pointer
 
 
+@_native.untraced
 def forward(
     x: Tensor, alpha: float, max_iter: int, *, in_place: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -108,6 +109,7 @@ def forward(
     return p, theta, (status == 1).nonzero().view(-1)
 
 
+@_native.untraced
 def backward(p: Tensor, grad: Tensor, alpha: float) -> Tensor:
     """``s ⊙ (g − ⟨s, g⟩/⟨s, 1⟩)`` along the last dim (``s = √p``, or ``1_{p>0}`` for ``alpha = 2``)."""
     lib = _native.library(_LIB)

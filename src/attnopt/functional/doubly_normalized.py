@@ -12,6 +12,14 @@ doubly-normalized-attention eq. (6)–(8), (10) and Sec. 6 (design.md §3). With
   sums ``Nq/Nk``.
 * HNAS: ``π = w π^DNAS + (1 − w) π^LNAS``.
 
+Causal decoders (``causal``). A causal mask restricts the transport plan but does not make the
+mechanism autoregressive: ``c_j = logsumexp_i s_ij`` runs over the *later* queries too, so row
+``i`` would read queries after ``i``. ``causal="prefix"`` (the default with ``is_causal=True``)
+runs the autoregressive variant of :mod:`._dn_prefix` (query ``i`` normalizes over queries
+``≤ i`` only; materialized, never the fast paths below); ``causal="plan"`` keeps the masked plan
+(for analysis). An ``attn_mask`` that happens to be causal is not inspected (that would read its
+values): pass ``is_causal=True`` or ``causal="prefix"`` with it.
+
 Size dispatch (``impl``). Below a measured crossover (:mod:`attnopt.functional.dispatch`)
 ``impl="auto"`` runs the fused materialized path of :mod:`._dnas_materialized` /
 :mod:`._dnas_fused` (one exponential in scaling form, chunked over batch × heads so the
@@ -46,11 +54,13 @@ from attnopt._validation import (
     resolve_scale,
     validate_attention,
 )
+from attnopt.functional import _dn_prefix as prefix
 from attnopt.functional import _flash_cpu as fc
 from attnopt.functional import dispatch
 from attnopt.functional import triton as gpu
 from attnopt.functional._autograd import under_transform
 from attnopt.functional._dnas_materialized import dispatched_sinkhorn
+from attnopt.functional._dropout import check_dropout_p, dropout_attention
 from attnopt.functional._sinkhorn_chunked import chunked_attn_pass, chunked_lse_pass
 from attnopt.functional._softmax import safe_logsumexp, safe_softmax
 from attnopt.functional.generalized import generalized_attention
@@ -217,6 +227,8 @@ def doubly_normalized_attention(
     attn_mask: Tensor | None = None,
     scale: float | None = None,
     is_causal: bool = False,
+    causal: prefix.Causal | None = None,
+    dropout_p: float = 0.0,
     impl: dispatch.Impl = "auto",
 ) -> Tensor:
     r"""Doubly-normalized attention (DNAS) and Sinkhorn-K, doubly-normalized-attention eq. (6)–(8), (10).
@@ -245,7 +257,22 @@ def doubly_normalized_attention(
         attn_mask: boolean (``True`` = take part) or additive float, broadcastable to
             (B, H, Nq, Nk).
         scale: score scale (default ``1/sqrt(d)``).
-        is_causal: SDPA's top-left causal mask, in both normalizations.
+        is_causal: SDPA's top-left causal mask; alone it means ``causal="prefix"``.
+        causal: how causality enters the normalizations over queries. ``"prefix"``: autoregressive,
+            query ``i`` normalizes each column over the admissible queries ``i' ≤ i`` only,
+            ``c_j^{(i)} = logsumexp_{j ≤ i' ≤ i} s_{i'j}`` under a causal mask (Sinkhorn-K: row
+            ``i`` of K steps on the block of queries ``0..i``; see :mod:`._dn_prefix`), so row
+            ``i`` never depends on later queries; materialized, ``O(Nq Nk)`` memory (Sinkhorn-K
+            ``O(K Nq² Nk)`` time). ``"plan"``: the mask only restricts the transport plan, the
+            column normalization runs over every query — under ``is_causal`` row ``i`` reads the
+            queries after ``i`` (not autoregressive; for analysis). ``None`` (default):
+            ``"prefix"`` if ``is_causal`` else ``"plan"``.
+        dropout_p: dropout probability on the weights ``π`` before the sum over values (as in
+            SDPA: applied whenever > 0, the modules pass 0 in ``eval()``). A call with
+            ``dropout_p > 0`` runs on the materialized ``Nq × Nk`` weights (plain PyTorch ops,
+            :mod:`._dropout`; ``impl`` is then ignored and ``last_dispatch`` says
+            ``"materialized"``; with the
+            prefix variant the dropout falls on its weights).
         impl: ``"streaming"`` (the O(N)-memory passes above), ``"materialized"`` (one fused
             pass over the ``Nq × Nk`` scores, :mod:`._dnas_materialized`; fastest at short
             sequences) or ``"auto"`` (by size, :func:`attnopt.functional.dispatch.choose_impl`;
@@ -259,7 +286,8 @@ def doubly_normalized_attention(
         not unit-stride.
 
     Raises:
-        ValueError: unknown ``impl``, negative ``iterations``, shape mismatch, ``scale <= 0``, a
+        ValueError: unknown ``impl`` or ``causal``, ``impl="streaming"`` with the prefix variant
+            (it has no streaming path), negative ``iterations``, shape mismatch, ``scale <= 0``, a
             mask that does not broadcast to (B, H, Nq, Nk) or holds NaN/``+inf``, NaN or ±inf
             in ``q``, ``k``, ``v``.
         TypeError: non-tensor / non-floating inputs, non-int ``iterations``.
@@ -268,11 +296,27 @@ def doubly_normalized_attention(
     iterations = _check_iterations(iterations)
     alpha = resolve_scale(scale, q.shape[-1])
     dispatch.check_impl(impl)
+    use_prefix = _use_prefix(causal, is_causal, impl, iterations)
+    dropout_p = check_dropout_p(dropout_p)
     empty = empty_attention(q, k, v)
     if empty is not None:
         return empty
+    if dropout_p > 0.0:  # the streaming / fused passes never hold π: drop on the materialized weights
+        name = "doubly_normalized" if iterations == 1 else "sinkhorn"
+        if use_prefix:
+            dispatch.record(name, "prefix")
+            weights = prefix.prefix_weights(q, k, iterations=iterations, attn_mask=attn_mask, scale=alpha,
+                                            is_causal=is_causal)
+        else:
+            dispatch.record(name, "materialized")
+            weights = _weights(q, k, iterations, attn_mask, alpha, is_causal)
+        return dropout_attention(weights, v, dropout_p, q.dtype)
     if iterations == 0:
         return _lnas(q, k, v, attn_mask, alpha, is_causal)
+    if use_prefix:
+        dispatch.record("doubly_normalized" if iterations == 1 else "sinkhorn", "prefix")
+        return prefix.prefix_attention(q, k, v, iterations=iterations, attn_mask=attn_mask, scale=alpha,
+                                       is_causal=is_causal)
     if under_transform() or q.is_meta or (isinstance(attn_mask, Tensor) and attn_mask.requires_grad
                                           and torch.is_grad_enabled()):
         # torch.func transforms (the fused Functions have no vmap rule and are ctx-style), meta tensors
@@ -287,6 +331,15 @@ def doubly_normalized_attention(
     if fused is not None:
         return fused
     return _dnas(q, k, v, iterations, attn_mask, alpha, is_causal)
+
+
+def _use_prefix(causal: object, is_causal: bool, impl: str, iterations: int) -> bool:
+    """Whether the autoregressive prefix variant runs (K >= 1); it has no streaming path."""
+    use = prefix.resolve_causal(causal, is_causal) and iterations >= 1
+    if use and impl == "streaming":
+        raise ValueError("impl='streaming' has no autoregressive (causal='prefix') variant: use impl='auto', "
+                         "or causal='plan' for the masked plan, which lets each row read later queries")
+    return use
 
 
 def _weights(q: Tensor, k: Tensor, iterations: int, attn_mask: Tensor | None, scale: float,
@@ -317,13 +370,16 @@ def doubly_normalized_weights(
     attn_mask: Tensor | None = None,
     scale: float | None = None,
     is_causal: bool = False,
+    causal: prefix.Causal | None = None,
 ) -> Tensor:
     r"""The explicit ``(B, H, Nq, Nk)`` weights of :func:`doubly_normalized_attention` (analysis).
 
     .. math:: \pi^{(K)} = \mathcal{R}\,\mathcal{C} \cdots \mathcal{R}\,\mathcal{C}\; e^{s}
 
     (``C`` divides columns by their sums over queries, ``R`` rows by their sums over keys,
-    applied K times in the log domain; K = 0 is the row softmax). Materializes Nq × Nk.
+    applied K times in the log domain; K = 0 is the row softmax). Materializes Nq × Nk. With
+    ``causal="prefix"`` (default under ``is_causal``) row ``i`` is the autoregressive row of
+    :func:`doubly_normalized_attention`.
 
     Args: as :func:`doubly_normalized_attention` (without ``v``).
 
@@ -337,6 +393,9 @@ def doubly_normalized_weights(
     validate_attention(q, k, None, attn_mask)
     iterations = _check_iterations(iterations)
     alpha = resolve_scale(scale, q.shape[-1])
+    if _use_prefix(causal, is_causal, "auto", iterations):
+        return prefix.prefix_weights(q, k, iterations=iterations, attn_mask=attn_mask, scale=alpha,
+                                     is_causal=is_causal).to(q.dtype)
     return _weights(q, k, iterations, attn_mask, alpha, is_causal).to(q.dtype)
 
 
@@ -372,6 +431,8 @@ def hybrid_normalized_attention(
     attn_mask: Tensor | None = None,
     scale: float | None = None,
     is_causal: bool = False,
+    causal: prefix.Causal | None = None,
+    dropout_p: float = 0.0,
     impl: dispatch.Impl = "auto",
 ) -> Tensor:
     r"""Hybrid normalized attention (HNAS), doubly-normalized-attention Sec. 6.
@@ -386,7 +447,11 @@ def hybrid_normalized_attention(
     the O(N)-memory guarantee does not hold).
 
     Args:
-        q, k, v, attn_mask, scale, is_causal: as :func:`doubly_normalized_attention`.
+        q, k, v, attn_mask, scale, is_causal, causal: as :func:`doubly_normalized_attention`;
+            ``causal="prefix"`` (the default with ``is_causal``) mixes the autoregressive
+            doubly-normalized rows with the causal softmax (LNAS), so HNAS is autoregressive too.
+        dropout_p: dropout on the mixed weights ``w π^DNAS + (1 − w) π^LNAS`` (as
+            :func:`doubly_normalized_attention`: materialized when > 0).
         weight: mixing weight ``w`` in [0, 1]: a 0-d tensor or one value per head ``(H,)``.
         iterations: Sinkhorn steps of the doubly-normalized term (default 1 = DNAS).
         impl: ``"materialized"`` shares one score matrix between both terms and mixes the
@@ -404,11 +469,27 @@ def hybrid_normalized_attention(
     validate_attention(q, k, v, attn_mask)
     w = _check_weight(weight, q)
     dispatch.check_impl(impl)
+    dropout_p = check_dropout_p(dropout_p)
     empty = empty_attention(q, k, v, weight)
     if empty is not None:
-        _check_iterations(iterations)
+        _use_prefix(causal, is_causal, impl, _check_iterations(iterations))
         return empty
     iterations = _check_iterations(iterations)
+    if _use_prefix(causal, is_causal, impl, iterations):
+        dispatch.record("hybrid_normalized", "prefix")
+        if dropout_p > 0.0:
+            mixed = prefix.prefix_weights(q, k, iterations=iterations, attn_mask=attn_mask,
+                                          scale=resolve_scale(scale, q.shape[-1]), is_causal=is_causal,
+                                          weight=w)
+            return dropout_attention(mixed, v, dropout_p, q.dtype)
+        return prefix.prefix_attention(q, k, v, iterations=iterations, attn_mask=attn_mask,
+                                       scale=resolve_scale(scale, q.shape[-1]), is_causal=is_causal, weight=w)
+    if dropout_p > 0.0:  # dropout on the mixed, materialized weights (see doubly_normalized_attention)
+        alpha = resolve_scale(scale, q.shape[-1])
+        dn = _weights(q, k, iterations, attn_mask, alpha, is_causal)
+        mixed = torch.lerp(_weights(q, k, 0, attn_mask, alpha, is_causal), dn, w.to(dn.dtype))
+        dispatch.record("hybrid_normalized", "materialized")
+        return dropout_attention(mixed, v, dropout_p, q.dtype)
     if under_transform() or q.is_meta:  # torch.func, meta: plain ops (see doubly_normalized_attention)
         alpha = resolve_scale(scale, q.shape[-1])
         dn = _weights(q, k, iterations, attn_mask, alpha, is_causal)
@@ -424,7 +505,7 @@ def hybrid_normalized_attention(
         if fused is not None:
             return fused
     dn = doubly_normalized_attention(q, k, v, iterations=iterations, attn_mask=attn_mask, scale=scale,
-                                     is_causal=is_causal, impl="streaming")
+                                     is_causal=is_causal, causal="plan", impl="streaming")
     ln = doubly_normalized_attention(q, k, v, iterations=0, attn_mask=attn_mask, scale=scale,
                                      is_causal=is_causal)
     w = w.to(dn.dtype)
@@ -440,6 +521,7 @@ def hybrid_normalized_weights(
     attn_mask: Tensor | None = None,
     scale: float | None = None,
     is_causal: bool = False,
+    causal: prefix.Causal | None = None,
 ) -> Tensor:
     r"""The explicit weights ``w π^DNAS + (1 − w) π^LNAS`` of :func:`hybrid_normalized_attention`.
 
@@ -455,6 +537,9 @@ def hybrid_normalized_weights(
     w = _check_weight(weight, q)
     iterations = _check_iterations(iterations)
     alpha = resolve_scale(scale, q.shape[-1])
+    if _use_prefix(causal, is_causal, "auto", iterations):
+        return prefix.prefix_weights(q, k, iterations=iterations, attn_mask=attn_mask, scale=alpha,
+                                     is_causal=is_causal, weight=w).to(q.dtype)
     dn = _weights(q, k, iterations, attn_mask, alpha, is_causal)
     ln = _weights(q, k, 0, attn_mask, alpha, is_causal)
     w = w.to(dn.dtype)

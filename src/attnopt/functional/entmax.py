@@ -54,7 +54,7 @@ from attnopt.functional import _sparse_native as _native_maps
 from attnopt.functional._autograd import double_backward, under_transform
 from attnopt.functional._entmax15_passes import entmax15_passes
 
-__all__ = ["sparsemax", "entmax"]
+__all__ = ["sparsemax", "entmax", "entmax15", "entmax_bisect"]
 
 _HALF = (torch.float16, torch.bfloat16)
 _CHUNK_SPARSEMAX = 1 << 16  # entries per row block of the CPU threshold search (cache sized)
@@ -629,7 +629,7 @@ def _check_iter(tol: float | None, max_iter: int, dtype: torch.dtype) -> float:
     return float(tol)
 
 
-def sparsemax(scores: Tensor, *, dim: int = -1, max_iter: int = 1000) -> Tensor:
+def sparsemax(scores: Tensor, dim: int = -1, *, max_iter: int = 1000) -> Tensor:
     r"""Euclidean projection of scores onto the simplex (sdpa-one-sided-eot Prop. 4.2).
 
     .. math:: p = \arg\max_{p \in \Delta} \langle s, p \rangle - \tfrac12 \|p\|^2 = [s - \theta]_+
@@ -638,7 +638,7 @@ def sparsemax(scores: Tensor, *, dim: int = -1, max_iter: int = 1000) -> Tensor:
 
     Args:
         scores: (..., S) real scores; ``-inf`` entries get weight 0.
-        dim: dimension that sums to one.
+        dim: dimension that sums to one (also positional, as ``entmax.sparsemax(X, dim)``).
         max_iter: safety bound on the (finitely many) support updates.
     Returns:
         (..., S) weights, non-negative, summing to 1 along ``dim``; a slice that is entirely
@@ -659,8 +659,8 @@ def sparsemax(scores: Tensor, *, dim: int = -1, max_iter: int = 1000) -> Tensor:
 def entmax(
     scores: Tensor,
     alpha: float | Tensor = 1.5,
-    *,
     dim: int = -1,
+    *,
     tol: float | None = None,
     max_iter: int = 100,
 ) -> Tensor:
@@ -727,3 +727,45 @@ def entmax(
         return res
     res = _Entmax.apply(scores, alpha, dim, tol_, max_iter)
     return res
+
+
+def entmax15(scores: Tensor, dim: int = -1) -> Tensor:
+    r"""1.5-entmax, :func:`entmax` with ``α = 1.5`` (sdpa-one-sided-eot Prop. 4.3); exact.
+
+    The signature of the ``entmax`` package's ``entmax15(X, dim=-1)`` (its ``k`` partial-sort
+    knob is not taken: the threshold here is found without sorting), so that its users can switch
+    by changing the import.
+
+    Args:
+        scores: (..., S) real scores; ``-inf`` entries get weight 0.
+        dim: dimension that sums to one.
+    Returns:
+        (..., S) non-negative weights summing to 1 along ``dim`` (all ``-inf`` slices: zeros).
+    Raises:
+        TypeError, ValueError: as :func:`entmax`.
+    """
+    return entmax(scores, 1.5, dim)
+
+
+def entmax_bisect(
+    scores: Tensor, alpha: float | Tensor = 1.5, dim: int = -1, *, tol: float | None = None,
+    max_iter: int = 100,
+) -> Tensor:
+    r"""α-entmax for any ``α > 0``: :func:`entmax` under the ``entmax`` package's name.
+
+    ``entmax.entmax_bisect(X, alpha, dim)`` finds the threshold by bisection; this one by a
+    safeguarded Newton search on the same equation ``Σ_j [(α − 1)s_j − τ]_+^{1/(α−1)} = 1`` (same
+    result to ``tol``; α = 1.5 and 2 exact). Its ``n_iter`` / ``ensure_sum_one`` knobs are
+    ``max_iter`` / ``tol`` here (keyword-only); a tensor ``alpha`` receives a gradient as there.
+
+    Args:
+        scores: (..., S) real scores; ``-inf`` entries get weight 0.
+        alpha: ``α > 0``, a float or a tensor (see :func:`entmax`).
+        dim: dimension that sums to one.
+        tol, max_iter: as :func:`entmax`.
+    Returns:
+        (..., S) non-negative weights summing to 1 along ``dim``.
+    Raises:
+        TypeError, ValueError: as :func:`entmax`.
+    """
+    return entmax(scores, alpha, dim, tol=tol, max_iter=max_iter)

@@ -43,6 +43,7 @@ from attnopt.functional import dispatch
 from attnopt.functional import triton as gpu
 from attnopt.functional._autograd import double_backward, under_transform
 from attnopt.functional._denormal import sdpa
+from attnopt.functional._dropout import check_dropout_p, dropout_attention
 from attnopt.functional._kernel_chunked import chunked_feature_kernel_attention
 from attnopt.functional._kernel_fused import (
     fused_fourier_attention,
@@ -538,6 +539,7 @@ def kernel_attention(
     mode: Mode = "quadratic",
     is_causal: bool = False,
     eps: float = 1e-5,
+    dropout_p: float = 0.0,
 ) -> Tensor:
     r"""Implicit-kernel attention, similarity × magnitude (implicit-kernel-attention eq. 9, 11).
 
@@ -573,6 +575,10 @@ def kernel_attention(
         is_causal: SDPA's top-left causal mask (``mode="linear"`` needs ``Nq == Nk``).
         eps: ``ε ≥ 0`` added to ``f²`` for squared kernels (the authors' ``1e-5``); ignored
             by positive kernels. Both modes include it exactly.
+        dropout_p: dropout probability on the weights ``α`` before the sum over values (as in
+            SDPA: applied whenever > 0). A call with ``dropout_p > 0`` runs on the materialized
+            ``Nq × Nk`` weights (:func:`kernel_weights`' plain ops, :mod:`._dropout`), in either
+            ``mode``: the linear form never holds ``α``.
 
     Returns:
         (B, H, Nq, dv) in the input dtype; a row with no admissible key is zeros (every row
@@ -586,12 +592,18 @@ def kernel_attention(
             than whole masked rows), or a causal mask with ``Nq != Nk``.
     """
     validate_attention(q, k, v, attn_mask)
+    dropout_p = check_dropout_p(dropout_p)
     empty = empty_attention(q, k, v)
     if empty is not None:  # the same checks as otherwise, then the empty-size policy
         _check_options(kernel, magnitude_p, eps, mode)
         resolve_scale(scale, q.shape[-1])
         _full_mask(q, k, attn_mask, is_causal, q.dtype)
         return empty
+    if dropout_p > 0.0:  # the fused / linear paths never hold α: drop on the materialized weights
+        _, compute, bias = _prepare(q, k, kernel, magnitude_p, scale, eps, mode)
+        mask = _full_mask(q, k, attn_mask, is_causal, compute)
+        w = _quadratic(q.to(compute), k.to(compute), None, kernel, bias, mask, eps)
+        return dropout_attention(w, v, dropout_p, q.dtype)
     if mode == "quadratic" and gpu.wanted(q) and not under_transform():
         out = _on_triton(q, k, v, kernel, magnitude_p, attn_mask, scale, is_causal, eps)
         if out is not None:

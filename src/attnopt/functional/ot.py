@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from attnopt._validation import check_broadcastable, check_finite, check_tensor, zero_anchor
+from attnopt.functional._dropout import check_dropout_p, dropout_attention
 from attnopt.functional._ot_cost import (
     CostSpec,
     check_ot_inputs,
@@ -215,6 +216,7 @@ def ot_attention(
     alpha: float = 1.0,
     gamma: float = 1.0,
     bank_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
 ) -> Tensor:
     r"""OT-based attention ``ĥ = Σ_{a∈A} p*(a) v_a``, fenchel-dual-attention eq. (22) into (4).
 
@@ -229,6 +231,8 @@ def ot_attention(
         z, templates, bank, preference, cost, alpha, gamma, bank_mask: as :func:`ot_weights`.
         bank_values: (B, H, m, dv) the values ``v_a`` (default: the bank itself, so
             ``ĥ = Σ p*(a) a`` as in the paper).
+        dropout_p: dropout probability on the weights ``p*`` before the sum over values (as
+            in SDPA: applied whenever > 0).
 
     Returns:
         (B, H, Nq, dv) in the dtype of ``z`` (zeros for an all-zero preference row).
@@ -240,6 +244,7 @@ def ot_attention(
     if bank_values is not None:
         check_tensor("bank_values", bank_values, min_dim=2)
     check_positive("alpha", alpha), check_positive("gamma", gamma)
+    dropout_p = check_dropout_p(dropout_p)
     empty = _empty(z, templates, bank, bank_values, weights=False)
     if empty is not None:
         return empty
@@ -265,4 +270,6 @@ def ot_attention(
             ) from exc
         values = bank_values.to(zc.dtype)
     weights = torch.exp(_ot_log_weights(zc, bank_c, u, log_k, alpha, gamma, mask))
+    if dropout_p > 0.0:
+        return dropout_attention(weights, values, dropout_p, z.dtype)
     return torch.matmul(weights, values).to(z.dtype)

@@ -58,6 +58,7 @@ from attnopt.functional import triton as gpu
 from attnopt.functional._autograd import under_transform
 from attnopt.functional._blocked_sparse import blocked_sparse_attention
 from attnopt.functional._denormal import flushed_sdpa, sdpa
+from attnopt.functional._dropout import check_dropout_p, dropout_attention
 from attnopt.functional._generalized_fused import (
     biased_flash_attention,
     biased_softmax_attention,
@@ -199,6 +200,7 @@ def regularized_attention(
     locality: float | Tensor | None = None,
     is_causal: bool = False,
     block_size: int | None = None,
+    dropout_p: float = 0.0,
     impl: dispatch.Impl = "auto",
 ) -> Tensor:
     r"""Attention whose weights solve a regularized argmax (sdpa-one-sided-eot §3–4).
@@ -222,6 +224,10 @@ def regularized_attention(
         is_causal: also apply SDPA's top-left causal mask.
         block_size: queries per block in the blocked sparse path (default: about 2^22 scores
             per block).
+        dropout_p: dropout probability on the weights ``p`` before the sum over values (as in
+            SDPA: applied whenever > 0). A call with ``dropout_p > 0`` runs on the materialized
+            ``Nq × Nk`` weights (plain PyTorch ops, :mod:`._dropout`; ``block_size`` and ``impl``
+            are then ignored).
         impl: for ``SquaredL2`` / float-α ``Tsallis``: ``"streaming"`` (the blocked path),
             ``"materialized"`` (scores once, exact thresholds found in place on them, ``P`` saved
             for the backward; :mod:`._sparse_attention_fused`) or ``"auto"`` (by size,
@@ -251,9 +257,13 @@ def regularized_attention(
     target = (*batch, nq, nk)
     mask = additive_mask(attn_mask, target, _compute(q.dtype))
     loc = None if locality is None else _checked_locality(locality, q, nq, nk)
+    dropout_p = check_dropout_p(dropout_p)
     empty = empty_attention(q, k, v, locality if isinstance(locality, Tensor) else None)
     if empty is not None:
         return empty
+    if dropout_p > 0.0:  # the fused / blocked / SDPA paths never hold p: drop on the materialized map
+        weights = reg.conjugate_grad(_scores(q, k, attn_mask, scale, locality, is_causal), -1)
+        return dropout_attention(weights, v, dropout_p, q.dtype)
     if isinstance(reg, Tsallis) and not isinstance(reg.alpha, Tensor) and reg.alpha == 1.0:
         reg = Shannon()  # the α → 1 limit of Tsallis is Shannon: softmax, i.e. SDPA
     if isinstance(reg, Shannon):

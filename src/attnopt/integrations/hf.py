@@ -29,6 +29,19 @@ attnopt_sparsemax      :func:`attnopt.regularized_attention` with ``SquaredL2()`
 attnopt_entmax         the same with ``Tsallis(attnopt_alpha)`` (default 1.5)
 =====================  ==================================================================
 
+**Causal decoders** (``attnopt_dnas``, ``attnopt_sinkhorn``, ``attnopt_hnas``). A causal mask
+restricts the transport plan but does not make a normalization over queries autoregressive:
+``c_j = logsumexp_i s_ij`` runs over the later queries too, so with the mask alone every position
+would read the tokens after it. In a causal self-attention (GPT-2, Llama, a BERT/T5 decoder's
+self-attention) these names therefore run the autoregressive variant (``causal="prefix"`` of
+:func:`attnopt.doubly_normalized_attention`: position ``i`` normalizes over positions ``≤ i``),
+also in cached generation (:mod:`attnopt.integrations._hf_prefix`: the module keeps the past
+queries it needs). ``model(..., attnopt_causal="plan")`` (or ``register(dn_causal="plan")``)
+runs the masked plan instead, for analysis. Encoders and cross-attention are unaffected::
+
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="attnopt_dnas")
+    model.generate(ids, max_new_tokens=8)    # autoregressive DNAS, cached
+
 **Learned HNAS weight** (the paper's Sec. 6: a trainable ``u_l ∈ [0, 1]`` per layer
 ``l``, trained jointly with the model): :func:`add_hnas_weights` attaches an
 :class:`HNASWeight` (``w = sigmoid(θ)``, one scalar per attention layer, initial ``w = 0.5``
@@ -46,8 +59,14 @@ the optimizer see them); ``HNASWeight.mixing_weight`` is the detached ``w`` that
 Names are ``attnopt_`` + the registry name (:func:`attnopt.nn.make_attention`) of the same
 mechanism; ``attnopt_generalized`` is kept as an alias. The list is data
 (:data:`MECHANISMS`): a mechanism whose function is missing from the package is reported
-by :func:`register`, not a crash. Dropout is supported by the generalized-attention names
-only; the others raise in training mode with dropout > 0.
+by :func:`register`, not a crash.
+
+**Fine-tuning**: every name implements the model's attention dropout (``dropout > 0`` in
+``train()`` mode) on the attention weights before the sum over values, as SDPA does; the
+generalized names pass it to SDPA itself, the others compute the weights materialized for that call
+(O(N²) memory, see :mod:`attnopt.functional._dropout`). In ``eval()`` transformers passes
+``dropout=0`` and the O(N)-memory paths run. A per-call ``attnopt_*`` keyword the mechanism does
+not take (``attnopt_iteratons=0``) raises a ``TypeError`` naming it and the valid ones.
 """
 from __future__ import annotations
 
@@ -59,6 +78,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from attnopt.integrations import _hf_prefix
 
 __all__ = [
     "MECHANISMS", "Mechanism", "RegisterReport", "HNASWeight", "add_hnas_weights", "attention_modules",
@@ -84,10 +105,12 @@ MECHANISMS: tuple[Mechanism, ...] = (
     Mechanism("attnopt_softmax", "attnopt.functional:generalized_attention"),
     Mechanism("attnopt_lnas", "attnopt.functional:generalized_attention"),
     Mechanism("attnopt_t5", "attnopt.functional:generalized_attention"),
-    Mechanism("attnopt_dnas", "attnopt.functional:doubly_normalized_attention", (("iterations", 1),)),
+    Mechanism("attnopt_dnas", "attnopt.functional:doubly_normalized_attention",
+              (("iterations", 1), ("causal", None))),
     Mechanism("attnopt_hnas", "attnopt.functional:hybrid_normalized_attention",
-              (("iterations", 1), ("weight", 0.5))),
-    Mechanism("attnopt_sinkhorn", "attnopt.functional:doubly_normalized_attention", (("iterations", 3),)),
+              (("iterations", 1), ("weight", 0.5), ("causal", None))),
+    Mechanism("attnopt_sinkhorn", "attnopt.functional:doubly_normalized_attention",
+              (("iterations", 3), ("causal", None))),
     Mechanism("attnopt_sparsemax", "attnopt.functional:regularized_attention"),
     Mechanism("attnopt_entmax", "attnopt.functional:regularized_attention", (("alpha", 1.5),)),
 )
@@ -159,6 +182,31 @@ def _additive(keep: Tensor | None, bias: Tensor | None, dtype: torch.dtype) -> T
     return bias.to(dtype).masked_fill(~keep, float("-inf"))
 
 
+def _hnas_weight(module: Any, opts: dict[str, Any], query: Tensor) -> Tensor:
+    """The layer's learned :class:`HNASWeight` (differentiable) or the fixed ``attnopt_weight``."""
+    learned = getattr(module, HNAS_ATTRIBUTE, None)
+    if isinstance(learned, HNASWeight):
+        return learned().to(query.dtype)  # differentiable: the layer's trained u_l
+    if not 0.0 <= float(opts["weight"]) <= 1.0:
+        raise ValueError(f"attnopt_weight must be in [0, 1], got {opts['weight']}")
+    return torch.as_tensor(float(opts["weight"]), dtype=query.dtype, device=query.device)
+
+
+def _check_keywords(name: str, kwargs: dict[str, Any], defaults: dict[str, Any]) -> None:
+    """Refuse an ``attnopt_*`` per-call keyword that ``name`` does not take (a misspelling would
+    otherwise be ignored silently). Other keywords are Hugging Face's own (``position_ids``,
+    ``position_bias``, cache arguments, ...) and pass untouched.
+
+    Raises:
+        TypeError: naming the unknown keyword(s) and the valid ones.
+    """
+    unknown = sorted(k for k in kwargs if k.startswith("attnopt_") and k[len("attnopt_"):] not in defaults)
+    if unknown:
+        valid = ", ".join(f"attnopt_{o}" for o in defaults) or "none"
+        raise TypeError(f"{name} got unexpected keyword argument(s) {', '.join(unknown)}; "
+                        f"valid attnopt keywords for {name}: {valid}")
+
+
 def _make(mech: Mechanism, fn: Callable[..., Tensor], defaults: dict[str, Any]) -> Callable[..., Any]:
     from attnopt.functional import SquaredL2, Tsallis
 
@@ -168,29 +216,31 @@ def _make(mech: Mechanism, fn: Callable[..., Tensor], defaults: dict[str, Any]) 
         if groups > 1:
             key = key.repeat_interleave(groups, dim=1)
             value = value.repeat_interleave(groups, dim=1)
+        _check_keywords(mech.name, kwargs, defaults)
         opts = {o: kwargs.get(f"attnopt_{o}", v) for o, v in defaults.items()}
         generalized = mech.target.endswith(":generalized_attention")
-        if dropout > 0.0 and not generalized:
-            raise ValueError(f"{mech.name} does not implement attention dropout; call model.eval() "
-                             "or set the attention dropout to 0")
         keep, bias = _masks(module, query, key, attention_mask, kwargs.get("position_bias"))
+        causal_self = bool(getattr(module, "is_causal", False)) and not _is_cross(module)
         if generalized:
             out = fn(query, key, value, log_preference=bias, attn_mask=keep, scale=scaling, dropout_p=dropout)
+        elif "causal" in opts and _hf_prefix.causal_mode(opts["causal"], causal_self) == "prefix":
+            # the autoregressive variant: no position reads a later one (module docstring)
+            w = _hnas_weight(module, opts, query) if mech.name == "attnopt_hnas" else None
+            out = _hf_prefix.prefix_call(module, mech.name, query, key, value,
+                                         _additive(keep, bias, query.dtype), scaling=scaling,
+                                         iterations=int(opts["iterations"]), weight=w, dropout_p=dropout)
         elif mech.name in ("attnopt_dnas", "attnopt_sinkhorn"):
             out = fn(query, key, value, iterations=int(opts["iterations"]),
-                     attn_mask=_additive(keep, bias, query.dtype), scale=scaling)
+                     attn_mask=_additive(keep, bias, query.dtype), scale=scaling, causal="plan",
+                     dropout_p=dropout)
         elif mech.name == "attnopt_hnas":
-            learned = getattr(module, HNAS_ATTRIBUTE, None)
-            if isinstance(learned, HNASWeight):
-                w = learned().to(query.dtype)  # differentiable: the layer's trained u_l
-            else:
-                w = torch.as_tensor(float(opts["weight"]), dtype=query.dtype, device=query.device)
-            out = fn(query, key, value, w, iterations=int(opts["iterations"]),
-                     attn_mask=_additive(keep, bias, query.dtype), scale=scaling)
+            out = fn(query, key, value, _hnas_weight(module, opts, query), iterations=int(opts["iterations"]),
+                     attn_mask=_additive(keep, bias, query.dtype), scale=scaling, causal="plan",
+                     dropout_p=dropout)
         else:
             reg = SquaredL2() if mech.name == "attnopt_sparsemax" else Tsallis(float(opts["alpha"]))
             out = fn(query, key, value, regularizer=reg, attn_mask=_additive(keep, bias, query.dtype),
-                     scale=scaling)
+                     scale=scaling, dropout_p=dropout)
         return out.transpose(1, 2).contiguous(), None
 
     attention.__name__ = mech.name
@@ -295,6 +345,7 @@ def register(
     sinkhorn_iterations: int = 3,
     hnas_weight: float = 0.5,
     entmax_alpha: float = 1.5,
+    dn_causal: str | None = None,
 ) -> RegisterReport:
     """Register every available mechanism with ``AttentionInterface`` and ``AttentionMaskInterface``.
 
@@ -303,6 +354,11 @@ def register(
         sinkhorn_iterations: default steps of ``attnopt_sinkhorn``.
         hnas_weight: fixed mixing weight ``w`` of ``attnopt_hnas`` (1 = DNAS, 0 = softmax).
         entmax_alpha: ``α`` of ``attnopt_entmax``.
+        dn_causal: default ``attnopt_causal`` of ``attnopt_dnas`` / ``attnopt_sinkhorn`` /
+            ``attnopt_hnas`` in causal self-attention: ``None`` or ``"prefix"`` (autoregressive,
+            the default) or ``"plan"`` (the masked plan: every position reads the later queries
+            through the column normalization; for analysis). Encoders and cross-attention run
+            the mechanism as is.
 
     Returns:
         a :class:`RegisterReport`; a mechanism whose function cannot be imported is listed in
@@ -318,14 +374,16 @@ def register(
         raise ValueError(f"hnas_weight must be in [0, 1], got {hnas_weight}")
     if not entmax_alpha > 0.0:
         raise ValueError(f"entmax_alpha must be > 0, got {entmax_alpha}")
+    _hf_prefix.causal_mode(dn_causal, True)  # validates
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError("attnopt.integrations.hf needs transformers: pip install 'attnopt[hf]'") from exc
-    overrides: dict[str, dict[str, Any]] = {"attnopt_dnas": {"iterations": dnas_iterations},
-                 "attnopt_hnas": {"iterations": dnas_iterations, "weight": hnas_weight},
-                 "attnopt_sinkhorn": {"iterations": sinkhorn_iterations},
+    overrides: dict[str, dict[str, Any]] = {
+                 "attnopt_dnas": {"iterations": dnas_iterations, "causal": dn_causal},
+                 "attnopt_hnas": {"iterations": dnas_iterations, "weight": hnas_weight, "causal": dn_causal},
+                 "attnopt_sinkhorn": {"iterations": sinkhorn_iterations, "causal": dn_causal},
                  "attnopt_entmax": {"alpha": entmax_alpha}}
     report = RegisterReport()
     for mech in MECHANISMS:

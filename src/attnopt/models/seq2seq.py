@@ -35,10 +35,15 @@ class EncoderDecoder(nn.Module):
 
     Note:
         Mechanisms that normalize over *queries* (``dnas``, ``hnas``, ``sinkhorn``) couple the
-        decoder's positions: with teacher forcing, a key's column normalization in the decoder
-        self- and cross-attention includes later target positions (the causal mask removes
-        only later *keys*). Decoding re-runs the decoder on the whole prefix each step, so the
-        model sees at test time what it saw in training for that prefix length.
+        decoder's positions: a key's column normalization runs over the queries, and the causal
+        mask removes only later *keys*. The decoder self-attention is called with
+        ``is_causal=True`` and so runs their autoregressive variant (``causal="prefix"``: position
+        ``i`` normalizes over target positions ``≤ i``). The cross-attention has no causal mask:
+        with teacher forcing its column normalization over the target queries includes later
+        target positions unless it is built with ``causal="prefix"``
+        (``attention_options={"cross": {"causal": "prefix"}}``). Decoding re-runs the decoder on
+        the whole prefix each step, so the model sees at test time what it saw in training for
+        that prefix length.
 
     ``forward(src (B, Ns), tgt_in (B, Nt)) -> logits (B, Nt, tgt_vocab_size)``; padding masks
     default to ``src == pad_id`` / ``tgt_in == pad_id``.

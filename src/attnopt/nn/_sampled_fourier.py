@@ -144,6 +144,7 @@ class _SampledFourier(torch.autograd.Function):
     Returns ``(O (B, H, Nq, dv), KL batch mean (0-d))``."""
 
     @staticmethod
+    @_native.untraced
     def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, noise: Tensor, raw: Tensor | None, plan: _Plan,
         *params: Tensor,
@@ -193,6 +194,7 @@ class _SampledFourier(torch.autograd.Function):
         return out, klm
 
     @staticmethod
+    @_native.untraced
     def backward(ctx: Any, dout: Tensor, dkl: Tensor) -> tuple[Tensor | None, ...]:
         refuse_double_backward(
             ctx, "ImplicitKernelAttention (sampled points, whole-call node)",

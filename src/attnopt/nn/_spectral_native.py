@@ -141,6 +141,7 @@ class _NativeSpectralSample(torch.autograd.Function):
     """Inputs as :class:`._spectral_fused._SpectralSample`, plus the library."""
 
     @staticmethod
+    @_native.untraced
     def forward(
         ctx: Any, src: Tensor, noise: Tensor, raw: Tensor | None, scales: tuple[float, ...], lib: ctypes.CDLL,
         kl_mean: bool, keys: bool, *params: Tensor,
@@ -178,6 +179,7 @@ class _NativeSpectralSample(torch.autograd.Function):
         return pts, (kl if klm is None else klm)  # the mean in C: no autograd node (nor aten op) of its own
 
     @staticmethod
+    @_native.untraced
     def backward(ctx: Any, gpts: Tensor, gkl: Tensor) -> tuple[Tensor | None, ...]:
         src, h, noise, raw, ws, ne, *params = ctx.saved_tensors
         if h is None:

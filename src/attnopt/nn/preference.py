@@ -189,6 +189,7 @@ class _T5Bias(torch.autograd.Function):
     into the buckets."""
 
     @staticmethod
+    @_native.untraced
     def forward(ctx: Any, table: Tensor, buckets: Tensor, index: Tensor | None, nq: int, nk: int) -> Tensor:
         ctx.save_for_backward(buckets, index)
         ctx.rows = table.shape[0]

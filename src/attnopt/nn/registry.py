@@ -3,11 +3,15 @@ r"""The attention registry: one name per mechanism, with its paper options.
 ``make_attention(name, embed_dim, num_heads, **options)`` builds a module with the
 ``nn.MultiheadAttention(batch_first=True)`` call convention::
 
-    out, weights = module(query, key=None, value=None, *, key_padding_mask=None,
-                          attn_mask=None, need_weights=False, is_causal=False)
+    out, weights = module(query, key=None, value=None, key_padding_mask=None,
+                          need_weights=False, attn_mask=None, average_attn_weights=True,
+                          is_causal=False)
 
 (boolean masks ``True`` = not allowed; ``key``/``value`` may differ from ``query`` for
-cross-attention), plus an optional ``query_padding_mask (B, Nq)`` (padded queries take no part:
+cross-attention; unbatched ``(N, E)`` inputs as ``nn.MultiheadAttention``; weights averaged over
+heads ``(B, Nq, Nk)`` by default, per head ``(B, H, Nq, Nk)`` with ``average_attn_weights=False``;
+``need_weights`` defaults to ``False`` because the fast paths never form the weights), plus an
+optional keyword ``query_padding_mask (B, Nq)`` (padded queries take no part:
 zero rows, left out of normalizations over queries) so that padding never needs an
 ``Nq × Nk`` mask. Modules with an auxiliary loss (the IKA variants) also have ``kl()``.
 The one exception is ``ot``: :class:`~attnopt.nn.OTAttention` pools a token set with a
@@ -25,9 +29,10 @@ t5             generalized attention, T5 preference (fenchel 17)  num_buckets (3
 alibi          generalized attention, ALiBi preference            —
 mem            exact MEM / Fenchel-dual attention (fenchel 7, 9)  scale (1/√d), tol (1e-6),
                                                                   max_iter (50)
-dnas           doubly-normalized attention (DNAS, eq. 6–8)        —
-hnas           hybrid w·DNAS + (1−w)·LNAS, learned w (Sec. 6)     init_weight (0.5), per_head (False)
-sinkhorn       K Sinkhorn normalizations (eq. 10)                 iterations (3)
+dnas           doubly-normalized attention (DNAS, eq. 6–8)        causal (None)
+hnas           hybrid w·DNAS + (1−w)·LNAS, learned w (Sec. 6)     init_weight (0.5), per_head (False),
+                                                                  causal (None)
+sinkhorn       K Sinkhorn normalizations (eq. 10)                 iterations (3), causal (None)
 sparsemax      Ω = ½‖p‖² (one-sided EOT Prop. 4.2)                —
 entmax         Ω = Tsallis α (Prop. 4.3)                          alpha (1.5)
 rbf-only       RBF similarity, no magnitude (implicit-kernel T2)  —
@@ -44,11 +49,22 @@ ot             OT-based attention pooling (fenchel Sec. 9)        alpha (1), gam
                                                                   ("neg_dot")
 =============  ================================================  ===============================
 
+Every name also takes ``nn.MultiheadAttention``'s constructor options (:data:`MODULE_OPTIONS`):
+``dropout`` (on the attention weights, training mode only), ``bias``, ``kdim``, ``vdim``,
+``batch_first`` (``True`` only), ``device`` and ``dtype`` (``ot``: ``dropout``, ``bias``,
+``device``, ``dtype``), e.g. ``make_attention("dnas", 32, 4, dropout=0.1, bias=False)``.
+
 ``mode="linear"`` (the kernels with a feature map: ``linear`` and the implicit kernels) computes
 the same attention exactly in O(N) time and memory (implicit-kernel-attention §4, via the
 features ``φ(x)⊗φ(x)``); it takes ``key_padding_mask``, ``query_padding_mask`` and ``is_causal``
 (as :mod:`attnopt.models` passes them, also in a padded causal decoder), but not another
 query-dependent ``attn_mask``.
+
+``causal`` (``dnas``, ``hnas``, ``sinkhorn``): a causal mask restricts the transport plan but does
+not make a normalization over queries autoregressive. ``None`` runs the autoregressive
+``"prefix"`` variant when the module is called with ``is_causal=True`` (a decoder: no future
+leak); ``"prefix"`` always normalizes over the queries up to each row (e.g. a decoder's
+cross-attention); ``"plan"`` keeps the masked plan, which reads later queries (analysis).
 
 The Hugging Face registration (:mod:`attnopt.integrations.hf`) and ``attnopt train`` use
 the same names.
@@ -81,71 +97,77 @@ class AttentionSpec:
     multihead_convention: bool = True
 
 
-def _generalized(e: int, h: int) -> nn.Module:
+def _generalized(e: int, h: int, **mha: Any) -> nn.Module:
     from attnopt.nn.generalized import GeneralizedMultiheadAttention
 
-    return GeneralizedMultiheadAttention(e, h)
+    return GeneralizedMultiheadAttention(e, h, **mha)
 
 
-def _t5(e: int, h: int, *, num_buckets: int, max_distance: int, bidirectional: bool) -> nn.Module:
+def _t5(e: int, h: int, *, num_buckets: int, max_distance: int, bidirectional: bool, **mha: Any) -> nn.Module:
     from attnopt.nn.generalized import GeneralizedMultiheadAttention
     from attnopt.nn.preference import T5RelativePreference
 
     pref = T5RelativePreference(
         h, num_buckets=num_buckets, max_distance=max_distance, bidirectional=bidirectional
     )
-    return GeneralizedMultiheadAttention(e, h, pref)
+    return GeneralizedMultiheadAttention(e, h, pref, **mha)
 
 
-def _alibi(e: int, h: int) -> nn.Module:
+def _alibi(e: int, h: int, **mha: Any) -> nn.Module:
     from attnopt.nn.generalized import GeneralizedMultiheadAttention
     from attnopt.nn.preference import ALiBiPreference
 
-    return GeneralizedMultiheadAttention(e, h, ALiBiPreference(h))
+    return GeneralizedMultiheadAttention(e, h, ALiBiPreference(h), **mha)
 
 
-def _mem(e: int, h: int, *, scale: float | None, tol: float, max_iter: int) -> nn.Module:
+def _mem(e: int, h: int, *, scale: float | None, tol: float, max_iter: int, **mha: Any) -> nn.Module:
     from attnopt.nn.mem import MEMAttention
 
-    return MEMAttention(e, h, scale=scale, tol=tol, max_iter=max_iter)
+    return MEMAttention(e, h, scale=scale, tol=tol, max_iter=max_iter, **mha)
 
 
-def _dn(e: int, h: int, *, iterations: int = 1) -> nn.Module:
+def _dn(e: int, h: int, *, iterations: int = 1, causal: str | None = None, **mha: Any) -> nn.Module:
     from attnopt.nn.doubly_normalized import DoublyNormalizedMultiheadAttention
 
-    return DoublyNormalizedMultiheadAttention(e, h, iterations=iterations)
+    return DoublyNormalizedMultiheadAttention(e, h, iterations=iterations, causal=causal,  # type: ignore[arg-type]
+                                              **mha)
 
 
-def _hnas(e: int, h: int, *, init_weight: float, per_head: bool) -> nn.Module:
+def _hnas(
+    e: int, h: int, *, init_weight: float, per_head: bool, causal: str | None = None, **mha: Any
+) -> nn.Module:
     from attnopt.nn.doubly_normalized import HybridNormalizedMultiheadAttention
 
-    return HybridNormalizedMultiheadAttention(e, h, init_weight=init_weight, per_head=per_head)
+    return HybridNormalizedMultiheadAttention(e, h, init_weight=init_weight, per_head=per_head,
+                                              causal=causal, **mha)  # type: ignore[arg-type]
 
 
-def _sparsemax(e: int, h: int) -> nn.Module:
+def _sparsemax(e: int, h: int, **mha: Any) -> nn.Module:
     from attnopt.functional.regularizers import SquaredL2
     from attnopt.nn.regularized import RegularizedMultiheadAttention
 
-    return RegularizedMultiheadAttention(e, h, SquaredL2())
+    return RegularizedMultiheadAttention(e, h, SquaredL2(), **mha)
 
 
-def _entmax(e: int, h: int, *, alpha: float) -> nn.Module:
+def _entmax(e: int, h: int, *, alpha: float, **mha: Any) -> nn.Module:
     from attnopt.functional.regularizers import Tsallis
     from attnopt.nn.regularized import RegularizedMultiheadAttention
 
-    return RegularizedMultiheadAttention(e, h, Tsallis(alpha))
+    return RegularizedMultiheadAttention(e, h, Tsallis(alpha), **mha)
 
 
 def _kernel(which: str) -> Callable[..., nn.Module]:
-    def build(e: int, h: int, **opts: Any) -> nn.Module:
+    def build(e: int, h: int, *, dropout: float, bias: bool, kdim: int | None, vdim: int | None,
+              **opts: Any) -> nn.Module:
         from attnopt.kernels import RBF, Linear, Periodic
         from attnopt.nn.kernel import KernelMultiheadAttention
 
+        mha: dict[str, Any] = dict(dropout=dropout, bias=bias, kdim=kdim, vdim=vdim)
         if which == "rbf-only":
-            return KernelMultiheadAttention(e, h, RBF(), magnitude_p=None)
+            return KernelMultiheadAttention(e, h, RBF(), magnitude_p=None, **mha)
         if which == "expsin":
-            return KernelMultiheadAttention(e, h, Periodic(opts["period"]), magnitude_p=2.0)
-        return KernelMultiheadAttention(e, h, Linear(), magnitude_p=2.0, mode=opts["mode"])
+            return KernelMultiheadAttention(e, h, Periodic(opts["period"]), magnitude_p=2.0, **mha)
+        return KernelMultiheadAttention(e, h, Linear(), magnitude_p=2.0, mode=opts["mode"], **mha)
 
     return build
 
@@ -159,10 +181,25 @@ def _ika(variant: Variant) -> Callable[..., nn.Module]:
     return build
 
 
-def _ot(e: int, h: int, *, alpha: float, gamma: float | None, cost: str) -> nn.Module:
+def _ot(e: int, h: int, *, alpha: float, gamma: float | None, cost: str, dropout: float, bias: bool
+        ) -> nn.Module:
     from attnopt.nn.ot import OTAttention
 
-    return OTAttention(e, h, alpha=alpha, gamma=gamma, cost=cost)
+    return OTAttention(e, h, alpha=alpha, gamma=gamma, cost=cost, dropout=dropout, bias=bias)
+
+
+#: the ``nn.MultiheadAttention`` constructor options every multi-head name takes, with its defaults
+#: (``ot``, a pooling layer over one token set, takes ``dropout`` and ``bias`` only)
+MODULE_OPTIONS: Mapping[str, Any] = {
+    "dropout": 0.0, "bias": True, "kdim": None, "vdim": None, "batch_first": True,
+    "device": None, "dtype": None,
+}
+#: ``nn.MultiheadAttention`` options no mechanism takes, with the reason
+UNSUPPORTED_OPTIONS: Mapping[str, str] = {
+    "add_bias_kv": "a learned extra key/value would take part in every normalization as a real key",
+    "add_zero_attn": "a zero key would take part in every normalization as a real key",
+}
+_OT_OPTIONS = ("dropout", "bias", "batch_first", "device", "dtype")
 
 
 _FD, _DN, _IK, _EOT = (
@@ -191,15 +228,15 @@ _SPECS: tuple[AttentionSpec, ...] = (
         {"scale": None, "tol": 1e-6, "max_iter": 50},
         _mem,
     ),
-    AttentionSpec("dnas", "doubly-normalized attention (one Sinkhorn step)", _DN, {}, _dn),
+    AttentionSpec("dnas", "doubly-normalized attention (one Sinkhorn step)", _DN, {"causal": None}, _dn),
     AttentionSpec(
         "hnas",
         "hybrid w*DNAS + (1-w)*LNAS with learned w",
         _DN,
-        {"init_weight": 0.5, "per_head": False},
+        {"init_weight": 0.5, "per_head": False, "causal": None},
         _hnas,
     ),
-    AttentionSpec("sinkhorn", "K Sinkhorn normalizations", _DN, {"iterations": 3}, _dn),
+    AttentionSpec("sinkhorn", "K Sinkhorn normalizations", _DN, {"iterations": 3, "causal": None}, _dn),
     AttentionSpec("sparsemax", "sparsemax (squared-L2 regularizer)", _EOT, {}, _sparsemax),
     AttentionSpec("entmax", "alpha-entmax (Tsallis regularizer)", _EOT, {"alpha": 1.5}, _entmax),
     AttentionSpec("rbf-only", "RBF similarity without the magnitude term", _IK, {}, _kernel("rbf-only")),
@@ -263,8 +300,11 @@ def make_attention(name: str, embed_dim: int, num_heads: int, **options: Any) ->
         name: a registry name (:func:`attention_names`).
         embed_dim: E (divisible by ``num_heads``).
         num_heads: H.
-        **options: the mechanism's options (see the module table); omitted ones take their
-            defaults.
+        **options: the mechanism's options (see the module table) and the
+            ``nn.MultiheadAttention(batch_first=True)`` constructor options of
+            :data:`MODULE_OPTIONS` (``dropout``, ``bias``, ``kdim``, ``vdim``, ``batch_first``
+            (``True`` only), ``device``, ``dtype``); omitted ones take their defaults.
+            ``add_bias_kv`` / ``add_zero_attn`` are refused (:data:`UNSUPPORTED_OPTIONS`).
     Returns:
         an ``nn.Module`` with the ``nn.MultiheadAttention(batch_first=True)`` convention
         (``ot``: the pooling convention of :class:`~attnopt.nn.OTAttention`).
@@ -273,13 +313,27 @@ def make_attention(name: str, embed_dim: int, num_heads: int, **options: Any) ->
             value the mechanism rejects.
     """
     spec = attention_spec(name)
-    unknown = sorted(set(options) - set(spec.defaults))
+    shared = MODULE_OPTIONS if spec.multihead_convention else {k: MODULE_OPTIONS[k] for k in _OT_OPTIONS}
+    refused = sorted(set(options) & set(UNSUPPORTED_OPTIONS))
+    if refused:
+        why = UNSUPPORTED_OPTIONS[refused[0]]
+        raise ValueError(f"attention {name!r}: {refused[0]} is not supported ({why})")
+    unknown = sorted(set(options) - set(spec.defaults) - set(shared))
     if unknown:
         valid = ", ".join(spec.defaults) or "none"
         raise ValueError(
-            f"attention {name!r} has no option {', '.join(map(repr, unknown))}; valid options: {valid}"
+            f"attention {name!r} has no option {', '.join(map(repr, unknown))}; valid options: {valid}; "
+            f"and the nn.MultiheadAttention options {', '.join(shared)}"
         )
+    module_opts = {**shared, **{k: v for k, v in options.items() if k in shared}}
+    if module_opts.pop("batch_first") is not True:
+        raise ValueError(f"attention {name!r}: only batch_first=True is supported (inputs are (B, N, E))")
+    device, dtype = module_opts.pop("device"), module_opts.pop("dtype")
+    specific = {k: v for k, v in options.items() if k not in shared}
     try:
-        return spec.build(embed_dim, num_heads, **{**spec.defaults, **options})
+        module = spec.build(embed_dim, num_heads, **{**spec.defaults, **specific}, **module_opts)
     except TypeError as exc:
         raise ValueError(f"attention {name!r}: {exc}") from exc
+    if device is not None or dtype is not None:
+        module = module.to(device=device, dtype=dtype)
+    return module

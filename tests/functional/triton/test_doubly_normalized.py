@@ -44,11 +44,13 @@ def _mask(kind: str):
 @pytest.mark.parametrize("kind", ["none", "key_padding", "query_padding", "full", "causal"])
 def test_dnas_matches_float64_reference(kind):
     q, k, v = rand(B, H, NQ, D, seed=1), rand(B, H, NK, D, seed=2), rand(B, H, NK, DV, seed=3)
+    # causal: the kernels' variant is causal="plan" (the mask restricts the plan; is_causal alone
+    # means the autoregressive "prefix" variant, which has no Triton kernel)
     mask, causal = _mask(kind), kind == "causal"
     with blocks(), attnopt.backend("triton"):
-        out = doubly_normalized_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        out = doubly_normalized_attention(q, k, v, attn_mask=mask, is_causal=causal, causal="plan")
     assert dispatch.last_dispatch["doubly_normalized"] == "triton"
-    ref = doubly_normalized_weights(q, k, attn_mask=mask, is_causal=causal) @ v
+    ref = doubly_normalized_weights(q, k, attn_mask=mask, is_causal=causal, causal="plan") @ v
     assert_close(out, ref, 1e-12, what="out")
     for got, want, name in zip(grads(out, (q, k, v)), grads(ref, (q, k, v)), "qkv"):
         assert_close(got, want, 1e-11, what=f"d{name}")
@@ -59,9 +61,10 @@ def test_sinkhorn_k3_with_key_padding_and_causal():
     mask = torch.ones(NK, dtype=torch.bool, device=DEVICE)
     mask[[0, 7, 20]] = False
     with blocks(), attnopt.backend("triton"):
-        out = doubly_normalized_attention(q, k, v, iterations=3, attn_mask=mask, is_causal=True)
+        out = doubly_normalized_attention(q, k, v, iterations=3, attn_mask=mask, is_causal=True,
+                                          causal="plan")
     assert dispatch.last_dispatch["sinkhorn"] == "triton"
-    ref = doubly_normalized_weights(q, k, iterations=3, attn_mask=mask, is_causal=True) @ v
+    ref = doubly_normalized_weights(q, k, iterations=3, attn_mask=mask, is_causal=True, causal="plan") @ v
     assert_close(out, ref, 1e-12, what="out")
     for got, want, name in zip(grads(out, (q, k, v)), grads(ref, (q, k, v)), "qkv"):
         assert_close(got, want, 1e-11, what=f"d{name}")

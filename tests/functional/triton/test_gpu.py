@@ -63,8 +63,9 @@ def _compare(fn, ref_fn, dtype, out_tol, grad_tol, extra=()):
 def test_dnas_cuda(dtype, causal):
     m = _key_padding()
     tol = (3e-2, 5e-2) if dtype == torch.bfloat16 else (1e-4, 1e-4)
-    _compare(lambda q, k, v: doubly_normalized_attention(q, k, v, attn_mask=m, is_causal=causal),
-             lambda q, k, v: doubly_normalized_weights(q, k, attn_mask=m, is_causal=causal) @ v, dtype, *tol)
+    kw = dict(attn_mask=m, is_causal=causal, causal="plan")  # the kernels' causal variant
+    _compare(lambda q, k, v: doubly_normalized_attention(q, k, v, **kw),
+             lambda q, k, v: doubly_normalized_weights(q, k, **kw) @ v, dtype, *tol)
     assert dispatch.last_dispatch["doubly_normalized"] == "triton"
 
 
@@ -101,7 +102,7 @@ def test_dnas_memory_is_linear_in_n():
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    doubly_normalized_attention(q, k, v, is_causal=True).float().sum().backward()
+    doubly_normalized_attention(q, k, v, is_causal=True, causal="plan").float().sum().backward()
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     assert extra < 64 * 2**20, f"{extra / 2**20:.1f} MiB"  # one N×N float32 matrix is 256 MiB

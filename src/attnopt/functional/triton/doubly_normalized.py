@@ -20,7 +20,9 @@ keys get weight 0 and every gradient stays finite.
 Masks: a key-only mask is the column bias (finite key biases cancel in the column
 normalization; only ``-inf`` matters), anything else is read through a stride-0 view, so query
 padding ``(B, 1, Nq, 1)`` costs no ``Nq × Nk`` memory; ``is_causal`` is SDPA's top-left mask,
-in every pass (the swapped passes read it transposed).
+in every pass (the swapped passes read it transposed): the ``causal="plan"`` variant. The
+autoregressive ``causal="prefix"`` variant (``c_j`` over the queries up to ``i``, the default of
+``is_causal`` alone) has no Triton kernel: the router runs its own path before reaching here.
 """
 from __future__ import annotations
 
