@@ -35,7 +35,8 @@ The choice of the last call is observable: :data:`last_dispatch` maps a mechanis
 ``"materialized"`` or ``"streaming"`` — or, inside :func:`backend`, to ``"reference"`` (the plain
 PyTorch reference ran: ``backend("reference")``; no C kernel runs anywhere in such a block) or
 ``"cpu"`` (``backend("cpu")``: the CPU kernels and fast paths as ``auto`` picks them; tensors
-off the CPU are refused).
+off the CPU are refused) — or ``"triton"`` when the GPU kernels of :mod:`attnopt.functional.triton`
+ran (CUDA tensors with Triton installed, or ``backend("triton")``).
 
 Off the CPU (and while ``torch.compile`` traces) the same routers run device-agnostic code with
 no host sync: see :func:`attnopt._validation.host_readable`.

@@ -35,7 +35,9 @@ Dispatch (``_run_passes``): on CPU, PyTorch's fused flash kernel
 ``aten._scaled_dot_product_flash_attention_for_cpu`` (all floating dtypes), with the
 hand-fused backward of :mod:`._flash_cpu`; elsewhere, the blocked pure-PyTorch passes of
 :mod:`._sinkhorn_chunked` (half precision computed in float32), which also serves
-``is_causal`` with ``Nq != Nk`` on CPU. A GPU (Triton / FlexAttention) backend slots in there.
+``is_causal`` with ``Nq != Nk`` on CPU. On CUDA tensors with Triton installed (or under
+``attnopt.backend("triton")``) the Triton kernels of :mod:`attnopt.functional.triton.doubly_normalized`
+run instead (``last_dispatch`` says ``"triton"``).
 """
 from __future__ import annotations
 
@@ -56,6 +58,7 @@ from attnopt._validation import (
 from attnopt.functional import _dn_prefix as prefix
 from attnopt.functional import _flash_cpu as fc
 from attnopt.functional import dispatch
+from attnopt.functional import triton as gpu
 from attnopt.functional._autograd import under_transform
 from attnopt.functional._dnas_materialized import dispatched_sinkhorn
 from attnopt.functional._dropout import check_dropout_p, dropout_attention
@@ -180,6 +183,18 @@ def _run_passes(
         f = row(g)
         g = col(f)
     return attend(g)
+
+
+def _on_triton(
+    mech: str, q: Tensor, k: Tensor, v: Tensor, iterations: int, weight: Tensor | None,
+    attn_mask: Tensor | None, scale: float, is_causal: bool,
+) -> Tensor:
+    """The Triton kernels (:mod:`attnopt.functional.triton.doubly_normalized`), imported on first use."""
+    from attnopt.functional.triton.doubly_normalized import sinkhorn_attention
+
+    dispatch.record(mech, "triton")
+    return sinkhorn_attention(q, k, v, iterations=iterations, weight=weight, attn_mask=attn_mask,
+                              scale=scale, is_causal=is_causal)
 
 
 def _lnas(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, scale: float, is_causal: bool) -> Tensor:
@@ -312,6 +327,8 @@ def doubly_normalized_attention(
         # ops (as SDPA's math kernel does)
         w = _weights(q, k, iterations, attn_mask, alpha, is_causal)
         return torch.matmul(w, v.to(w.dtype)).to(q.dtype)
+    if gpu.wanted(q):  # the Triton kernels (attnopt.functional.triton): CUDA, or backend("triton")
+        return _on_triton(mech, q, k, v, iterations, None, attn_mask, alpha, is_causal)
     fused = dispatched_sinkhorn(mech, q, k, v, iterations, None, attn_mask, alpha, is_causal, impl)
     if fused is not None:
         return fused
@@ -484,6 +501,9 @@ def hybrid_normalized_attention(
         mixed = torch.lerp(_weights(q, k, 0, attn_mask, alpha, is_causal), dn, w.to(dn.dtype))
         return torch.matmul(mixed, v.to(mixed.dtype)).to(q.dtype)
     grad_mask = isinstance(attn_mask, Tensor) and attn_mask.requires_grad and torch.is_grad_enabled()
+    if iterations >= 1 and not grad_mask and gpu.wanted(q):
+        return _on_triton("hybrid_normalized", q, k, v, iterations, w, attn_mask,
+                          resolve_scale(scale, q.shape[-1]), is_causal)
     if iterations >= 1 and not grad_mask:
         fused = dispatched_sinkhorn("hybrid_normalized", q, k, v, iterations, w, attn_mask,
                                     resolve_scale(scale, q.shape[-1]), is_causal, impl)

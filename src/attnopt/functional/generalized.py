@@ -35,6 +35,7 @@ from attnopt._validation import (
     validate_attention,
 )
 from attnopt.functional import _generalized_native, dispatch
+from attnopt.functional import triton as gpu
 from attnopt.functional._denormal import sdpa
 from attnopt.functional._generalized_fused import (
     biased_flash_attention,
@@ -203,6 +204,11 @@ def generalized_attention(
       PyTorch's fused flash kernel with the bias as its float mask; elsewhere
       :func:`torch.nn.functional.scaled_dot_product_attention`. O(N) memory beyond the bias.
 
+    * ``"triton"`` (``"flex"``) — on a CUDA tensor with Triton installed, or under
+      ``attnopt.backend("triton")``, a call with a preference or mask (no dropout) runs
+      FlexAttention with the bias in its ``score_mod`` (:mod:`attnopt.functional.triton.flex_generalized`:
+      a T5 / ALiBi bias as its per-offset values, O(N); the gradient reaches the bucket table).
+
     Inside ``torch.func`` transforms (``vmap``, ``grad``, ``jacrev``, ...) a call with a bias runs
     ``softmax(α·QKᵀ + bias) V`` by plain PyTorch ops (``last_dispatch["generalized_kernel"]`` is
     ``"plain"``): the C paths cannot read wrapped tensors, and SDPA refuses a bias that needs a
@@ -261,7 +267,8 @@ def generalized_attention(
     if dispatch.use_reference("generalized", q):  # plain PyTorch, any device
         return _reference(q, k, v, preference, log_preference, attn_mask, scale, is_causal, dropout_p, impl)
     if (log_preference is not None and impl == "auto" and preference is None and attn_mask is None
-            and dropout_p == 0.0):  # small sizes: a relative-position bias in one C call each way
+            and dropout_p == 0.0 and not gpu.wanted(q)):
+        # small sizes: a relative-position bias in one C call each way
         out = _generalized_native.fused_attention(q, k, v, log_preference, scale, is_causal, FUSED_BELOW,
                                                   FUSED_MAX_HEAD_SCORES)
         if out is not None:
@@ -281,6 +288,13 @@ def generalized_attention(
         dispatch.record("generalized", "streaming")
         dispatch.record("generalized_kernel", "sdpa")
         return sdpa(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=alpha)
+    if dropout_p == 0.0 and not _func.under_transform() and gpu.wanted(q):  # FlexAttention
+        from attnopt.functional.triton.flex_generalized import flex_generalized_attention
+
+        dispatch.record("generalized", "triton")
+        dispatch.record("generalized_kernel", "flex")
+        return flex_generalized_attention(q, k, v, preference=preference, log_preference=log_preference,
+                                          attn_mask=attn_mask, scale=alpha, is_causal=is_causal)
     # log_preference's values are checked below, once per path (the fused node checks its output)
     bias = score_bias(q, k, preference, log_preference, attn_mask, is_causal, check_values=False)
     if bias is not None and _func.under_transform():  # torch.func, forward AD: plain differentiable ops

@@ -13,7 +13,9 @@ exactly SDPA (Prop. 1) and is computed by SDPA. ``magnitude_p=None`` drops the m
 (the "RBF-only" attention of Tsai et al.).
 
 ``mode="linear"`` (kernels with a feature map) computes the same output in O(N) time and
-memory (see :mod:`attnopt.functional.kernel_linear`).
+memory (see :mod:`attnopt.functional.kernel_linear`). On a CUDA tensor with Triton installed (or
+under ``attnopt.backend("triton")``) the quadratic mode with a squared feature kernel or RBF runs
+the Triton kernels of :mod:`attnopt.functional.triton.kernel` (``last_dispatch["kernel"] == "triton"``).
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ from attnopt._validation import (
     validate_attention,
 )
 from attnopt.functional import dispatch
+from attnopt.functional import triton as gpu
 from attnopt.functional._autograd import double_backward, under_transform
 from attnopt.functional._denormal import sdpa
 from attnopt.functional._dropout import check_dropout_p, dropout_attention
@@ -482,6 +485,21 @@ def _rbf_key_bias_sdpa(
     return out[..., :dv]
 
 
+def _on_triton(
+    q: Tensor, k: Tensor, v: Tensor, kernel: Kernel, magnitude_p: float | None, attn_mask: Tensor | None,
+    scale: float | None, is_causal: bool, eps: float,
+) -> Tensor | None:
+    """The Triton kernels (:mod:`attnopt.functional.triton.kernel`), or None where they do not apply."""
+    from attnopt.functional.triton.kernel import supported, triton_kernel_attention
+
+    _check_options(kernel, magnitude_p, eps, "quadratic")
+    if not supported(kernel) or (attn_mask is not None and attn_mask.requires_grad):
+        return None
+    dispatch.record("kernel", "triton")
+    return triton_kernel_attention(q, k, v, kernel=kernel, magnitude_p=magnitude_p, attn_mask=attn_mask,
+                                   scale=scale, is_causal=is_causal, eps=eps)
+
+
 def kernel_weights(
     q: Tensor,
     k: Tensor,
@@ -606,6 +624,10 @@ def kernel_attention(
         ref = _quadratic(q.to(compute), k.to(compute), v.to(compute), kernel, bias, mask, eps).to(q.dtype)
         dispatch.use_reference("kernel", q)  # (recorded again: the helpers above record their paths)
         return ref
+    if mode == "quadratic" and gpu.wanted(q) and not under_transform():
+        out = _on_triton(q, k, v, kernel, magnitude_p, attn_mask, scale, is_causal, eps)
+        if out is not None:
+            return out
     if isinstance(kernel, Periodic) and mode == "quadratic":
         out = _periodic(q, k, v, kernel, magnitude_p, attn_mask, scale, is_causal, eps)
         if out is not None:

@@ -26,6 +26,9 @@ Dispatch of :func:`regularized_attention`:
   (or ``impl="streaming"``) → a blocked implementation (:mod:`attnopt.functional._blocked_sparse`):
   queries are processed in blocks, only the per-query thresholds are kept, and the backward
   recomputes each block of weights from them, so neither pass holds the ``Nq × Nk`` matrix.
+* ``SquaredL2`` / float-α ``Tsallis`` (α > 1) without ``locality`` on a CUDA tensor with Triton
+  installed, or under ``attnopt.backend("triton")`` → the Triton kernels of
+  :mod:`attnopt.functional.triton.sparse` (``last_dispatch["sparse"] == "triton"``).
 * anything else (a user regularizer, a tensor α, a mask that requires grad) → the
   materialized ``regularized_attention_weights(...) @ v`` (autograd through the map).
 """
@@ -52,6 +55,7 @@ from attnopt._validation import (
     validate_attention,
 )
 from attnopt.functional import dispatch
+from attnopt.functional import triton as gpu
 from attnopt.functional._autograd import under_transform
 from attnopt.functional._blocked_sparse import blocked_sparse_attention
 from attnopt.functional._denormal import flushed_sdpa, sdpa
@@ -285,6 +289,14 @@ def regularized_attention(
     # rule) give way to the materialized map in plain ops below, and so does every tensor off the CPU
     # (and a compiled graph; the fused kernel's threshold search reads values on the host, the
     # materialized map runs the sort-based closed forms there) and backend("reference")
+    if (alpha is not None and not (attn_mask is not None and attn_mask.requires_grad)
+            and not (under_transform() or q.is_meta) and not reference and loc is None and gpu.wanted(q)):
+        # the Triton kernels (attnopt.functional.triton.sparse): CUDA tensors, or backend("triton")
+        from attnopt.functional.triton.sparse import sparse_attention
+
+        dispatch.record("sparse", "triton")
+        return sparse_attention(q, k, v, alpha=alpha, attn_mask=attn_mask, scale=alpha_scale,
+                                is_causal=is_causal)
     if (alpha is not None and not (attn_mask is not None and attn_mask.requires_grad)
             and not under_transform() and host_readable(q) and not reference):
         beta = None
