@@ -8,6 +8,11 @@ def test_reproduce_subset_writes_report(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "fenchel_dual:eq16" in out and "reproduced" in out
     assert (tmp_path / "report.md").exists() and (tmp_path / "report.html").exists()
+    md, page = (tmp_path / "report.md").read_text(), (tmp_path / "report.html").read_text()
+    # the report cites the paper it checked by title, in both formats, and only that one
+    title = "Deciphering Attention Mechanisms: Optimization and Fenchel Dual Solutions"
+    assert "## Papers" in md and title in md and title in page
+    assert "Doubly-normalized Attention" not in md
 
 
 def test_reproduce_scale_flag_writes_json_and_rejects_contradictions(tmp_path, capsys):

@@ -31,7 +31,8 @@ class RegularizedMultiheadAttention(MultiheadBase):
             mode) materializes the ``Nq × Nk`` weights.
 
     Shapes: ``query (B, Nq, E)``, ``key (B, Nk, kdim)``, ``value (B, Nk, vdim)`` ->
-    ``(B, Nq, E)`` and, with ``need_weights=True``, weights ``(B, H, Nq, Nk)``.
+    ``(B, Nq, E)`` and, with ``need_weights=True``, weights ``(B, Nq, Nk)`` (the head
+    average, as ``nn.MultiheadAttention``; ``(B, H, Nq, Nk)`` with ``average_attn_weights=False``).
 
     Raises:
         TypeError: a regularizer without ``conjugate_grad``.
