@@ -246,3 +246,19 @@ def test_checkpointed_chunks_give_the_oracle_gradients(monkeypatch):
     grads = torch.autograd.grad(out, (q, k, v), go), torch.autograd.grad(ref, (q, k, v), go)
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("iterations", [1, 3])
+def test_vmap_and_func_grad_equal_the_batched_autograd_call(iterations):
+    from torch.func import grad, vmap
+
+    q, k, v = _qkv(5, 5, grad=False, seed=12)
+
+    def fn(q, k, v):
+        return doubly_normalized_attention(q, k, v, iterations=iterations, is_causal=True)
+
+    torch.testing.assert_close(vmap(fn)(q, k, v), fn(q, k, v), rtol=1e-12, atol=1e-14)
+    g = grad(lambda q: fn(q, k, v).pow(2).sum())(q)
+    q2 = q.clone().requires_grad_()
+    fn(q2, k, v).pow(2).sum().backward()
+    torch.testing.assert_close(g, q2.grad, rtol=1e-12, atol=1e-14)
