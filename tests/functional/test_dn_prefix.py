@@ -91,17 +91,18 @@ def test_hybrid_matches_oracle_scalar_and_per_head_weight(iterations, nq, nk, ca
 
 @pytest.mark.parametrize("iterations", [1, 2])
 def test_gradcheck_with_empty_rows_and_columns(iterations):
+    """fast_mode gradcheck (random projections of the Jacobian); the oracle tests compare full gradients."""
     q, k, v = _qkv(5, 5, b=1, h=2, d=3, dv=2, seed=4)
     mask = torch.ones(1, 1, 5, 5, dtype=torch.bool)
     mask[..., 1, :] = False  # a query with no admissible key
     mask[..., :, 3] = False  # a key nobody sees
     assert torch.autograd.gradcheck(
         lambda q, k, v: doubly_normalized_attention(q, k, v, iterations=iterations, attn_mask=mask,
-                                                    is_causal=True), (q, k, v))
+                                                    is_causal=True), (q, k, v), fast_mode=True)
     w = torch.tensor([0.25, 0.75], dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(
         lambda q, k, v, w: hybrid_normalized_attention(q, k, v, w, iterations=iterations, is_causal=True),
-        (q, k, v, w))
+        (q, k, v, w), fast_mode=True)
 
 
 def _change_future(t, pos, seed):
@@ -245,3 +246,19 @@ def test_checkpointed_chunks_give_the_oracle_gradients(monkeypatch):
     grads = torch.autograd.grad(out, (q, k, v), go), torch.autograd.grad(ref, (q, k, v), go)
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("iterations", [1, 3])
+def test_vmap_and_func_grad_equal_the_batched_autograd_call(iterations):
+    from torch.func import grad, vmap
+
+    q, k, v = _qkv(5, 5, grad=False, seed=12)
+
+    def fn(q, k, v):
+        return doubly_normalized_attention(q, k, v, iterations=iterations, is_causal=True)
+
+    torch.testing.assert_close(vmap(fn)(q, k, v), fn(q, k, v), rtol=1e-12, atol=1e-14)
+    g = grad(lambda q: fn(q, k, v).pow(2).sum())(q)
+    q2 = q.clone().requires_grad_()
+    fn(q2, k, v).pow(2).sum().backward()
+    torch.testing.assert_close(g, q2.grad, rtol=1e-12, atol=1e-14)

@@ -128,15 +128,17 @@ def _chunk_rows(block: Tensor, start: int, iterations: int) -> Tensor:
 def _sinkhorn_rows(s: Tensor, iterations: int, first_row: int) -> Tensor:
     """Rows ``first_row..Nq-1`` of the per-prefix Sinkhorn-K weights (see the module docstring).
 
-    With gradient, each chunk is checkpointed (recomputed in the backward): the backward then
-    holds one chunk's ``K`` normalizations at a time instead of all of them.
+    With gradient and more than one chunk, each chunk is checkpointed (recomputed in the
+    backward): the backward then holds one chunk's ``K`` normalizations at a time instead of all.
     """
     nq, nk = s.shape[-2], s.shape[-1]
     lead = 1
     for n in s.shape[:-2]:
         lead *= n
     chunk = max(1, CHUNK_ELEMENTS // max(1, lead * nq * nk))
-    recompute = s.requires_grad and torch.is_grad_enabled() and not under_transform()
+    # one chunk holds at most K · CHUNK_ELEMENTS saved entries: recompute only when there are several
+    recompute = (nq - first_row > chunk and s.requires_grad and torch.is_grad_enabled()
+                 and not under_transform())
     out = []
     for start in range(first_row, nq, chunk):
         block = s[..., : min(nq, start + chunk), :]

@@ -27,7 +27,8 @@ Size dispatch (``impl``). Below a measured crossover (:mod:`attnopt.functional.d
 ``impl="streaming"`` (and ``auto`` above the crossover) is the flash-kernel O(N) path below.
 
 Memory (streaming). The attention functions never form the ``Nq × Nk`` matrix, in forward or
-backward, for no mask, ``is_causal`` and key-only masks ``(B, H, 1, Nk)`` (key padding). A mask of
+backward, for no mask, ``is_causal`` with ``causal="plan"`` and key-only masks ``(B, H, 1, Nk)`` (key
+padding); the autoregressive ``causal="prefix"`` variant is materialized (:mod:`._dn_prefix`). A mask of
 shape ``(…, Nq, Nk)`` is itself ``Nq × Nk``; it is used as given (the passes then carry one
 mask-sized temporary) — O(N) memory needs a key-only mask.
 
@@ -242,7 +243,9 @@ def doubly_normalized_attention(
     (LNAS, via SDPA). Lemma 1: every column mass ``Σ_i π_ij >= 1/Nk`` for K = 1 (without masks).
 
     O(N) memory in forward and backward (flash-style recomputation) for no mask, key-only
-    masks ``(…, 1, Nk)`` and ``is_causal``; a full ``(…, Nq, Nk)`` mask costs its own size.
+    masks ``(…, 1, Nk)`` and ``is_causal`` with ``causal="plan"``; a full ``(…, Nq, Nk)`` mask
+    costs its own size, and so does the autoregressive ``causal="prefix"`` variant (the default
+    under ``is_causal``; materialized, see ``causal`` below).
     Finite key-only biases cancel in the column normalization (only ``-inf``/``False``
     matters); a key no query may see is left out of every normalization (weight 0). Masks
     are differentiated only when they require grad, and then through the materialized
@@ -258,7 +261,7 @@ def doubly_normalized_attention(
         attn_mask: boolean (``True`` = take part) or additive float, broadcastable to
             (B, H, Nq, Nk).
         scale: score scale (default ``1/sqrt(d)``).
-        is_causal: SDPA's top-left causal mask; alone it means ``causal="prefix"``.
+        is_causal: SDPA's top-left causal mask; with ``causal=None`` it selects ``"prefix"``.
         causal: how causality enters the normalizations over queries. ``"prefix"``: autoregressive,
             query ``i`` normalizes each column over the admissible queries ``i' ≤ i`` only,
             ``c_j^{(i)} = logsumexp_{j ≤ i' ≤ i} s_{i'j}`` under a causal mask (Sinkhorn-K: row

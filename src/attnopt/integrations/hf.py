@@ -37,7 +37,10 @@ self-attention) these names therefore run the autoregressive variant (``causal="
 :func:`attnopt.doubly_normalized_attention`: position ``i`` normalizes over positions ``≤ i``),
 also in cached generation (:mod:`attnopt.integrations._hf_prefix`: the module keeps the past
 queries it needs). ``model(..., attnopt_causal="plan")`` (or ``register(dn_causal="plan")``)
-runs the masked plan instead, for analysis. Encoders and cross-attention are unaffected::
+runs the masked plan instead, for analysis. Encoders and cross-attention are unaffected — note
+that a decoder's *cross*-attention (T5, BART) under these names still normalizes each source key
+over every target position, so with teacher forcing it reads later target positions too; only
+the causal self-attention is made autoregressive here::
 
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="attnopt_dnas")
     model.generate(ids, max_new_tokens=8)    # autoregressive DNAS, cached

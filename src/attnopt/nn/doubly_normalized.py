@@ -4,7 +4,7 @@ doubly-normalized-attention Sec. 3–6. Same call convention as
 ``torch.nn.MultiheadAttention(batch_first=True)`` (see :class:`attnopt.nn._multihead.MultiheadBase`);
 the attention itself is :func:`attnopt.functional.doubly_normalized_attention` /
 :func:`attnopt.functional.hybrid_normalized_attention`, O(N) memory with ``key_padding_mask``
-and ``is_causal`` (a full ``attn_mask`` is Nq × Nk by itself).
+(a full ``attn_mask`` is Nq × Nk by itself; so is the autoregressive variant below).
 
 Causal use (decoders). A causal mask restricts the transport plan but does not make DNAS
 autoregressive: the column normalization ``c_j = logsumexp_i s_ij`` runs over later queries too.
