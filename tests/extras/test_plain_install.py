@@ -41,7 +41,7 @@ def test_reproduce_skips_claims_that_need_extras(tmp_path):
     assert " reproduced " in lines["implicit_kernel:prop1"]
     for cid in ("implicit_kernel:prop2", "fenchel_dual:eq18", "doubly_normalized:eq10_sinkhorn"):
         assert " skipped " in lines[cid] and "nan" not in lines[cid]
-    assert "1/4 reproduced, 3 skipped, 0 errors" in res.stdout
+    assert "1/4 reproduced, 0 inconclusive, 3 skipped, 0 errors" in res.stdout
     assert "pip install 'attnopt[reproduce]'" in res.stdout
     report = (tmp_path / "rep" / "report.md").read_text()
     assert "Verdict: skipped" in report and "pip install 'attnopt[reproduce]'" in report
@@ -125,7 +125,7 @@ print("analyze rc", main(["analyze"]))
     res = subprocess.run([sys.executable, "-S", "-c", probe], env=env, capture_output=True, text=True,
                          timeout=300, cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "1/2 reproduced, 1 skipped, 0 errors" in res.stdout
+    assert "1/2 reproduced, 0 inconclusive, 1 skipped, 0 errors" in res.stdout
     assert "analyze rc 2" in res.stdout and "pip install 'attnopt[hf]'" in res.stderr
 
 
@@ -142,7 +142,7 @@ def test_wheel_in_a_fresh_venv_with_only_torch_and_numpy(wheel, tmp_path):
                           "fenchel_dual:eq16,fenchel_dual:fig3", "--out", str(tmp_path / "rep")],
                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "1/2 reproduced, 1 skipped, 0 errors" in res.stdout
+    assert "1/2 reproduced, 0 inconclusive, 1 skipped, 0 errors" in res.stdout
     res = subprocess.run([str(venv / "bin" / "attnopt"), "analyze"], capture_output=True, text=True,
                          timeout=600, cwd=tmp_path, env=env)
     assert res.returncode == 2 and "pip install 'attnopt[hf]'" in res.stderr

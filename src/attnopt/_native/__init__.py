@@ -25,6 +25,7 @@ ctypes releases the GIL during the foreign call, so the threads run in parallel.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -150,7 +151,17 @@ def untraced(fn: _F) -> _F:
     calls are not traced either). Under ``torch.compile`` such a call is a graph break; the
     kernels reach compiled graphs as ``torch.library`` ops instead.
     """
-    return cast(_F, torch.compiler.disable(fn, reason="attnopt: passes tensor addresses to a C kernel"))
+    # torch.compiler.disable imports dynamo (and its optional dependencies): done at the first call,
+    # not when attnopt is imported (a plain install imports nothing but torch and numpy)
+    disabled: list[Callable[..., Any]] = []
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not disabled:
+            disabled.append(torch.compiler.disable(fn, reason="attnopt: hands tensor addresses to C"))
+        return disabled[0](*args, **kwargs)
+
+    return cast(_F, call)
 
 
 def pointer(t: torch.Tensor | None) -> ctypes.c_void_p | None:
