@@ -1,4 +1,5 @@
 """The sparse-map C kernels as ``torch.library`` ops (issue 30 item 2): ``attnopt::sparse_map_*``."""
+
 from __future__ import annotations
 
 import pytest
@@ -37,7 +38,9 @@ def test_op_equals_the_map_and_its_gradient(alpha: float) -> None:
     (want,) = torch.autograd.grad(ref, x, g)
     (have,) = torch.autograd.grad(got, x, g)
     torch.testing.assert_close(have, want, atol=1e-12, rtol=0)
-    assert torch.autograd.gradcheck(lambda t: _sparse_ops.sparse_map(t, alpha), (_x()[1:2, :2].requires_grad_(),))
+    assert torch.autograd.gradcheck(
+        lambda t: _sparse_ops.sparse_map(t, alpha), (_x()[1:2, :2].requires_grad_(),)
+    )
 
 
 def test_op_is_one_node_under_compile() -> None:
@@ -58,4 +61,9 @@ def test_op_is_one_node_under_compile() -> None:
 def test_meta_shapes_from_the_fake_implementation() -> None:
     x = torch.empty(4, 3, 9, device="meta")
     p, theta, status = torch.ops.attnopt.sparse_map_fwd(x, 2.0, 10)
-    assert p.shape == x.shape and theta.shape == (4, 3, 1) and status.shape == (12,) and status.dtype == torch.int8
+    assert (
+        p.shape == x.shape
+        and theta.shape == (4, 3, 1)
+        and status.shape == (12,)
+        and status.dtype == torch.int8
+    )

@@ -1,21 +1,26 @@
 """The sort-based sparsemax / 1.5-entmax (the device path, :mod:`attnopt.functional._sparse_sort`)
 equal the host searches (float64) exactly to rounding, with masks, ties and empty rows."""
+
 from __future__ import annotations
+
+import importlib
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import importlib
-
-em = importlib.import_module("attnopt.functional.entmax")  # the module (the package exports a function of this name)
 from attnopt.functional._sparse_sort import entmax15_sort, sparsemax_sort
+
+em = importlib.import_module("attnopt.functional.entmax")  # the module (the package exports a function)
 
 
 def _rows(seed: int, n: int = 33) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(6, n, generator=g, dtype=torch.float64) * torch.tensor([0.1, 1, 3, 10, 100, 1])[:, None].double()
+    x = (
+        torch.randn(6, n, generator=g, dtype=torch.float64)
+        * torch.tensor([0.1, 1, 3, 10, 100, 1])[:, None].double()
+    )
     x[5] = float("-inf")  # an empty row
     x[1, ::3] = float("-inf")  # masked entries
     x[2, :5] = x[2, 0]  # ties at the top
@@ -28,7 +33,9 @@ def test_sort_equals_search(alpha: float, dim: int) -> None:
     x = _rows(0) if dim == -1 else _rows(0).T.contiguous()
     z, empty = em._shift(x, dim)
     p, theta = (sparsemax_sort if alpha == 2.0 else entmax15_sort)(z, empty, dim)
-    ref = (em._sparsemax_forward(x, dim, 1000) if alpha == 2.0 else em._entmax15_forward(x, dim, 1e-12, 100))[0]
+    ref = (em._sparsemax_forward(x, dim, 1000) if alpha == 2.0 else em._entmax15_forward(x, dim, 1e-12, 100))[
+        0
+    ]
     torch.testing.assert_close(p, ref, atol=1e-13, rtol=0)
     # the threshold reproduces p (θ feeds the backward's recomputation in _map_from_threshold)
     torch.testing.assert_close(em._map_from_threshold(x, theta, alpha, dim), ref, atol=1e-12, rtol=0)
