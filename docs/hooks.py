@@ -6,6 +6,9 @@
 * The math renderer comes from an installed package, not a CDN: MathJax 3's self-contained
   ``es5/tex-svg.js`` (fonts inlined as SVG paths) from the ``django-static-mathjax`` wheel
   (the ``docs`` extra) is added to the site as ``javascripts/mathjax/tex-svg.js``.
+* Search from ``file://``: Material's ``offline`` plugin inlines the index as a script and
+  links a Web Worker shim from a CDN; every page is pointed at the vendored copy of that shim
+  (``docs/javascripts/iframe-worker-shim.js``, MIT) instead.
 """
 from __future__ import annotations
 
@@ -18,17 +21,33 @@ from mkdocs.structure.files import File, Files
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "src" / "attnopt"
 MATHJAX_DEST = "javascripts/mathjax/tex-svg.js"
+#: the Web Worker shim Material's offline plugin links from a CDN, and our vendored copy of it
+SHIM_CDN = "https://unpkg.com/iframe-worker/shim"
+SHIM_LOCAL = "javascripts/iframe-worker-shim.js"
+
+
+#: modules that are the package's machinery, not its API: the command line, the claims the
+#: ``reproduce`` command checks, the report writer, and the bench suites / training tasks
+#: (their packages' own pages, ``attnopt.bench`` and ``attnopt.experiments``, stay)
+INTERNAL = ("attnopt.cli", "attnopt.cli_analyze", "attnopt.cli_train", "attnopt.claims", "attnopt.report",
+            "attnopt.bench.", "attnopt.experiments.", "attnopt.analysis.analyze_report")
+
+
+def _internal(mod: str) -> bool:
+    return any(mod.startswith(p) if p.endswith(".") else mod == p or mod.startswith(p + ".")
+               for p in INTERNAL)
 
 
 def public_modules(package: Path = PACKAGE) -> list[str]:
-    """Dotted names of the public modules and packages under ``package``, sorted."""
+    """Dotted names of the public modules and packages under ``package``, sorted (no path
+    component starting with ``_``, nothing :data:`INTERNAL`)."""
     out = []
     for path in sorted(package.rglob("*.py")):
         rel = path.relative_to(package.parent).with_suffix("")
         parts = list(rel.parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]
-        if any(p.startswith("_") for p in parts):
+        if any(p.startswith("_") for p in parts) or _internal(".".join(parts)):
             continue
         out.append(".".join(parts))
     return sorted(set(out))
@@ -88,3 +107,8 @@ def on_files(files: Files, config, **kwargs):  # noqa: ARG001 - the mkdocs hook 
         files.append(File.generated(config, path, content=content))
     files.append(File.generated(config, MATHJAX_DEST, abs_src_path=os.fspath(mathjax_source())))
     return files
+
+
+def on_post_page(output: str, page, config, **kwargs) -> str:  # noqa: ARG001 - the mkdocs hook signature
+    depth = page.file.dest_uri.count("/")
+    return output.replace(f'src="{SHIM_CDN}"', f'src="{"../" * depth}{SHIM_LOCAL}"')

@@ -82,9 +82,14 @@ def _run(args: list[str]) -> None:
 
 
 def _demote_title(md: str, title: str) -> tuple[str, str]:
-    """Replace the first ``# `` heading by ``title``; return (heading line, rest)."""
+    """Replace the first ``# `` heading by ``title``, drop the report's own provenance line
+    (the page's stamp says more); return (heading line, rest)."""
     lines = md.splitlines()
     if lines and lines[0].startswith("# "):
+        lines = lines[1:]
+    while lines and not lines[0].strip():
+        lines = lines[1:]
+    if lines and lines[0].startswith("*Generated "):
         lines = lines[1:]
     return f"# {title}\n", "\n".join(lines).lstrip("\n") + "\n"
 
@@ -130,7 +135,12 @@ def build_bench(note: str) -> None:
         out = Path(tmp) / "bench.md"
         _run(["bench", "--quick", "--out", str(out)])
         head, body = _demote_title(out.read_text(encoding="utf-8"), "Benchmarks")
-    (RESULTS / "bench.md").write_text(head + "\n" + stamp + "\n" + body, encoding="utf-8")
+    from attnopt._papers import citations_markdown
+
+    papers = ("\n\n## Papers\n\nThe mechanisms benchmarked here come from these papers.\n\n"
+              + citations_markdown() + "\n")
+    text = head + "\n" + stamp + "\n" + body.rstrip("\n") + papers
+    (RESULTS / "bench.md").write_text(text, encoding="utf-8")
 
 
 def build_analysis(note: str) -> None:

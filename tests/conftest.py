@@ -2,6 +2,11 @@
 import os
 
 import torch
+
+# Triton reads TRITON_INTERPRET when a kernel is decorated: set it before anything imports
+# attnopt's Triton kernels, so that without a GPU they run on CPU tensors (tests/functional/triton)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(

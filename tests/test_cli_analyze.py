@@ -58,3 +58,50 @@ def test_analyze_bad_arguments(tmp_path, capsys):
     assert main(["analyze", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     assert "config.json" in capsys.readouterr().err
     assert main(["analyze", "--sentences", "0", "--out", str(tmp_path / "o")]) == 2
+
+
+def _one_line_exit_2(args, capsys):
+    rc = main(args)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.startswith("error: ") and err.strip().count("\n") == 0 and "Traceback" not in err
+    return err
+
+
+def test_unknown_attention_is_refused_before_any_work(model_dir, tmp_path, capsys):
+    out = tmp_path / "o"
+    err = _one_line_exit_2(["analyze", str(model_dir), "--attention", "attnopt_foo", "--out", str(out),
+                            "--no-progress"], capsys)
+    assert "'attnopt_foo'" in err and "attnopt_dnas" in err and "attnopt_entmax" in err and "sdpa" in err
+    assert not out.exists()  # nothing was measured or written
+
+
+def test_a_hub_name_explains_that_nothing_is_downloaded(tmp_path, capsys):
+    err = _one_line_exit_2(["analyze", "gpt2", "--out", str(tmp_path / "o")], capsys)
+    assert "'gpt2' is not a folder" in err and "downloads nothing" in err
+
+
+def test_unsupported_architecture_is_one_line(tmp_path, capsys):
+    from transformers import GPT2Config, GPT2Model
+
+    folder = tmp_path / "gpt2"
+    GPT2Model(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=50, n_positions=32, bos_token_id=0,
+                         eos_token_id=0)).save_pretrained(folder)
+    capsys.readouterr()
+    err = _one_line_exit_2(["analyze", str(folder), "--out", str(tmp_path / "o")], capsys)
+    assert "supports BERT-family encoders and T5" in err and "GPT2Model" in err
+
+
+def test_tokenizer_without_pad_token_is_one_line(model_dir, tmp_path, capsys):
+    folder = tmp_path / "nopad"
+    shutil.copytree(model_dir, folder)
+    capsys.readouterr()
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        doc = json.loads((folder / name).read_text())
+        doc["pad_token"] = None  # explicit: BertTokenizer's default would be [PAD]
+        (folder / name).write_text(json.dumps(doc))
+    doc = json.loads((folder / "tokenizer.json").read_text())
+    doc["padding"] = None
+    (folder / "tokenizer.json").write_text(json.dumps(doc))
+    err = _one_line_exit_2(["analyze", str(folder), "--out", str(tmp_path / "o")], capsys)
+    assert "no pad token" in err

@@ -107,7 +107,7 @@ def test_ddp_two_processes_on_cpu(tmp_path: Path) -> None:
     ]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("runs in") == 1  # rank 0 reports
+    assert done.stdout.count("1 run in") == 1  # rank 0 reports
     recs = json.loads((tmp_path / "results.json").read_text())
     assert len(recs) == 1
     assert set(recs[0]) >= {

@@ -424,6 +424,8 @@ OPS: list[OpInfo] = [
     OpInfo("softmax_weights", _fn(attnopt.softmax_weights), S),
     OpInfo("sparsemax", _fn(attnopt.sparsemax), S),
     OpInfo("entmax[1.5]", _fn(attnopt.entmax), S, tol32=LOOSE),
+    OpInfo("entmax15", _fn(attnopt.entmax15), S, tol32=LOOSE),
+    OpInfo("entmax_bisect[1.25]", _fn(attnopt.entmax_bisect, alpha=1.25), S, tol32=LOOSE),
     OpInfo(
         "regularized_weights[Tsallis 1.5]",
         _fn(attnopt.regularized_weights, regularizer=Tsallis(1.5)),

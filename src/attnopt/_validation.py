@@ -20,11 +20,21 @@ The policies, one for every op (README "Layout and conventions"):
   tensor; ``-inf`` belongs in masks, not in the inputs). Under ``torch.func`` transforms the
   values under the wrappers are checked (under ``vmap``: the whole batch). Skipped while
   ``torch.compile`` traces and for meta / fake tensors (no values to read).
+* **Where value checks run** (:data:`VALUE_CHECKS`, :func:`value_checks`). Reading a value on
+  the host (``bool(t)``, ``float(t)``) is free for a CPU tensor but stalls a GPU stream (and
+  a CUDA graph cannot capture it), so every *value* check of the library (non-finite inputs,
+  NaN/+inf masks, negative preferences, ...) follows one switch. ``"cpu"`` (the default):
+  checked for CPU tensors, not checked on other devices (no host sync on the hot path);
+  ``"sync"``: checked on every device (one host read per check); ``"async"``: CPU tensors
+  as ``"cpu"``, other devices by a device-side assert (``torch._assert_async``: no host sync,
+  a failure surfaces at the next synchronization as a device error, not as this
+  ``ValueError``); ``"off"``: no value checks. Shape, dtype and device checks always run.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -32,6 +42,11 @@ from torch import Tensor
 from attnopt import _native
 
 __all__ = [
+    "VALUE_CHECKS",
+    "value_checks",
+    "host_values",
+    "host_readable",
+    "device_assert",
     "check_tensor",
     "check_attention_inputs",
     "check_finite",
@@ -48,6 +63,75 @@ __all__ = [
     "to_rank",
     "zero_anchor",
 ]
+
+
+#: Where value checks run: ``["cpu"]`` (default), ``["sync"]``, ``["async"]`` or ``["off"]`` (see the
+#: module docstring). A one-element list (a module-level cell: ``torch.compile`` guards on it).
+VALUE_CHECKS: list[str] = ["cpu"]
+_VALUE_MODES = ("cpu", "sync", "async", "off")
+
+
+@contextmanager
+def value_checks(mode: str) -> Iterator[None]:
+    """Set :data:`VALUE_CHECKS` inside a ``with`` block (restored on exit).
+
+    Args:
+        mode: ``"cpu"`` (check CPU tensors only: the default), ``"sync"`` (every device, one host
+            read per check), ``"async"`` (other devices by ``torch._assert_async``) or ``"off"``.
+    Raises:
+        ValueError: unknown ``mode``.
+    """
+    if mode not in _VALUE_MODES:
+        raise ValueError(f"value check mode must be one of {_VALUE_MODES}, got {mode!r}")
+    previous = VALUE_CHECKS[0]
+    VALUE_CHECKS[0] = mode
+    try:
+        yield
+    finally:
+        VALUE_CHECKS[0] = previous
+
+
+def host_values(x: Tensor) -> Tensor | None:
+    """The tensor whose values a check may read on the host now, or ``None`` to skip the check.
+
+    ``None`` while ``torch.compile`` traces, for meta / fake tensors, with ``VALUE_CHECKS == "off"``
+    and, unless ``"sync"``, for tensors off the CPU (a host read would stall the device). Under
+    ``torch.func`` transforms: the values under the wrappers (for ``vmap`` the whole batch).
+    """
+    mode = VALUE_CHECKS[0]
+    if mode == "off" or torch.compiler.is_compiling():
+        return None
+    values = _values(x)
+    if values is None or not (values.is_cpu or mode == "sync"):
+        return None
+    return values
+
+
+def host_readable(x: Tensor) -> bool:
+    """Whether reading ``x``'s values on the host (``bool(t)``, ``float(t)``) is free *now*: a plain
+    CPU tensor with memory, outside ``torch.compile``'s tracing and ``torch.func``'s wrappers.
+
+    The data-dependent shortcuts of the CPU paths (skip a pass when nothing underflowed, a
+    Python loop over cache-sized chunks) take this test; everywhere else (a GPU, meta / fake
+    tensors, a compiled graph) the same code runs the on-device selection (``torch.where``) or
+    one chunk, with no host sync and an op count that does not depend on the values or on B·H.
+    """
+    if torch.compiler.is_compiling():  # first: dynamo cannot trace the functorch query below
+        return False
+    return type(x) in _PLAIN and x.is_cpu and not _is_wrapped(x)
+
+
+def device_assert(x: Tensor, ok: Callable[[Tensor], Tensor], message: str) -> None:
+    """Under ``VALUE_CHECKS == "async"``, for a tensor off the CPU: ``torch._assert_async(ok(x))``.
+
+    ``ok`` maps ``x`` to a 0-d boolean tensor; nothing is read on the host. A no-op otherwise
+    (CPU tensors are checked on the host by the caller; meta / fake tensors have no values).
+    """
+    if VALUE_CHECKS[0] != "async" or x.is_cpu or x.is_meta:
+        return
+    if not torch.compiler.is_compiling() and (type(x) not in _PLAIN or _is_wrapped(x)):
+        return
+    torch._assert_async(ok(x.detach()), message)
 
 
 def broadcast_shapes(*shapes: Sequence[int]) -> tuple[int, ...]:
@@ -149,7 +233,7 @@ def check_finite(**tensors: Tensor | None) -> None:
     values to read: while ``torch.compile`` traces (a data-dependent check would break the
     graph), and for meta and fake tensors (shape propagation).
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or VALUE_CHECKS[0] == "off":
         return
     fns = _finite_fns()
     named = []
@@ -158,8 +242,10 @@ def check_finite(**tensors: Tensor | None) -> None:
             continue
         bad = None if fns is None else _native_nonfinite(x, fns)
         if bad is None:  # not a plain CPU float32/float64 tensor: look under the wrappers
-            values = _values(x)
-            if values is None:
+            values = host_values(x)
+            if values is None:  # meta, fake, or off the CPU (VALUE_CHECKS)
+                if x.is_floating_point():
+                    device_assert(x, lambda t: torch.isfinite(_total(t)), _nonfinite_message(name))
                 continue
             if values is not x:
                 x = values
@@ -184,14 +270,17 @@ def check_finite(**tensors: Tensor | None) -> None:
 
 def any_nonfinite(x: Tensor) -> bool:
     """Whether ``x`` holds NaN or ±inf: :func:`check_finite`'s C kernel where it applies, else one
-    exact ``aminmax`` (NaN and ±inf reach its ends; no overflow). Not skipped under ``torch.compile``:
-    callers decide."""
+    exact ``aminmax`` (NaN and ±inf reach its ends; no overflow). ``False`` where
+    :func:`host_values` skips the check (compiling, meta / fake, off the CPU unless
+    ``VALUE_CHECKS == "sync"``)."""
+    if VALUE_CHECKS[0] == "off":
+        return False
     fns = _finite_fns()
     bad = None if fns is None else _native_nonfinite(x, fns)
     if bad is not None:
         return bad
-    values = _values(x)
-    if values is None:  # meta or fake: nothing to read
+    values = host_values(x)
+    if values is None:  # meta, fake, compiling or off the CPU: nothing to read now
         return False
     if values is not x:
         x = values
@@ -204,6 +293,7 @@ def any_nonfinite(x: Tensor) -> bool:
     return not (math.isfinite(float(low)) and math.isfinite(float(high)))
 
 
+@_native.untraced
 def _native_nonfinite(x: Tensor, fns: dict) -> bool | None:
     """NaN/±inf in ``x`` by the C kernel; ``None`` where it does not apply (see :func:`check_finite`)."""
     native = fns.get(x.dtype)
@@ -238,11 +328,15 @@ def _is_fake(x: Tensor) -> bool:
     return bool(is_fake(x))
 
 
-def _raise_nonfinite(name: str) -> None:
-    raise ValueError(
+def _nonfinite_message(name: str) -> str:
+    return (
         f"{name} contains NaN or ±inf; attnopt rejects non-finite inputs (mask keys with "
         "attn_mask instead of -inf in the inputs)"
     )
+
+
+def _raise_nonfinite(name: str) -> None:
+    raise ValueError(_nonfinite_message(name))
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # not subclasses such as torch.compile's fake tensors
@@ -371,9 +465,12 @@ def additive_mask(
         return to_rank(out.masked_fill_(~attn_mask, float("-inf")), len(target))
     # one reduction: max() is NaN if any entry is NaN and +inf if any is +inf; under torch.func the
     # values under the wrappers are read (none for meta tensors)
-    values = _values(attn_mask)
-    if values is not None and values.numel() and not bool(values.detach().max() < float("inf")):
-        raise ValueError(f"{name} must not contain NaN or +inf")
+    values = host_values(attn_mask)
+    if values is not None:
+        if values.numel() and not bool(values.detach().max() < float("inf")):
+            raise ValueError(f"{name} must not contain NaN or +inf")
+    elif attn_mask.numel():
+        device_assert(attn_mask, lambda t: t.max() < float("inf"), f"{name} must not contain NaN or +inf")
     return to_rank(attn_mask.to(dtype), len(target))
 
 

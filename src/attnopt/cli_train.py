@@ -3,9 +3,11 @@
 ``attnopt train --list`` prints every task, the paper table it reproduces and its arms;
 ``attnopt train TASK [--arms A,B] [--seeds N] [--epochs E] [--lr X,Y] [--batch-size B]
 [--quick] [--devices N] [--strategy ddp] [--dataset NAME] [--data-dir DIR] [--out DIR]
-[--resume]`` runs one Lightning fit per (arm, seed, lr) and writes ``OUT/results.json``,
-``OUT/results.md``, ``OUT/figures/`` and per-run logs and checkpoints. Exit 0 on success,
-2 on bad input (one ``error:`` line, no traceback).
+[--resume | --overwrite] [--size KEY=VALUE ...]`` runs one Lightning fit per (arm, seed, lr)
+and writes ``OUT/results.json``, ``OUT/results.md``, ``OUT/figures/`` and per-run logs and
+checkpoints. ``attnopt train TASK --list-sizes`` (or ``--size help``) prints the task's size
+keys. Exit 0 on success, 2 on bad input (one ``error:`` line, no traceback), 130 on Ctrl-C
+(with the hint to continue with ``--resume``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import importlib.util
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 __all__ = ["add_train_parser"]
 
@@ -37,14 +40,19 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--dataset", default=None, help="data set (default: the task's offline one)")
     p.add_argument("--data-dir", default=None, help="folder with the paper's data files")
     p.add_argument("--out", default=None, help="output folder (default attnopt-train/TASK)")
-    p.add_argument("--resume", action="store_true", help="continue unfinished runs, skip finished ones")
+    again = p.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true", help="continue unfinished runs, skip finished ones")
+    again.add_argument(
+        "--overwrite", action="store_true", help="start over in an OUT that holds runs of these configs"
+    )
     p.add_argument(
         "--size",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="task size knob (repeatable), e.g. --size d_model=16",
+        help="task size knob (repeatable), e.g. --size d_model=16; --list-sizes shows the keys",
     )
+    p.add_argument("--list-sizes", action="store_true", help="list the task's --size keys and defaults")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads per process (0 = automatic)")
     p.add_argument("--no-progress", action="store_true", help="hide Lightning's progress bar")
     p.set_defaults(func=_cmd_train)
@@ -64,21 +72,40 @@ def _parse_lrs(text: str) -> list[float]:
     return out
 
 
-def _parse_sizes(items: list[str]) -> dict[str, object]:
+def _parse_sizes(items: list[str], task: Any) -> dict[str, object]:
+    """``KEY=VALUE`` items -> sizes, each value converted to the key's type (``none``: no limit)."""
+    valid = task.size_keys()
     sizes: dict[str, object] = {}
     for item in items:
         key, sep, val = item.partition("=")
         if not sep or not key:
             raise ValueError(f"--size must be KEY=VALUE, got {item!r}")
-        for conv in (int, float):
-            try:
-                sizes[key] = conv(val)
-                break
-            except ValueError:
-                continue
-        else:
-            sizes[key] = val
+        if key not in valid:
+            raise ValueError(
+                f"--size {key}: task {task.name!r} has no such size; valid sizes: "
+                f"{', '.join(valid) or 'none'} (attnopt train {task.name} --list-sizes)"
+            )
+        typ = valid[key][0]
+        if val.lower() == "none" and None in valid[key][1:]:
+            sizes[key] = None
+            continue
+        try:
+            sizes[key] = typ(val)
+        except ValueError:
+            what = {int: "an integer", float: "a number"}.get(typ, typ.__name__)
+            raise ValueError(f"--size {key} must be {what}, got {val!r}") from None
     return sizes
+
+
+def _list_sizes(task: Any) -> int:
+    print(f"--size keys of {task.name} (KEY=VALUE; 'none' where a default is none = no limit):")
+    rows = [(k, t.__name__, "task default" if q is None and f is None else f"{q}", f"{f}")
+            for k, (t, q, f) in task.size_keys().items()]
+    head = ("key", "type", "quick", "full")
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(4)]
+    for r in [head, *rows]:
+        print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    return 0
 
 
 def _list() -> int:
@@ -106,11 +133,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print("error: give a TASK (attnopt train --list shows them)", file=sys.stderr)
         return 2
     from attnopt.experiments import get_task
-    from attnopt.experiments._engine import run_task
+    from attnopt.experiments._engine import TrainingInterrupted, existing_runs, plan_runs, run_task
 
     t0 = time.perf_counter()
     try:
         task = get_task(args.task)
+        if args.list_sizes or "help" in args.size:
+            return _list_sizes(task)
+        sizes = _parse_sizes(args.size, task)
         for flag, val in (
             ("--seeds", args.seeds),
             ("--epochs", args.epochs),
@@ -124,8 +154,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if args.data_dir is not None and not Path(args.data_dir).is_dir():
             raise ValueError(f"--data-dir {args.data_dir} is not a folder")
         out = Path(args.out) if args.out else Path("attnopt-train") / task.name
-        records = run_task(
-            task,
+        plan = dict(
             arms=args.arms.split(",") if args.arms else None,
             seeds=args.seeds,
             epochs=args.epochs,
@@ -135,20 +164,42 @@ def _cmd_train(args: argparse.Namespace) -> int:
             dataset=args.dataset,
             data_dir=args.data_dir,
             out_dir=out,
+            sizes=sizes,
+        )
+        if not (args.resume or args.overwrite):
+            found = existing_runs(out, plan_runs(task, **plan))  # type: ignore[arg-type]
+            if found:
+                raise ValueError(
+                    f"{out} already holds {len(found)} of these runs ({found[0].relative_to(out)}"
+                    + (", ..." if len(found) > 1 else "") + "): add --resume to continue them "
+                    "or --overwrite to start over"
+                )
+        records = run_task(
+            task,
+            **plan,  # type: ignore[arg-type]
             devices=args.devices,
             strategy=args.strategy,
             resume=args.resume,
             progress=not args.no_progress,
-            sizes=_parse_sizes(args.size),
             threads=args.threads or None,
+            log=print,
         )
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:
+        where = f"{exc.run} keeps its last epoch checkpoint, " if isinstance(exc, TrainingInterrupted) else ""
+        print(
+            f"interrupted: {where}finished runs keep their record.json; "
+            "run the same command with --resume to continue",
+            file=sys.stderr,
+        )
+        return 130
     from attnopt.experiments._engine import is_global_zero
 
     if is_global_zero():
-        print(f"{len(records)} runs in {time.perf_counter() - t0:.0f}s -> {out}/results.md")
+        n = len(records)
+        print(f"{n} run{'' if n == 1 else 's'} in {time.perf_counter() - t0:.0f}s -> {out}/results.md")
         md = out / "results.md"
         if md.is_file():
             print(md.read_text(encoding="utf-8"))

@@ -26,3 +26,6 @@ def test_t5_pipeline_and_report(tmp_path):
     doc = json.loads(paths["json"].read_text())
     assert set(doc["per_layer_mean"]) == {"self", "decoder_self", "cross"}
     assert "paper T5-small" in paths["md"].read_text()
+    md = paths["md"].read_text()
+    assert "## Papers" in md  # cited by title
+    assert "Deciphering Attention Mechanisms" in md and "Implicit Kernel Attention" in md

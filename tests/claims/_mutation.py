@@ -29,3 +29,23 @@ class Mutation:
     what: str
     patch: Callable[[pytest.MonkeyPatch], None]
     expect: tuple[str, ...] = ("not reproduced", "partially reproduced")
+
+
+def gateless(mp: pytest.MonkeyPatch) -> None:
+    """Switch off the trained claims' sanity gates (and skip computing their baselines).
+
+    A negative control trains a few seconds: no model beats a scikit-learn baseline then, so
+    with the gate on every control would read "inconclusive" whatever it broke. The gate has
+    its own tests (``test_sanity_baselines.py``, ``test_verdict_rule.py``); the controls test
+    that the claim's *effect* measurement sees the broken implementation.
+    """
+    import math
+
+    from attnopt.claims import _sanity, doubly_normalized_training
+    from attnopt.claims.fenchel_dual import ot_vit
+    from attnopt.claims.implicit_kernel import training
+
+    mp.setattr(_sanity, "baseline", lambda *a, **k: math.nan)  # noqa: ARG005
+    for mod in (doubly_normalized_training, training):
+        mp.setattr(mod, "gate_of", lambda *a, **k: None)  # noqa: ARG005
+    mp.setattr(ot_vit, "_gate", lambda *a, **k: None)  # noqa: ARG005

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import pytest
 
-from tests.claims._mutation import Mutation
+from tests.claims._mutation import Mutation, gateless
 
 
 def _tiny(mp: pytest.MonkeyPatch, task_name: str, **plan) -> None:
@@ -24,6 +24,7 @@ def _tiny(mp: pytest.MonkeyPatch, task_name: str, **plan) -> None:
 
     from attnopt.claims.implicit_kernel import training
 
+    gateless(mp)
     module = {
         "sentence-classification": "ika_sentence_classification",
         "translation": "ika_translation",

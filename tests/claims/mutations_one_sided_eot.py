@@ -53,6 +53,37 @@ def _library_alibi_sign_flipped(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(regularized, "locality_bias", lambda nq, nk, beta, **kw: -real(nq, nk, beta, **kw))
 
 
+def _potential_without_temperature(mp: pytest.MonkeyPatch) -> None:
+    """φ(s) = logsumexp(s/τ) (τ dropped): its gradient is softmax/τ, its value off by τ."""
+    from attnopt.claims import one_sided_eot_duality as mod
+
+    mp.setattr(mod, "dual_potential", lambda s, t: torch.logsumexp(s / t, dim=-1))
+
+
+def _conjugate_at_double_temperature(mp: pytest.MonkeyPatch) -> None:
+    """The supremum of eq. (149) taken with Ω at 2τ (the conjugate of another regularizer)."""
+    from attnopt.claims import one_sided_eot_duality as mod
+    from attnopt.functional import Shannon
+
+    mp.setattr(mod, "Shannon", lambda t=1.0: Shannon(2 * t))
+
+
+def _fisher_without_outer_product(mp: pytest.MonkeyPatch) -> None:
+    """F = diag(p)/τ² (the −ppᵀ dropped): invertible, F·1 = p/τ² ≠ 0."""
+    from attnopt.claims import one_sided_eot_duality as mod
+
+    mp.setattr(mod, "fisher_matrix", lambda w, temperature=1.0: torch.diag_embed(w) / temperature**2)
+
+
+def _fisher_over_tau(mp: pytest.MonkeyPatch) -> None:
+    """F = (diag p − ppᵀ)/τ (one power of τ short): the natural gradient is off by τ."""
+    from attnopt.analysis.policy import fisher_matrix
+    from attnopt.claims import one_sided_eot_duality as mod
+
+    mp.setattr(mod, "fisher_matrix",
+               lambda w, temperature=1.0: fisher_matrix(w, temperature=temperature) * temperature)
+
+
 MUTATIONS = [
     Mutation(
         "one_sided_eot:thm33", "Shannon regularizer with twice the temperature", _eot_temperature_doubled
@@ -68,4 +99,9 @@ MUTATIONS = [
     Mutation(
         "one_sided_eot:table1", "library ALiBi rewards distance (sign flipped)", _library_alibi_sign_flipped
     ),
+    Mutation("one_sided_eot:thm63_eq149", "potential without the temperature",
+             _potential_without_temperature),
+    Mutation("one_sided_eot:thm63_eq149", "conjugate of Ω at 2τ", _conjugate_at_double_temperature),
+    Mutation("one_sided_eot:thm73_pinv", "Fisher matrix without −ppᵀ", _fisher_without_outer_product),
+    Mutation("one_sided_eot:thm73_pinv", "Fisher matrix over τ, not τ²", _fisher_over_tau),
 ]

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.claims._mutation import Mutation
+from tests.claims._mutation import Mutation, gateless
 
 
 def _tiny_and_broken(monkeypatch: pytest.MonkeyPatch) -> None:
     from attnopt.claims.fenchel_dual import ot_vit as claim_mod
+
+    gateless(monkeypatch)
     from attnopt.experiments import Scale, get_task
     from attnopt.models import ViT
 

@@ -24,10 +24,13 @@ def test_pretrained_rows_must_hold_too() -> None:
     assert good.verdict == "reproduced" and good.figures["pretrained_diff"] > 0
     bad = judge_table2(_recs({**base, "lnas-pretrained": [25.0, 26.0, 27.0],
                               "hnas-pretrained": [24.0, 25.0, 26.0]}))
-    assert bad.verdict == "not reproduced" and "MiniLM-initialized" in bad.summary
+    # the random rows hold, the pretrained rows have the opposite sign beyond their CI: one part of two
+    assert bad.verdict == "partially reproduced" and "MiniLM-initialized" in bad.summary
+    assert "MiniLM init: not reproduced" in bad.reason
 
 
-def test_no_arm_beating_the_copy_baseline_is_not_reproduced() -> None:
+def test_no_arm_beating_the_copy_baseline_is_inconclusive() -> None:
     res = judge_table2(_recs({"lnas-random": [5.0, 6.0], "hnas-random": [7.0, 8.0],
                               "lnas-pretrained": [8.0, 9.0], "hnas-pretrained": [9.0, 9.5]}, copy=12.0))
-    assert res.verdict == "not reproduced" and res.figures["beats_copy"] is False
+    assert res.verdict == "inconclusive" and res.figures["beats_copy"] is False
+    assert res.reason.startswith("undertrained: best arm hnas-pretrained 9.25 vs copy the body 12")

@@ -97,6 +97,8 @@ BASELINES = {
     "doubly_normalized:lemma1": "reproduced",
     "doubly_normalized:fig5_6": "reproduced",
     "one_sided_eot:thm52_thm73_cor75": "reproduced",  # per-paper test is slow-marked; quick mode is ~1 s
+    "one_sided_eot:thm63_eq149": "reproduced",
+    "one_sided_eot:thm73_pinv": "reproduced",
 }
 
 

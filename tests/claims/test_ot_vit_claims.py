@@ -34,7 +34,14 @@ def test_judges() -> None:
     bad = _recs({("vit", 1e-3): [0.80, 0.81, 0.80], ("ot-vit", 1e-3): [0.60, 0.61, 0.60]})
     assert judge_table1(bad).verdict == "not reproduced" and judge_table2(bad).verdict == "not reproduced"
     close = _recs({("vit", 1e-3): [0.80, 0.90, 0.70], ("ot-vit", 1e-3): [0.79, 0.88, 0.70]})
-    assert judge_table1(close).verdict == "partially reproduced"
+    # a wrong-sign mean inside its CI (which holds the paper's +0.009) cannot decide: never "partially"
+    res = judge_table1(close)
+    assert res.verdict == "inconclusive" and res.reason.startswith("underpowered")
+    # the same clear effect as `good`, but logistic regression on the pixels does better: undertrained
+    gated = judge_table1(good, baseline=0.97)
+    assert gated.verdict == "inconclusive" and gated.reason.startswith("undertrained: best arm ot-vit 0.85")
+    assert gated.training["baseline"] == {"name": "logistic regression", "value": 0.97, "passed": False}
+    assert judge_table2(good, baseline=0.5).verdict == "reproduced"
 
 
 @pytest.mark.slow

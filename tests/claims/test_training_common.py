@@ -20,6 +20,13 @@ from attnopt.claims._training_common import (
 pytest.importorskip("attnopt.experiments._stats")
 
 
+@pytest.fixture(autouse=True)
+def _in_tmp(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Hand-made configs keep the default relative out_dir: the sanity baselines' data caches
+    must land in a temporary folder, not in the checkout."""
+    monkeypatch.chdir(tmp_path)
+
+
 def _fake_records(task_name: str, *, quick: bool, metric: str = "accuracy", **plan) -> list[dict]:
     """One hand-made record per planned run of ``task_name`` (no training), carrying its config."""
     from attnopt.experiments import get_task
@@ -49,8 +56,11 @@ def test_statistics_table_and_verdicts():
     assert "| a | 2.00 ± 2.48 | 3 | 9 |" in table and "| c | not run | 0 | 8 |" in table
     assert "| c |" not in mean_ci_table(recs, ["a", "c"], ["x"], None)
     assert combine_verdicts(["reproduced", "reproduced"]) == "reproduced"
+    assert combine_verdicts(["reproduced", "inconclusive"]) == "partially reproduced"
     assert combine_verdicts(["reproduced", "not reproduced"]) == "partially reproduced"
-    assert combine_verdicts(["not reproduced"]) == combine_verdicts([]) == "not reproduced"
+    assert combine_verdicts(["not reproduced"]) == combine_verdicts(["not reproduced", "inconclusive"]) \
+        == "not reproduced"
+    assert combine_verdicts([]) == "inconclusive"
 
 
 def test_describe_runs_counts_seeds_and_folds_and_lists_what_differs():

@@ -49,6 +49,35 @@ def test_public_modules_skip_private_paths():
     assert not [m for m in mods if any(part.startswith("_") for part in m.split("."))]
 
 
+def test_internal_modules_stay_out_of_the_api_reference(site):
+    mods = hooks.public_modules()
+    for internal in ("attnopt.cli", "attnopt.cli_train", "attnopt.cli_analyze", "attnopt.claims",
+                     "attnopt.claims.fenchel_dual.mem", "attnopt.report", "attnopt.experiments.ot_vit",
+                     "attnopt.bench.regularized"):
+        assert internal not in mods, internal
+    assert "attnopt.experiments" in mods and "attnopt.integrations.hf" in mods
+    text = "\n".join(p.read_text(encoding="utf-8") for p in (site / "api").glob("*.html"))
+    assert 'id="attnopt.claims' not in text and 'id="attnopt.cli' not in text
+    assert not list((site / "api").glob("attnopt.c*.html"))
+
+
+def test_search_works_from_file_urls(site):
+    """Material's offline plugin: the index is a script (no fetch, which file:// forbids)."""
+    index = site / "search" / "search_index.js"
+    assert index.is_file() and index.read_text(encoding="utf-8").startswith("var __index =")
+    assert "attnopt.generalized_attention" in index.read_text(encoding="utf-8")
+    # the worker shim that makes search run from file:// is the vendored copy, not a CDN's
+    report = (site / "results" / "report.html").read_text(encoding="utf-8")
+    assert '<script src="../javascripts/iframe-worker-shim.js"></script>' in report
+    assert (site / "javascripts" / "iframe-worker-shim.js").is_file()
+
+
+def test_wide_tables_wrap_instead_of_scrolling(site):
+    css = (site / "stylesheets" / "extra.css").read_text(encoding="utf-8")
+    assert "overflow-wrap: anywhere" in css and "white-space: normal" in css
+    assert "stylesheets/extra.css" in (site / "results" / "report.html").read_text(encoding="utf-8")
+
+
 def test_api_reference_covers_every_public_module(site):
     text = "\n".join(p.read_text(encoding="utf-8") for p in (site / "api").glob("*.html"))
     missing = [m for m in hooks.public_modules() if f'id="{m}"' not in text]

@@ -49,7 +49,7 @@ def test_logger_captures_lemma1_bound_and_leaves_model_alone() -> None:
         with ColumnMassLogger(mod) as log:
             out, w = mod(q, kv, kv)
         assert w is None  # the caller still gets what it asked for
-        ref = column_mass_summary(mod(q, kv, kv, need_weights=True)[1])
+        ref = column_mass_summary(mod(q, kv, kv, need_weights=True, average_attn_weights=False)[1])
         s = log.summary()
         assert s["min_column_mass"] == pytest.approx(ref["min_column_mass"])
         assert s["frac_explained_away"] == pytest.approx(ref["frac_explained_away"])
@@ -67,7 +67,7 @@ def test_logger_self_attention_drops_padding_queries() -> None:
     kpm[0, 4:] = True
     with ColumnMassLogger(mod) as log:
         mod(x, key_padding_mask=kpm)
-    w = mod(x, need_weights=True, key_padding_mask=kpm)[1]
+    w = mod(x, need_weights=True, average_attn_weights=False, key_padding_mask=kpm)[1]
     ref = column_mass_summary(w, key_padding_mask=kpm, query_padding_mask=kpm)
     assert log.summary()["min_column_mass"] == pytest.approx(ref["min_column_mass"])
     assert ref["n_keys"] == 10
@@ -106,8 +106,8 @@ def test_padding_from_mask_and_logger_with_attn_mask() -> None:
     x = torch.randn(2, 3, 8)
     with ColumnMassLogger(mod) as log:
         mod(x, attn_mask=mask)
-    ref = column_mass_summary(mod(x, attn_mask=mask, need_weights=True)[1], key_padding_mask=kp,
-                              query_padding_mask=qp)
+    w = mod(x, attn_mask=mask, need_weights=True, average_attn_weights=False)[1]
+    ref = column_mass_summary(w, key_padding_mask=kp, query_padding_mask=qp)
     assert log.summary()["min_column_mass"] == pytest.approx(ref["min_column_mass"]) and ref["n_keys"] == 10
     with ColumnMassLogger(mod) as log:
         mod(x, attn_mask=causal)

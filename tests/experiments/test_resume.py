@@ -53,6 +53,13 @@ def test_kill_then_resume_equals_uninterrupted(tmp_path: Path) -> None:
     want = run_task(TASK, out_dir=tmp_path / "clean", progress=False, write_report=False, **OPTS)[0]
     assert got["metrics"] == want["metrics"]
     assert got["history"] == want["history"]
+    # the metrics log keeps the epochs before the kill (Lightning's CSV writer alone drops them)
+    import csv
+
+    with open(out / "runs/ikan/seed3-lr0.01/logs/metrics.csv", newline="") as fh:
+        rows = [r for r in csv.DictReader(fh) if r.get("train_loss")]
+    assert [int(float(r["epoch"])) for r in rows] == list(range(OPTS["epochs"]))
+    assert [float(r["train_loss"]) for r in rows] == pytest.approx([h["train_loss"] for h in want["history"]])
 
 
 def test_truncated_checkpoint_falls_back_to_the_previous(tmp_path: Path) -> None:

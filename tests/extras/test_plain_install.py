@@ -4,8 +4,10 @@ The optional packages are made unimportable in a subprocess: ``sys.modules[name]
 for every module of every extra, so ``import matplotlib`` raises ``ImportError`` there.
 """
 import os
+import site
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -39,7 +41,7 @@ def test_reproduce_skips_claims_that_need_extras(tmp_path):
     assert " reproduced " in lines["implicit_kernel:prop1"]
     for cid in ("implicit_kernel:prop2", "fenchel_dual:eq18", "doubly_normalized:eq10_sinkhorn"):
         assert " skipped " in lines[cid] and "nan" not in lines[cid]
-    assert "1/4 reproduced, 3 skipped, 0 errors" in res.stdout
+    assert "1/4 reproduced, 0 inconclusive, 3 skipped, 0 errors" in res.stdout
     assert "pip install 'attnopt[reproduce]'" in res.stdout
     report = (tmp_path / "rep" / "report.md").read_text()
     assert "Verdict: skipped" in report and "pip install 'attnopt[reproduce]'" in report
@@ -87,11 +89,15 @@ def test_wheel_imports_and_runs_with_only_torch_and_numpy(wheel, tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "attnopt/py.typed" in names and "attnopt/claims/fenchel_dual/__init__.py" in names
     # -S: no site-packages .pth files (so not the editable checkout); an allow-list finder keeps
-    # every third-party module out but torch, numpy and torch's own requirements.
+    # every third-party module out but torch, numpy and torch's own requirements. The
+    # site-packages folders are this interpreter's, read here: under -S a virtual environment's
+    # python leaves sys.prefix at the base interpreter, whose folders do not hold torch.
+    site_dirs = list(dict.fromkeys([*site.getsitepackages(), sysconfig.get_paths()["purelib"],
+                                    sysconfig.get_paths()["platlib"]]))
     probe = f"""
-import importlib.abc, importlib.metadata, re, site, sys, sysconfig
+import importlib.abc, importlib.metadata, re, sys
 sys.path[:0] = [{str(wheel)!r}]
-sys.path += [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+sys.path += {site_dirs!r}
 allowed = {{"torch", "numpy", "torchgen", "functorch", "_distutils_hack"}}
 for req in importlib.metadata.requires("torch") or []:
     if "extra ==" not in req:
@@ -106,6 +112,7 @@ class OnlyTorchAndNumpy(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, OnlyTorchAndNumpy())
 import torch, attnopt
 assert attnopt.__file__.startswith({str(wheel)!r}), attnopt.__file__
+assert torch.__file__.startswith(tuple({site_dirs!r})), torch.__file__  # this environment's torch
 q = torch.randn(1, 2, 4, 8)
 assert attnopt.generalized_attention(q, q, q).shape == (1, 2, 4, 8)
 from attnopt.cli import main
@@ -118,7 +125,7 @@ print("analyze rc", main(["analyze"]))
     res = subprocess.run([sys.executable, "-S", "-c", probe], env=env, capture_output=True, text=True,
                          timeout=300, cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "1/2 reproduced, 1 skipped, 0 errors" in res.stdout
+    assert "1/2 reproduced, 0 inconclusive, 1 skipped, 0 errors" in res.stdout
     assert "analyze rc 2" in res.stdout and "pip install 'attnopt[hf]'" in res.stderr
 
 
@@ -135,7 +142,7 @@ def test_wheel_in_a_fresh_venv_with_only_torch_and_numpy(wheel, tmp_path):
                           "fenchel_dual:eq16,fenchel_dual:fig3", "--out", str(tmp_path / "rep")],
                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "1/2 reproduced, 1 skipped, 0 errors" in res.stdout
+    assert "1/2 reproduced, 0 inconclusive, 1 skipped, 0 errors" in res.stdout
     res = subprocess.run([str(venv / "bin" / "attnopt"), "analyze"], capture_output=True, text=True,
                          timeout=600, cwd=tmp_path, env=env)
     assert res.returncode == 2 and "pip install 'attnopt[hf]'" in res.stderr

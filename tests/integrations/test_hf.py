@@ -94,14 +94,74 @@ def test_from_pretrained_and_embedding_shift(registered, tmp_path):
         hf.embedding_shift(model, ids, mask, "no_such_attention")
 
 
-def test_dropout_in_training_is_refused_and_bad_options(registered):
-    model = tiny_bert(attn="attnopt_dnas").train()
-    model.config.attention_probs_dropout_prob = 0.1
-    for layer in model.encoder.layer:
-        layer.attention.self.dropout.p = 0.1
+def _train_with_attention_dropout(model, p: float):
+    """train() with dropout ``p`` on the attention weights only (hidden dropout off)."""
+    model.train()
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Dropout):
+            mod.p = 0.0
+    for _, m in hf.attention_modules(model):
+        m.dropout.p = p  # BertSelfAttention passes dropout=self.dropout.p if training
+    return model
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fine_tuning_with_attention_dropout(registered, name):
+    """Every name trains with attention dropout: random in train(), deterministic without it."""
     ids, mask = padded_batch()
-    with pytest.raises(ValueError, match="dropout"):
-        model(input_ids=ids, attention_mask=mask)
+    real = mask.bool()
+    model = _train_with_attention_dropout(tiny_bert(attn=name, init_range=0.2), 0.0)
+    plain = model(input_ids=ids, attention_mask=mask).last_hidden_state[real]
+    torch.testing.assert_close(plain, _hidden(model.eval(), ids, mask)[real])
+    _train_with_attention_dropout(model, 0.3)
+    torch.manual_seed(0)
+    a = model(input_ids=ids, attention_mask=mask).last_hidden_state[real]
+    torch.manual_seed(0)
+    b = model(input_ids=ids, attention_mask=mask).last_hidden_state[real]
+    torch.testing.assert_close(a, b)  # the same seed, the same draw
+    assert (a - plain).abs().max() > 1e-3  # dropout acted
+    a.square().sum().backward()
+    assert all(p.grad is not None for p in model.encoder.layer[0].attention.self.parameters())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_attention_function_passes_dropout(registered, name):
+    """The registered function with ``dropout=p`` is its functional op with ``dropout_p=p``."""
+    from transformers import AttentionInterface
+
+    fn = AttentionInterface._global_mapping[name]
+    model = tiny_bert(attn=name)
+    module = hf.attention_modules(model)[0][1]
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 4, 6, 8, generator=g) for _ in range(3))
+    torch.manual_seed(5)
+    out, _ = fn(module, q, k, v, None, scaling=0.3, dropout=0.4)
+    torch.manual_seed(5)
+    again, _ = fn(module, q, k, v, None, scaling=0.3, dropout=0.4)
+    clean, _ = fn(module, q, k, v, None, scaling=0.3, dropout=0.0)
+    torch.testing.assert_close(out, again)
+    assert (out - clean).abs().max() > 1e-3
+    # the mean over many draws is the output without dropout (E[out] = π v)
+    qs, ks, vs = (x[:1].expand(800, -1, -1, -1) for x in (q, k, v))
+    many, _ = fn(module, qs, ks, vs, None, scaling=0.3, dropout=0.4)
+    err = (many.mean(0) - clean[0]).abs()
+    assert bool((err <= 5 * many.std(0) / 800**0.5 + 1e-6).all())
+
+
+def test_misspelled_attnopt_keyword_is_refused(registered):
+    model = tiny_bert(attn="attnopt_dnas")
+    ids, mask = padded_batch()
+    with pytest.raises(TypeError, match=r"attnopt_iteratons.*attnopt_iterations"):
+        model(input_ids=ids, attention_mask=mask, attnopt_iteratons=0)
+    model.set_attn_implementation("attnopt_sparsemax")
+    with pytest.raises(TypeError, match=r"attnopt_iterations.*keywords for attnopt_sparsemax: none"):
+        model(input_ids=ids, attention_mask=mask, attnopt_iterations=0)
+    model.set_attn_implementation("attnopt_entmax")  # a valid keyword and HF's own pass
+    out = _hidden(model, ids, mask, attnopt_alpha=2.0, output_attentions=False)
+    assert torch.isfinite(out).all()
+
+
+def test_bad_register_options():
     with pytest.raises(ValueError, match="hnas_weight"):
         hf.register(hnas_weight=2.0)
     with pytest.raises(ValueError, match="entmax_alpha"):
@@ -136,7 +196,7 @@ def test_learned_hnas_weight_per_layer(registered):
     # trained with the model: every u gets a gradient and moves after one optimizer step
     model.train()
     for _, m in hf.attention_modules(model):
-        m.dropout.p = 0.0  # attnopt_hnas has no attention dropout
+        m.dropout.p = 0.0  # deterministic: the gradient check below compares one draw
     params = [p for n, p in model.named_parameters() if n.endswith("weight_logit")]
     assert len(params) == 3
     before = [float(p.detach()) for p in params]

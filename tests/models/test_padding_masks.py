@@ -170,8 +170,9 @@ def test_query_padding_mask_equals_the_full_mask_with_weights(name: str) -> None
     kp = torch.tensor([[False, False, True, False], [False, True, True, True]])
     qp = torch.tensor([[False, True, False, False, True], [True, True, True, True, True]])
     full = kp[:, None, None, :] | qp[:, None, :, None]
-    out, w = att(q, kv, kv, key_padding_mask=kp, query_padding_mask=qp, need_weights=True)
-    ref, wr = att(q, kv, kv, attn_mask=full, need_weights=True)
+    out, w = att(q, kv, kv, key_padding_mask=kp, query_padding_mask=qp, need_weights=True,
+                 average_attn_weights=False)
+    ref, wr = att(q, kv, kv, attn_mask=full, need_weights=True, average_attn_weights=False)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(w, wr, rtol=1e-10, atol=1e-12)
     assert float(w[1].detach().abs().sum()) == 0.0  # every query padded: zero weights, not NaN

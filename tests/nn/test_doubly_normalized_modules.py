@@ -36,7 +36,7 @@ def test_dnas_module_matches_manual_with_padding_and_causal(causal):
     x = torch.randn(3, 5, 8, dtype=torch.float64)
     pad = torch.zeros(3, 5, dtype=torch.bool)
     pad[1, 3:] = True
-    out, w = mod(x, key_padding_mask=pad, need_weights=True, is_causal=True)
+    out, w = mod(x, key_padding_mask=pad, need_weights=True, average_attn_weights=False, is_causal=True)
     keep = (~pad).view(3, 1, 1, 5)
     torch.testing.assert_close(out, _manual(mod, x, 2, keep, True, prefix=causal != "plan"))
     assert w.shape == (3, 2, 5, 5)
@@ -52,7 +52,7 @@ def test_hybrid_module_learned_weight_moves_and_is_exposed():
     mod = HybridNormalizedMultiheadAttention(8, 2, init_weight=0.3).double()
     assert abs(float(mod.mixing_weight) - 0.3) < 1e-6
     x = torch.randn(2, 4, 8, dtype=torch.float64)
-    out, w = mod(x, need_weights=True)
+    out, w = mod(x, need_weights=True, average_attn_weights=False)
     torch.testing.assert_close(out, _manual(mod, x, 1, weight=torch.sigmoid(mod.weight_logit)))
     torch.testing.assert_close(w.sum(-1), torch.ones(2, 2, 4, dtype=torch.float64))
     out.pow(2).sum().backward()

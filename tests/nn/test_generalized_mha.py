@@ -35,7 +35,7 @@ def test_uniform_preference_equals_torch_mha(masks):
     elif masks == "causal":
         kw["attn_mask"] = nn.Transformer.generate_square_subsequent_mask(5, dtype=torch.float64)
     y_ref, w_ref = ref(x, x, x, need_weights=True, average_attn_weights=False, **kw)
-    y, w = ours(x, need_weights=True, is_causal=masks == "causal", **kw)
+    y, w = ours(x, need_weights=True, average_attn_weights=False, is_causal=masks == "causal", **kw)
     torch.testing.assert_close(y, y_ref)
     torch.testing.assert_close(w, w_ref)
 
@@ -47,7 +47,7 @@ def test_preference_enters_as_log_u(pref):
               "key": KeyPreference(8, 2)}[pref]
     mha = GeneralizedMultiheadAttention(8, 2, preference=module).double()
     x = torch.randn(2, 6, 8, dtype=torch.float64)
-    y, w = mha(x, need_weights=True)
+    y, w = mha(x, need_weights=True, average_attn_weights=False)
     q, k, v = (mha.split_heads(p(x)) for p in (mha.q_proj, mha.k_proj, mha.v_proj))
     log_u = module.log_preference(x, x).double()
     w_ref = attnopt.generalized_weights(q, k, log_preference=log_u)
@@ -70,4 +70,6 @@ def test_bad_construction():
     with pytest.raises(TypeError, match="preference"):
         GeneralizedMultiheadAttention(8, 2, preference=torch.ones(3))
     with pytest.raises(ValueError, match="batch_first"):
-        GeneralizedMultiheadAttention(8, 2)(torch.randn(5, 8))
+        GeneralizedMultiheadAttention(8, 2)(torch.randn(8))
+    with pytest.raises(ValueError, match="query is unbatched"):  # (L, E) query: key/value 2-D too
+        GeneralizedMultiheadAttention(8, 2)(torch.randn(5, 8), torch.randn(1, 5, 8))

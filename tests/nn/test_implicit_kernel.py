@@ -35,7 +35,7 @@ def _x(seed, b=2, n=5):
 def test_weights_match_float64_oracle(variant):
     m = _module(variant).eval()
     x = _x(1)
-    out, w = m(x, need_weights=True)
+    out, w = m(x, need_weights=True, average_attn_weights=False)
     with torch.no_grad():
         q, k = m.split_heads(m.q_proj(x)), m.split_heads(m.k_proj(x))
         sets, _ = m.spectral_points_for(k)
@@ -136,7 +136,7 @@ def test_padding_equals_truncation():
     x = _x(7, b=1, n=6)
     pad = torch.zeros(1, 6, dtype=torch.bool)
     pad[0, 4:] = True
-    full, w = m(x, key_padding_mask=pad, need_weights=True)
+    full, w = m(x, key_padding_mask=pad, need_weights=True, average_attn_weights=False)
     assert (w[..., 4:] == 0).all()
     trunc, _ = m(x[:, :4], x[:, :4], x[:, :4])
     torch.testing.assert_close(full[:, :4], trunc)
@@ -152,14 +152,14 @@ def test_initial_ika_s_approximates_multihead_attention():
         ref_mha.out_proj.weight.copy_(m.out_proj.weight)
         ref_mha.out_proj.bias.copy_(m.out_proj.bias)
     x = torch.randn(2, 6, 16, dtype=torch.float64) * 0.5
-    _, w = m(x, need_weights=True)
+    _, w = m(x, need_weights=True, average_attn_weights=False)
     _, w_ref = ref_mha(x, x, x, need_weights=True, average_attn_weights=False)
     assert (w - w_ref).abs().max() < 0.03
 
 
 def test_half_precision_no_nan():
     m = ImplicitKernelAttention(E, H, variant="mikan", num_samples=4, p=0.8, seed=0).to(torch.bfloat16).eval()
-    out, w = m((_x(8) * 30).to(torch.bfloat16), need_weights=True)
+    out, w = m((_x(8) * 30).to(torch.bfloat16), need_weights=True, average_attn_weights=False)
     assert torch.isfinite(out).all() and torch.isfinite(w).all()
 
 

@@ -13,7 +13,7 @@ def test_mem_attention_module_matches_functional_weights():
     m = MEMAttention(12, 3, scale=0.6).double()
     x = torch.randn(2, 5, 12, dtype=F64)
     kpm = torch.tensor([[False] * 5, [False, False, False, True, True]])
-    y, w = m(x, key_padding_mask=kpm, need_weights=True)
+    y, w = m(x, key_padding_mask=kpm, need_weights=True, average_attn_weights=False)
     assert y.shape == (2, 5, 12) and w.shape == (2, 3, 5, 5)
     q, k = m.split_heads(m.q_proj(x)), m.split_heads(m.k_proj(x))
     ref = mem_weights(q, k, attn_mask=~kpm.view(2, 1, 1, 5), scale=0.6)

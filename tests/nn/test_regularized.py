@@ -25,7 +25,7 @@ def test_shannon_matches_torch_multihead_attention():
     x = _x()
     pad = torch.zeros(2, 5, dtype=torch.bool)
     pad[0, -2:] = True
-    out, w = ours(x, key_padding_mask=pad, need_weights=True)
+    out, w = ours(x, key_padding_mask=pad, need_weights=True, average_attn_weights=False)
     out_ref, w_ref = ref(x, x, x, key_padding_mask=pad, need_weights=True, average_attn_weights=False)
     torch.testing.assert_close(out, out_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(w, w_ref, atol=1e-5, rtol=1e-5)
@@ -38,8 +38,8 @@ def test_alibi_locality_matches_generalized_with_alibi_preference():
     gen = GeneralizedMultiheadAttention(8, 2, preference=alibi)
     gen.load_state_dict(ours.state_dict(), strict=False)
     x = _x(seed=1)
-    out, w = ours(x, need_weights=True)
-    out_g, w_g = gen(x, need_weights=True)
+    out, w = ours(x, need_weights=True, average_attn_weights=False)
+    out_g, w_g = gen(x, need_weights=True, average_attn_weights=False)
     torch.testing.assert_close(out, out_g, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(w, w_g, atol=1e-6, rtol=1e-6)
 
@@ -49,7 +49,7 @@ def test_sparse_module_weights_and_output_consistent(reg):
     torch.manual_seed(2)
     m = RegularizedMultiheadAttention(8, 2, regularizer=reg, locality=0.3)
     x = _x(seed=2)
-    out, w = m(x, need_weights=True, is_causal=True)
+    out, w = m(x, need_weights=True, average_attn_weights=False, is_causal=True)
     assert w is not None and w.shape == (2, 2, 5, 5)
     assert (w == 0).any()
     assert torch.allclose(w.sum(-1), torch.ones(2, 2, 5), atol=1e-5)
@@ -79,7 +79,7 @@ def test_dropout_training_path_and_fully_padded_query_rows():
     m.eval()
     mask = torch.zeros(5, 5, dtype=torch.bool)
     mask[1] = True  # query 1 may attend nowhere
-    out, w = m(_x(seed=4), attn_mask=mask, need_weights=True)
+    out, w = m(_x(seed=4), attn_mask=mask, need_weights=True, average_attn_weights=False)
     assert (w[:, :, 1] == 0).all() and torch.isfinite(out).all()
 
 

@@ -25,6 +25,7 @@ ctypes releases the GIL during the foreign call, so the threads run in parallel.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -37,17 +38,26 @@ import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 import torch.autograd.forward_ad as _fwad
 
+from attnopt._backend import BACKEND as _BACKEND
+
 __all__ = [
-    "FLAGS", "Blas", "blas", "compiler", "enabled", "forward_ad_active", "has_storage", "library",
-    "parallel_rows", "pointer", "switched_off",
+    "FLAGS", "SANITIZERS", "Blas", "blas", "build_flags", "compiler", "enabled", "forward_ad_active",
+    "has_storage", "library", "parallel_rows", "pointer", "switched_off", "untraced",
 ]
 
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11")
+#: ``ATTNOPT_NATIVE_SANITIZE`` values and the flags each adds to :data:`FLAGS` (a comma-separated
+#: list, e.g. ``address,undefined``). An ASan build needs ASan's runtime loaded first:
+#: ``LD_PRELOAD=$(cc -print-file-name=libasan.so)`` (``scripts/asan_tests.sh`` does it).
+SANITIZERS = {
+    "address": ("-fsanitize=address", "-fno-omit-frame-pointer", "-g"),
+    "undefined": ("-fsanitize=undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", "-g"),
+}
 _HERE = Path(__file__).resolve().parent
 _LOCK = threading.Lock()
 _LIBS: dict[str, ctypes.CDLL | None] = {}
@@ -59,9 +69,14 @@ _MIN_PARALLEL = 1 << 16  # entries below which one thread does the whole call
 def switched_off() -> bool:
     """Whether ``ATTNOPT_NATIVE=0`` is set now (read on every call: tests and users toggle it).
 
+    ``True`` while ``torch.compile`` traces: the kernels read memory that fake tensors do not have,
+    and dynamo cannot trace the environment lookup; ``True`` inside ``attnopt.backend("reference")``.
+
     Reads the dictionary behind ``os.environ`` (``os.environ.get`` is ~0.85 µs, a few times per
     attention call at small sizes; this is ~50 ns), with ``os.environ`` itself as the fallback.
     """
+    if torch.compiler.is_compiling() or _BACKEND[0] == "reference":
+        return True
     if _ENV_DATA is not None:
         return _ENV_DATA.get(_ENV_KEY) == _ENV_OFF
     return os.environ.get("ATTNOPT_NATIVE", "1") == "0"
@@ -97,18 +112,56 @@ def has_storage(*tensors: torch.Tensor | None) -> bool:
     False for the wrapped tensors of ``torch.func`` transforms (``grad``, ``vmap``, ...) and for
     tensor subclasses such as the fake tensors of ``torch.compile``: those take the PyTorch path.
     False too while a ``torch.autograd.forward_ad`` dual level is open (:func:`forward_ad_active`):
-    a dual tensor has storage, but a C kernel would drop its tangent.
+    a dual tensor has storage, but a C kernel would drop its tangent; for tensors off the CPU (the
+    kernels read host memory); and while ``torch.compile`` traces (checked first, so that dynamo
+    never reaches the functorch query, which it cannot trace).
     """
-    if forward_ad_active():
+    if forward_ad_active() or torch.compiler.is_compiling() or _tracing():  # fake tensors: no memory
         return False
     for t in tensors:  # (a loop, not all() over a generator: ~1 µs less at three tensors)
-        if t is not None and (type(t) not in _PLAIN or _is_wrapped(t)):
+        if t is not None and (type(t) not in _PLAIN or not t.is_cpu or _is_wrapped(t)):
             return False
     return True
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_FAKE_MODE = torch._C._TorchDispatchModeKey.FAKE
+
+
+def _tracing() -> bool:
+    """Whether a fake-tensor mode is active (``torch.export``'s non-strict tracing runs the Python
+    code with it, outside dynamo: the tensors an autograd Function sees there look plain)."""
+    return torch._C._get_dispatch_mode(_FAKE_MODE) is not None
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def untraced(fn: _F) -> _F:
+    """Keep ``torch.compile`` (dynamo) out of ``fn``, a function that hands tensor addresses to C.
+
+    Why: dynamo splits a traced function at each graph break into resume functions that receive
+    only the locals still *used* later. A buffer whose address was taken (``w.data_ptr()``) but
+    whose Python name is not used after the C call is dead to that analysis, so dynamo drops it
+    and its memory is freed *before* the C call reads or writes it (a heap use-after-free: issue 29,
+    the whole-call Fourier path's ``work`` scratch and the expanded key mask). Plain Python keeps
+    every local alive until the function returns; so every frame that takes an address and calls
+    C runs untraced, as one ordinary frame (``torch.compiler.disable``, recursive: the helpers it
+    calls are not traced either). Under ``torch.compile`` such a call is a graph break; the
+    kernels reach compiled graphs as ``torch.library`` ops instead.
+    """
+    # torch.compiler.disable imports dynamo (and its optional dependencies): done at the first call,
+    # not when attnopt is imported (a plain install imports nothing but torch and numpy)
+    disabled: list[Callable[..., Any]] = []
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not disabled:
+            disabled.append(torch.compiler.disable(fn, reason="attnopt: hands tensor addresses to C"))
+        return disabled[0](*args, **kwargs)
+
+    return cast(_F, call)
 
 
 def pointer(t: torch.Tensor | None) -> ctypes.c_void_p | None:
@@ -174,18 +227,36 @@ def _version(cc: str) -> str:
         return ""
 
 
+def build_flags() -> tuple[str, ...]:
+    """:data:`FLAGS` plus those of the sanitizers named in ``ATTNOPT_NATIVE_SANITIZE`` (read when a
+    library is first built in a process).
+
+    Raises:
+        ValueError: ``ATTNOPT_NATIVE_SANITIZE`` names an unknown sanitizer.
+    """
+    wanted = [w.strip() for w in os.environ.get("ATTNOPT_NATIVE_SANITIZE", "").split(",") if w.strip()]
+    extra: list[str] = []
+    for name in wanted:
+        if name not in SANITIZERS:
+            raise ValueError(
+                f"ATTNOPT_NATIVE_SANITIZE: unknown sanitizer {name!r}; known: {sorted(SANITIZERS)}")
+        extra += [f for f in SANITIZERS[name] if f not in extra]
+    return (*FLAGS, *extra)
+
+
 def _build(name: str, cc: str) -> ctypes.CDLL:
+    flags = build_flags()
     source = (_HERE / f"{name}.c").read_bytes()
     headers = b"".join(h.read_bytes() for h in sorted(_HERE.glob("*.h")))  # shared "pexp.h" etc.
     key = hashlib.sha256(b"\0".join(
-        [source, headers, " ".join(FLAGS).encode(), _version(cc).encode(), _cpu_signature().encode()]
+        [source, headers, " ".join(flags).encode(), _version(cc).encode(), _cpu_signature().encode()]
     )).hexdigest()[:20]
     target = _cache_dir() / f"{name}-{key}.so"
     if not target.exists():
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:
-            cmd = [cc, *FLAGS, "-I", str(_HERE), "-o", tmp, str(_HERE / f"{name}.c"), "-lm"]
+            cmd = [cc, *flags, "-I", str(_HERE), "-o", tmp, str(_HERE / f"{name}.c"), "-lm"]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if done.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")

@@ -208,6 +208,13 @@ def write_analysis(result: AnalysisResult, out_dir: Path) -> dict[str, Path]:
         sections.append(Section(f"Attention swapped to {es['attention']}",
                                 "Cosine similarity of mean-pooled sentence embeddings to the original model.",
                                 ["min", "mean", "max"], [[es["min"], es["mean"], es["max"]]]))
+    from attnopt._papers import citations_section
+
+    sections.append(Section("Papers", "The mapping and the dual come from fenchel-dual-attention (eq. 19, "
+                            "dual 7); the column-mass lens from doubly-normalized-attention (Lemma 1); "
+                            "the similarity/magnitude split from implicit-kernel-attention (Prop. 1).",
+                            *citations_section(["fenchel-dual-attention", "doubly-normalized-attention",
+                                                "implicit-kernel-attention"])))
     result.timings["report"] = time.perf_counter() - t0
     result.cpu_timings["report"] = time.process_time() - c0
     split = ", ".join(f"{k} {v:.1f}s" for k, v in result.timings.items())

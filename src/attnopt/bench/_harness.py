@@ -40,12 +40,22 @@ class BenchContext:
         device: ``"cpu"`` or ``"cuda"``.
         memory: also measure peak memory in fresh subprocesses (slower).
         repeat: timed repetitions per measurement (the median is reported).
+        threads: the most CPU threads any row may use (``attnopt bench --threads``); ``None``:
+            no limit (suites that compare thread counts run each of theirs).
     """
 
     quick: bool = False
     device: str = "cpu"
     memory: bool = True
     repeat: int = 5
+    threads: int | None = None
+
+    def thread_counts(self, wanted: Iterable[int]) -> list[int]:
+        """The thread counts of ``wanted`` within :attr:`threads` (just ``[threads]`` if none is)."""
+        wanted = list(wanted)
+        if self.threads is None:
+            return wanted
+        return [t for t in wanted if t <= self.threads] or [self.threads]
 
 
 @dataclass

@@ -181,7 +181,7 @@ def _vs_softmax(ctx: BenchContext, repeat: int) -> Iterator[Measurement]:
         for n in sizes:
             x = torch.randn(batch, n, n, generator=torch.Generator().manual_seed(n)).to(ctx.device)
             x.requires_grad_(True)
-            for nthreads in (1, 2):
+            for nthreads in ctx.thread_counts((1, 2)):
                 torch.set_num_threads(nthreads)
                 runs = {name: _map_closure(fn, x) for name, fn in impls.items()}
                 for run in runs.values():  # warm-up

@@ -24,10 +24,17 @@ __all__ = [
     "claim",
     "all_claims",
     "verdict",
+    "Scale",
+    "SCALES",
 ]
 
-Verdict = Literal["reproduced", "partially reproduced", "not reproduced"]
-_VERDICTS = ("reproduced", "partially reproduced", "not reproduced")
+Verdict = Literal["reproduced", "partially reproduced", "not reproduced", "inconclusive"]
+_VERDICTS = ("reproduced", "partially reproduced", "not reproduced", "inconclusive")
+Scale = Literal["quick", "standard", "full"]
+#: ``attnopt reproduce --scale``: quick (minutes, may answer "inconclusive"), standard (the trained
+#: claims to convergence with enough seeds to decide where this machine allows; theory claims at
+#: their quick configuration, which already decides), full (every claim at the paper's scale)
+SCALES: tuple[str, ...] = ("quick", "standard", "full")
 #: Extras a claim needs by default: nearly every claim draws a figure.
 DEFAULT_REQUIRES: tuple[str, ...] = ("plots",)
 
@@ -44,16 +51,25 @@ class ClaimResult:
     """What a claim measured and what it concludes.
 
     Attributes:
-        verdict: one of ``"reproduced"``, ``"partially reproduced"``, ``"not reproduced"``.
+        verdict: one of ``"reproduced"``, ``"partially reproduced"``, ``"not reproduced"``,
+            ``"inconclusive"`` (trained claims: the run cannot decide, see
+            :mod:`attnopt.claims._verdict`).
         summary: one sentence: what was measured against what the paper states.
         figures: the key measured numbers (name -> value), shown in the summary table.
         details: optional Markdown (tables of sweeps, notes on the reduced scale).
+        reason: why this verdict, in one clause (trained claims: the effect's CI or the failed
+            sanity gate); empty when the summary says it.
+        training: trained claims' machine-readable record (report.json's ``training``:
+            ``metric``, ``higher_is_better``, ``arms``, ``baseline``, ``effect``; see
+            :func:`attnopt.claims._verdict.training_record`); ``None`` for theory claims.
     """
 
     verdict: Verdict
     summary: str
     figures: Mapping[str, Any] = field(default_factory=dict)
     details: str = ""
+    reason: str = ""
+    training: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.verdict not in _VERDICTS:
@@ -66,9 +82,15 @@ class ClaimContext:
 
     Attributes:
         quick: run the reduced configuration (the whole suite in a few minutes on a CPU).
+            With ``scale`` given it is derived: ``scale != "full"`` (the theory claims run
+            their quick configuration at standard scale).
         out_dir: report directory; figures go to ``out_dir / "figures"``.
         seed: base seed; use :meth:`generator` for reproducible randomness.
         images: figures saved by this claim (filled by :meth:`save_figure`).
+        scale: ``"quick"``, ``"standard"`` or ``"full"`` (:data:`SCALES`); ``None`` (default):
+            ``"quick"`` if ``quick`` else ``"full"``. The trained claims read it.
+        resume: the trained claims continue an interrupted run from the engine's checkpoints
+            under ``out_dir / "train"`` and skip its finished runs (``--resume``).
     """
 
     quick: bool
@@ -76,6 +98,16 @@ class ClaimContext:
     seed: int = 0
     prefix: str = "claim"
     images: list[Path] = field(default_factory=list)
+    scale: str | None = None
+    resume: bool = False
+
+    def __post_init__(self) -> None:
+        if self.scale is None:
+            self.scale = "quick" if self.quick else "full"
+        elif self.scale not in SCALES:
+            raise ValueError(f"scale must be one of {SCALES}, got {self.scale!r}")
+        else:
+            self.quick = self.scale != "full"
 
     def generator(self, offset: int = 0) -> torch.Generator:
         """A CPU ``torch.Generator`` seeded with ``seed + offset``."""

@@ -60,11 +60,17 @@ def run_claims(
     only: str | None = None,
     seed: int = 0,
     on_done: Callable[[ClaimRun], None] | None = None,
+    scale: str | None = None,
+    resume: bool = False,
 ) -> list[ClaimRun]:
-    """Run every selected claim; a claim that raises is recorded as ``error``, not hidden."""
+    """Run every selected claim; a claim that raises is recorded as ``error``, not hidden.
+
+    ``scale`` (``quick``/``standard``/``full``) overrides ``quick`` when given.
+    """
     runs: list[ClaimRun] = []
     for c in all_claims(only):
-        ctx = ClaimContext(quick=quick, out_dir=out_dir, seed=seed, prefix=f"{c.paper}_{c.key}")
+        ctx = ClaimContext(quick=quick, out_dir=out_dir, seed=seed, prefix=f"{c.paper}_{c.key}", scale=scale,
+                           resume=resume)
         t0 = time.perf_counter()
         result: ClaimResult | None = None
         error: str | None = None
@@ -103,13 +109,29 @@ def figures_text(run: ClaimRun, limit: int = 4) -> str:
     return ", ".join(f"{k}={format_value(v)}" for k, v in items)
 
 
-def write_claims_report(runs: list[ClaimRun], out_dir: Path, *, quick: bool) -> tuple[Path, Path]:
-    """Write ``report.md`` / ``report.html``: a summary table, then one section per claim."""
+def write_claims_report(
+    runs: list[ClaimRun],
+    out_dir: Path,
+    *,
+    quick: bool,
+    scale: str | None = None,
+    wall_s: float | None = None,
+) -> tuple[Path, Path]:
+    """Write ``report.md`` / ``report.html`` (a summary table, then one section per claim) and
+    ``report.json`` beside them (:mod:`attnopt.claims._report_json`).
+
+    ``scale`` (default: ``quick`` or ``full`` from ``quick``) names the run's scale.
+    """
+    from attnopt.claims._report_json import write_report_json
+
+    scale = scale or ("quick" if quick else "full")
+    write_report_json(runs, out_dir, scale=scale, wall_s=wall_s)
     counts: dict[str, int] = {}
     for r in runs:
         counts[r.verdict] = counts.get(r.verdict, 0) + 1
+    mode = {"quick": "quick (reduced scale)", "standard": "standard (trained to convergence)", "full": "full"}
     intro = (
-        f"Mode: {'quick (reduced scale)' if quick else 'full'}. "
+        f"Mode: {mode[scale]}. "
         + ", ".join(f"{n} {v}" for v, n in sorted(counts.items()))
         + ". Every figure below was computed in this run."
     )
@@ -145,4 +167,16 @@ def write_claims_report(runs: list[ClaimRun], out_dir: Path, *, quick: bool) -> 
                 images=r.images,
             )
         )
+    sections.append(_papers_section({r.claim.paper for r in runs}))
     return write_report(out_dir, "report", "attnopt — reproduction report", sections, intro)
+
+
+def _papers_section(names: set[str]) -> Section:
+    """The papers whose claims ran, by title (the short names above are their claims modules)."""
+    from attnopt._papers import PAPERS, citations_section
+
+    known = {p.claims for p in PAPERS}
+    headers, rows = citations_section(sorted(n for n in names if n in known))
+    text = "The papers whose claims this report checks; the *paper* column above names each by its " \
+           "claims module (`fenchel_dual` = `fenchel-dual-attention`, ...)."
+    return Section("Papers", text=text, headers=headers, rows=rows)

@@ -24,6 +24,9 @@ __all__ = [
     "arm_values",
     "arm_stats",
     "combine_verdicts",
+    "judge_pair",
+    "gate_of",
+    "gate_text",
     "fmt_ci",
     "mean_ci_table",
     "describe_runs",
@@ -40,7 +43,7 @@ def run_records(
 ) -> list[dict]:
     """The engine's records of ``task`` at the context's scale, run once per (task, scale,
     out_dir, seed) and kept in ``cache`` (claims that judge the same runs share them)."""
-    key = (task, ctx.quick, str(ctx.out_dir), ctx.seed)
+    key = (task, ctx.scale, str(ctx.out_dir), ctx.seed)
     if key not in cache:
         from attnopt.experiments._engine import run_task
 
@@ -52,11 +55,15 @@ def run_records(
 
 def planned_configs(ctx: ClaimContext, task: str, run_args: RunArgs) -> list[dict[str, Any]]:
     """The configs (``RunConfig.to_json()``) :func:`run_records` would run; nothing is trained."""
+    import inspect
+
     from attnopt.experiments import get_task
     from attnopt.experiments._engine import plan_runs
 
     the_task, kwargs = run_args(ctx, task)
     the_task = get_task(the_task) if isinstance(the_task, str) else the_task
+    accepted = inspect.signature(plan_runs).parameters
+    kwargs = {k: v for k, v in kwargs.items() if k in accepted}  # e.g. run_task's resume
     return [c.to_json() for c in plan_runs(the_task, **kwargs)]
 
 
@@ -84,17 +91,18 @@ def arm_stats(recs: Sequence[Mapping[str, Any]], arm: str, metric: str) -> tuple
 
 
 def combine_verdicts(verdicts: Sequence[Verdict]) -> Verdict:
-    """Reproduced when every verdict is; not reproduced when none is even partially; else partially."""
-    if verdicts and all(v == "reproduced" for v in verdicts):
-        return "reproduced"
-    if any(v != "not reproduced" for v in verdicts):
-        return "partially reproduced"
-    return "not reproduced"
+    """The verdict of several parts by :func:`attnopt.claims._verdict.combine`: reproduced when
+    every part is; partially when some part is; not reproduced when some part is contradicted
+    and none reproduced; inconclusive otherwise (and with no parts)."""
+    from attnopt.claims._verdict import Judgement, combine
+
+    return combine({str(i): Judgement(v, "") for i, v in enumerate(verdicts)}).verdict
 
 
-def fmt_ci(m: float, h: float, *, digits: int = 2, scale: float = 1.0) -> str:
-    """``"mean ± half-width"`` (both times ``scale``) with ``digits`` decimals."""
-    return f"{m * scale:.{digits}f} ± {h * scale:.{digits}f}"
+def fmt_ci(m: float, h: float, *, digits: int = 2, scale: float = 1.0, n: int | None = None) -> str:
+    """``"mean ± half-width"`` (both times ``scale``) with ``digits`` decimals; ``"mean ± —"``
+    when ``n`` says there was one run (no interval can be estimated)."""
+    return f"{m * scale:.{digits}f} ± " + ("—" if n is not None and n < 2 else f"{h * scale:.{digits}f}")
 
 
 def mean_ci_table(
@@ -123,7 +131,8 @@ def mean_ci_table(
             if show_missing:
                 rows.append([arm, *["not run"] * len(metrics), 0, paper.get(arm, "")])
             continue
-        cells = [fmt_ci(*arm_stats(recs, arm, m)[:2], digits=digits, scale=scale) for m in metrics]
+        stats = [arm_stats(recs, arm, m) for m in metrics]
+        cells = [fmt_ci(m_, h_, digits=digits, scale=scale, n=n_) for m_, h_, n_ in stats]
         rows.append([arm, *cells, arm_stats(recs, arm, metrics[0])[2], paper.get(arm, "")])
     return markdown_table(["arm", *[f"{m} (mean ± 95% CI)" for m in metrics], count, "paper"], rows)
 
@@ -189,8 +198,61 @@ def scale_note(
         ran = describe_runs(planned()) + " (as planned; the records carry no config)"
     else:
         ran = "scale unknown (the records carry no config)"
-    mode = "quick" if ctx.quick else "full"
+    mode = ctx.scale
     return (
         f"\n\nScale ({mode}): {what}; {ran}. The paper's data are not available offline; "
         "see the task's docstring for the stand-in."
     )
+
+
+# ---- the verdict rule, applied to records -------------------------------------------------------
+def judge_pair(
+    recs: Sequence[Mapping[str, Any]],
+    better: str,
+    base: str,
+    metric: str,
+    *,
+    higher: bool = True,
+    paper: float | None = None,
+    gate: Any = None,
+    unit: str = "",
+) -> tuple[Any, Any]:
+    """(:class:`~attnopt.claims._verdict.Judgement`, :class:`~attnopt.claims._verdict.Effect`) of
+    ``better`` vs ``base`` on ``metric``: the paired per-run difference, > 0 in the paper's
+    direction, judged by :func:`~attnopt.claims._verdict.judge_effect` (``paper``: the paper's
+    effect in the same units, ``None`` when it states only the direction)."""
+    from attnopt.claims._verdict import effect_of, judge_effect, paired_diffs
+
+    e = effect_of(paired_diffs(recs, better, base, metric, higher=higher), paper=paper)
+    return judge_effect(e, gate=gate, unit=unit), e
+
+
+def gate_of(
+    task: str,
+    recs: Sequence[Mapping[str, Any]],
+    arms: Sequence[str],
+    metric: str,
+    baseline: float | None,
+    *,
+    higher: bool = True,
+) -> Any:
+    """The sanity :class:`~attnopt.claims._verdict.Gate` of ``arms`` (their mean ``metric``)
+    against ``task``'s baseline value ``baseline`` (:mod:`attnopt.claims._sanity`); ``None`` when
+    no baseline was computed (hand-made records without configs)."""
+    from attnopt.claims._sanity import BASELINES
+    from attnopt.claims._verdict import sanity_gate
+
+    if baseline is None or not math.isfinite(baseline):
+        return None
+    b = BASELINES[task]
+    means = {a: arm_stats(recs, a, metric)[0] for a in arms if arm_values(recs, a, metric)}
+    return sanity_gate(means, name=b.name, value=baseline, higher=higher, margin=b.margin,
+                       chance=b.chance, required=b.required)
+
+
+def gate_text(gate: Any) -> str:
+    """``"; sanity baseline <name> <value> (passed|failed)"`` or empty without a gate."""
+    if gate is None:
+        return ""
+    return (f"; sanity baseline {gate.name} {gate.value:.4g} vs best arm {gate.best_arm} {gate.best:.4g} "
+            f"({'passed' if gate.passed else 'failed'})")

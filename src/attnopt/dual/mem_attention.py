@@ -29,6 +29,7 @@ from attnopt._validation import (
 from attnopt.dual._mem_batch import canonicalize, check_alpha, check_solver_knobs, safe_log, validate
 from attnopt.dual._mem_core import _w_apply, apply_inverse_hessian, gram, newton_mem
 from attnopt.functional._autograd import first_order_only, refuse_double_backward
+from attnopt.functional._dropout import check_dropout_p, dropout_attention
 from attnopt.functional.generalized import score_bias
 
 __all__ = ["mem_estimate", "mem_weights", "mem_attention"]
@@ -226,6 +227,7 @@ def mem_attention(
     is_causal: bool = False,
     tol: float = 1e-8,
     max_iter: int = 50,
+    dropout_p: float = 0.0,
 ) -> Tensor:
     r"""Exact MEM / Fenchel-dual attention (fenchel-dual-attention eq. 7, 9–10).
 
@@ -244,6 +246,8 @@ def mem_attention(
         preference, log_preference, attn_mask, scale, is_causal: as
             :func:`attnopt.generalized_attention` (``scale`` = α, default ``1/sqrt(d)``).
         tol, max_iter: Newton solver knobs (see :func:`attnopt.dual.solve_mem`).
+        dropout_p: dropout probability on the weights ``p̃`` before the sum over values (as in
+            SDPA: applied whenever > 0).
     Returns:
         (B, H, Nq, dv); rows with no admissible key are zeros.
     Raises:
@@ -252,6 +256,7 @@ def mem_attention(
         RuntimeWarning: the dual solve did not converge.
     """
     validate_attention(q, k, v, attn_mask)
+    dropout_p = check_dropout_p(dropout_p)
     empty = empty_attention(q, k, v, preference, log_preference)
     if empty is not None:
         mem_weights(q, k, preference=preference, log_preference=log_preference, attn_mask=attn_mask,
@@ -261,4 +266,6 @@ def mem_attention(
         q, k, preference=preference, log_preference=log_preference, attn_mask=attn_mask,
         scale=scale, is_causal=is_causal, tol=tol, max_iter=max_iter,
     )
+    if dropout_p > 0.0:
+        return dropout_attention(w, v, dropout_p, w.dtype)
     return w @ v

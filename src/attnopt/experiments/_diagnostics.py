@@ -116,10 +116,10 @@ def is_attention_module(module: nn.Module) -> bool:
 class ColumnMassLogger:
     """Context manager collecting :func:`column_mass_summary` from a model's attention modules.
 
-    Inside the ``with`` block every selected module is called with ``need_weights=True``
-    (a forward pre-hook; ``nn.MultiheadAttention`` also gets ``average_attn_weights=False``)
-    and its weights are reduced on the fly; the caller still receives ``None`` weights when
-    it did not ask for them. Outside the block the model is untouched. Padding given as
+    Inside the ``with`` block every selected module is called with ``need_weights=True`` and
+    ``average_attn_weights=False`` (a forward pre-hook) and its weights are reduced on the fly;
+    the caller still receives what it asked for (``None`` weights, or their head average).
+    Outside the block the model is untouched. Padding given as
     ``key_padding_mask``/``query_padding_mask`` or as a padding-only ``attn_mask``
     (:func:`padding_from_mask`) is excluded; causal or otherwise structured masks are skipped:
     there a key is hidden from most queries by construction (the last key is seen by one query),
@@ -145,24 +145,27 @@ class ColumnMassLogger:
         self.ratio = ratio
         self._handles: list[Any] = []
         self._asked: list[bool] = []
+        self._average: list[bool] = []
         self._min = math.inf
         self._min_nk = math.inf
         self._below = 0.0
         self._count = 0.0
 
-    def _pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    def _pre(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         self._asked.append(bool(kwargs.get("need_weights", False)))
-        kwargs = dict(kwargs, need_weights=True)
-        if isinstance(module, nn.MultiheadAttention):
-            kwargs["average_attn_weights"] = False
+        self._average.append(bool(kwargs.get("average_attn_weights", True)))
+        kwargs = dict(kwargs, need_weights=True, average_attn_weights=False)  # per head, for the summary
         return args, kwargs
 
     def _post(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         asked = self._asked.pop() if self._asked else True
+        average = self._average.pop() if self._average else False
         weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
         if weights is None:
             return None
-        unchanged = output if asked else (output[0], None, *output[2:])
+        # what the caller asked for: no weights, or the head average (the modules' default)
+        given = (weights.mean(dim=-3) if average and weights.dim() >= 3 else weights) if asked else None
+        unchanged = (output[0], given, *output[2:])
         if kwargs.get("is_causal"):
             return unchanged  # not a set of keys (see the class docstring)
         query = args[0] if args else kwargs.get("query")

@@ -19,15 +19,18 @@ restartable:
 
 from __future__ import annotations
 
+import contextlib
+import csv
 import json
 import logging
 import math
 import os
 import re
+import signal
 import statistics
 import time
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -44,7 +47,15 @@ from attnopt.experiments._results import write_figures, write_results_md
 from attnopt.experiments._task import DataBundle, RunConfig, Task, dataset_len
 from attnopt.models import auxiliary_loss
 
-__all__ = ["run_task", "run_dir", "EpochSampler", "latest_checkpoint", "atomic_write_text"]
+__all__ = [
+    "run_task",
+    "run_dir",
+    "EpochSampler",
+    "latest_checkpoint",
+    "atomic_write_text",
+    "TrainingInterrupted",
+    "existing_runs",
+]
 
 _CKPT_RE = re.compile(r"^epoch=(\d+)\.ckpt$")
 _KEEP_CHECKPOINTS = 2
@@ -55,6 +66,54 @@ _QUIET = (  # Lightning notices that say nothing about this run
     r".*does not have many workers.*",
     r".*litlogger.*",
 )
+# Lightning's own info lines (logged through ``logging``, not ``warnings``: a warnings filter
+# does not reach them) that say nothing about this run.
+_QUIET_INFO = re.compile(
+    r"^\s*(GPU available|TPU available|HPU available|IPU available|💡 Tip|`Trainer.fit` stopped"
+    r"|LOCAL_RANK: \d+ - CUDA_VISIBLE_DEVICES|Restoring states from the checkpoint"
+    r"|Restored all states from the checkpoint)"
+)
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a fit: Lightning stopped gracefully; the run's checkpoints are kept.
+
+    A :class:`KeyboardInterrupt` (so callers that catch that still do); ``run`` names the
+    interrupted run's folder, from which ``resume=True`` continues.
+    """
+
+    def __init__(self, run: Path) -> None:
+        super().__init__(str(run))
+        self.run = run
+
+
+class _DropLightningNotices(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not _QUIET_INFO.match(record.getMessage())
+
+
+@contextlib.contextmanager
+def _quiet_lightning() -> Iterator[None]:
+    """Drop :data:`_QUIET_INFO` lines and :data:`_QUIET` warnings while Lightning runs."""
+    names = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+    try:  # the logger Lightning's ``rank_zero_info`` really writes to (set at import)
+        from lightning_utilities.core import rank_zero as _rz
+
+        names += (_rz.log.name,)
+    except (ImportError, AttributeError):
+        pass
+    loggers = [logging.getLogger(n) for n in dict.fromkeys(names)]
+    flt = _DropLightningNotices()
+    for lg in loggers:
+        lg.addFilter(flt)
+    try:
+        with warnings.catch_warnings():
+            for pattern in _QUIET:
+                warnings.filterwarnings("ignore", message=pattern)
+            yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(flt)
 
 
 # --------------------------------------------------------------------------- files
@@ -92,6 +151,11 @@ def _checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
         return []
     found = [(int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := _CKPT_RE.match(p.name))]
     return sorted(found, reverse=True)
+
+
+def _checkpoint_history(path: Path) -> list[dict[str, float]]:
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    return [dict(h) for h in state.get("attnopt", {}).get("history", [])]
 
 
 def latest_checkpoint(ckpt_dir: Path) -> Path | None:
@@ -256,8 +320,7 @@ class _TaskModule(L.LightningModule):
                 {k: v for k, v in entry.items() if k != "epoch"},
                 on_step=False,
                 on_epoch=True,
-                sync_dist=False,
-                rank_zero_only=True,
+                sync_dist=True,  # averaged over the processes (each trains on its shard)
             )
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -311,11 +374,67 @@ def _prune_checkpoints(ckpt_dir: Path, keep: int) -> None:
         p.unlink(missing_ok=True)
 
 
-def _loggers(rdir: Path) -> list[Any]:
-    """A CSV logger (per-epoch rows in ``<run>/logs/metrics.csv``), and TensorBoard when installed."""
-    from lightning.pytorch.loggers import CSVLogger
+def _epoch_of(row: Mapping[str, str]) -> float:
+    try:
+        return float(row.get("epoch") or "nan")
+    except ValueError:
+        return float("nan")
 
-    loggers: list[Any] = [CSVLogger(rdir, name="logs", version="")]
+
+def _csv_logger(rdir: Path, keep_before_epoch: int, history: Sequence[Mapping[str, float]] = ()) -> Any:
+    """Lightning's CSV logger writing ``<run>/logs/metrics.csv``, a row per epoch as it ends.
+
+    Lightning's writer deletes an existing ``metrics.csv`` when it starts; on a resume from
+    the checkpoint of epoch ``e`` this one first keeps the rows of epochs ``< e + 1`` (those
+    the checkpoint covers; later rows are redone), so the file holds the whole run. An epoch
+    the file lacks (a kill between the checkpoint and the row) is filled from the
+    checkpoint's ``history``.
+    """
+    from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    class _KeepingWriter(ExperimentWriter):
+        def __init__(self, log_dir: str) -> None:
+            path = Path(log_dir) / self.NAME_METRICS_FILE
+            fields: list[str] = []
+            kept: list[dict[str, str]] = []
+            if keep_before_epoch > 0 and path.is_file() and path.stat().st_size:
+                with open(path, newline="", encoding="utf-8") as fh:
+                    reader = csv.DictReader(fh)
+                    fields = list(reader.fieldnames or [])
+                    kept = [r for r in reader if _epoch_of(r) < keep_before_epoch]
+            have = {int(_epoch_of(r)) for r in kept if _epoch_of(r) == _epoch_of(r)}
+            for h in history:
+                if int(h["epoch"]) < keep_before_epoch and int(h["epoch"]) not in have:
+                    kept.append({k: str(v) for k, v in h.items()})
+            if kept:
+                fields = list(dict.fromkeys([*fields, *(k for r in kept for k in r)]))
+                kept.sort(key=_epoch_of)
+            super().__init__(log_dir)  # removes the old file
+            if kept:
+                with open(path, "w", newline="", encoding="utf-8") as fh:
+                    writer = csv.DictWriter(fh, fieldnames=fields)
+                    writer.writeheader()
+                    writer.writerows(kept)
+                self.metrics_keys = sorted(fields)
+
+    class _KeepingCSVLogger(CSVLogger):
+        @property
+        def experiment(self) -> Any:
+            if self._experiment is None and getattr(rank_zero_only, "rank", 0) == 0:
+                self._fs.makedirs(self.root_dir, exist_ok=True)
+                self._experiment = _KeepingWriter(log_dir=self.log_dir)
+            return super().experiment
+
+    return _KeepingCSVLogger(rdir, name="logs", version="", flush_logs_every_n_steps=1)
+
+
+def _loggers(
+    rdir: Path, keep_before_epoch: int = 0, history: Sequence[Mapping[str, float]] = ()
+) -> list[Any]:
+    """A CSV logger (per-epoch rows in ``<run>/logs/metrics.csv``), and TensorBoard when installed."""
+    loggers: list[Any] = [_csv_logger(rdir, keep_before_epoch, history)]
     try:
         import tensorboard  # noqa: F401
         from lightning.pytorch.loggers import TensorBoardLogger
@@ -348,6 +467,8 @@ class _Session:
         self.resume, self.progress = resume, progress
         self.accelerator = _accelerator(devices)
         self.is_global_zero = True
+        self.say: Callable[[str], None] | None = None  # one line per fit (the CLI passes print)
+        self.label = ""  # "run i/n" of the current run, for those lines
 
     def fit(
         self,
@@ -364,12 +485,63 @@ class _Session:
         rdir = run_dir(self.out_dir, cfg, stage)
         ckpt_dir = rdir / "checkpoints"
         ckpt_path = latest_checkpoint(ckpt_dir) if self.resume else None
+        done = 0 if ckpt_path is None else int(_CKPT_RE.match(ckpt_path.name).group(1)) + 1  # type: ignore[union-attr]
+        if self.say is not None and is_global_zero():
+            what = (f"{self.label + ': ' if self.label else ''}arm {cfg.arm}, seed {cfg.seed}, lr {lr:g}"
+                    + (f", fold {cfg.fold}" if cfg.fold else "") + ("" if stage == "main" else f", {stage}"))
+            if ckpt_path is not None:
+                what += f" — resuming from {ckpt_path.name} ({done}/{epochs} epochs done)"
+            elif self.resume:
+                what += " — no checkpoint, starting from epoch 0"
+            self.say(what)
         module = _TaskModule(self.task, model, data, cfg, lr, epochs)
         callbacks: list[Callback] = [_EpochCheckpoint(ckpt_dir)]
-        logger = _loggers(rdir)
+        history = [] if ckpt_path is None else _checkpoint_history(ckpt_path)
+        logger = _loggers(rdir, keep_before_epoch=done, history=history)
         if not self.progress:
             for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
                 logging.getLogger(name).setLevel(logging.WARNING)
+        with _quiet_lightning():
+            trainer, loader = self._trainer(rdir, epochs, logger, callbacks, data, cfg)
+            self.is_global_zero = trainer.is_global_zero
+            module._t0 = time.perf_counter()
+            if ckpt_path is None and trainer.is_global_zero:
+                for _, p in _checkpoints(ckpt_dir):  # a fresh run: old checkpoints must not mix in
+                    p.unlink(missing_ok=True)
+            sigint = signal.getsignal(signal.SIGINT)
+            try:
+                trainer.fit(
+                    module,
+                    train_dataloaders=loader,
+                    ckpt_path=None if ckpt_path is None else str(ckpt_path),
+                    weights_only=True,
+                )
+            except SystemExit:  # Lightning turns Ctrl-C into a graceful stop and sys.exit(1)
+                if trainer.interrupted:
+                    raise TrainingInterrupted(rdir) from None
+                raise
+            finally:
+                with contextlib.suppress(ValueError, TypeError):  # not the main thread
+                    signal.signal(signal.SIGINT, sigint)  # Lightning ignores Ctrl-C after one
+        t_fit = time.perf_counter()
+        metrics = self.evaluate(module.model, data, cfg, trainer.strategy.root_device)
+        wall = module.wall_before + (time.perf_counter() - module._t0)
+        steps = module.step_times
+        return {
+            "metrics": metrics,
+            "history": module.history,
+            "wall_time_s": wall,
+            "eval_time_s": time.perf_counter() - t_fit,
+            "step_time_s": statistics.median(steps) if steps else float("nan"),
+            "n_params": sum(p.numel() for p in module.model.parameters()),
+            "steps": int(trainer.global_step),
+            "resumed_from": None if ckpt_path is None else ckpt_path.name,
+        }
+
+    def _trainer(
+        self, rdir: Path, epochs: int, logger: list[Any], callbacks: list[Callback], data: DataBundle,
+        cfg: RunConfig,
+    ) -> tuple[L.Trainer, DataLoader]:
         trainer = L.Trainer(
             accelerator=self.accelerator,
             devices=self.devices,
@@ -395,33 +567,7 @@ class _Session:
         loader = DataLoader(
             data.train, batch_size=cfg.batch_size, sampler=sampler, collate_fn=data.collate_fn
         )
-        self.is_global_zero = trainer.is_global_zero
-        module._t0 = time.perf_counter()
-        if ckpt_path is None and trainer.is_global_zero:
-            for _, p in _checkpoints(ckpt_dir):  # a fresh run: old checkpoints must not mix in
-                p.unlink(missing_ok=True)
-        with warnings.catch_warnings():
-            for pattern in _QUIET:
-                warnings.filterwarnings("ignore", message=pattern)
-            trainer.fit(
-                module,
-                train_dataloaders=loader,
-                ckpt_path=None if ckpt_path is None else str(ckpt_path),
-                weights_only=True,
-            )
-        t_fit = time.perf_counter()
-        metrics = self.evaluate(module.model, data, cfg, trainer.strategy.root_device)
-        wall = module.wall_before + (time.perf_counter() - module._t0)
-        steps = module.step_times
-        return {
-            "metrics": metrics,
-            "history": module.history,
-            "wall_time_s": wall,
-            "eval_time_s": time.perf_counter() - t_fit,
-            "step_time_s": statistics.median(steps) if steps else float("nan"),
-            "n_params": sum(p.numel() for p in module.model.parameters()),
-            "resumed_from": None if ckpt_path is None else ckpt_path.name,
-        }
+        return trainer, loader
 
     def evaluate(
         self, model: nn.Module, data: DataBundle, cfg: RunConfig, device: torch.device
@@ -466,7 +612,11 @@ def plan_runs(
     out_dir: str | Path = "attnopt-train",
     sizes: Mapping[str, Any] | None = None,
 ) -> list[RunConfig]:
-    """The :class:`RunConfig` of every run (validated: unknown arm/dataset, bad numbers -> ValueError)."""
+    """The :class:`RunConfig` of every run.
+
+    Raises:
+        ValueError: an unknown arm, dataset or size key; a non-positive number.
+    """
     scale = task.scale(quick)
     defaults = task.quick_arms if quick and task.quick_arms else task.default_arms
     arm_list = list(defaults or task.arms) if arms is None else list(arms)
@@ -486,6 +636,7 @@ def plan_runs(
         raise ValueError("no learning rates given")
     ep = scale.epochs if epochs is None else _positive_int(epochs, "epochs")
     bs = scale.batch_size if batch_size is None else _positive_int(batch_size, "batch_size")
+    task.check_sizes(sizes or {})
     merged = {**dict(scale.sizes), **dict(sizes or {})}
     base = RunConfig(
         task=task.name,
@@ -544,6 +695,7 @@ def run_task(
     write_report: bool = True,
     threads: int | None = None,
     keep_checkpoints: int = 2,
+    log: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Run every (arm, seed, lr, fold) of ``task`` as one Lightning fit; write the results.
 
@@ -568,6 +720,8 @@ def run_task(
             record is written (the newest; at most 2). ``0`` deletes them: a finished run is
             known by its ``record.json``, so ``resume`` still skips it (``attnopt reproduce``
             uses 0; keep the default to load trained models later).
+        log: called with one line per fit naming its arm, seed and lr (and, with ``resume``,
+            what was skipped as finished or continued from which checkpoint); ``None``: silent.
     Returns:
         one record per run (the entries of ``results.json``).
     Raises:
@@ -593,20 +747,27 @@ def run_task(
         sizes=sizes,
     )
     session = _Session(task, out, devices, strategy, resume, progress)
+    session.say = log
     if session.accelerator == "cpu":
         n_threads = threads or (1 if quick else max(1, (os.cpu_count() or 1) // devices))
         torch.set_num_threads(_positive_int(n_threads, "threads"))
     records: list[dict[str, Any]] = []
-    for cfg in configs:
+    for i, cfg in enumerate(configs):
         rec_path = run_dir(out, cfg) / "record.json"
+        session.label = f"run {i + 1}/{len(configs)}"
         if resume and rec_path.is_file():
             try:
                 rec = json.loads(rec_path.read_text(encoding="utf-8"))
                 if rec.get("finished") and rec.get("config") == json.loads(json.dumps(cfg.to_json())):
                     records.append(rec)
+                    if log is not None and is_global_zero():
+                        log(f"{session.label}: arm {cfg.arm}, seed {cfg.seed}, lr {cfg.lr:g}"
+                            + (f", fold {cfg.fold}" if cfg.fold else "") + " — finished earlier, skipped")
                     continue
             except (OSError, ValueError):
                 pass
+        if not resume and is_global_zero():
+            rec_path.unlink(missing_ok=True)  # starting over: an old record must not count as this run
         L.seed_everything(cfg.seed, workers=True, verbose=False)
         result = task.run(cfg, session.fit)
         rec = _record(cfg, result)
@@ -623,6 +784,16 @@ def run_task(
             write_results_md(task, records, out / "results.md")
             write_figures(task, records, out / "figures")
     return records
+
+
+def existing_runs(out_dir: str | Path, configs: Sequence[RunConfig]) -> list[Path]:
+    """The run folders of ``configs`` under ``out_dir`` that already hold a record or checkpoints."""
+    found = []
+    for cfg in configs:
+        d = run_dir(Path(out_dir), cfg)
+        if (d / "record.json").is_file() or any(_checkpoints(c) for c in d.rglob("checkpoints")):
+            found.append(d)
+    return found
 
 
 def is_global_zero() -> bool:

@@ -110,7 +110,7 @@ def layer_weights(layer: nn.Module, call: tuple[tuple[Any, ...], dict[str, Any]]
     layer.eval()
     try:
         with torch.no_grad():
-            _, w = layer(*args, **{**kwargs, "need_weights": True})
+            _, w = layer(*args, **{**kwargs, "need_weights": True, "average_attn_weights": False})
     finally:
         layer.train(was_training)
     if w is None:

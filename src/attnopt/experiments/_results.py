@@ -11,7 +11,7 @@ from typing import Any
 from attnopt.experiments._stats import mean_ci
 from attnopt.experiments._task import Task
 
-__all__ = ["summarize", "write_results_md", "write_figures", "paper_value"]
+__all__ = ["summarize", "write_results_md", "write_figures", "paper_value", "mean_ci_text"]
 
 
 def paper_value(task: Task, dataset: str | None, arm: str, lr: float | None = None) -> float | None:
@@ -46,14 +46,23 @@ def summarize(
     return out
 
 
+def mean_ci_text(mean: float, ci: float, n: int, digits: int = 4) -> str:
+    """``"mean ± half-width"``; with one run there is no interval: ``"mean ± —"``."""
+    return f"{mean:.{digits}f} ± " + ("—" if n < 2 else f"{ci:.{digits}f}")
+
+
 def _table(task: Task, records: Sequence[Mapping[str, Any]]) -> list[str]:
     summary = summarize(records, task.metric)
+    sc = float(task.metric_scale)
+    unit = f"{task.metric_unit}, " if task.metric_unit else ""
+    digits = 2 if task.metric_unit == "%" else 4
     lines: list[str] = []
     for ds in sorted({k[0] for k in summary}):
         lines += [
             f"### {ds}",
             "",
-            f"| arm | lr | {task.metric} (mean ± 95 % CI) | n | paper | step time (ms) | params |",
+            f"| arm | lr | {task.metric} ({unit}mean ± 95 % CI) | n "
+            f"| paper ({task.metric_unit or 'same unit'}) | step time (ms) | params |",
             "| --- | --- | --- | --- | --- | --- | --- |",
         ]
         for (d, arm, lr), s in sorted(
@@ -68,8 +77,9 @@ def _table(task: Task, records: Sequence[Mapping[str, Any]]) -> list[str]:
             step = sum(float(r.get("step_time_s", 0.0)) for r in rs) / len(rs) * 1e3
             pv = paper_value(task, d, arm, lr)
             lines.append(
-                f"| {arm} | {lr:g} | {s['mean']:.4f} ± {s['ci']:.4f} | {s['n']} | "
-                f"{'—' if pv is None else f'{pv:g}'} | {step:.2f} | {rs[0].get('n_params', '')} |"
+                f"| {arm} | {lr:g} | {mean_ci_text(s['mean'] * sc, s['ci'] * sc, s['n'], digits)} "
+                f"| {s['n']} | {'—' if pv is None else f'{pv * task.paper_scale:g}'} "
+                f"| {step:.2f} | {rs[0].get('n_params', '')} |"
             )
         lines.append("")
     return lines
@@ -88,7 +98,7 @@ def write_results_md(task: Task, records: Sequence[Mapping[str, Any]], path: Pat
     head = [
         f"# {task.name}: {task.paper}, {task.table}",
         "",
-        f"{len(records)} runs ({_scale_name(scale)} scale, "
+        f"{len(records)} run{'' if len(records) == 1 else 's'} ({_scale_name(scale)} scale, "
         f"epochs {epochs}). Mean ± 95 % Student-t CI over seeds; the paper's numbers come from its own "
         "(larger) setting, so they are a reference, not a target at this scale.",
         "",

@@ -38,7 +38,7 @@ def mean_ci(values: Iterable[float], confidence: float = 0.95) -> tuple[float, f
 
 
 def format_ci(values: Iterable[float], digits: int = 3) -> str:
-    """``"mean ± half (n=k)"`` for a Markdown table."""
+    """``"mean ± half (n=k)"`` for a Markdown table (``"mean ± — (n=1)"``: one run has no interval)."""
     xs = list(values)
     m, h = mean_ci(xs)
-    return f"{m:.{digits}f} ± {h:.{digits}f} (n={len(xs)})"
+    return f"{m:.{digits}f} ± " + ("—" if len(xs) < 2 else f"{h:.{digits}f}") + f" (n={len(xs)})"

@@ -136,6 +136,14 @@ class Task:
     full: Scale = Scale(epochs=10, seeds=5, batch_size=32)
     folds: int = 1
     description: str = ""
+    #: the unit ``metric`` is shown in (results.md), e.g. ``"%"``; the paper's numbers beside it too
+    metric_unit: str = ""
+    #: factor from :meth:`evaluate`'s ``metric`` to ``metric_unit`` (100: a fraction shown in %)
+    metric_scale: float = 1.0
+    #: factor from ``paper_results`` to ``metric_unit`` (100: the paper gives a fraction)
+    paper_scale: float = 1.0
+    #: size knobs the task reads (``cfg.size(key, default)``) that neither scale sets -> their type
+    extra_sizes: Mapping[str, type] = {}
 
     # --- what every task implements -------------------------------------------------------
     def build_data(self, cfg: RunConfig) -> DataBundle:
@@ -205,6 +213,25 @@ class Task:
         """Raise ``ValueError`` naming the valid arms if ``arm`` is not one."""
         if arm not in self.arms:
             raise ValueError(f"task {self.name!r} has no arm {arm!r}; valid arms: {', '.join(self.arms)}")
+
+    def size_keys(self) -> dict[str, tuple[type, Any, Any]]:
+        """Every valid size key -> (its type, quick default, full default); ``None``: the task's own."""
+        out: dict[str, tuple[type, Any, Any]] = {}
+        for k in sorted({*self.quick.sizes, *self.full.sizes, *self.extra_sizes}):
+            q, f = self.quick.sizes.get(k), self.full.sizes.get(k)
+            typ = self.extra_sizes.get(k) or type(q if q is not None else f)
+            out[k] = (str if typ is type(None) else typ, q, f)
+        return out
+
+    def check_sizes(self, sizes: Mapping[str, Any]) -> None:
+        """Raise ``ValueError`` naming the valid keys if a key of ``sizes`` is not one."""
+        valid = self.size_keys()
+        unknown = [k for k in sizes if k not in valid]
+        if unknown:
+            raise ValueError(
+                f"task {self.name!r} has no size {', '.join(map(repr, unknown))}; valid sizes: "
+                + (", ".join(valid) or "none")
+            )
 
     def check_dataset(self, dataset: str | None) -> str:
         """The dataset name (default: the first); ``ValueError`` naming the valid ones."""

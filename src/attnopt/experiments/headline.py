@@ -165,6 +165,13 @@ class HeadlineTask(Task):
                          "max_train": 900, "max_test": 160})
     # full: sized so that the whole task (4 arms x 5 seeds) fits an hour on a quiet 2-core CPU
     # (module docstring, "Runtime"); the paper's 12 x 768 Transformer on Gigaword is far beyond it
+    # --size knobs read with a default that no scale sets
+    extra_sizes = {
+        "min_body_words": int,
+        "pretrained_layers": int,
+        "pretrained_lr_ratio": float,
+        "pretrained_decoder_lr_ratio": float,
+    }
     full = Scale(epochs=12, seeds=5, batch_size=32,
                  sizes={"d_model": 64, "num_heads": 4, "layers": 2, "src_len": 64, "tgt_len": 24,
                         "max_test": 192, "pretrained_decoder_layers": 1, "pretrained_epochs": 3})

@@ -92,6 +92,12 @@ class Regression(Task):
         batch_size=64,
         sizes={"folds": 10, "d_model": 16, "num_heads": 2, "num_layers": 1, "num_samples": 8},
     )
+    # --size knobs read with a default that no scale sets
+    extra_sizes = {
+        "window": int,
+        "dropout": float,
+        "attention_mode": str,
+    }
     full = Scale(
         epochs=100,
         seeds=1,

@@ -154,6 +154,8 @@ class SentenceClassification(Task):
     paper = "implicit-kernel-attention"
     table = "Table 2 (+ Fig. 2: attention maps of ikan and mikan)"
     metric = "accuracy"
+    metric_unit = "%"
+    metric_scale = 100.0  # evaluate() gives a fraction; the paper a percentage
     higher_is_better = True
     arms: Mapping[str, Mapping[str, Any]] = {
         a: arm_options(a, p=P_CLASSIFICATION, num_samples=8) for a in ARMS
@@ -169,6 +171,7 @@ class SentenceClassification(Task):
         batch_size=64,
         sizes={"d_model": 32, "num_heads": 4, "num_layers": 1, "max_len": 16, "num_samples": 8},
     )
+    extra_sizes = {"dropout": float, "attention_mode": str}  # --size knobs no scale sets
     full = Scale(
         epochs=20,
         seeds=5,

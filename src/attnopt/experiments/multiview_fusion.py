@@ -126,6 +126,7 @@ class MultiviewFusionTask(Task):
     paper = "doubly-normalized-attention"
     table = "Table 1, Fig. 3 (HNAS weight), Fig. 1 (column mass during training)"
     metric = "accuracy"
+    metric_unit = "%"
     arms = {"single-view": {"fusion": None}, "concat": {"fusion": "concat"}, "lnas": {"fusion": "lnas"},
             "dnas": {"fusion": "dnas"}, "hnas": {"fusion": "hnas"}}
     default_arms = ("single-view", "concat", "lnas", "dnas", "hnas")
@@ -134,6 +135,7 @@ class MultiviewFusionTask(Task):
     paper_results = {"digits": PAPER_TABLE1, "npz": PAPER_TABLE1}
     quick = Scale(epochs=6, seeds=3, batch_size=64, sizes={"d_model": 32, "num_heads": 2})
     full = Scale(epochs=40, seeds=5, batch_size=64, sizes={"d_model": 64, "num_heads": 4})
+    extra_sizes = {"hnas_lr": float}  # the HNAS mixing logits' own learning rate (claims set it)
 
     def build_data(self, cfg: RunConfig) -> DataBundle:
         dataset = cfg.dataset or self.datasets[0]
@@ -160,6 +162,14 @@ class MultiviewFusionTask(Task):
                                 d_model=int(cfg.sizes.get("d_model", 32)),
                                 num_heads=int(cfg.sizes.get("num_heads", 2)),
                                 num_classes=data.info["n_classes"])
+
+    def configure_optimizers(self, model: nn.Module, cfg: RunConfig, lr: float, epochs: int) -> Any:  # noqa: ARG002
+        """AdamW(lr); the HNAS mixing logits at ``sizes["hnas_lr"]`` when set (see
+        :mod:`attnopt.experiments._hnas_optim`: at the model's LR the weight cannot move far)."""
+        from attnopt.experiments._hnas_optim import hnas_adamw
+
+        h = cfg.sizes.get("hnas_lr")
+        return hnas_adamw(model, lr, None if h is None else float(h))
 
     def training_loss(self, model: nn.Module, batch: Any, cfg: RunConfig) -> Tensor:  # noqa: ARG002
         *views, y = batch

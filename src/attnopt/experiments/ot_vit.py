@@ -104,6 +104,9 @@ class OTViTTask(Task):
     paper = "fenchel-dual-attention"
     table = "Table 1 (LR grid, CIFAR-100) and Table 2 (Fashion-MNIST, CIFAR-10, CIFAR-100)"
     metric = "accuracy"
+    metric_unit = "%"  # evaluate() and the paper give fractions; results.md shows %
+    metric_scale = 100.0
+    paper_scale = 100.0
     description = "ViT vs OT-ViT (last layer OT-based attention, same-class template bank in training)"
     arms = {"vit": {"ot_last_layer": False}, "ot-vit": {"ot_last_layer": True}}
     default_arms = ("vit", "ot-vit")
@@ -129,6 +132,7 @@ class OTViTTask(Task):
         batch_size=64,
         sizes={"d_model": 32, "num_heads": 4, "num_layers": 2, "patch_size": 2, "dropout": 0.1},
     )
+    extra_sizes = {"train_limit": int, "bank_p": float}  # --size knobs no scale sets
     full = Scale(
         epochs=40,
         seeds=5,

@@ -203,6 +203,7 @@ class PretrainFinetuneTask(Task):
     paper = "doubly-normalized-attention"
     table = "Table 3, Fig. 4 (HNAS weight per layer)"
     metric = "pair_accuracy"
+    metric_unit = "%"
     arms = {"lnas": {"attention": "lnas"}, "hnas": {"attention": "hnas"}}
     default_arms = ("lnas", "hnas")
     lr_grid = (2e-3,)
@@ -213,6 +214,7 @@ class PretrainFinetuneTask(Task):
                          "max_train": 1000, "finetune_epochs": 4})
     # full: sized so that both arms x 5 seeds fit an hour on a quiet 2-core CPU (module docstring,
     # "Runtime"); 4 layers are kept for Fig. 4's depth trend
+    extra_sizes = {"max_finetune": int, "hnas_lr": float}  # --size knobs no scale sets
     full = Scale(epochs=12, seeds=5, batch_size=32,
                  sizes={"d_model": 64, "num_heads": 4, "layers": 4, "seq_len": 64, "n_modules": 12,
                         "finetune_epochs": 5})
@@ -271,6 +273,14 @@ class PretrainFinetuneTask(Task):
         inputs, labels = ngram_mask(batch["ids"], vocab_size=int(batch["vocab_size"]),
                                     generator=generator)
         return {**batch, "inputs": inputs, "labels": labels}
+
+    def configure_optimizers(self, model: nn.Module, cfg: RunConfig, lr: float, epochs: int) -> Any:  # noqa: ARG002
+        """AdamW(lr); the HNAS mixing logits at ``sizes["hnas_lr"]`` when set (see
+        :mod:`attnopt.experiments._hnas_optim`: at the model's LR the weight cannot move far)."""
+        from attnopt.experiments._hnas_optim import hnas_adamw
+
+        h = cfg.sizes.get("hnas_lr")
+        return hnas_adamw(model, lr, None if h is None else float(h))
 
     def training_loss(self, model: nn.Module, batch: dict[str, Any], cfg: RunConfig) -> Tensor:  # noqa: ARG002
         if batch["stage"] == "pretrain":

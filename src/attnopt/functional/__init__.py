@@ -11,7 +11,7 @@ from attnopt.functional.doubly_normalized import (
     hybrid_normalized_attention,
     hybrid_normalized_weights,
 )
-from attnopt.functional.entmax import entmax, sparsemax
+from attnopt.functional.entmax import entmax, entmax15, entmax_bisect, sparsemax
 from attnopt.functional.generalized import generalized_attention, generalized_weights
 from attnopt.functional.kernel import kernel_attention, kernel_weights
 from attnopt.functional.losses import entmax_loss, sparsemax_loss, tsallis_negentropy
@@ -30,6 +30,8 @@ __all__ = [
     "cpu_compiler",
     "inductor_available",
     "entmax",
+    "entmax15",
+    "entmax_bisect",
     "sparsemax",
     "entmax_loss",
     "sparsemax_loss",

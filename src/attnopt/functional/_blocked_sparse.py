@@ -9,8 +9,9 @@ Backward: recompute the block's scores and ``p`` from ``θ`` (no iteration), the
           dQ = dS\,K\,\mathrm{scale},\quad dK \mathrel{+}= dS^\top Q\,\mathrm{scale}
 
 Saved for backward: ``q, k, v``, the (non-differentiated) additive mask, the locality ``β``
-and the thresholds — O(N·d) memory besides one block of scores at a time. A GPU/Triton
-kernel can replace :func:`blocked_sparse_attention` behind the same signature (not built).
+and the thresholds — O(N·d) memory besides one block of scores at a time. On GPUs the Triton
+kernels of :mod:`attnopt.functional.triton.sparse` do the same blockwise (routed by
+``regularized_attention``).
 """
 from __future__ import annotations
 

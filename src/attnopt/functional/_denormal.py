@@ -44,9 +44,12 @@ def flush_denormal_on() -> bool:
 
 
 @contextmanager
-def flush_denormal() -> Iterator[None]:
-    """Flush subnormals to zero inside the block (this thread); the previous mode is restored."""
-    if flush_denormal_on():
+def flush_denormal(x: Tensor | None = None) -> Iterator[None]:
+    """Flush subnormals to zero inside the block (this thread); the previous mode is restored.
+
+    A no-op while ``torch.compile`` traces (the mode is a CPU thread state, not a graph op; reading
+    it would break the graph) and where ``x`` (the kernel's input) is not a CPU tensor."""
+    if torch.compiler.is_compiling() or (x is not None and not x.is_cpu) or flush_denormal_on():
         yield
         return
     switched = torch.set_flush_denormal(True)  # False (and no change) where unsupported

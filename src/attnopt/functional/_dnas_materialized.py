@@ -19,7 +19,10 @@ DNAS (K = 1) is therefore one column softmax, one row division and one matmul. A
 first column step every column has an entry ``>= 1/Nq``, so later sums stay ``>= 1/(Nq·Nk)``;
 only the *first* row sum ``σ_i = Σ_j ξ_ij`` can underflow (a row dominated by other rows in
 every column). When a row that has an admissible key gets ``σ_i < tiny·2^40``, the whole
-call is recomputed in the log domain (same result, no underflow) — rare, never silent.
+call is recomputed in the log domain (same result, no underflow) — rare, never silent. That
+test reads a value on the host, so it runs only for CPU tensors outside ``torch.compile``
+(:func:`attnopt._validation.host_readable`); elsewhere (a GPU, meta / fake tensors, a compiled
+graph) the log-domain form always runs, in one node with no host sync and no chunk loop.
 
 Backward (log-domain derivation; ``E_k = exp(T_k)`` is the matrix after step ``k``): with
 ``G = P ⊙ dP`` and ``dP = dO Vᵀ``, for ``k = 2K … 1``: ``G ← G − E_k ⊙ Σ_{dim_k} G``; then
@@ -41,7 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnopt._validation import additive_mask
+from attnopt._validation import additive_mask, host_readable
 from attnopt.functional import _dnas_fused, _dnas_native, dispatch
 from attnopt.functional._autograd import records_graph, refuse_double_backward
 from attnopt.functional._dnas_fused import _INSTEAD, _reduce_to, fused_sinkhorn
@@ -80,7 +83,7 @@ def _softmax_zero_empty(s: Tensor, dim: int, masked: bool) -> Tensor:
     if not masked:
         return torch.softmax(s, dim)
     dead = torch.isneginf(s.amax(dim, keepdim=True))
-    if not bool(dead.any()):
+    if host_readable(dead) and not bool(dead.any()):  # a CPU shortcut; elsewhere the masked form
         return torch.softmax(s, dim)
     return torch.softmax(s.masked_fill(dead, 0.0), dim).masked_fill_(dead, 0.0)
 
@@ -102,6 +105,9 @@ def _log_domain(s: Tensor, iterations: int) -> list[Tensor]:
 
 def _sinkhorn_forward(s: Tensor, masked: bool, iterations: int) -> tuple[Tensor, Tensor, list[Tensor]]:
     """``(P, σ, mids)``: ``mids = [E_1 … E_2K-1]``, or ``[]`` when K = 1 and ``E_1 = P σ``."""
+    if not host_readable(s):  # no host read off the CPU: the log domain, exact for every row
+        steps = _log_domain(s, iterations)
+        return steps[-1], torch.ones_like(steps[-1][..., :1]), steps[:-1]
     e = _softmax_zero_empty(s, -2, masked)
     sigma = e.sum(-1, keepdim=True)
     thr = torch.finfo(e.dtype).tiny * 2.0**40
@@ -217,6 +223,9 @@ def materialized_sinkhorn_attention(
     entries = nq * nk
     for n in batch:
         entries *= n
+    if not host_readable(qkv[0]):  # off the CPU / compiling: one node, log domain, no host read
+        off: Tensor = _MaterializedSinkhorn.apply(*qkv, wc, m, is_causal, scale, iterations)
+        return off.to(orig)
     if entries <= NO_GRAD_MAX_ENTRIES and m is None and not (is_causal and nk > nq) \
             and not records_graph(*qkv, wc):
         plain = _no_grad_forward(qkv[0], qkv[1], qkv[2], wc, is_causal, scale, iterations)

@@ -121,6 +121,7 @@ class _NativeSinkhorn(torch.autograd.Function):
     """DNAS (``w is None``) or HNAS, K = 1, on contiguous 4-D ``(B, H, N, ·)`` float32 inputs."""
 
     @staticmethod
+    @_native.untraced
     def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, causal: bool,
         scale: float, lib: ctypes.CDLL, info: list[bool],
@@ -163,6 +164,7 @@ class _NativeSinkhorn(torch.autograd.Function):
         return out.view(b, h, nq, dv)
 
     @staticmethod
+    @_native.untraced
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         refuse_double_backward(ctx, "DNAS/HNAS (native C path)", "use *_normalized_weights(...) @ v")
         qs, k3, v3, wv, full, m, beta, u, alpha, binv = ctx.saved_tensors
@@ -198,6 +200,7 @@ class _NativeSinkhorn(torch.autograd.Function):
                 None, None, None, None, None)
 
 
+@_native.untraced
 def no_grad_small(
     lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, causal: bool, scale: float,
 ) -> Tensor | None:

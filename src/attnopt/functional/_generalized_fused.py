@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnopt._validation import broadcast_shapes
+from attnopt._validation import broadcast_shapes, host_readable
 from attnopt.functional import _generalized_native
 from attnopt.functional._autograd import refuse_double_backward
 from attnopt.functional._denormal import flush_denormal
@@ -53,8 +53,15 @@ _fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def _chunks(b: int, h: int, block: int) -> Iterator[tuple[slice, slice]]:
-    """(batch, head) slices covering ``b × h`` with about ``CHUNK_BYTES / block`` score blocks each."""
+def _chunks(b: int, h: int, block: int, on_host: bool = True) -> Iterator[tuple[slice, slice]]:
+    """(batch, head) slices covering ``b × h`` with about ``CHUNK_BYTES / block`` score blocks each.
+
+    One chunk (the whole batch) unless ``on_host`` (a CPU tensor outside ``torch.compile``): the
+    cache-sized chunks are a CPU optimization; on another device they would be a Python loop over
+    batch × heads (a kernel launch per op per chunk)."""
+    if not on_host:
+        yield slice(0, b), slice(0, h)
+        return
     per = max(1, CHUNK_BYTES // max(block, 1))
     if per >= h:
         nb = per // h
@@ -104,14 +111,15 @@ class _BiasedSoftmax(torch.autograd.Function):
         # recompute only where its matmul is cheap: at d = 16 (B·H = 128, N = 512) it cut the node
         # from 2.1× to 1.8× SDPA; at d = 64 (B·H = 64, N = 512) saving was as fast (1.24× vs 1.29×)
         save = b * h * block <= SAVE_BYTES or d >= 64
-        chunks = list(_chunks(b, h, block))
+        on_host = host_readable(q)
+        chunks = list(_chunks(b, h, block, on_host))
         rows = max(_flat(bs, hs, h).stop - _flat(bs, hs, h).start for bs, hs in chunks)
         p = q.new_empty(b, h, nq, nk) if save else q.new_empty(rows, nq, nk)
         out = q.new_empty(b, h, nq, dv)
         q3, k3, v3 = qs.view(b * h, nq, d), k.view(b * h, nk, d), v.view(b * h, nk, dv)
         p3, o3 = p.view(-1, nq, nk), out.view(b * h, nq, dv)
         be = bias.expand(b, h, nq, nk)
-        with flush_denormal():
+        with flush_denormal(q):
             for bs, hs in chunks:
                 f = _flat(bs, hs, h)
                 s = p3[f] if save else p3[: f.stop - f.start]
@@ -123,7 +131,12 @@ class _BiasedSoftmax(torch.autograd.Function):
         # One sum (a non-finite total also when it merely overflows: then nothing is found below);
         # isnan().any() was 30× slower
         dead = None
-        if not math.isfinite(float(out.sum())):
+        if not on_host:  # no host read: rows with no admissible key selected on the device
+            dead = torch.isneginf(bias.amax(-1, keepdim=True)).expand(b, h, nq, 1)
+            if save:
+                p.masked_fill_(dead, 0.0)
+            out.masked_fill_(dead, 0.0)
+        elif not math.isfinite(float(out.sum())):
             top = bias.amax(-1, keepdim=True)
             if not bool(top.max() < float("inf")):
                 raise ValueError("log_preference must not contain NaN or +inf (-inf masks a key)")
@@ -154,12 +167,12 @@ class _BiasedSoftmax(torch.autograd.Function):
         # a bias of the full batch shape (B = 1 with a (1, H, …) T5 bias): dS is written into its
         # gradient directly, no copy
         own = gb is not None and tuple(bshape[:2]) == (b, h)
-        chunks = list(_chunks(b, h, nq * nk * qs.element_size()))
+        chunks = list(_chunks(b, h, nq * nk * qs.element_size(), host_readable(qs)))
         rows = max(_flat(bs, hs, h).stop - _flat(bs, hs, h).start for bs, hs in chunks)
         scratch = gb.view(bh, nq, nk) if own and gb is not None else qs.new_empty(rows, nq, nk)  # dS
         p3 = p.view(bh, nq, nk) if p is not None else qs.new_empty(rows, nq, nk)  # recomputed per chunk
         be = None if bias is None else bias.expand(b, h, nq, nk)
-        with flush_denormal():
+        with flush_denormal(qs):
             for bs, hs in chunks:
                 f = _flat(bs, hs, h)
                 if be is None:

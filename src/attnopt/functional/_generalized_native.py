@@ -147,6 +147,7 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
     or (``toeplitz``) contiguous per-offset values (H|1, Nq + Nk − 1) of a bias (1, H|1, Nq, Nk)."""
 
     @staticmethod
+    @_native.untraced
     def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float, lib: ctypes.CDLL,
         toeplitz: bool,
@@ -212,6 +213,7 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
         return out.view(b, h, nq, dv)
 
     @staticmethod
+    @_native.untraced
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         refuse_double_backward(ctx, "generalized_attention (fused bias)", "use generalized_weights(...) @ v")
         qs, k, v, p, out, bias, mx, rinv = ctx.saved_tensors
@@ -399,6 +401,7 @@ class _FusedBiasedSoftmax(torch.autograd.Function):
     bucket table ``(num_buckets, H)`` with ``buckets (Nq + Nk − 1,)``."""
 
     @staticmethod
+    @_native.untraced
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, src: Tensor, cfg: _FusedConfig) -> Tensor:
         kind, buckets, scale, (fwd, _, gather), gemm, set_threads = cfg
         b, h, nq, d = q.shape
@@ -444,6 +447,7 @@ class _FusedBiasedSoftmax(torch.autograd.Function):
         return out
 
     @staticmethod
+    @_native.untraced
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         refuse_double_backward(ctx, "generalized_attention (fused bias)", "use generalized_weights(...) @ v")
         kind, _, scale, (_, bwd, _), gemm, set_threads = ctx.cfg

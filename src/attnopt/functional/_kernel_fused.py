@@ -72,6 +72,7 @@ _F64P = ctypes.c_double
 _I64 = ctypes.c_int64
 
 
+@_native.untraced
 def _magnitude_native(
     k: Tensor, p: float, scale: float, grad: bool, cap: float
 ) -> tuple[Tensor, Tensor | None, Tensor | None] | None:
@@ -459,6 +460,7 @@ class _FusedFourier(torch.autograd.Function):
     """
 
     @staticmethod
+    @_native.untraced
     def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, w: Tensor, kw: Tensor | None, mask: Tensor | None,
         eps: float, coef: float, nsets: int, p: float | None, scale: float,
@@ -527,6 +529,7 @@ class _FusedFourier(torch.autograd.Function):
         return out
 
     @staticmethod
+    @_native.untraced
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         if double_backward(ctx):  # the closed form below uses untracked intermediates
             raise RuntimeError(
@@ -710,6 +713,7 @@ class _WholeFourier(torch.autograd.Function):
     broadcast to it, ``mask (…, Nk)`` additive without gradient or None."""
 
     @staticmethod
+    @_native.untraced
     def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, points: Tensor, mask: Tensor | None, eps: float,
         coef: float, nsets: int, p: float | None, scale: float, cfg: _WholeConfig,
@@ -751,6 +755,7 @@ class _WholeFourier(torch.autograd.Function):
         return out if q.shape[:-2] else out.view(nq, dv)
 
     @staticmethod
+    @_native.untraced
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         if double_backward(ctx):  # the closed form below uses untracked intermediates
             raise RuntimeError(

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnopt._validation import broadcast_shapes
+from attnopt._validation import broadcast_shapes, host_readable
 from attnopt.functional._autograd import refuse_double_backward
 from attnopt.functional._denormal import flush_denormal
 from attnopt.functional._periodic_native import library, native_periodic_attention
@@ -74,8 +74,13 @@ def periodic_fused_ok(c: float, dtype: torch.dtype, attn_mask: Tensor | None) ->
     return c <= MAX_C.get(dtype, 0.0) and (attn_mask is None or not attn_mask.requires_grad)
 
 
-def _chunks(bh: int, block: int) -> Iterator[slice]:
-    per = max(1, CHUNK_BYTES // max(block, 1))
+def _per_chunk(bh: int, block: int, on_host: bool) -> int:
+    """Heads per chunk: L2-sized on CPU, all of them elsewhere (no Python loop over B·H off the CPU)."""
+    return min(bh, max(1, CHUNK_BYTES // max(block, 1))) if on_host else max(bh, 1)
+
+
+def _chunks(bh: int, block: int, on_host: bool = True) -> Iterator[slice]:
+    per = _per_chunk(bh, block, on_host)
     for b0 in range(0, bh, per):
         yield slice(b0, min(bh, b0 + per))
 
@@ -128,11 +133,11 @@ class _FusedPeriodic(torch.autograd.Function):
         if save:
             th_buf, w_buf = q.new_empty(bh, nq, nk), q.new_empty(bh, nq, nk)
         else:
-            per = min(bh, max(1, CHUNK_BYTES // max(block, 1)))
+            per = _per_chunk(bh, block, host_readable(q))
             th_buf, w_buf = q.new_empty(per, nq, nk), q.new_empty(per, nq, nk)
         out, den = q.new_empty(bh, nq, dv), q.new_empty(bh, nq, 1)
-        with flush_denormal():
-            for f in _chunks(bh, block):
+        with flush_denormal(q):
+            for f in _chunks(bh, block, host_readable(q)):
                 part = f if save else slice(0, f.stop - f.start)
                 th, w = th_buf[part], w_buf[part]
                 _weights(w, th, qa[f], kat[f], kb[f], mask, rep, f, c)
@@ -163,13 +168,13 @@ class _FusedPeriodic(torch.autograd.Function):
         rs, cs = q.new_empty(bh, nq, 1), q.new_empty(bh, 1, nk)
         dl_sum = q.new_empty(bh, 1, nk) if need_e else None
         block = nq * nk * q.element_size()
-        per = min(bh, max(1, CHUNK_BYTES // max(block, 1)))
+        per = _per_chunk(bh, block, host_readable(q))
         dl_buf, e_buf = q.new_empty(per, nq, nk), q.new_empty(per, nq, nk)
         if th_all is None:
             th_buf = q.new_empty(per, nq, nk)
         kat, vt = ka.transpose(1, 2), v.transpose(1, 2)
-        with flush_denormal():
-            for f in _chunks(bh, block):
+        with flush_denormal(q):
+            for f in _chunks(bh, block, host_readable(q)):
                 rows = f.stop - f.start
                 dl = dl_buf[:rows]
                 if th_all is not None:

@@ -99,6 +99,7 @@ class _NativePeriodic(torch.autograd.Function):
     the output's batch dims. Gradients come back in the inputs' shapes."""
 
     @staticmethod
+    @_native.untraced
     def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, e: Tensor | None, mask: Tensor | None,
         rep: int, om2: float, c: float, s: float, save: bool, step: int, lib: ctypes.CDLL,
@@ -136,6 +137,7 @@ class _NativePeriodic(torch.autograd.Function):
         return out.view(*lead, nq, dv)
 
     @staticmethod
+    @_native.untraced
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         refuse_double_backward(ctx, "kernel_attention (fused Expsin)",
                                "use kernel_weights(q, k, kernel=...) @ v")

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from attnopt import _native
 
-__all__ = ["backward", "forward", "usable"]
+__all__ = ["backward", "forward", "forward_status", "usable"]
 
 _LIB = "sparse_maps"
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
@@ -63,21 +63,15 @@ has_storage = _native.has_storage
 _ptr = _native.pointer
 
 
-def forward(
+@_native.untraced
+def forward_status(
     x: Tensor, alpha: float, max_iter: int, *, in_place: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(p, θ, redo)`` of sparsemax (``alpha = 2``) or 1.5-entmax along the last dim of ``x``.
+    """``(p, θ, status)``: :func:`forward`'s C call, with one int8 ``status`` per row (0 settled,
+    1 not settled within ``max_iter`` sweeps, 2 NaN / ``+inf``) instead of the ``redo`` index.
 
-    ``in_place=True`` writes ``p`` over a contiguous ``x`` (the kernels read each entry of a row
-    before writing it, and later sweeps read only ``p``); the ``redo`` rows then hold a shifted
-    copy of their input, not the input.
-
-    ``θ`` (shape ``(..., 1)``) is the threshold of :func:`attnopt.functional.entmax._map_from_threshold`:
-    ``p = [(α−1)(x − max x) − θ]₊^{1/(α−1)}``. ``redo`` holds the flat indices of the rows whose
-    search did not settle (their ``p`` and ``θ`` are to be recomputed by the caller).
-
-    Raises:
-        ValueError: NaN or ``+inf`` in ``x``.
+    The body of the ``attnopt::sparse_map_fwd`` op (:mod:`._sparse_ops`): no host read, output
+    shapes from the input shape alone.
     """
     lib = _native.library(_LIB)
     assert lib is not None and x.dtype in _SUFFIX
@@ -100,6 +94,26 @@ def forward(
         fn(*args, ctypes.c_int64(n), ctypes.c_int64(max_iter))
 
     _native.parallel_rows(call, rows, n)
+    return p, theta, status
+
+
+def forward(
+    x: Tensor, alpha: float, max_iter: int, *, in_place: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(p, θ, redo)`` of sparsemax (``alpha = 2``) or 1.5-entmax along the last dim of ``x``.
+
+    ``in_place=True`` writes ``p`` over a contiguous ``x`` (the kernels read each entry of a row
+    before writing it, and later sweeps read only ``p``); the ``redo`` rows then hold a shifted
+    copy of their input, not the input.
+
+    ``θ`` (shape ``(..., 1)``) is the threshold of :func:`attnopt.functional.entmax._map_from_threshold`:
+    ``p = [(α−1)(x − max x) − θ]₊^{1/(α−1)}``. ``redo`` holds the flat indices of the rows whose
+    search did not settle (their ``p`` and ``θ`` are to be recomputed by the caller).
+
+    Raises:
+        ValueError: NaN or ``+inf`` in ``x``.
+    """
+    p, theta, status = forward_status(x, alpha, max_iter, in_place=in_place)
     worst = int(status.max())  # one reduction for the common all-settled case
     if worst == 2:
         raise ValueError("scores must not contain NaN or +inf (use -inf to mask an entry)")
@@ -108,6 +122,7 @@ def forward(
     return p, theta, (status == 1).nonzero().view(-1)
 
 
+@_native.untraced
 def backward(p: Tensor, grad: Tensor, alpha: float) -> Tensor:
     """``s ⊙ (g − ⟨s, g⟩/⟨s, 1⟩)`` along the last dim (``s = √p``, or ``1_{p>0}`` for ``alpha = 2``)."""
     lib = _native.library(_LIB)

@@ -32,7 +32,14 @@ every size (:data:`._sparse_attention_fused.NO_GRAD_MIN_ENTRIES`). ``last_dispat
 ``"materialized"`` for them.
 
 The choice of the last call is observable: :data:`last_dispatch` maps a mechanism name to
-``"materialized"`` or ``"streaming"``.
+``"materialized"`` or ``"streaming"`` — or, inside :func:`backend`, to ``"reference"`` (the plain
+PyTorch reference ran: ``backend("reference")``; no C kernel runs anywhere in such a block) or
+``"cpu"`` (``backend("cpu")``: the CPU kernels and fast paths as ``auto`` picks them; tensors
+off the CPU are refused) — or ``"triton"`` when the GPU kernels of :mod:`attnopt.functional.triton`
+ran (CUDA tensors with Triton installed, or ``backend("triton")``).
+
+Off the CPU (and while ``torch.compile`` traces) the same routers run device-agnostic code with
+no host sync: see :func:`attnopt._validation.host_readable`.
 """
 from __future__ import annotations
 
@@ -42,9 +49,11 @@ from typing import Literal
 
 import torch
 
+from attnopt import _backend as _backend_cell
+
 __all__ = [
     "BACKENDS", "Backend", "Impl", "CROSSOVERS", "backend", "check_impl", "choose_impl",
-    "current_backend", "last_dispatch",
+    "current_backend", "last_dispatch", "record", "use_reference",
 ]
 
 Impl = Literal["auto", "materialized", "streaming"]
@@ -55,8 +64,9 @@ Impl = Literal["auto", "materialized", "streaming"]
 Backend = Literal["auto", "reference", "cpu", "triton"]
 BACKENDS: tuple[str, ...] = ("auto", "reference", "cpu", "triton")
 
-# a module-level cell (not a ContextVar): torch.compile guards on it like any global
-_BACKEND: list[str] = ["auto"]
+# a module-level cell (not a ContextVar): torch.compile guards on it like any global; it lives in
+# attnopt._backend so that attnopt._native can switch the C kernels off under "reference"
+_BACKEND: list[str] = _backend_cell.BACKEND
 
 
 def current_backend() -> str:
@@ -158,6 +168,32 @@ def choose_impl(
 
 
 def record(mechanism: str, path: str) -> str:
-    """Store ``path`` in :data:`last_dispatch` and return it."""
-    last_dispatch[mechanism] = path
+    """Store ``path`` in :data:`last_dispatch` and return it (under ``backend("cpu")`` /
+    ``backend("reference")`` the entry names the backend; the returned path is the size class
+    the caller branches on)."""
+    name = _BACKEND[0]
+    last_dispatch[mechanism] = name if name in ("cpu", "reference") else path
     return path
+
+
+def use_reference(mechanism: str, x: torch.Tensor) -> bool:
+    """Whether ``mechanism`` must run its plain-PyTorch reference now (``backend("reference")``);
+    records ``"reference"`` then. Under ``backend("cpu")`` a tensor off the CPU is an error.
+
+    Every public op asks this first, before any size or device rule of its router.
+
+    Raises:
+        ValueError: ``backend("cpu")`` with ``x`` not on the CPU.
+    """
+    name = _BACKEND[0]
+    if name == "reference":
+        last_dispatch[mechanism] = "reference"
+        return True
+    if name == "cpu":
+        if x.device.type != "cpu":
+            raise ValueError(
+                f"attnopt.backend('cpu') runs the CPU kernels, but {mechanism} got tensors on {x.device}; "
+                "use backend('reference') or 'auto' there"
+            )
+        last_dispatch[mechanism] = "cpu"
+    return False

@@ -36,7 +36,9 @@ Dispatch (``_run_passes``): on CPU, PyTorch's fused flash kernel
 ``aten._scaled_dot_product_flash_attention_for_cpu`` (all floating dtypes), with the
 hand-fused backward of :mod:`._flash_cpu`; elsewhere, the blocked pure-PyTorch passes of
 :mod:`._sinkhorn_chunked` (half precision computed in float32), which also serves
-``is_causal`` with ``Nq != Nk`` on CPU. A GPU (Triton / FlexAttention) backend slots in there.
+``is_causal`` with ``Nq != Nk`` on CPU. On CUDA tensors with Triton installed (or under
+``attnopt.backend("triton")``) the Triton kernels of :mod:`attnopt.functional.triton.doubly_normalized`
+run instead (``last_dispatch`` says ``"triton"``).
 """
 from __future__ import annotations
 
@@ -45,19 +47,22 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnopt._validation import (
-    _values,
     additive_mask,
     causal_additive_mask,
     check_attention_inputs,
+    device_assert,
     empty_attention,
+    host_values,
     resolve_scale,
     validate_attention,
 )
 from attnopt.functional import _dn_prefix as prefix
 from attnopt.functional import _flash_cpu as fc
 from attnopt.functional import dispatch
+from attnopt.functional import triton as gpu
 from attnopt.functional._autograd import under_transform
 from attnopt.functional._dnas_materialized import dispatched_sinkhorn
+from attnopt.functional._dropout import check_dropout_p, dropout_attention
 from attnopt.functional._sinkhorn_chunked import chunked_attn_pass, chunked_lse_pass
 from attnopt.functional._softmax import safe_logsumexp, safe_softmax
 from attnopt.functional.generalized import generalized_attention
@@ -181,6 +186,18 @@ def _run_passes(
     return attend(g)
 
 
+def _on_triton(
+    mech: str, q: Tensor, k: Tensor, v: Tensor, iterations: int, weight: Tensor | None,
+    attn_mask: Tensor | None, scale: float, is_causal: bool,
+) -> Tensor:
+    """The Triton kernels (:mod:`attnopt.functional.triton.doubly_normalized`), imported on first use."""
+    from attnopt.functional.triton.doubly_normalized import sinkhorn_attention
+
+    dispatch.record(mech, "triton")
+    return sinkhorn_attention(q, k, v, iterations=iterations, weight=weight, attn_mask=attn_mask,
+                              scale=scale, is_causal=is_causal)
+
+
 def _lnas(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, scale: float, is_causal: bool) -> Tensor:
     return generalized_attention(q, k, v, attn_mask=attn_mask, scale=scale, is_causal=is_causal)
 
@@ -213,6 +230,7 @@ def doubly_normalized_attention(
     scale: float | None = None,
     is_causal: bool = False,
     causal: prefix.Causal | None = None,
+    dropout_p: float = 0.0,
     impl: dispatch.Impl = "auto",
 ) -> Tensor:
     r"""Doubly-normalized attention (DNAS) and Sinkhorn-K, doubly-normalized-attention eq. (6)–(8), (10).
@@ -253,6 +271,12 @@ def doubly_normalized_attention(
             column normalization runs over every query — under ``is_causal`` row ``i`` reads the
             queries after ``i`` (not autoregressive; for analysis). ``None`` (default):
             ``"prefix"`` if ``is_causal`` else ``"plan"``.
+        dropout_p: dropout probability on the weights ``π`` before the sum over values (as in
+            SDPA: applied whenever > 0, the modules pass 0 in ``eval()``). A call with
+            ``dropout_p > 0`` runs on the materialized ``Nq × Nk`` weights (plain PyTorch ops,
+            :mod:`._dropout`; ``impl`` is then ignored and ``last_dispatch`` says
+            ``"materialized"``; with the
+            prefix variant the dropout falls on its weights).
         impl: ``"streaming"`` (the O(N)-memory passes above), ``"materialized"`` (one fused
             pass over the ``Nq × Nk`` scores, :mod:`._dnas_materialized`; fastest at short
             sequences) or ``"auto"`` (by size, :func:`attnopt.functional.dispatch.choose_impl`;
@@ -277,23 +301,37 @@ def doubly_normalized_attention(
     alpha = resolve_scale(scale, q.shape[-1])
     dispatch.check_impl(impl)
     use_prefix = _use_prefix(causal, is_causal, impl, iterations)
+    dropout_p = check_dropout_p(dropout_p)
     empty = empty_attention(q, k, v)
     if empty is not None:
         return empty
-    if iterations == 0:
+    if dropout_p > 0.0:  # the streaming / fused passes never hold π: drop on the materialized weights
+        name = "doubly_normalized" if iterations == 1 else "sinkhorn"
+        if use_prefix:
+            dispatch.record(name, "prefix")
+            weights = prefix.prefix_weights(q, k, iterations=iterations, attn_mask=attn_mask, scale=alpha,
+                                            is_causal=is_causal)
+        else:
+            dispatch.record(name, "materialized")
+            weights = _weights(q, k, iterations, attn_mask, alpha, is_causal)
+        return dropout_attention(weights, v, dropout_p, q.dtype)
+    mech = {0: "lnas", 1: "doubly_normalized"}.get(iterations, "sinkhorn")
+    reference = dispatch.use_reference(mech, q)
+    if iterations == 0 and not reference:
         return _lnas(q, k, v, attn_mask, alpha, is_causal)
     if use_prefix:
         dispatch.record("doubly_normalized" if iterations == 1 else "sinkhorn", "prefix")
         return prefix.prefix_attention(q, k, v, iterations=iterations, attn_mask=attn_mask, scale=alpha,
                                        is_causal=is_causal)
-    if under_transform() or q.is_meta or (isinstance(attn_mask, Tensor) and attn_mask.requires_grad
-                                          and torch.is_grad_enabled()):
+    if reference or under_transform() or q.is_meta or (
+            isinstance(attn_mask, Tensor) and attn_mask.requires_grad and torch.is_grad_enabled()):
         # torch.func transforms (the fused Functions have no vmap rule and are ctx-style), meta tensors
         # (the fused paths read values) and a differentiable mask: the materialized weights in plain
         # ops (as SDPA's math kernel does)
         w = _weights(q, k, iterations, attn_mask, alpha, is_causal)
         return torch.matmul(w, v.to(w.dtype)).to(q.dtype)
-    mech = "doubly_normalized" if iterations == 1 else "sinkhorn"
+    if gpu.wanted(q):  # the Triton kernels (attnopt.functional.triton): CUDA, or backend("triton")
+        return _on_triton(mech, q, k, v, iterations, None, attn_mask, alpha, is_causal)
     fused = dispatched_sinkhorn(mech, q, k, v, iterations, None, attn_mask, alpha, is_causal, impl)
     if fused is not None:
         return fused
@@ -380,11 +418,13 @@ def _check_weight(weight: Tensor, q: Tensor) -> Tensor:
             f"got shape {tuple(weight.shape)}"
         )
     if weight.numel():
-        values = _values(weight)  # under torch.func: the values under the wrappers (all of vmap's batch)
-        low, high = torch.aminmax(weight.detach() if values is None else values.detach())
-        # one op: NaN fails both comparisons below; meta tensors have no values to check
-        if values is not None and not (0.0 <= float(low) and float(high) <= 1.0):
-            raise ValueError("weight must lie in [0, 1]")
+        values = host_values(weight)  # under torch.func: the values under the wrappers (all of vmap's batch)
+        if values is None:  # off the CPU, compiling, meta: the VALUE_CHECKS policy
+            device_assert(weight, lambda t: ((t >= 0) & (t <= 1)).all(), "weight must lie in [0, 1]")
+        else:
+            low, high = torch.aminmax(values.detach())  # one op: NaN fails both comparisons below
+            if not (0.0 <= float(low) and float(high) <= 1.0):
+                raise ValueError("weight must lie in [0, 1]")
     return w
 
 
@@ -399,6 +439,7 @@ def hybrid_normalized_attention(
     scale: float | None = None,
     is_causal: bool = False,
     causal: prefix.Causal | None = None,
+    dropout_p: float = 0.0,
     impl: dispatch.Impl = "auto",
 ) -> Tensor:
     r"""Hybrid normalized attention (HNAS), doubly-normalized-attention Sec. 6.
@@ -416,6 +457,8 @@ def hybrid_normalized_attention(
         q, k, v, attn_mask, scale, is_causal, causal: as :func:`doubly_normalized_attention`;
             ``causal="prefix"`` (the default with ``is_causal``) mixes the autoregressive
             doubly-normalized rows with the causal softmax (LNAS), so HNAS is autoregressive too.
+        dropout_p: dropout on the mixed weights ``w π^DNAS + (1 − w) π^LNAS`` (as
+            :func:`doubly_normalized_attention`: materialized when > 0).
         weight: mixing weight ``w`` in [0, 1]: a 0-d tensor or one value per head ``(H,)``.
         iterations: Sinkhorn steps of the doubly-normalized term (default 1 = DNAS).
         impl: ``"materialized"`` shares one score matrix between both terms and mixes the
@@ -433,6 +476,7 @@ def hybrid_normalized_attention(
     validate_attention(q, k, v, attn_mask)
     w = _check_weight(weight, q)
     dispatch.check_impl(impl)
+    dropout_p = check_dropout_p(dropout_p)
     empty = empty_attention(q, k, v, weight)
     if empty is not None:
         _use_prefix(causal, is_causal, impl, _check_iterations(iterations))
@@ -440,14 +484,29 @@ def hybrid_normalized_attention(
     iterations = _check_iterations(iterations)
     if _use_prefix(causal, is_causal, impl, iterations):
         dispatch.record("hybrid_normalized", "prefix")
+        if dropout_p > 0.0:
+            mixed = prefix.prefix_weights(q, k, iterations=iterations, attn_mask=attn_mask,
+                                          scale=resolve_scale(scale, q.shape[-1]), is_causal=is_causal,
+                                          weight=w)
+            return dropout_attention(mixed, v, dropout_p, q.dtype)
         return prefix.prefix_attention(q, k, v, iterations=iterations, attn_mask=attn_mask,
                                        scale=resolve_scale(scale, q.shape[-1]), is_causal=is_causal, weight=w)
-    if under_transform() or q.is_meta:  # torch.func, meta: plain ops (see doubly_normalized_attention)
+    if dropout_p > 0.0:  # dropout on the mixed, materialized weights (see doubly_normalized_attention)
+        alpha = resolve_scale(scale, q.shape[-1])
+        dn = _weights(q, k, iterations, attn_mask, alpha, is_causal)
+        mixed = torch.lerp(_weights(q, k, 0, attn_mask, alpha, is_causal), dn, w.to(dn.dtype))
+        dispatch.record("hybrid_normalized", "materialized")
+        return dropout_attention(mixed, v, dropout_p, q.dtype)
+    # the reference backend, torch.func, meta: plain ops (see doubly_normalized_attention)
+    if dispatch.use_reference("hybrid_normalized", q) or under_transform() or q.is_meta:
         alpha = resolve_scale(scale, q.shape[-1])
         dn = _weights(q, k, iterations, attn_mask, alpha, is_causal)
         mixed = torch.lerp(_weights(q, k, 0, attn_mask, alpha, is_causal), dn, w.to(dn.dtype))
         return torch.matmul(mixed, v.to(mixed.dtype)).to(q.dtype)
     grad_mask = isinstance(attn_mask, Tensor) and attn_mask.requires_grad and torch.is_grad_enabled()
+    if iterations >= 1 and not grad_mask and gpu.wanted(q):
+        return _on_triton("hybrid_normalized", q, k, v, iterations, w, attn_mask,
+                          resolve_scale(scale, q.shape[-1]), is_causal)
     if iterations >= 1 and not grad_mask:
         fused = dispatched_sinkhorn("hybrid_normalized", q, k, v, iterations, w, attn_mask,
                                     resolve_scale(scale, q.shape[-1]), is_causal, impl)

@@ -22,6 +22,10 @@ How it is computed (no fixed iteration count hiding error):
   Large contiguous CPU inputs (last dim) take :mod:`attnopt.functional._entmax15_passes`
   instead: the same closed form from a group-max guess, verified in a second pass, with reruns
   and this dense search for the rows it rejects — two streaming passes per cache block.
+* α = 1.5 and 2 off the CPU (a GPU, meta / fake tensors, inside ``torch.compile``): the
+  sort-based closed forms of :mod:`attnopt.functional._sparse_sort` (exact, no host sync, a
+  fixed op count); other α there run the Newton search below for exactly ``max_iter``
+  iterations with converged slices frozen (the same result as stopping early; no warning).
 * α = 1.5 and 2 along the last dim of float32/float64 CPU tensors: the C kernels of
   :mod:`attnopt.functional._sparse_native` (same closed forms, same acceptance of the support,
   a few sweeps per row in the L1 cache; forward and backward), when a C compiler is available
@@ -48,13 +52,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnopt._validation import check_tensor
+from attnopt._validation import check_tensor, device_assert, host_readable, host_values
 from attnopt.functional import _sparse_groups as _groups
 from attnopt.functional import _sparse_native as _native_maps
 from attnopt.functional._autograd import double_backward, under_transform
 from attnopt.functional._entmax15_passes import entmax15_passes
+from attnopt.functional._sparse_sort import entmax15_sort, sparsemax_sort
+from attnopt.functional.dispatch import current_backend
 
-__all__ = ["sparsemax", "entmax"]
+__all__ = ["sparsemax", "entmax", "entmax15", "entmax_bisect"]
 
 _HALF = (torch.float16, torch.bfloat16)
 _CHUNK_SPARSEMAX = 1 << 16  # entries per row block of the CPU threshold search (cache sized)
@@ -72,11 +78,23 @@ def _default_tol(dtype: torch.dtype) -> float:
 def _shift(x: Tensor, dim: int) -> tuple[Tensor, Tensor]:
     """``x − max x`` along ``dim`` and the mask of slices that are entirely ``−inf``."""
     m = x.amax(dim=dim, keepdim=True)
-    if bool((torch.isnan(m) | torch.isposinf(m)).any()):
-        raise ValueError("scores must not contain NaN or +inf (use -inf to mask an entry)")
+    _check_scores_max(m)
     empty = torch.isneginf(m)
     m = torch.where(empty, torch.zeros_like(m), m)
     return x - m, empty
+
+
+_SCORES_ERROR = "scores must not contain NaN or +inf (use -inf to mask an entry)"
+
+
+def _check_scores_max(m: Tensor) -> None:
+    """NaN / ``+inf`` in the slice maxima ``m``: a ``ValueError`` where value checks read on the
+    host (:data:`attnopt._validation.VALUE_CHECKS`), else a device-side assert or nothing."""
+    values = host_values(m)
+    if values is None:
+        device_assert(m, lambda t: ~(torch.isnan(t) | torch.isposinf(t)).all(), _SCORES_ERROR)
+    elif bool((torch.isnan(values) | torch.isposinf(values)).any()):
+        raise ValueError(_SCORES_ERROR)
 
 
 def _warn(name: str, max_iter: int, err: float) -> None:
@@ -192,7 +210,8 @@ def _entmax_general_forward(
     lo = torch.zeros(shape, dtype=xs.dtype, device=xs.device)
     hi = -torch.expm1(-e * math.log(n)) / e
     tau = lo.clone() if theta0 is None else ((theta0 + 1) / e).clamp(min=lo, max=hi)
-    big = bool((am1 >= 1).any())  # then p^{1-ε} is infinite (or 0·inf) at p = 0: mask it
+    on_host = host_readable(xs)  # else a fixed max_iter count: converged slices stay frozen below
+    big = bool((am1 >= 1).any()) if on_host else True  # p^{1-ε} infinite (or 0·inf) at p = 0: mask it
     for _ in range(max_iter):
         q = _qlog_base(xs - tau, e)
         p = torch.exp(q)
@@ -203,7 +222,7 @@ def _entmax_general_forward(
         deriv = w.sum(dim=dim, keepdim=True)
         dev = torch.where(empty, torch.zeros_like(total), total - 1)
         done = (dev.abs() <= tol) | (hi - lo <= 4 * eps_f * (1 + hi.abs()))
-        if bool(done.all()):
+        if on_host and bool(done.all()):
             break
         lo = torch.where(dev > 0, tau, lo)
         hi = torch.where(dev > 0, hi, tau)
@@ -216,10 +235,11 @@ def _entmax_general_forward(
     else:
         if not warn:  # a capped run for a lower bound: lo (where Σp ≥ 1) is one
             return xs, e * lo - 1
-        _warn("entmax", max_iter, float(dev.abs().max()))
+        if on_host:  # (off the host no warning: it would read a value)
+            _warn("entmax", max_iter, float(dev.abs().max()))
     p = torch.exp(_qlog_base(xs - tau, e))
     p = p.div_(p.sum(dim=dim, keepdim=True).clamp_min(tiny))
-    if bool((am1 == 0).any()):
+    if not on_host or bool((am1 == 0).any()):
         p = torch.where(am1 == 0, torch.softmax(xs.masked_fill(empty, 0.0), dim=dim), p)
     return p.masked_fill_(empty, 0.0), e * tau - 1
 
@@ -256,6 +276,9 @@ def _threshold_map(x: Tensor, alpha: float, dim: int, max_iter: int, tol: float)
     """
     core: Callable[[Tensor, int], tuple[Tensor, Tensor]]
     solve: _groups.Solver
+    if alpha in (1.5, 2.0) and not host_readable(x):  # a GPU, meta / fake tensors, a compiled graph
+        z, empty = _shift(x, dim)  # the sort-based closed forms: exact, no host read, fixed op count
+        return (sparsemax_sort if alpha == 2.0 else entmax15_sort)(z, empty, dim)
     if alpha == 2.0:
         core, elements = (lambda c, d: _sparsemax_forward(c, d, max_iter)), _CHUNK_SPARSEMAX
 
@@ -267,11 +290,13 @@ def _threshold_map(x: Tensor, alpha: float, dim: int, max_iter: int, tol: float)
         def solve(t: Tensor, th0: Tensor | None, cap: int | None) -> tuple[Tensor, Tensor]:
             return _entmax15_forward(t, -1, tol, cap or max_iter, th0, warn=cap is None)
     else:
-        a = torch.tensor(alpha, dtype=x.dtype, device=x.device)
+        a = torch.full((), alpha, dtype=x.dtype, device=x.device)
         core, elements = (lambda c, d: _entmax_general_forward(c, a, d, tol, max_iter)), _CHUNK
 
         def solve(t: Tensor, th0: Tensor | None, cap: int | None) -> tuple[Tensor, Tensor]:
             return _entmax_general_forward(t, a, -1, tol, cap or max_iter, th0, warn=cap is None)
+    if current_backend() == "reference":  # the plain searches above, nothing CPU-specific
+        return core(x, dim)
     if alpha in (1.5, 2.0) and _native_maps.usable(x, dim):
         p, theta, redo = _native_maps.forward(x, alpha, max_iter)
         if redo.numel():  # rows the C search did not settle: the PyTorch search (warns if it fails too)
@@ -598,15 +623,51 @@ class _EntmaxAlpha(torch.autograd.Function):
         return gx, ga, None, None, None
 
 
+class _SparsemaxTraced(torch.autograd.Function):
+    """:class:`_Sparsemax` without its ``jvp`` / ``vmap`` rules: what ``torch.compile`` traces (dynamo
+    refuses a Function with a custom ``jvp``); the same forward and closed-form backward."""
+
+    forward = staticmethod(_Sparsemax.forward)
+    setup_context = staticmethod(_Sparsemax.setup_context)
+    backward = staticmethod(_Sparsemax.backward)
+
+
+class _EntmaxTraced(torch.autograd.Function):
+    """:class:`_Entmax` for ``torch.compile`` (see :class:`_SparsemaxTraced`)."""
+
+    forward = staticmethod(_Entmax.forward)
+    setup_context = staticmethod(_Entmax.setup_context)
+    backward = staticmethod(_Entmax.backward)
+
+
+class _EntmaxAlphaTraced(torch.autograd.Function):
+    """:class:`_EntmaxAlpha` for ``torch.compile`` (see :class:`_SparsemaxTraced`)."""
+
+    forward = staticmethod(_EntmaxAlpha.forward)
+    setup_context = staticmethod(_EntmaxAlpha.setup_context)
+    backward = staticmethod(_EntmaxAlpha.backward)
+
+
+def _sparsemax_fn() -> type[torch.autograd.Function]:
+    return _SparsemaxTraced if torch.compiler.is_compiling() else _Sparsemax
+
+
+def _entmax_fn() -> type[torch.autograd.Function]:
+    return _EntmaxTraced if torch.compiler.is_compiling() else _Entmax
+
+
+def _entmax_alpha_fn() -> type[torch.autograd.Function]:
+    return _EntmaxAlphaTraced if torch.compiler.is_compiling() else _EntmaxAlpha
+
+
 def _softmax(scores: Tensor, dim: int) -> Tensor:
     """``torch.softmax`` (α = 1) with the conventions of the sparse maps: NaN/``+inf`` rejected,
     an all ``−inf`` slice gives zeros (and zero gradient), half precision computed in float32."""
     m = scores.detach().amax(dim=dim, keepdim=True)
-    if bool((torch.isnan(m) | torch.isposinf(m)).any()):
-        raise ValueError("scores must not contain NaN or +inf (use -inf to mask an entry)")
+    _check_scores_max(m)
     x = scores.to(_compute_dtype(scores.dtype))
     empty = torch.isneginf(m)
-    if bool(empty.any()):
+    if not host_readable(m) or bool(empty.any()):
         return torch.softmax(x.masked_fill(empty, 0.0), dim=dim).masked_fill(empty, 0.0).to(scores.dtype)
     return torch.softmax(x, dim=dim).to(scores.dtype)
 
@@ -629,7 +690,7 @@ def _check_iter(tol: float | None, max_iter: int, dtype: torch.dtype) -> float:
     return float(tol)
 
 
-def sparsemax(scores: Tensor, *, dim: int = -1, max_iter: int = 1000) -> Tensor:
+def sparsemax(scores: Tensor, dim: int = -1, *, max_iter: int = 1000) -> Tensor:
     r"""Euclidean projection of scores onto the simplex (sdpa-one-sided-eot Prop. 4.2).
 
     .. math:: p = \arg\max_{p \in \Delta} \langle s, p \rangle - \tfrac12 \|p\|^2 = [s - \theta]_+
@@ -638,7 +699,7 @@ def sparsemax(scores: Tensor, *, dim: int = -1, max_iter: int = 1000) -> Tensor:
 
     Args:
         scores: (..., S) real scores; ``-inf`` entries get weight 0.
-        dim: dimension that sums to one.
+        dim: dimension that sums to one (also positional, as ``entmax.sparsemax(X, dim)``).
         max_iter: safety bound on the (finitely many) support updates.
     Returns:
         (..., S) weights, non-negative, summing to 1 along ``dim``; a slice that is entirely
@@ -652,15 +713,15 @@ def sparsemax(scores: Tensor, *, dim: int = -1, max_iter: int = 1000) -> Tensor:
     _check_iter(None, max_iter, scores.dtype)
     if scores.shape[dim] == 0:
         return scores.clone()
-    out: Tensor = _Sparsemax.apply(scores, dim, max_iter)
+    out: Tensor = _sparsemax_fn().apply(scores, dim, max_iter)
     return out
 
 
 def entmax(
     scores: Tensor,
     alpha: float | Tensor = 1.5,
-    *,
     dim: int = -1,
+    *,
     tol: float | None = None,
     max_iter: int = 100,
 ) -> Tensor:
@@ -698,7 +759,10 @@ def entmax(
     if isinstance(alpha, Tensor):
         if not alpha.is_floating_point():
             raise TypeError(f"alpha must be a floating-point tensor, got {alpha.dtype}")
-        if not bool((alpha > 0).all()) or not bool(torch.isfinite(alpha).all()):
+        a_values = host_values(alpha)
+        if a_values is None:
+            device_assert(alpha, lambda t: ((t > 0) & torch.isfinite(t)).all(), "alpha must be > 0, finite")
+        elif not bool((a_values > 0).all()) or not bool(torch.isfinite(a_values).all()):
             raise ValueError("alpha must be > 0 and finite everywhere")
         try:
             full = torch.broadcast_shapes(alpha.shape, scores.shape)
@@ -711,7 +775,7 @@ def entmax(
             raise ValueError(f"alpha must have size 1 along dim={dim}, got shape {tuple(alpha.shape)}")
         if scores.shape[dim] == 0:
             return scores.clone()
-        out: Tensor = _EntmaxAlpha.apply(scores, alpha, dim, tol_, max_iter)
+        out: Tensor = _entmax_alpha_fn().apply(scores, alpha, dim, tol_, max_iter)
         return out
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
         raise TypeError(f"alpha must be a float or a tensor, got {type(alpha).__name__}")
@@ -723,7 +787,49 @@ def entmax(
     if alpha == 1.0:
         return _softmax(scores, dim)
     if alpha == 2.0:
-        res: Tensor = _Sparsemax.apply(scores, dim, max(max_iter, 1000))
+        res: Tensor = _sparsemax_fn().apply(scores, dim, max(max_iter, 1000))
         return res
-    res = _Entmax.apply(scores, alpha, dim, tol_, max_iter)
+    res = _entmax_fn().apply(scores, alpha, dim, tol_, max_iter)
     return res
+
+
+def entmax15(scores: Tensor, dim: int = -1) -> Tensor:
+    r"""1.5-entmax, :func:`entmax` with ``α = 1.5`` (sdpa-one-sided-eot Prop. 4.3); exact.
+
+    The signature of the ``entmax`` package's ``entmax15(X, dim=-1)`` (its ``k`` partial-sort
+    knob is not taken: the threshold here is found without sorting), so that its users can switch
+    by changing the import.
+
+    Args:
+        scores: (..., S) real scores; ``-inf`` entries get weight 0.
+        dim: dimension that sums to one.
+    Returns:
+        (..., S) non-negative weights summing to 1 along ``dim`` (all ``-inf`` slices: zeros).
+    Raises:
+        TypeError, ValueError: as :func:`entmax`.
+    """
+    return entmax(scores, 1.5, dim)
+
+
+def entmax_bisect(
+    scores: Tensor, alpha: float | Tensor = 1.5, dim: int = -1, *, tol: float | None = None,
+    max_iter: int = 100,
+) -> Tensor:
+    r"""α-entmax for any ``α > 0``: :func:`entmax` under the ``entmax`` package's name.
+
+    ``entmax.entmax_bisect(X, alpha, dim)`` finds the threshold by bisection; this one by a
+    safeguarded Newton search on the same equation ``Σ_j [(α − 1)s_j − τ]_+^{1/(α−1)} = 1`` (same
+    result to ``tol``; α = 1.5 and 2 exact). Its ``n_iter`` / ``ensure_sum_one`` knobs are
+    ``max_iter`` / ``tol`` here (keyword-only); a tensor ``alpha`` receives a gradient as there.
+
+    Args:
+        scores: (..., S) real scores; ``-inf`` entries get weight 0.
+        alpha: ``α > 0``, a float or a tensor (see :func:`entmax`).
+        dim: dimension that sums to one.
+        tol, max_iter: as :func:`entmax`.
+    Returns:
+        (..., S) non-negative weights summing to 1 along ``dim``.
+    Raises:
+        TypeError, ValueError: as :func:`entmax`.
+    """
+    return entmax(scores, alpha, dim, tol=tol, max_iter=max_iter)

@@ -20,20 +20,22 @@ from torch import Tensor
 
 from attnopt import _func
 from attnopt._validation import (
-    _values,
     additive_mask,
     broadcast_shapes,
     causal_additive_mask,
     check_attention_inputs,
     check_broadcastable,
     combine_additive,
+    device_assert,
     empty_attention,
     empty_weights,
+    host_values,
     resolve_scale,
     to_rank,
     validate_attention,
 )
 from attnopt.functional import _generalized_native, dispatch
+from attnopt.functional import triton as gpu
 from attnopt.functional._denormal import sdpa
 from attnopt.functional._generalized_fused import (
     biased_flash_attention,
@@ -82,12 +84,16 @@ def preference_to_log(
         if not isinstance(preference, Tensor) or not preference.is_floating_point():
             raise TypeError("preference must be a floating-point torch.Tensor")
         check_broadcastable("preference", preference, target)
-        if preference.numel():
-            low, high = torch.aminmax(preference.detach())  # one pass; NaN propagates
+        values = host_values(preference) if preference.numel() else None  # VALUE_CHECKS policy
+        if values is not None:
+            low, high = torch.aminmax(values.detach())  # one pass; NaN propagates
             if not bool(torch.isfinite(high)) or not bool(torch.isfinite(low)):
                 raise ValueError("preference must be finite (use 0 to mask a key)")
             if bool(low < 0):
                 raise ValueError("preference must be non-negative (u >= 0; 0 masks a key)")
+        elif preference.numel():
+            device_assert(preference, lambda t: (t.amin() >= 0) & torch.isfinite(t.amax()),
+                          "preference must be finite and non-negative")
         log_u = _safe_log(preference) if preference.requires_grad else preference.log()
         return to_rank(log_u.to(dtype), len(target))
     if log_preference is not None:
@@ -108,7 +114,9 @@ def check_log_preference_values(log_preference: Tensor) -> tuple[float, float]:
 
     One ``aminmax`` pass, remembered on the tensor with its version counter: a cached bias
     (ALiBi's, built once per length) is read once, not on every call; an in-place change
-    bumps the version and is read again.
+    bumps the version and is read again. Where value checks do not read on the host
+    (:func:`attnopt._validation.host_values`: off the CPU, compiling, meta) nothing is read and
+    ``(0.0, 0.0)`` is returned (the streaming path then calls SDPA directly).
 
     Raises:
         ValueError: NaN or ``+inf`` in ``log_preference``.
@@ -119,12 +127,11 @@ def check_log_preference_values(log_preference: Tensor) -> tuple[float, float]:
     if stamp is not None and stamp[0] == log_preference._version:
         lo, hi = stamp[1], stamp[2]
     else:
-        values = log_preference
-        if _func.level() is not None:  # under torch.func (no .item() on a vmapped tensor): the values
-            under = _values(log_preference)  # under the wrappers (for vmap: the whole batch's)
-            if under is None:  # meta / fake: nothing to read
-                return 0.0, 0.0
-            values = under
+        under = host_values(log_preference)  # under torch.func: the values under the wrappers
+        if under is None:  # off the CPU, compiling, meta / fake: nothing read on the host
+            device_assert(log_preference, lambda t: t.amax() < float("inf"), _LOG_PREFERENCE_ERROR)
+            return 0.0, 0.0
+        values = log_preference if _func.level() is None else under
         low, high = torch.aminmax(values.detach())  # NaN propagates into both
         lo, hi = float(low), float(high)
         if values is log_preference and not torch.compiler.is_compiling():
@@ -197,6 +204,11 @@ def generalized_attention(
       PyTorch's fused flash kernel with the bias as its float mask; elsewhere
       :func:`torch.nn.functional.scaled_dot_product_attention`. O(N) memory beyond the bias.
 
+    * ``"triton"`` (``"flex"``) — on a CUDA tensor with Triton installed, or under
+      ``attnopt.backend("triton")``, a call with a preference or mask (no dropout) runs
+      FlexAttention with the bias in its ``score_mod`` (:mod:`attnopt.functional.triton.flex_generalized`:
+      a T5 / ALiBi bias as its per-offset values, O(N); the gradient reaches the bucket table).
+
     Inside ``torch.func`` transforms (``vmap``, ``grad``, ``jacrev``, ...) a call with a bias runs
     ``softmax(α·QKᵀ + bias) V`` by plain PyTorch ops (``last_dispatch["generalized_kernel"]`` is
     ``"plain"``): the C paths cannot read wrapped tensors, and SDPA refuses a bias that needs a
@@ -252,8 +264,11 @@ def generalized_attention(
             ``impl``.
         TypeError: non-tensor or non-floating inputs.
     """
+    if dispatch.use_reference("generalized", q):  # plain PyTorch, any device
+        return _reference(q, k, v, preference, log_preference, attn_mask, scale, is_causal, dropout_p, impl)
     if (log_preference is not None and impl == "auto" and preference is None and attn_mask is None
-            and dropout_p == 0.0):  # small sizes: a relative-position bias in one C call each way
+            and dropout_p == 0.0 and not gpu.wanted(q)):
+        # small sizes: a relative-position bias in one C call each way
         out = _generalized_native.fused_attention(q, k, v, log_preference, scale, is_causal, FUSED_BELOW,
                                                   FUSED_MAX_HEAD_SCORES)
         if out is not None:
@@ -273,6 +288,13 @@ def generalized_attention(
         dispatch.record("generalized", "streaming")
         dispatch.record("generalized_kernel", "sdpa")
         return sdpa(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=alpha)
+    if dropout_p == 0.0 and not _func.under_transform() and gpu.wanted(q):  # FlexAttention
+        from attnopt.functional.triton.flex_generalized import flex_generalized_attention
+
+        dispatch.record("generalized", "triton")
+        dispatch.record("generalized_kernel", "flex")
+        return flex_generalized_attention(q, k, v, preference=preference, log_preference=log_preference,
+                                          attn_mask=attn_mask, scale=alpha, is_causal=is_causal)
     # log_preference's values are checked below, once per path (the fused node checks its output)
     bias = score_bias(q, k, preference, log_preference, attn_mask, is_causal, check_values=False)
     if bias is not None and _func.under_transform():  # torch.func, forward AD: plain differentiable ops
@@ -350,6 +372,30 @@ NATIVE_MIN_HEAD_SCORES = 1 << 16
 #: bias): N = 512: ALiBi 1.23 vs 1.31, T5 1.45 vs 1.60 (B·H = 8, d = 64); 1.21 vs 1.33, 1.20 vs 1.38
 #: (B·H = 128, d = 16); N = 256, d = 64: 1.78 vs 1.58, 1.88 vs 1.87; N = 128, d = 16: 1.44 vs 1.30.
 NATIVE_FORWARD_MIN_HEAD_SCORES = 1 << 18
+
+
+def _reference(
+    q: Tensor, k: Tensor, v: Tensor, preference: Tensor | None, log_preference: Tensor | None,
+    attn_mask: Tensor | None, scale: float | None, is_causal: bool, dropout_p: float, impl: str,
+) -> Tensor:
+    """``softmax(α·QKᵀ + log u + mask) V`` by plain PyTorch ops (``backend("reference")``)."""
+    validate_attention(q, k, v, attn_mask)
+    alpha = resolve_scale(scale, q.shape[-1])
+    dispatch.check_impl(impl)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    bias = score_bias(q, k, preference, log_preference, attn_mask, is_causal)
+    empty = empty_attention(q, k, v, preference, log_preference)
+    if empty is not None:
+        return empty
+    compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    scores = torch.matmul(q.to(compute), k.to(compute).transpose(-2, -1)) * alpha
+    if bias is not None:
+        scores = scores + bias.to(compute)
+    weights = safe_softmax(scores, dim=-1)
+    if dropout_p > 0.0:
+        weights = F.dropout(weights, p=dropout_p)
+    return torch.matmul(weights, v.to(compute)).to(q.dtype)
 
 
 def _transformed(

@@ -13,7 +13,9 @@ exactly SDPA (Prop. 1) and is computed by SDPA. ``magnitude_p=None`` drops the m
 (the "RBF-only" attention of Tsai et al.).
 
 ``mode="linear"`` (kernels with a feature map) computes the same output in O(N) time and
-memory (see :mod:`attnopt.functional.kernel_linear`).
+memory (see :mod:`attnopt.functional.kernel_linear`). On a CUDA tensor with Triton installed (or
+under ``attnopt.backend("triton")``) the quadratic mode with a squared feature kernel or RBF runs
+the Triton kernels of :mod:`attnopt.functional.triton.kernel` (``last_dispatch["kernel"] == "triton"``).
 """
 from __future__ import annotations
 
@@ -32,14 +34,19 @@ from attnopt._validation import (
     causal_additive_mask,
     check_attention_inputs,
     combine_additive,
+    device_assert,
     empty_attention,
     empty_weights,
+    host_readable,
+    host_values,
     resolve_scale,
     validate_attention,
 )
 from attnopt.functional import dispatch
+from attnopt.functional import triton as gpu
 from attnopt.functional._autograd import double_backward, under_transform
 from attnopt.functional._denormal import sdpa
+from attnopt.functional._dropout import check_dropout_p, dropout_attention
 from attnopt.functional._kernel_chunked import chunked_feature_kernel_attention
 from attnopt.functional._kernel_fused import (
     fused_fourier_attention,
@@ -181,7 +188,13 @@ def split_key_query_mask(mask: Tensor) -> tuple[Tensor, Tensor]:
     inf = torch.full((), float("inf"), dtype=mask.dtype, device=mask.device)
     key = torch.where(dead, inf, mask).amin(dim=-2, keepdim=True)
     same = torch.where(dead, key, mask).eq(key).all()
-    if not (bool(same) if _func.level() is None else all_true(same)):
+    message = (
+        "mode='linear' needs a key mask: attn_mask may only mask keys (the same keys for every "
+        "query) and whole query rows (use mode='quadratic' or is_causal for causal masks)"
+    )
+    if host_values(same) is None:  # off the CPU / compiling: the VALUE_CHECKS policy
+        device_assert(same, lambda t: t, message)
+    elif not (bool(same) if _func.level() is None else all_true(same)):
         raise ValueError(
             "mode='linear' needs a key mask: attn_mask may only mask keys (the same keys for every "
             "query) and whole query rows; got a query-dependent mask of shape "
@@ -259,6 +272,8 @@ def _direct_ok(kernel: Kernel, mask: Tensor | None, eps: float, q: Tensor, k: Te
     if not kernel.has_features:
         return False
     kernel._check(q, k)
+    if _func.level() is None and not host_readable(q):  # the bound is read on the host: CPU only
+        return False  # (elsewhere the log-domain evaluation: exact too, with no host sync)
     with torch.no_grad():
         bq = kernel.features(q).norm(dim=-1).amax()
         bk = kernel.features(k).norm(dim=-1).amax()
@@ -470,6 +485,21 @@ def _rbf_key_bias_sdpa(
     return out[..., :dv]
 
 
+def _on_triton(
+    q: Tensor, k: Tensor, v: Tensor, kernel: Kernel, magnitude_p: float | None, attn_mask: Tensor | None,
+    scale: float | None, is_causal: bool, eps: float,
+) -> Tensor | None:
+    """The Triton kernels (:mod:`attnopt.functional.triton.kernel`), or None where they do not apply."""
+    from attnopt.functional.triton.kernel import supported, triton_kernel_attention
+
+    _check_options(kernel, magnitude_p, eps, "quadratic")
+    if not supported(kernel) or (attn_mask is not None and attn_mask.requires_grad):
+        return None
+    dispatch.record("kernel", "triton")
+    return triton_kernel_attention(q, k, v, kernel=kernel, magnitude_p=magnitude_p, attn_mask=attn_mask,
+                                   scale=scale, is_causal=is_causal, eps=eps)
+
+
 def kernel_weights(
     q: Tensor,
     k: Tensor,
@@ -520,6 +550,7 @@ def kernel_attention(
     mode: Mode = "quadratic",
     is_causal: bool = False,
     eps: float = 1e-5,
+    dropout_p: float = 0.0,
 ) -> Tensor:
     r"""Implicit-kernel attention, similarity × magnitude (implicit-kernel-attention eq. 9, 11).
 
@@ -555,6 +586,10 @@ def kernel_attention(
         is_causal: SDPA's top-left causal mask (``mode="linear"`` needs ``Nq == Nk``).
         eps: ``ε ≥ 0`` added to ``f²`` for squared kernels (the authors' ``1e-5``); ignored
             by positive kernels. Both modes include it exactly.
+        dropout_p: dropout probability on the weights ``α`` before the sum over values (as in
+            SDPA: applied whenever > 0). A call with ``dropout_p > 0`` runs on the materialized
+            ``Nq × Nk`` weights (:func:`kernel_weights`' plain ops, :mod:`._dropout`), in either
+            ``mode``: the linear form never holds ``α``.
 
     Returns:
         (B, H, Nq, dv) in the input dtype; a row with no admissible key is zeros (every row
@@ -568,12 +603,31 @@ def kernel_attention(
             than whole masked rows), or a causal mask with ``Nq != Nk``.
     """
     validate_attention(q, k, v, attn_mask)
+    dropout_p = check_dropout_p(dropout_p)
     empty = empty_attention(q, k, v)
     if empty is not None:  # the same checks as otherwise, then the empty-size policy
         _check_options(kernel, magnitude_p, eps, mode)
         resolve_scale(scale, q.shape[-1])
         _full_mask(q, k, attn_mask, is_causal, q.dtype)
         return empty
+    if dropout_p > 0.0:  # the fused / linear paths never hold α: drop on the materialized weights
+        _, compute, bias = _prepare(q, k, kernel, magnitude_p, scale, eps, mode)
+        mask = _full_mask(q, k, attn_mask, is_causal, compute)
+        w = _quadratic(q.to(compute), k.to(compute), None, kernel, bias, mask, eps)
+        return dropout_attention(w, v, dropout_p, q.dtype)
+    if dispatch.use_reference("kernel", q):  # plain PyTorch, any device: the quadratic log-domain form
+        _check_options(kernel, magnitude_p, eps, mode)
+        if mode == "linear" and is_causal and q.shape[-2] != k.shape[-2]:
+            raise ValueError(f"mode='linear' with is_causal needs Nq == Nk, got {q.shape[-2]}, {k.shape[-2]}")
+        s, compute, bias = _prepare(q, k, kernel, magnitude_p, scale, eps, "quadratic")
+        mask = _full_mask(q, k, attn_mask, is_causal, compute)
+        ref = _quadratic(q.to(compute), k.to(compute), v.to(compute), kernel, bias, mask, eps).to(q.dtype)
+        dispatch.use_reference("kernel", q)  # (recorded again: the helpers above record their paths)
+        return ref
+    if mode == "quadratic" and gpu.wanted(q) and not under_transform():
+        out = _on_triton(q, k, v, kernel, magnitude_p, attn_mask, scale, is_causal, eps)
+        if out is not None:
+            return out
     if isinstance(kernel, Periodic) and mode == "quadratic":
         out = _periodic(q, k, v, kernel, magnitude_p, attn_mask, scale, is_causal, eps)
         if out is not None:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnopt._validation import check_tensor
+from attnopt._validation import check_tensor, device_assert, host_readable, host_values
 from attnopt.functional.entmax import entmax
 
 __all__ = ["entmax_loss", "sparsemax_loss", "tsallis_negentropy"]
@@ -71,6 +71,15 @@ def _check_reduction(reduction: str) -> None:
         raise ValueError(f"reduction must be 'none', 'mean' or 'sum', got {reduction!r}")
 
 
+def _check_scores(scores: Tensor) -> None:
+    message = "scores must not contain NaN or +inf (use -inf to rule a class out)"
+    values = host_values(scores)  # the VALUE_CHECKS policy
+    if values is None:
+        device_assert(scores, lambda t: ~(torch.isnan(t) | torch.isposinf(t)).any(), message)
+    elif bool((torch.isnan(values) | torch.isposinf(values)).any()):
+        raise ValueError(message)
+
+
 def _targets(scores: Tensor, target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor | None]:
     """Target distribution in class-last layout and the kept mask (class indices only)."""
     check_tensor("target", target, min_dim=0, floating=False)
@@ -81,10 +90,16 @@ def _targets(scores: Tensor, target: Tensor, ignore_index: int) -> tuple[Tensor,
                 f"got {tuple(target.shape)}"
             )
         y = target.movedim(1, -1) if scores.dim() > 1 else target
-        if bool((y < 0).any()) or not bool(torch.isfinite(y).all()):
-            raise ValueError("a probability target must be finite and non-negative")
-        if not torch.allclose(y.sum(-1), torch.ones((), dtype=y.dtype, device=y.device), atol=1e-4):
-            raise ValueError("a probability target must sum to 1 along the class dimension (dim 1)")
+        yv = host_values(y)  # value checks: the VALUE_CHECKS policy (off the CPU: none, or async)
+        if yv is None:
+            device_assert(
+                y, lambda t: ((t >= 0) & torch.isfinite(t)).all() & ((t.sum(-1) - 1).abs() <= 1e-4).all(),
+                "a probability target must be finite, non-negative and sum to 1 along dim 1")
+        else:
+            if bool((yv < 0).any()) or not bool(torch.isfinite(yv).all()):
+                raise ValueError("a probability target must be finite and non-negative")
+            if not torch.allclose(yv.sum(-1), torch.ones((), dtype=yv.dtype, device=yv.device), atol=1e-4):
+                raise ValueError("a probability target must sum to 1 along the class dimension (dim 1)")
         return y.to(scores.dtype), None
     if target.dtype in (torch.bool, torch.complex64, torch.complex128):
         raise TypeError(f"target must hold class indices (int64) or probabilities, got {target.dtype}")
@@ -94,8 +109,12 @@ def _targets(scores: Tensor, target: Tensor, ignore_index: int) -> tuple[Tensor,
     c = scores.shape[1] if scores.dim() > 1 else scores.shape[0]
     keep = target != ignore_index
     idx = torch.where(keep, target, torch.zeros_like(target)).long()
-    if bool(((idx < 0) | (idx >= c)).any()):
-        raise ValueError(f"target class indices must be in [0, {c}) (or ignore_index={ignore_index})")
+    message = f"target class indices must be in [0, {c}) (or ignore_index={ignore_index})"
+    iv = host_values(idx)
+    if iv is None:
+        device_assert(idx, lambda t: ((t >= 0) & (t < c)).all(), message)
+    elif bool(((iv < 0) | (iv >= c)).any()):
+        raise ValueError(message)
     y = F.one_hot(idx, c).to(scores.dtype)
     return y, keep
 
@@ -107,8 +126,9 @@ def _reduce(loss: Tensor, keep: Tensor | None, reduction: str) -> Tensor:
         return loss
     if reduction == "sum":
         return loss.sum()
-    count = loss.numel() if keep is None else int(keep.sum())
-    return loss.sum() / max(count, 1)
+    if keep is None:
+        return loss.sum() / max(loss.numel(), 1)
+    return loss.sum() / keep.sum().clamp_min(1).to(loss.dtype)  # on the device: no host read
 
 
 def entmax_loss(
@@ -143,8 +163,7 @@ def entmax_loss(
             the simplex, bad ``alpha`` (see :func:`attnopt.functional.entmax`) or ``reduction``.
     """
     check_tensor("scores", scores)
-    if bool((torch.isnan(scores) | torch.isposinf(scores)).any()):
-        raise ValueError("scores must not contain NaN or +inf (use -inf to rule a class out)")
+    _check_scores(scores)
     _check_reduction(reduction)
     if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
@@ -166,6 +185,9 @@ def entmax_loss(
         a = alpha
     if isinstance(a, float | int) and not isinstance(a, bool) and float(a) == 1.0:
         if keep is not None:
+            if not host_readable(keep):  # no host read: 0 for ignored samples, the mean over kept ones
+                ce = F.cross_entropy(scores, target, reduction="none", ignore_index=ignore_index)
+                return _reduce(ce, keep, reduction)
             if reduction == "mean" and not bool(keep.any()):
                 return scores.sum() * 0.0  # all ignored: 0 (cross_entropy gives NaN)
             return F.cross_entropy(scores, target, reduction=reduction, ignore_index=ignore_index)

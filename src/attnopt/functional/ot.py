@@ -19,7 +19,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnopt._validation import check_broadcastable, check_finite, check_tensor, zero_anchor
+from attnopt._validation import check_broadcastable, check_finite, check_tensor, host_readable, zero_anchor
+from attnopt.functional import dispatch
+from attnopt.functional._dropout import check_dropout_p, dropout_attention
 from attnopt.functional._ot_cost import (
     CostSpec,
     check_ot_inputs,
@@ -45,7 +47,9 @@ def log_matmul_exp(x: Tensor, y: Tensor) -> Tensor:
     with one BLAS matmul and shifted back. Entries whose shifted sum falls below
     ``sqrt(tiny)`` of the dtype (the two maxima sit at different ``k`` — e.g. a very small
     ``γ``) lose relative precision there; exactly those entries are recomputed by a direct
-    log-sum-exp, so the result is accurate for every input. ``-inf`` entries are allowed; a
+    log-sum-exp, so the result is accurate for every input (off the CPU and in a compiled graph,
+    where the test cannot be read on the host, the direct log-sum-exp of every entry is formed,
+    ``(..., p, q, r)`` at once, and selected where needed). ``-inf`` entries are allowed; a
     sum with no finite term is ``-inf`` (with zero, not NaN, gradients).
 
     Args:
@@ -59,10 +63,14 @@ def log_matmul_exp(x: Tensor, y: Tensor) -> Tensor:
     xm, ym = _finite_or_zero(xm_raw), _finite_or_zero(ym_raw)
     s = torch.matmul(torch.exp(x - xm), torch.exp(y - ym))
     thr = torch.finfo(s.dtype).tiny ** 0.5
-    if s.numel() == 0 or bool(s.amin() >= thr):  # the common case: no underflow anywhere
+    on_host = host_readable(s)
+    if s.numel() == 0 or (on_host and bool(s.amin() >= thr)):  # the common case: no underflow anywhere
         return torch.log(s) + (xm + ym)
     ok = s >= thr
     out = torch.where(ok, torch.log(torch.where(ok, s, torch.ones_like(s))) + xm + ym, float("-inf"))
+    if not on_host:  # no host read (a GPU, a compiled graph): the direct log-sum-exp, selected per entry
+        direct = safe_logsumexp(x.unsqueeze(-1) + y.unsqueeze(-3), dim=-2)  # (..., p, q, r) at once
+        return torch.where(ok, out, direct)
     need = ~ok & torch.isfinite(xm_raw) & torch.isfinite(ym_raw)
     if not bool(need.any()):
         return out
@@ -93,7 +101,7 @@ def _ot_log_weights(
     if bank_mask is not None:
         scores = scores.masked_fill(~bank_mask.unsqueeze(-2), float("-inf"))
     log_z = log_matmul_exp(scores, log_k)  # log Z_{k,i}, (..., Nq, n)
-    if log_z.numel() == 0 or bool(log_z.amin() > float("-inf")):  # log Z is never +inf or NaN
+    if log_z.numel() == 0 or (host_readable(log_z) and bool(log_z.amin() > float("-inf"))):  # never +inf/NaN
         w = _log_preference(u).unsqueeze(-2) - log_z
     else:  # a template with no admissible bank member drops out
         finite = torch.isfinite(log_z)
@@ -112,6 +120,7 @@ def _empty(
     """
     bank_t, batch = check_ot_inputs(z, templates, bank, allow_empty=True)
     check_finite(z=z, templates=templates, bank=bank, bank_values=bank_values)
+    dispatch.use_reference("ot", z)  # one implementation, plain PyTorch: it is the reference
     nq, n, m = z.shape[-2], templates.shape[-2], bank_t.shape[-2]
     if nq and n and m and 0 not in batch:
         return None
@@ -215,6 +224,7 @@ def ot_attention(
     alpha: float = 1.0,
     gamma: float = 1.0,
     bank_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
 ) -> Tensor:
     r"""OT-based attention ``ĥ = Σ_{a∈A} p*(a) v_a``, fenchel-dual-attention eq. (22) into (4).
 
@@ -229,6 +239,8 @@ def ot_attention(
         z, templates, bank, preference, cost, alpha, gamma, bank_mask: as :func:`ot_weights`.
         bank_values: (B, H, m, dv) the values ``v_a`` (default: the bank itself, so
             ``ĥ = Σ p*(a) a`` as in the paper).
+        dropout_p: dropout probability on the weights ``p*`` before the sum over values (as
+            in SDPA: applied whenever > 0).
 
     Returns:
         (B, H, Nq, dv) in the dtype of ``z`` (zeros for an all-zero preference row).
@@ -240,6 +252,7 @@ def ot_attention(
     if bank_values is not None:
         check_tensor("bank_values", bank_values, min_dim=2)
     check_positive("alpha", alpha), check_positive("gamma", gamma)
+    dropout_p = check_dropout_p(dropout_p)
     empty = _empty(z, templates, bank, bank_values, weights=False)
     if empty is not None:
         return empty
@@ -265,4 +278,6 @@ def ot_attention(
             ) from exc
         values = bank_values.to(zc.dtype)
     weights = torch.exp(_ot_log_weights(zc, bank_c, u, log_k, alpha, gamma, mask))
+    if dropout_p > 0.0:
+        return dropout_attention(weights, values, dropout_p, z.dtype)
     return torch.matmul(weights, values).to(z.dtype)

@@ -26,6 +26,9 @@ Dispatch of :func:`regularized_attention`:
   (or ``impl="streaming"``) → a blocked implementation (:mod:`attnopt.functional._blocked_sparse`):
   queries are processed in blocks, only the per-query thresholds are kept, and the backward
   recomputes each block of weights from them, so neither pass holds the ``Nq × Nk`` matrix.
+* ``SquaredL2`` / float-α ``Tsallis`` (α > 1) without ``locality`` on a CUDA tensor with Triton
+  installed, or under ``attnopt.backend("triton")`` → the Triton kernels of
+  :mod:`attnopt.functional.triton.sparse` (``last_dispatch["sparse"] == "triton"``).
 * anything else (a user regularizer, a tensor α, a mask that requires grad) → the
   materialized ``regularized_attention_weights(...) @ v`` (autograd through the map).
 """
@@ -37,7 +40,6 @@ import torch
 from torch import Tensor
 
 from attnopt._validation import (
-    _values,
     additive_mask,
     any_nonfinite,
     broadcast_shapes,
@@ -47,13 +49,17 @@ from attnopt._validation import (
     combine_additive,
     empty_attention,
     empty_weights,
+    host_readable,
+    host_values,
     resolve_scale,
     validate_attention,
 )
 from attnopt.functional import dispatch
+from attnopt.functional import triton as gpu
 from attnopt.functional._autograd import under_transform
 from attnopt.functional._blocked_sparse import blocked_sparse_attention
 from attnopt.functional._denormal import flushed_sdpa, sdpa
+from attnopt.functional._dropout import check_dropout_p, dropout_attention
 from attnopt.functional._generalized_fused import (
     biased_flash_attention,
     biased_softmax_attention,
@@ -195,6 +201,7 @@ def regularized_attention(
     locality: float | Tensor | None = None,
     is_causal: bool = False,
     block_size: int | None = None,
+    dropout_p: float = 0.0,
     impl: dispatch.Impl = "auto",
 ) -> Tensor:
     r"""Attention whose weights solve a regularized argmax (sdpa-one-sided-eot §3–4).
@@ -218,6 +225,10 @@ def regularized_attention(
         is_causal: also apply SDPA's top-left causal mask.
         block_size: queries per block in the blocked sparse path (default: about 2^22 scores
             per block).
+        dropout_p: dropout probability on the weights ``p`` before the sum over values (as in
+            SDPA: applied whenever > 0). A call with ``dropout_p > 0`` runs on the materialized
+            ``Nq × Nk`` weights (plain PyTorch ops, :mod:`._dropout`; ``block_size`` and ``impl``
+            are then ignored).
         impl: for ``SquaredL2`` / float-α ``Tsallis``: ``"streaming"`` (the blocked path),
             ``"materialized"`` (scores once, exact thresholds found in place on them, ``P`` saved
             for the backward; :mod:`._sparse_attention_fused`) or ``"auto"`` (by size,
@@ -247,12 +258,17 @@ def regularized_attention(
     target = (*batch, nq, nk)
     mask = additive_mask(attn_mask, target, _compute(q.dtype))
     loc = None if locality is None else _checked_locality(locality, q, nq, nk)
+    dropout_p = check_dropout_p(dropout_p)
     empty = empty_attention(q, k, v, locality if isinstance(locality, Tensor) else None)
     if empty is not None:
         return empty
+    if dropout_p > 0.0:  # the fused / blocked / SDPA paths never hold p: drop on the materialized map
+        weights = reg.conjugate_grad(_scores(q, k, attn_mask, scale, locality, is_causal), -1)
+        return dropout_attention(weights, v, dropout_p, q.dtype)
     if isinstance(reg, Tsallis) and not isinstance(reg.alpha, Tensor) and reg.alpha == 1.0:
         reg = Shannon()  # the α → 1 limit of Tsallis is Shannon: softmax, i.e. SDPA
-    if isinstance(reg, Shannon):
+    reference = dispatch.use_reference("sparse" if not isinstance(reg, Shannon) else "regularized", q)
+    if isinstance(reg, Shannon) and not reference:
         tau = reg.temperature
         if mask is None and loc is None:
             return flushed_sdpa(q, k, v, is_causal=is_causal, scale=alpha_scale / tau)
@@ -263,14 +279,26 @@ def regularized_attention(
             bias = bias / tau
         return _biased_softmax(q, k, v, bias.to(q.dtype), alpha_scale / tau)
     alpha: float | None = None
-    if isinstance(reg, SquaredL2):
+    if isinstance(reg, Shannon):
+        pass  # (reference: the materialized softmax below)
+    elif isinstance(reg, SquaredL2):
         alpha = 2.0
     elif isinstance(reg, Tsallis) and not isinstance(reg.alpha, Tensor) and reg.alpha > 1.0:
         alpha = float(reg.alpha)  # sparse (α > 1): fused / blocked paths; α < 1 is dense: below
     # under torch.func transforms (grad, vmap, ...) the fused / blocked Functions (ctx-style, no vmap
-    # rule) give way to the materialized map in plain ops below, and so do meta tensors (shapes only)
+    # rule) give way to the materialized map in plain ops below, and so does every tensor off the CPU
+    # (and a compiled graph; the fused kernel's threshold search reads values on the host, the
+    # materialized map runs the sort-based closed forms there) and backend("reference")
     if (alpha is not None and not (attn_mask is not None and attn_mask.requires_grad)
-            and not (under_transform() or q.is_meta)):
+            and not (under_transform() or q.is_meta) and not reference and loc is None and gpu.wanted(q)):
+        # the Triton kernels (attnopt.functional.triton.sparse): CUDA tensors, or backend("triton")
+        from attnopt.functional.triton.sparse import sparse_attention
+
+        dispatch.record("sparse", "triton")
+        return sparse_attention(q, k, v, alpha=alpha, attn_mask=attn_mask, scale=alpha_scale,
+                                is_causal=is_causal)
+    if (alpha is not None and not (attn_mask is not None and attn_mask.requires_grad)
+            and not under_transform() and host_readable(q) and not reference):
         beta = None
         if locality is not None:
             beta = _beta_tensor(locality, q)
@@ -287,9 +315,6 @@ def regularized_attention(
             q, k, v, alpha=alpha, scale=alpha_scale, mask=mask, beta=beta, is_causal=is_causal,
             block_size=block_size,
         )
-    if q.is_meta:  # shapes only: the map's threshold searches read values; its output has the scores' shape
-        scores = _scores(q, k, attn_mask, scale, locality, is_causal)
-        return torch.matmul(scores, v.to(scores.dtype)).to(q.dtype)
     weights = regularized_attention_weights(
         q, k, regularizer=reg, attn_mask=attn_mask, scale=scale, locality=locality, is_causal=is_causal
     )
@@ -325,7 +350,7 @@ def _check_regularizer(reg: object) -> None:
 def _check_scores(scores: Tensor, dim: int) -> None:
     if not isinstance(dim, int) or not -scores.dim() <= dim < scores.dim():
         raise ValueError(f"dim={dim!r} is out of range for scores with {scores.dim()} dimensions")
-    values = _values(scores)  # under torch.func: the values under the wrappers; None for meta
+    values = host_values(scores)  # under torch.func: the values under the wrappers; None off the CPU
     if values is not None and values.numel() and bool((torch.isnan(values) | torch.isposinf(values)).any()):
         raise ValueError("scores must not contain NaN or +inf (use -inf to mask an entry)")
 

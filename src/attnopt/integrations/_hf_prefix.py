@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from attnopt.functional import _dn_prefix as prefix
+from attnopt.functional._dropout import dropout_attention
 
 __all__ = ["STATE", "PrefixState", "causal_mode", "prefix_call"]
 
@@ -83,7 +84,8 @@ def _stack_masks(past: Tensor | None, new: Tensor | None, p: int, nq: int, nk: i
 
 
 def prefix_call(module: Any, name: str, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, *,
-                scaling: float | None, iterations: int, weight: Tensor | None) -> Tensor:
+                scaling: float | None, iterations: int, weight: Tensor | None,
+                dropout_p: float = 0.0) -> Tensor:
     """The prefix variant for one HF self-attention call, continuing from the cached state if any.
 
     ``mask``: boolean (True = take part) or additive, broadcastable to ``(B, H, Nq, Nk)``.
@@ -117,8 +119,13 @@ def prefix_call(module: Any, name: str, query: Tensor, key: Tensor, value: Tenso
         assert isinstance(state, PrefixState)
         q_all = torch.cat([state.queries.to(query.dtype), query], dim=-2)
         m_all = _stack_masks(state.mask, mask, p, nq, nk, query.dtype, query.device)
-    out = prefix.prefix_attention(q_all, key, value, iterations=iterations, attn_mask=m_all, scale=scale,
+    if dropout_p > 0.0:  # fine-tuning: dropout on the prefix weights, as SDPA on its weights
+        w = prefix.prefix_weights(q_all, key, iterations=iterations, attn_mask=m_all, scale=scale,
                                   is_causal=False, weight=weight, first_row=p)
+        out = dropout_attention(w, value, dropout_p, query.dtype)
+    else:
+        out = prefix.prefix_attention(q_all, key, value, iterations=iterations, attn_mask=m_all, scale=scale,
+                                      is_causal=False, weight=weight, first_row=p)
     if not torch.is_grad_enabled():
         keep = None if m_all is None else m_all.detach()
         setattr(module, STATE, PrefixState(q_all.detach(), keep, key[..., 0].detach().clone()))

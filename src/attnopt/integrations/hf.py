@@ -62,8 +62,14 @@ the optimizer see them); ``HNASWeight.mixing_weight`` is the detached ``w`` that
 Names are ``attnopt_`` + the registry name (:func:`attnopt.nn.make_attention`) of the same
 mechanism; ``attnopt_generalized`` is kept as an alias. The list is data
 (:data:`MECHANISMS`): a mechanism whose function is missing from the package is reported
-by :func:`register`, not a crash. Dropout is supported by the generalized-attention names
-only; the others raise in training mode with dropout > 0.
+by :func:`register`, not a crash.
+
+**Fine-tuning**: every name implements the model's attention dropout (``dropout > 0`` in
+``train()`` mode) on the attention weights before the sum over values, as SDPA does; the
+generalized names pass it to SDPA itself, the others compute the weights materialized for that call
+(O(N²) memory, see :mod:`attnopt.functional._dropout`). In ``eval()`` transformers passes
+``dropout=0`` and the O(N)-memory paths run. A per-call ``attnopt_*`` keyword the mechanism does
+not take (``attnopt_iteratons=0``) raises a ``TypeError`` naming it and the valid ones.
 """
 from __future__ import annotations
 
@@ -189,6 +195,21 @@ def _hnas_weight(module: Any, opts: dict[str, Any], query: Tensor) -> Tensor:
     return torch.as_tensor(float(opts["weight"]), dtype=query.dtype, device=query.device)
 
 
+def _check_keywords(name: str, kwargs: dict[str, Any], defaults: dict[str, Any]) -> None:
+    """Refuse an ``attnopt_*`` per-call keyword that ``name`` does not take (a misspelling would
+    otherwise be ignored silently). Other keywords are Hugging Face's own (``position_ids``,
+    ``position_bias``, cache arguments, ...) and pass untouched.
+
+    Raises:
+        TypeError: naming the unknown keyword(s) and the valid ones.
+    """
+    unknown = sorted(k for k in kwargs if k.startswith("attnopt_") and k[len("attnopt_"):] not in defaults)
+    if unknown:
+        valid = ", ".join(f"attnopt_{o}" for o in defaults) or "none"
+        raise TypeError(f"{name} got unexpected keyword argument(s) {', '.join(unknown)}; "
+                        f"valid attnopt keywords for {name}: {valid}")
+
+
 def _make(mech: Mechanism, fn: Callable[..., Tensor], defaults: dict[str, Any]) -> Callable[..., Any]:
     from attnopt.functional import SquaredL2, Tsallis
 
@@ -198,11 +219,9 @@ def _make(mech: Mechanism, fn: Callable[..., Tensor], defaults: dict[str, Any]) 
         if groups > 1:
             key = key.repeat_interleave(groups, dim=1)
             value = value.repeat_interleave(groups, dim=1)
+        _check_keywords(mech.name, kwargs, defaults)
         opts = {o: kwargs.get(f"attnopt_{o}", v) for o, v in defaults.items()}
         generalized = mech.target.endswith(":generalized_attention")
-        if dropout > 0.0 and not generalized:
-            raise ValueError(f"{mech.name} does not implement attention dropout; call model.eval() "
-                             "or set the attention dropout to 0")
         keep, bias = _masks(module, query, key, attention_mask, kwargs.get("position_bias"))
         causal_self = bool(getattr(module, "is_causal", False)) and not _is_cross(module)
         if generalized:
@@ -212,17 +231,19 @@ def _make(mech: Mechanism, fn: Callable[..., Tensor], defaults: dict[str, Any]) 
             w = _hnas_weight(module, opts, query) if mech.name == "attnopt_hnas" else None
             out = _hf_prefix.prefix_call(module, mech.name, query, key, value,
                                          _additive(keep, bias, query.dtype), scaling=scaling,
-                                         iterations=int(opts["iterations"]), weight=w)
+                                         iterations=int(opts["iterations"]), weight=w, dropout_p=dropout)
         elif mech.name in ("attnopt_dnas", "attnopt_sinkhorn"):
             out = fn(query, key, value, iterations=int(opts["iterations"]),
-                     attn_mask=_additive(keep, bias, query.dtype), scale=scaling, causal="plan")
+                     attn_mask=_additive(keep, bias, query.dtype), scale=scaling, causal="plan",
+                     dropout_p=dropout)
         elif mech.name == "attnopt_hnas":
             out = fn(query, key, value, _hnas_weight(module, opts, query), iterations=int(opts["iterations"]),
-                     attn_mask=_additive(keep, bias, query.dtype), scale=scaling, causal="plan")
+                     attn_mask=_additive(keep, bias, query.dtype), scale=scaling, causal="plan",
+                     dropout_p=dropout)
         else:
             reg = SquaredL2() if mech.name == "attnopt_sparsemax" else Tsallis(float(opts["alpha"]))
             out = fn(query, key, value, regularizer=reg, attn_mask=_additive(keep, bias, query.dtype),
-                     scale=scaling)
+                     scale=scaling, dropout_p=dropout)
         return out.transpose(1, 2).contiguous(), None
 
     attention.__name__ = mech.name

@@ -1,15 +1,22 @@
 """``nn.Module`` s: preference modules and multi-head attention wrappers built on ``functional``.
 
 Multi-head modules follow ``torch.nn.MultiheadAttention(batch_first=True)``:
-``forward(query, key=None, value=None, *, key_padding_mask=None, attn_mask=None,
-need_weights=False, is_causal=False, query_padding_mask=None) -> (output, weights | None)``
-(``query_padding_mask`` is an attnopt addition: padding as O(N) masks, no ``Nq × Nk`` mask).
+``forward(query, key=None, value=None, key_padding_mask=None, need_weights=False, attn_mask=None,
+average_attn_weights=True, is_causal=False, *, query_padding_mask=None) -> (output, weights | None)``
+with unbatched ``(N, E)`` inputs too, and the constructor options ``dropout``, ``bias``, ``kdim``,
+``vdim``. ``need_weights`` defaults to ``False`` (PyTorch: ``True``) because the mechanisms' fast
+paths never form the ``Nq × Nk`` weights; ``query_padding_mask`` is an attnopt addition (padding
+as O(N) masks, no ``Nq × Nk`` mask).
+
+The entmax-package-style activations :class:`Sparsemax`, :class:`Entmax15` and
+:class:`EntmaxBisect` are here too.
 """
 
 from attnopt.nn.doubly_normalized import (
     DoublyNormalizedMultiheadAttention,
     HybridNormalizedMultiheadAttention,
 )
+from attnopt.nn.entmax import Entmax15, EntmaxBisect, Sparsemax
 from attnopt.nn.generalized import GeneralizedMultiheadAttention
 from attnopt.nn.implicit_kernel import ImplicitKernelAttention
 from attnopt.nn.kernel import KernelMultiheadAttention
@@ -29,6 +36,8 @@ __all__: list[str] = [
     "ALiBiPreference",
     "AttentionSpec",
     "DoublyNormalizedMultiheadAttention",
+    "Entmax15",
+    "EntmaxBisect",
     "EntmaxLoss",
     "GeneralizedMultiheadAttention",
     "HybridNormalizedMultiheadAttention",
@@ -40,6 +49,7 @@ __all__: list[str] = [
     "OTAttention",
     "PreferenceModule",
     "RegularizedMultiheadAttention",
+    "Sparsemax",
     "SparsemaxLoss",
     "T5RelativePreference",
     "attention_names",

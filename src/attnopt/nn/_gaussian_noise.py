@@ -68,10 +68,11 @@ def draw_seed(generator: torch.Generator | None) -> Tensor:
     return torch.randint(-(1 << 63), (1 << 63) - 1, (), dtype=torch.int64, generator=generator)
 
 
+@_native.untraced
 def noise_from_seed(seed: Tensor, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> Tensor:
     """The draw of ``seed`` (:func:`draw_seed`) as a CPU tensor of ``shape``: float32 values, stored as
     ``dtype`` (float32 or float64)."""
-    if not _WRAPPED(seed):
+    if not torch.compiler.is_compiling() and seed.is_cpu and not _WRAPPED(seed):
         fill = seeded_fill(dtype)
         if fill is not None:
             out = torch.empty(shape, dtype=dtype)

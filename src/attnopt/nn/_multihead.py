@@ -176,26 +176,41 @@ class MultiheadBase(nn.Module):
             if not isinstance(x, Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
             if x.dim() != 3:
-                raise ValueError(f"{name} must be (B, N, features) (batch_first), got {tuple(x.shape)}")
+                raise ValueError(
+                    f"{name} must be (B, N, features) (batch_first) or, unbatched, (N, features), "
+                    f"got {tuple(x.shape)}"
+                )
             if x.shape[-1] != size:
                 attr = {"query": "embed_dim", "key": "kdim", "value": "vdim"}[name]
                 raise ValueError(
                     f"{name} has {x.shape[-1]} features, expected {attr}={size}: shape {tuple(x.shape)}"
                 )
 
+    @property
+    def dropout_p(self) -> float:
+        """The dropout probability of this call: ``dropout`` in training mode, 0 in ``eval()``."""
+        return self.dropout if self.training else 0.0
+
     def forward(
         self,
         query: Tensor,
         key: Tensor | None = None,
         value: Tensor | None = None,
-        *,
         key_padding_mask: Tensor | None = None,
-        attn_mask: Tensor | None = None,
         need_weights: bool = False,
+        attn_mask: Tensor | None = None,
+        average_attn_weights: bool = True,
         is_causal: bool = False,
+        *,
         query_padding_mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Attend ``query (B, Nq, E)`` to ``key (B, Nk, kdim)``/``value (B, Nk, vdim)``.
+
+        The arguments, their order and their defaults are ``nn.MultiheadAttention``'s
+        (``batch_first=True``), with one documented difference: ``need_weights`` defaults to
+        ``False``. The mechanisms' fast paths never form the ``Nq × Nk`` weights (O(N) memory for
+        DNAS, the kernels' linear mode, the streaming paths); returning them by default would make
+        every call quadratic. Ask with ``need_weights=True``.
 
         ``key``/``value`` default to ``query`` (self-attention). Masks follow
         ``nn.MultiheadAttention``: boolean ``True`` = not allowed / padding; float = additive.
@@ -203,21 +218,54 @@ class MultiheadBase(nn.Module):
         it gives causal attention over the real keys without an ``Nq × Nk`` mask in the
         mechanisms that support that combination.
 
+        Unbatched input as in ``nn.MultiheadAttention``: ``query (Nq, E)``, ``key (Nk, kdim)``,
+        ``value (Nk, vdim)``, ``key_padding_mask (Nk,)``, ``attn_mask (Nq, Nk)`` or
+        ``(H, Nq, Nk)``, giving ``(Nq, E)`` and weights ``(Nq, Nk)`` / ``(H, Nq, Nk)``.
+
         ``query_padding_mask (B, Nq)`` (not in ``nn.MultiheadAttention``; boolean ``True`` =
         padding, or additive): a padded query takes no part in the attention — its row is the
         result of a row with no admissible key (zeros before ``out_proj``, zero weights) and,
         in mechanisms that normalize over queries, it is left out of those normalizations. The
         result equals passing the ``Nq × Nk`` mask ``key padding ∪ query padding``.
 
+        Dropout (``dropout`` of the constructor, training mode only) acts on the attention
+        weights before the sum over values. The returned weights are the mechanism's, before
+        dropout (``nn.MultiheadAttention`` returns them after its dropout): what analysis reads.
+
+        Args:
+            need_weights: also return the attention weights (default ``False``, see above).
+            average_attn_weights: return the weights averaged over heads, ``(B, Nq, Nk)``
+                (``nn.MultiheadAttention``'s default), or per head, ``(B, H, Nq, Nk)``
+                (``False``).
         Returns:
-            ``(output (B, Nq, E), weights (B, H, Nq, Nk) if need_weights else None)``.
+            ``(output (B, Nq, E), weights or None)``.
         Raises:
             TypeError: ``query``/``key``/``value`` is not a tensor; a mask of the wrong dtype.
-            ValueError: an input that is not 3-D, whose feature size differs from
-                ``embed_dim``/``kdim``/``vdim`` (named), or mismatched batch/lengths/mask shapes.
+            ValueError: an input that is not 3-D (or 2-D for all three: unbatched), whose feature
+                size differs from ``embed_dim``/``kdim``/``vdim`` (named), or mismatched
+                batch/lengths/mask shapes.
         """
         key = query if key is None else key
         value = key if value is None else value
+        unbatched = isinstance(query, Tensor) and query.dim() == 2
+        if unbatched:
+            query, key, value = _batch_of_one(query=query, key=key, value=value)
+            key_padding_mask = _padding_of_one(key_padding_mask, "key_padding_mask")
+            query_padding_mask = _padding_of_one(query_padding_mask, "query_padding_mask")
+        out, weights = self._forward_batched(
+            query, key, value, key_padding_mask, attn_mask, need_weights, is_causal, query_padding_mask
+        )
+        if weights is not None and average_attn_weights:
+            weights = weights.mean(dim=1)
+        if unbatched:
+            return out.squeeze(0), None if weights is None else weights.squeeze(0)
+        return out, weights
+
+    def _forward_batched(
+        self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None,
+        attn_mask: Tensor | None, need_weights: bool, is_causal: bool, query_padding_mask: Tensor | None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """:meth:`forward` on batched (B, N, ·) inputs, per-head weights (B, H, Nq, Nk)."""
         self.check_features(query, key, value)
         if key.shape[:2] != value.shape[:2] or key.shape[0] != query.shape[0]:
             raise ValueError(
@@ -247,3 +295,27 @@ class MultiheadBase(nn.Module):
             if weights is not None:
                 weights = weights.masked_fill(rows, 0.0)
         return self.out_proj(self.merge_heads(out)), weights
+
+
+def _batch_of_one(**inputs: Tensor) -> tuple[Tensor, ...]:
+    """Unbatched ``(N, features)`` inputs as a batch of one; every one must be 2-D then."""
+    out = []
+    for name, x in inputs.items():
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 2:
+            raise ValueError(
+                f"{name} must be (N, features) when query is unbatched (2-D), got {tuple(x.shape)}"
+            )
+        out.append(x.unsqueeze(0))
+    return tuple(out)
+
+
+def _padding_of_one(mask: Tensor | None, name: str) -> Tensor | None:
+    """An unbatched padding mask ``(N,)`` as ``(1, N)``."""
+    if mask is None:
+        return None
+    if not isinstance(mask, Tensor) or mask.dim() != 1:
+        shape = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
+        raise ValueError(f"{name} must be (N,) for unbatched inputs, got {shape}")
+    return mask.unsqueeze(0)

@@ -144,6 +144,7 @@ class _SampledFourier(torch.autograd.Function):
     Returns ``(O (B, H, Nq, dv), KL batch mean (0-d))``."""
 
     @staticmethod
+    @_native.untraced
     def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, noise: Tensor, raw: Tensor | None, plan: _Plan,
         *params: Tensor,
@@ -193,6 +194,7 @@ class _SampledFourier(torch.autograd.Function):
         return out, klm
 
     @staticmethod
+    @_native.untraced
     def backward(ctx: Any, dout: Tensor, dkl: Tensor) -> tuple[Tensor | None, ...]:
         refuse_double_backward(
             ctx, "ImplicitKernelAttention (sampled points, whole-call node)",
@@ -273,6 +275,8 @@ def sampled_fourier_attention(
     A call whose :func:`_call_key` was seen with a plan makes only the checks that can change
     between calls of one key (:func:`_still_applies`); the others make every check.
     """
+    if torch.compiler.is_compiling():  # fake tensors: no memory for the C kernels (PyTorch path)
+        return None
     key = _call_key(q, k, v, noise, raw, scales, params, p, eps, half)
     plan = _BY_CALL.get(key)
     if plan is None or not _still_applies(q, k, v, noise, raw, params, plan):

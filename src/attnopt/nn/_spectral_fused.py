@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from attnopt import _func
+from attnopt._validation import host_readable
 from attnopt.functional._autograd import double_backward
 from attnopt.nn import _spectral_native
 
@@ -158,8 +159,11 @@ class _SpectralSample(torch.autograd.Function):
         m = t1.shape[1]
         g = gpts.reshape(m, n_sets, 2, half, d).transpose(0, 1)  # (S, M, 2, n, d)
         # d inner (S, M, n, d), written in the sets-first layout (no copy for the reshape below)
-        gi = torch.sub(g[:, :, 0], g[:, :, 1], out=torch.empty_like(sg)).mul_(sg)
-        gi_r = gi.view(n_sets, m * half, d)
+        if host_readable(sg):
+            gi = torch.sub(g[:, :, 0], g[:, :, 1], out=torch.empty_like(sg)).mul_(sg)
+            gi_r = gi.view(n_sets, m * half, d)
+        else:  # traced (torch.compile): out= is functionalized away with its layout, so reshape
+            gi_r = ((g[:, :, 0] - g[:, :, 1]) * sg).reshape(n_sets, m * half, d)
         dw2b, db2b = torch.bmm(gi_r.transpose(1, 2), t2), gi_r.sum(1)  # weight grads as (S, out, in)
         du2 = torch.bmm(gi_r, w2b)
         du2 = torch.addcmul(du2, du2 * t2, t2, value=-1.0)  # ⊙ (1 − t²)

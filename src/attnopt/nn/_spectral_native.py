@@ -46,6 +46,8 @@ def library(
     more than one torch thread, at most :data:`THREADED_MAX_POINTS` base points. ``keys``: ``h``
     is the keys ``(..., H, N, d)`` whose mean over ``N`` is the summary (:func:`native_sample`);
     ``half``: the base points per set and head, where ``noise`` is a stand-in (else its ``shape[-2]``)."""
+    if torch.compiler.is_compiling():  # fake tensors: no memory for the C kernel
+        return None
     dt = h.dtype
     # inside a torch.func transform (its tensors are wrapped: no storage to read) the PyTorch node
     # runs; outside one no tensor is wrapped, and subclasses (fake tensors) fail the type test
@@ -141,6 +143,7 @@ class _NativeSpectralSample(torch.autograd.Function):
     """Inputs as :class:`._spectral_fused._SpectralSample`, plus the library."""
 
     @staticmethod
+    @_native.untraced
     def forward(
         ctx: Any, src: Tensor, noise: Tensor, raw: Tensor | None, scales: tuple[float, ...], lib: ctypes.CDLL,
         kl_mean: bool, keys: bool, *params: Tensor,
@@ -178,6 +181,7 @@ class _NativeSpectralSample(torch.autograd.Function):
         return pts, (kl if klm is None else klm)  # the mean in C: no autograd node (nor aten op) of its own
 
     @staticmethod
+    @_native.untraced
     def backward(ctx: Any, gpts: Tensor, gkl: Tensor) -> tuple[Tensor | None, ...]:
         src, h, noise, raw, ws, ne, *params = ctx.saved_tensors
         if h is None:

@@ -44,6 +44,8 @@ class DoublyNormalizedMultiheadAttention(MultiheadBase):
 
     Args:
         embed_dim, num_heads, bias, kdim, vdim: as ``nn.MultiheadAttention``.
+        dropout: dropout on the attention weights in training mode (as ``nn.MultiheadAttention``;
+            such calls materialize the ``Nq × Nk`` weights, :mod:`attnopt.functional._dropout`).
         iterations: K Sinkhorn (column, row) steps; 1 = DNAS.
         causal: ``None`` (default: the autoregressive ``"prefix"`` variant when called with
             ``is_causal=True``, the ordinary plan otherwise), ``"prefix"`` (always normalize over
@@ -66,8 +68,9 @@ class DoublyNormalizedMultiheadAttention(MultiheadBase):
         bias: bool = True,
         kdim: int | None = None,
         vdim: int | None = None,
+        dropout: float = 0.0,
     ) -> None:
-        super().__init__(embed_dim, num_heads, bias=bias, kdim=kdim, vdim=vdim)
+        super().__init__(embed_dim, num_heads, bias=bias, kdim=kdim, vdim=vdim, dropout=dropout)
         self.iterations = _check_iterations(iterations, 0)
         resolve_causal(causal, False)  # validates
         self.causal = causal
@@ -76,7 +79,7 @@ class DoublyNormalizedMultiheadAttention(MultiheadBase):
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, need_weights: bool
     ) -> tuple[Tensor, Tensor | None]:
         out = doubly_normalized_attention(q, k, v, iterations=self.iterations, attn_mask=mask,
-                                          is_causal=is_causal, causal=self.causal)
+                                          is_causal=is_causal, causal=self.causal, dropout_p=self.dropout_p)
         weights = None
         if need_weights:
             weights = doubly_normalized_weights(q, k, iterations=self.iterations, attn_mask=mask,
@@ -96,6 +99,8 @@ class HybridNormalizedMultiheadAttention(MultiheadBase):
 
     Args:
         embed_dim, num_heads, bias, kdim, vdim: as ``nn.MultiheadAttention``.
+        dropout: dropout on the attention weights in training mode (as ``nn.MultiheadAttention``;
+            such calls materialize the ``Nq × Nk`` weights, :mod:`attnopt.functional._dropout`).
         iterations: Sinkhorn steps of the doubly-normalized term (>= 1).
         init_weight: initial ``w`` in (0, 1).
         per_head: learn one ``w`` per head instead of one per layer.
@@ -120,8 +125,9 @@ class HybridNormalizedMultiheadAttention(MultiheadBase):
         bias: bool = True,
         kdim: int | None = None,
         vdim: int | None = None,
+        dropout: float = 0.0,
     ) -> None:
-        super().__init__(embed_dim, num_heads, bias=bias, kdim=kdim, vdim=vdim)
+        super().__init__(embed_dim, num_heads, bias=bias, kdim=kdim, vdim=vdim, dropout=dropout)
         self.iterations = _check_iterations(iterations, 1)
         resolve_causal(causal, False)  # validates
         self.causal = causal
@@ -140,7 +146,7 @@ class HybridNormalizedMultiheadAttention(MultiheadBase):
     ) -> tuple[Tensor, Tensor | None]:
         w = torch.sigmoid(self.weight_logit).to(q.dtype)
         out = hybrid_normalized_attention(q, k, v, w, iterations=self.iterations, attn_mask=mask,
-                                          is_causal=is_causal, causal=self.causal)
+                                          is_causal=is_causal, causal=self.causal, dropout_p=self.dropout_p)
         weights = None
         if need_weights:
             weights = hybrid_normalized_weights(q, k, w, iterations=self.iterations, attn_mask=mask,

@@ -27,7 +27,8 @@ class KernelMultiheadAttention(MultiheadBase):
         magnitude_p: ``p > 0`` of the L^p magnitude, or ``None`` for none.
         mode: ``"quadratic"`` or ``"linear"`` (kernels with a feature map; key padding, also
             combined with query padding, and ``is_causal``, not other query-dependent masks).
-        bias, kdim, vdim: as ``nn.MultiheadAttention``.
+        bias, kdim, vdim, dropout: as ``nn.MultiheadAttention`` (dropout on the weights in training
+            mode; such calls materialize the ``Nq × Nk`` weights, also in the linear mode).
     Raises:
         TypeError: ``kernel`` not a :class:`~attnopt.kernels.Kernel`.
         ValueError: bad sizes or ``magnitude_p``.
@@ -44,8 +45,9 @@ class KernelMultiheadAttention(MultiheadBase):
         bias: bool = True,
         kdim: int | None = None,
         vdim: int | None = None,
+        dropout: float = 0.0,
     ) -> None:
-        super().__init__(embed_dim, num_heads, bias=bias, kdim=kdim, vdim=vdim)
+        super().__init__(embed_dim, num_heads, bias=bias, kdim=kdim, vdim=vdim, dropout=dropout)
         if not isinstance(kernel, Kernel):
             raise TypeError(f"kernel must be an attnopt.kernels.Kernel, got {type(kernel).__name__}")
         if magnitude_p is not None and not float(magnitude_p) > 0:
@@ -66,6 +68,7 @@ class KernelMultiheadAttention(MultiheadBase):
             attn_mask=mask,
             is_causal=is_causal,
             mode=self.mode,
+            dropout_p=self.dropout_p,
         )
         weights = None
         if need_weights:

@@ -56,7 +56,8 @@ class MEMAttention(MultiheadBase):
         bias, kdim, vdim, dropout: as ``nn.MultiheadAttention`` (dropout on the weights).
 
     Shapes: ``query (B, Nq, E)``, ``key (B, Nk, kdim)``, ``value (B, Nk, vdim)`` ->
-    ``(B, Nq, E)`` and, with ``need_weights=True``, weights ``(B, H, Nq, Nk)``.
+    ``(B, Nq, E)`` and, with ``need_weights=True``, weights ``(B, Nq, Nk)`` (the head
+    average, as ``nn.MultiheadAttention``; ``(B, H, Nq, Nk)`` with ``average_attn_weights=False``).
     """
 
     def __init__(

@@ -52,6 +52,7 @@ class OTAttention(MultiheadBase):
         cost: ``"neg_dot"`` (paper), ``"sqeuclidean"`` or a callable on the per-head projected
             ``(bank (B,H,m,d), templates (B,H,n,d)) -> (B,H,m,n)``.
         bias: bias in the projections.
+        dropout: dropout on the weights ``p*`` in training mode (as ``nn.MultiheadAttention``'s).
 
     Shapes: ``tokens (B, N, E)``, ``bank (B, M, E)``, ``key_padding_mask (B, N)`` and
     ``bank_padding_mask (B, M)`` boolean (``True`` = padding) -> ``out (B, E)`` and, with
@@ -71,8 +72,9 @@ class OTAttention(MultiheadBase):
         cost: str | Callable[[Tensor, Tensor], Tensor] = "neg_dot",
         *,
         bias: bool = True,
+        dropout: float = 0.0,
     ) -> None:
-        super().__init__(embed_dim, num_heads, bias=bias)
+        super().__init__(embed_dim, num_heads, bias=bias, dropout=dropout)
         if isinstance(cost, Tensor) or not (isinstance(cost, str) or callable(cost)):
             raise TypeError("cost must be 'neg_dot', 'sqeuclidean' or a callable (bank, templates) -> M")
         if isinstance(cost, str) and cost not in ("neg_dot", "sqeuclidean"):
@@ -122,7 +124,7 @@ class OTAttention(MultiheadBase):
         kw: dict[str, Any] = dict(
             bank=bank_k, preference=pref, cost=self.cost, alpha=self.alpha, gamma=self.gamma, bank_mask=mask
         )
-        out = ot_attention(z, templates, bank_values=values, **kw)  # (B, H, 1, d)
+        out = ot_attention(z, templates, bank_values=values, dropout_p=self.dropout_p, **kw)  # (B, H, 1, d)
         pooled = self.out_proj(self.merge_heads(out)).squeeze(1)
         weights = ot_weights(z, templates, **kw).squeeze(-2) if need_weights else None
         return pooled, weights

@@ -144,7 +144,8 @@ class T5RelativePreference(PreferenceModule):
                 j = torch.arange(key_len, device=device)
                 index = (j[None, :] - i[:, None] + (query_len - 1)).flatten()
             hit = (buckets, index)
-            if _func.level() is None:  # inside torch.func (vmap of grad) the new tensors are wrapped
+            # inside torch.func (vmap of grad) the new tensors are wrapped; under compile / export, fake
+            if _func.level() is None and not torch.compiler.is_compiling():
                 if len(cache) >= 8:
                     cache.clear()
                 cache[key] = hit
@@ -189,6 +190,7 @@ class _T5Bias(torch.autograd.Function):
     into the buckets."""
 
     @staticmethod
+    @_native.untraced
     def forward(ctx: Any, table: Tensor, buckets: Tensor, index: Tensor | None, nq: int, nk: int) -> Tensor:
         ctx.save_for_backward(buckets, index)
         ctx.rows = table.shape[0]
@@ -293,8 +295,11 @@ class ALiBiPreference(PreferenceModule):
 
     def _cached(self, query_len: int, key_len: int, dtype: torch.dtype) -> Tensor:
         slopes = self.slopes
+        if torch.compiler.is_compiling():  # a graph builds it (no Python-side cache in the graph)
+            return self._build(query_len, key_len, self._per_offset(query_len, key_len)).to(dtype)
         key = (query_len, key_len, slopes.device, dtype)
-        stamp = (slopes.data_ptr(), slopes._version)
+        # the memory's address on CPU; off the CPU the Parameter's identity (no device pointer read)
+        stamp = (slopes.data_ptr() if slopes.is_cpu else id(slopes), slopes._version)
         cache: dict[tuple[object, ...], tuple[tuple[int, int], Tensor, int]] = self.__dict__.setdefault(
             "_bias_cache", {})
         hit = cache.get(key)

@@ -3,11 +3,15 @@ r"""The attention registry: one name per mechanism, with its paper options.
 ``make_attention(name, embed_dim, num_heads, **options)`` builds a module with the
 ``nn.MultiheadAttention(batch_first=True)`` call convention::
 
-    out, weights = module(query, key=None, value=None, *, key_padding_mask=None,
-                          attn_mask=None, need_weights=False, is_causal=False)
+    out, weights = module(query, key=None, value=None, key_padding_mask=None,
+                          need_weights=False, attn_mask=None, average_attn_weights=True,
+                          is_causal=False)
 
 (boolean masks ``True`` = not allowed; ``key``/``value`` may differ from ``query`` for
-cross-attention), plus an optional ``query_padding_mask (B, Nq)`` (padded queries take no part:
+cross-attention; unbatched ``(N, E)`` inputs as ``nn.MultiheadAttention``; weights averaged over
+heads ``(B, Nq, Nk)`` by default, per head ``(B, H, Nq, Nk)`` with ``average_attn_weights=False``;
+``need_weights`` defaults to ``False`` because the fast paths never form the weights), plus an
+optional keyword ``query_padding_mask (B, Nq)`` (padded queries take no part:
 zero rows, left out of normalizations over queries) so that padding never needs an
 ``Nq × Nk`` mask. Modules with an auxiliary loss (the IKA variants) also have ``kl()``.
 The one exception is ``ot``: :class:`~attnopt.nn.OTAttention` pools a token set with a
@@ -44,6 +48,11 @@ mikan          ikan with a Gaussian copula across heads           p, num_samples
 ot             OT-based attention pooling (fenchel Sec. 9)        alpha (1), gamma (√E), cost
                                                                   ("neg_dot")
 =============  ================================================  ===============================
+
+Every name also takes ``nn.MultiheadAttention``'s constructor options (:data:`MODULE_OPTIONS`):
+``dropout`` (on the attention weights, training mode only), ``bias``, ``kdim``, ``vdim``,
+``batch_first`` (``True`` only), ``device`` and ``dtype`` (``ot``: ``dropout``, ``bias``,
+``device``, ``dtype``), e.g. ``make_attention("dnas", 32, 4, dropout=0.1, bias=False)``.
 
 ``mode="linear"`` (the kernels with a feature map: ``linear`` and the implicit kernels) computes
 the same attention exactly in O(N) time and memory (implicit-kernel-attention §4, via the
@@ -88,72 +97,77 @@ class AttentionSpec:
     multihead_convention: bool = True
 
 
-def _generalized(e: int, h: int) -> nn.Module:
+def _generalized(e: int, h: int, **mha: Any) -> nn.Module:
     from attnopt.nn.generalized import GeneralizedMultiheadAttention
 
-    return GeneralizedMultiheadAttention(e, h)
+    return GeneralizedMultiheadAttention(e, h, **mha)
 
 
-def _t5(e: int, h: int, *, num_buckets: int, max_distance: int, bidirectional: bool) -> nn.Module:
+def _t5(e: int, h: int, *, num_buckets: int, max_distance: int, bidirectional: bool, **mha: Any) -> nn.Module:
     from attnopt.nn.generalized import GeneralizedMultiheadAttention
     from attnopt.nn.preference import T5RelativePreference
 
     pref = T5RelativePreference(
         h, num_buckets=num_buckets, max_distance=max_distance, bidirectional=bidirectional
     )
-    return GeneralizedMultiheadAttention(e, h, pref)
+    return GeneralizedMultiheadAttention(e, h, pref, **mha)
 
 
-def _alibi(e: int, h: int) -> nn.Module:
+def _alibi(e: int, h: int, **mha: Any) -> nn.Module:
     from attnopt.nn.generalized import GeneralizedMultiheadAttention
     from attnopt.nn.preference import ALiBiPreference
 
-    return GeneralizedMultiheadAttention(e, h, ALiBiPreference(h))
+    return GeneralizedMultiheadAttention(e, h, ALiBiPreference(h), **mha)
 
 
-def _mem(e: int, h: int, *, scale: float | None, tol: float, max_iter: int) -> nn.Module:
+def _mem(e: int, h: int, *, scale: float | None, tol: float, max_iter: int, **mha: Any) -> nn.Module:
     from attnopt.nn.mem import MEMAttention
 
-    return MEMAttention(e, h, scale=scale, tol=tol, max_iter=max_iter)
+    return MEMAttention(e, h, scale=scale, tol=tol, max_iter=max_iter, **mha)
 
 
-def _dn(e: int, h: int, *, iterations: int = 1, causal: str | None = None) -> nn.Module:
+def _dn(e: int, h: int, *, iterations: int = 1, causal: str | None = None, **mha: Any) -> nn.Module:
     from attnopt.nn.doubly_normalized import DoublyNormalizedMultiheadAttention
 
-    return DoublyNormalizedMultiheadAttention(e, h, iterations=iterations, causal=causal)  # type: ignore[arg-type]
+    return DoublyNormalizedMultiheadAttention(e, h, iterations=iterations, causal=causal,  # type: ignore[arg-type]
+                                              **mha)
 
 
-def _hnas(e: int, h: int, *, init_weight: float, per_head: bool, causal: str | None = None) -> nn.Module:
+def _hnas(
+    e: int, h: int, *, init_weight: float, per_head: bool, causal: str | None = None, **mha: Any
+) -> nn.Module:
     from attnopt.nn.doubly_normalized import HybridNormalizedMultiheadAttention
 
     return HybridNormalizedMultiheadAttention(e, h, init_weight=init_weight, per_head=per_head,
-                                              causal=causal)  # type: ignore[arg-type]
+                                              causal=causal, **mha)  # type: ignore[arg-type]
 
 
-def _sparsemax(e: int, h: int) -> nn.Module:
+def _sparsemax(e: int, h: int, **mha: Any) -> nn.Module:
     from attnopt.functional.regularizers import SquaredL2
     from attnopt.nn.regularized import RegularizedMultiheadAttention
 
-    return RegularizedMultiheadAttention(e, h, SquaredL2())
+    return RegularizedMultiheadAttention(e, h, SquaredL2(), **mha)
 
 
-def _entmax(e: int, h: int, *, alpha: float) -> nn.Module:
+def _entmax(e: int, h: int, *, alpha: float, **mha: Any) -> nn.Module:
     from attnopt.functional.regularizers import Tsallis
     from attnopt.nn.regularized import RegularizedMultiheadAttention
 
-    return RegularizedMultiheadAttention(e, h, Tsallis(alpha))
+    return RegularizedMultiheadAttention(e, h, Tsallis(alpha), **mha)
 
 
 def _kernel(which: str) -> Callable[..., nn.Module]:
-    def build(e: int, h: int, **opts: Any) -> nn.Module:
+    def build(e: int, h: int, *, dropout: float, bias: bool, kdim: int | None, vdim: int | None,
+              **opts: Any) -> nn.Module:
         from attnopt.kernels import RBF, Linear, Periodic
         from attnopt.nn.kernel import KernelMultiheadAttention
 
+        mha: dict[str, Any] = dict(dropout=dropout, bias=bias, kdim=kdim, vdim=vdim)
         if which == "rbf-only":
-            return KernelMultiheadAttention(e, h, RBF(), magnitude_p=None)
+            return KernelMultiheadAttention(e, h, RBF(), magnitude_p=None, **mha)
         if which == "expsin":
-            return KernelMultiheadAttention(e, h, Periodic(opts["period"]), magnitude_p=2.0)
-        return KernelMultiheadAttention(e, h, Linear(), magnitude_p=2.0, mode=opts["mode"])
+            return KernelMultiheadAttention(e, h, Periodic(opts["period"]), magnitude_p=2.0, **mha)
+        return KernelMultiheadAttention(e, h, Linear(), magnitude_p=2.0, mode=opts["mode"], **mha)
 
     return build
 
@@ -167,10 +181,25 @@ def _ika(variant: Variant) -> Callable[..., nn.Module]:
     return build
 
 
-def _ot(e: int, h: int, *, alpha: float, gamma: float | None, cost: str) -> nn.Module:
+def _ot(e: int, h: int, *, alpha: float, gamma: float | None, cost: str, dropout: float, bias: bool
+        ) -> nn.Module:
     from attnopt.nn.ot import OTAttention
 
-    return OTAttention(e, h, alpha=alpha, gamma=gamma, cost=cost)
+    return OTAttention(e, h, alpha=alpha, gamma=gamma, cost=cost, dropout=dropout, bias=bias)
+
+
+#: the ``nn.MultiheadAttention`` constructor options every multi-head name takes, with its defaults
+#: (``ot``, a pooling layer over one token set, takes ``dropout`` and ``bias`` only)
+MODULE_OPTIONS: Mapping[str, Any] = {
+    "dropout": 0.0, "bias": True, "kdim": None, "vdim": None, "batch_first": True,
+    "device": None, "dtype": None,
+}
+#: ``nn.MultiheadAttention`` options no mechanism takes, with the reason
+UNSUPPORTED_OPTIONS: Mapping[str, str] = {
+    "add_bias_kv": "a learned extra key/value would take part in every normalization as a real key",
+    "add_zero_attn": "a zero key would take part in every normalization as a real key",
+}
+_OT_OPTIONS = ("dropout", "bias", "batch_first", "device", "dtype")
 
 
 _FD, _DN, _IK, _EOT = (
@@ -271,8 +300,11 @@ def make_attention(name: str, embed_dim: int, num_heads: int, **options: Any) ->
         name: a registry name (:func:`attention_names`).
         embed_dim: E (divisible by ``num_heads``).
         num_heads: H.
-        **options: the mechanism's options (see the module table); omitted ones take their
-            defaults.
+        **options: the mechanism's options (see the module table) and the
+            ``nn.MultiheadAttention(batch_first=True)`` constructor options of
+            :data:`MODULE_OPTIONS` (``dropout``, ``bias``, ``kdim``, ``vdim``, ``batch_first``
+            (``True`` only), ``device``, ``dtype``); omitted ones take their defaults.
+            ``add_bias_kv`` / ``add_zero_attn`` are refused (:data:`UNSUPPORTED_OPTIONS`).
     Returns:
         an ``nn.Module`` with the ``nn.MultiheadAttention(batch_first=True)`` convention
         (``ot``: the pooling convention of :class:`~attnopt.nn.OTAttention`).
@@ -281,13 +313,27 @@ def make_attention(name: str, embed_dim: int, num_heads: int, **options: Any) ->
             value the mechanism rejects.
     """
     spec = attention_spec(name)
-    unknown = sorted(set(options) - set(spec.defaults))
+    shared = MODULE_OPTIONS if spec.multihead_convention else {k: MODULE_OPTIONS[k] for k in _OT_OPTIONS}
+    refused = sorted(set(options) & set(UNSUPPORTED_OPTIONS))
+    if refused:
+        why = UNSUPPORTED_OPTIONS[refused[0]]
+        raise ValueError(f"attention {name!r}: {refused[0]} is not supported ({why})")
+    unknown = sorted(set(options) - set(spec.defaults) - set(shared))
     if unknown:
         valid = ", ".join(spec.defaults) or "none"
         raise ValueError(
-            f"attention {name!r} has no option {', '.join(map(repr, unknown))}; valid options: {valid}"
+            f"attention {name!r} has no option {', '.join(map(repr, unknown))}; valid options: {valid}; "
+            f"and the nn.MultiheadAttention options {', '.join(shared)}"
         )
+    module_opts = {**shared, **{k: v for k, v in options.items() if k in shared}}
+    if module_opts.pop("batch_first") is not True:
+        raise ValueError(f"attention {name!r}: only batch_first=True is supported (inputs are (B, N, E))")
+    device, dtype = module_opts.pop("device"), module_opts.pop("dtype")
+    specific = {k: v for k, v in options.items() if k not in shared}
     try:
-        return spec.build(embed_dim, num_heads, **{**spec.defaults, **options})
+        module = spec.build(embed_dim, num_heads, **{**spec.defaults, **specific}, **module_opts)
     except TypeError as exc:
         raise ValueError(f"attention {name!r}: {exc}") from exc
+    if device is not None or dtype is not None:
+        module = module.to(device=device, dtype=dtype)
+    return module

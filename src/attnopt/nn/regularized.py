@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnopt.functional.regularized import regularized_attention, regularized_attention_weights
@@ -28,11 +27,12 @@ class RegularizedMultiheadAttention(MultiheadBase):
         locality: ``None``, a number (all heads) or an ``(H,)`` tensor of slopes ``β_h`` (e.g.
             ``ALiBiPreference(H).slopes``).
         learn_locality: make ``β`` a trainable parameter (requires ``locality``).
-        bias, kdim, vdim, dropout: as ``nn.MultiheadAttention``. Dropout on the weights uses
-            the materialized path during training.
+        bias, kdim, vdim, dropout: as ``nn.MultiheadAttention``. Dropout on the weights (training
+            mode) materializes the ``Nq × Nk`` weights.
 
     Shapes: ``query (B, Nq, E)``, ``key (B, Nk, kdim)``, ``value (B, Nk, vdim)`` ->
-    ``(B, Nq, E)`` and, with ``need_weights=True``, weights ``(B, H, Nq, Nk)``.
+    ``(B, Nq, E)`` and, with ``need_weights=True``, weights ``(B, Nq, Nk)`` (the head
+    average, as ``nn.MultiheadAttention``; ``(B, H, Nq, Nk)`` with ``average_attn_weights=False``).
 
     Raises:
         TypeError: a regularizer without ``conjugate_grad``.
@@ -80,21 +80,17 @@ class RegularizedMultiheadAttention(MultiheadBase):
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, need_weights: bool
     ) -> tuple[Tensor, Tensor | None]:
-        drop = self.dropout if self.training else 0.0
         reg, beta = self.regularizer, self.locality
+        out = regularized_attention(
+            q, k, v, regularizer=reg, attn_mask=mask, locality=beta, is_causal=is_causal,
+            dropout_p=self.dropout_p,
+        )
         weights = None
-        if need_weights or drop > 0.0:
+        if need_weights:
             weights = regularized_attention_weights(
                 q, k, regularizer=reg, attn_mask=mask, locality=beta, is_causal=is_causal
             )
-        if drop > 0.0:
-            assert weights is not None
-            out = torch.matmul(F.dropout(weights, p=drop), v)
-        else:
-            out = regularized_attention(
-                q, k, v, regularizer=reg, attn_mask=mask, locality=beta, is_causal=is_causal
-            )
-        return out, weights if need_weights else None
+        return out, weights
 
     def extra_repr(self) -> str:
         return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, regularizer={self.regularizer!r}"

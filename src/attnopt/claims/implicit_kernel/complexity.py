@@ -32,7 +32,7 @@ def _module(
 def _forward(mod: nn.Module, x: torch.Tensor) -> Callable[[], object]:
     """One forward pass; MHA returns its weights (the paper's Table 1 counts computing them)."""
     if isinstance(mod, nn.MultiheadAttention):
-        return lambda: mod(x, x, x, need_weights=True)
+        return lambda: mod(x, x, x, need_weights=True, average_attn_weights=False)
     return lambda: mod(x)
 
 
