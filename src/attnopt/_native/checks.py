@@ -62,31 +62,37 @@ def require_view(
     strides: tuple[int, ...], offset: int = 0,
 ) -> None:
     """Check that a kernel reading ``t``'s memory from ``t.data_ptr() + offset`` elements with
-    ``sizes`` and ``strides`` (in elements, non-negative; as passed to C) stays inside ``t``'s
-    storage: the largest element index read, ``offset + Σ (size − 1) · stride``, is below the
-    storage's length past ``t``'s first element.
+    ``sizes`` and ``strides`` (in elements, as passed to C) stays inside ``t``'s storage: the
+    element indices it reaches, ``offset + Σ i_d · stride_d`` over ``0 <= i_d < size_d``, lie in
+    ``[-t.storage_offset(), room)`` where ``room`` is the storage's length past ``t``'s first
+    element. A negative stride reads backwards (a Toeplitz bias's rows: stride −1 from offset
+    ``Nq − 1``).
 
     Also checks ``dtype`` and the CPU. Used where a kernel reads a view with its own strides (a
-    broadcast mask, a head-shared parameter, a transposed gradient) or a scratch buffer at an offset.
+    broadcast mask, a head-shared parameter, a transposed gradient) or a buffer at an offset.
 
     Raises:
-        NativeArgumentError: a stride is negative, or the reads overrun the storage.
+        NativeArgumentError: the reads overrun the storage (either end), or the dtype or device differ.
     """
     if t.dtype is not dtype:
         raise _fail(kernel, name, f"dtype {t.dtype}, expected {dtype}")
     if not t.is_cpu:
         raise _fail(kernel, name, f"on {t.device}, expected the CPU")
-    last = offset
+    if len(sizes) != len(strides):
+        raise _fail(kernel, name, f"{len(sizes)} sizes and {len(strides)} strides")
+    low = high = offset
     for size, stride in zip(sizes, strides):
         if size <= 0:
             return  # nothing is read
         if stride < 0:
-            raise _fail(kernel, name, f"negative stride {stride} (strides {strides})")
-        last += (size - 1) * stride
-    room = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
-    if offset < 0 or last >= room:
-        raise _fail(kernel, name, f"reads up to element {last} from its first one (sizes {sizes}, strides "
-                                  f"{strides}, offset {offset}), its storage holds {room}")
+            low += (size - 1) * stride
+        else:
+            high += (size - 1) * stride
+    start = t.storage_offset()
+    room = t.untyped_storage().nbytes() // t.element_size() - start
+    if low < -start or high >= room:
+        raise _fail(kernel, name, f"reads elements {low}..{high} from its first one (sizes {sizes}, strides "
+                                  f"{strides}, offset {offset}), its storage holds {-start}..{room - 1}")
 
 
 def require_size(kernel: str, name: str, value: int, *, at_most: int | None = None, at_least: int = 0) -> None:
