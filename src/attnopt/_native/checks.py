@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["NativeArgumentError", "require", "require_view", "require_size"]
+__all__ = ["NativeArgumentError", "require", "require_dense", "require_size", "require_view"]
 
 
 class NativeArgumentError(RuntimeError):
@@ -103,3 +103,20 @@ def require_size(kernel: str, name: str, value: int, *, at_most: int | None = No
     """
     if value < at_least or (at_most is not None and value > at_most):
         raise _fail(kernel, name, f"{value}, expected within [{at_least}, {at_most}]")
+
+
+def require_dense(kernel: str, name: str, x: torch.Tensor | tuple[torch.Tensor, int], *, dtype: torch.dtype,
+                  numel: int) -> None:
+    """Check a dense buffer of ``numel`` entries: a contiguous tensor of exactly ``numel`` entries, or
+    ``(t, offset)``: ``numel`` entries of the contiguous ``t`` from element ``offset`` on, inside ``t``.
+
+    Raises:
+        NativeArgumentError: dtype, device, contiguity or the bounds do not hold.
+    """
+    if isinstance(x, tuple):
+        t, offset = x
+        require(kernel, name, t, dtype=dtype)
+        if offset < 0 or offset + numel > t.numel():
+            raise _fail(kernel, name, f"entries {offset}..{offset + numel} of a scratch of {t.numel()}")
+        return
+    require(kernel, name, x, dtype=dtype, numel=numel)

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import ctypes
 import math
-from typing import Any
+from typing import Any, Union
 
 import torch
 from torch import Tensor
 
 from attnopt import _func, _native
-from attnopt._native.checks import NativeArgumentError, require, require_view
+from attnopt._native.checks import NativeArgumentError, require, require_dense, require_view
 from attnopt.functional._autograd import double_backward
 
 __all__ = ["library", "native_sample"]
@@ -128,51 +128,59 @@ def _noise_layout(noise: Tensor, n_sets: int, lead: tuple[int, ...], half: int, 
     return ne
 
 
+#: a dense buffer handed to C: a tensor, or ``(scratch, offset)`` (a region of a plan's scratch)
+Dense = Union[Tensor, tuple[Tensor, int]]
+
+
 def check_sample(
-    kernel: str, dims: tuple[int, ...], h: Tensor, n: int, hbuf: Tensor | None, noise: Tensor,
+    kernel: str, dims: tuple[int, ...], h: Dense, n: int, hbuf: Dense | None, noise: Dense,
     strides: tuple[int, ...], raw: Tensor | None, params: list[Tensor] | tuple[Tensor, ...],
-    scales: tuple[float, ...], ws: Tensor | None, *, ws_at: int = 0, pts: Tensor | None = None,
-    kl: Tensor | None = None, klm: Tensor | None = None, gpts: Tensor | None = None, gkl: Tensor | None = None,
-    gks: int = 0, dh: Tensor | None = None, nkeys: int = 0, dkeys: Tensor | None = None,
-    dnoise: Tensor | None = None, draw: Tensor | None = None, grads: list[Tensor] | None = None,
+    scales: tuple[float, ...] | int, ws: Dense, *, pts: Dense | None = None, kl: Dense | None = None,
+    klm: Tensor | None = None, gpts: Dense | None = None, gkl: Tensor | None = None, gks: int = 0,
+    dh: Tensor | None = None, nkeys: int = 0, dkeys: Tensor | None = None, dnoise: Tensor | None = None,
+    draw: Tensor | None = None, grads: list[Tensor] | None = None,
 ) -> None:
     """What ``ss_fwd`` / ``ss_bwd`` of ``spectral_sample.c`` read and write, ``dims = (S, B, H, half,
     d, hid)``, ``M = B·H``, ``R = M·half``: ``h`` dense ``(M, d)``, or with ``n > 0`` keys ``(M, n, d)`` and
     ``hbuf (M, d)``; the noise element ``(s, b, m, i, k)`` at ``s·ns + b·nb + m·nh + i·d + k``; ``raw (H, H)``
     dense; 8 ``S`` dense parameters of the stock shapes; ``S`` scales; the workspace ``S·set_stride + 2H²``
-    (copula) from ``ws_at`` on; ``pts (M, S, 2, half, d)``, ``kl (B)``, ``klm ()`` dense. The backward's
-    ``gpts`` like ``pts``, ``gkl[b·gks]``, ``dh (M, d)``, ``dkeys (M, nkeys, d)``, ``dnoise (S, R, d)``,
-    ``draw (H, H)`` dense and gradients shaped as the parameters."""
+    (copula); ``pts (M, S, 2, half, d)``, ``kl (B)``, ``klm ()``. The backward's ``gpts`` like ``pts``,
+    ``gkl[b·gks]``, ``dh (M, d)``, ``dkeys (M, nkeys, d)``, ``dnoise (S, R, d)``, ``draw (H, H)`` and
+    gradients shaped as the parameters. A dense buffer is a tensor or ``(scratch, offset)``
+    (:func:`attnopt._native.checks.require_dense`)."""
     n_sets, b, heads, half, d, hid = dims
-    m, dtype = b * heads, h.dtype
-    require(kernel, "h", h, dtype=dtype, numel=m * (n if n > 0 else 1) * d)
+    m = b * heads
+    dtype = (h[0] if isinstance(h, tuple) else h).dtype
+    require_dense(kernel, "h", h, dtype=dtype, numel=m * (n if n > 0 else 1) * d)
     if n > 0:
         if hbuf is None:
             raise NativeArgumentError(f"attnopt internal error: C kernel {kernel!r}, argument 'hbuf': missing")
-        require(kernel, "hbuf", hbuf, dtype=dtype, numel=m * d)
+        require_dense(kernel, "hbuf", hbuf, dtype=dtype, numel=m * d)
     ns, nb, nh = strides
-    require_view(kernel, "noise", noise, dtype=dtype, sizes=(n_sets, b, heads, half, d), strides=(ns, nb, nh, d, 1))
+    nt, at = noise if isinstance(noise, tuple) else (noise, 0)
+    require_view(kernel, "noise", nt, dtype=dtype, sizes=(n_sets, b, heads, half, d), strides=(ns, nb, nh, d, 1),
+                 offset=at)
     cop = raw is not None
     if raw is not None:
         require(kernel, "raw", raw, dtype=dtype, numel=heads * heads)
-    if len(params) != 8 * n_sets or len(scales) != n_sets:
+    n_scales = scales if isinstance(scales, int) else len(scales)
+    if len(params) != 8 * n_sets or n_scales != n_sets:
         raise NativeArgumentError(f"attnopt internal error: C kernel {kernel!r}: {len(params)} parameters and "
-                                  f"{len(scales)} scales for {n_sets} sets")
+                                  f"{n_scales} scales for {n_sets} sets")
     for i, (p, shape) in enumerate(zip(params, _shapes(n_sets, d, hid), strict=True)):
         if p.shape != shape or p.dtype is not dtype or not p.is_contiguous() or not p.is_cpu:
             raise NativeArgumentError(f"attnopt internal error: C kernel {kernel!r}, parameter {i}: shape "
                                       f"{tuple(p.shape)}, {p.dtype}, expected a contiguous CPU {tuple(shape)}, {dtype}")
         if grads is not None:
             require(kernel, f"grad {i}", grads[i], dtype=dtype, numel=p.numel())
-    if ws is not None:
-        need = ws_at + n_sets * _set_stride(m, half, d, hid, cop) + (2 * heads * heads if cop else 0)
-        require(kernel, "ws", ws, dtype=dtype, min_numel=need)
+    need = n_sets * _set_stride(m, half, d, hid, cop) + (2 * heads * heads if cop else 0)
+    require_dense(kernel, "ws", ws, dtype=dtype, numel=need)
     per = m * n_sets * 2 * half * d
-    for name, t, size in (("pts", pts, per), ("kl", kl, b), ("kl_mean", klm, 1), ("gpts", gpts, per),
+    for name, x, size in (("pts", pts, per), ("kl", kl, b), ("kl_mean", klm, 1), ("gpts", gpts, per),
                           ("dh", dh, m * d), ("dkeys", dkeys, m * nkeys * d), ("dnoise", dnoise, n_sets * m * half * d),
                           ("draw", draw, heads * heads)):
-        if t is not None:
-            require(kernel, name, t, dtype=dtype, numel=size)
+        if x is not None:
+            require_dense(kernel, name, x, dtype=dtype, numel=size)
     if gkl is not None:
         require_view(kernel, "gkl", gkl, dtype=dtype, sizes=(b,), strides=(gks,))
 
