@@ -733,7 +733,7 @@ def _each(threads: int, g: int, call: Callable[[int, int, int], None]) -> None:
 
 
 def check_whole(
-    kernel: str, cfg: _WholeConfig, sizes: tuple[int, ...], g: int, q: Tensor, k: Tensor, v: Tensor, w: Dense,
+    kernel: str, size_fns: tuple[Any, Any], sizes: tuple[int, ...], g: int, q: Tensor, k: Tensor, v: Tensor, w: Dense,
     wsb: int, wsh: int, hi: int, save: Dense, out: Tensor, work: Dense, threads: int, *, step: int | None = None,
     mask: Tensor | None = None, dout: Tensor | None = None, dstrides: tuple[int, ...] = (),
     grads: tuple[Tensor | None, ...] = (), dw: list[Tensor] | Dense | None = None, dsb: int = 0, dsh: int = 0,
@@ -743,7 +743,7 @@ def check_whole(
     ``sizes = (Nq, Nk, d, Dv, R, S)``: ``q (g, Nq, d)``, ``k (g, Nk, d)``, ``v (g, Nk, Dv)``, ``out (g, Nq,
     Dv)`` dense; head ``j``'s points ``S·R × d`` dense at ``w + (j // hi)·wsb + (j % hi)·wsh``, inside ``w``'s
     storage for every head; ``mask (g, Nk)`` dense; ``ffw_save_size`` entries of ``save`` per head and
-    ``ffw_work_size`` of ``work`` per thread (rows of ``step`` entries: a 2-D ``work``'s row length by
+    ``ffw_work_size`` of ``work`` per thread (``size_fns``: those two C functions) (rows of ``step`` entries: a 2-D ``work``'s row length by
     default); the backward's ``dout`` element ``(j, i, c)`` at ``j·ds₀ + i·ds₁ + c·ds₂``, the gradients
     dense like their inputs, ``dw``: one ``(S·R, d)`` buffer per thread (``shared``) or head ``j``'s at
     ``(j // hi)·dsb + (j % hi)·dsh``. The save and work sizes are the C functions' own
@@ -764,7 +764,7 @@ def check_whole(
         raise NativeArgumentError(f"attnopt internal error: C kernel {kernel!r}, argument 'w': shape "
                                   f"{tuple(w.shape)}, strides {w.stride()}: expected dense ({sr}, {d}) rows")
     require_view(kernel, "w", wt, dtype=dtype, sizes=heads, strides=(wsb, wsh, 1), offset=w_at)
-    per_save, per_work = _size(cfg[2], sizes), _size(cfg[3], sizes)
+    per_save, per_work = _size(size_fns[0], sizes), _size(size_fns[1], sizes)
     require_dense(kernel, "save", save, dtype=dtype, numel=g * per_save)
     if isinstance(work, tuple):
         row = per_work if step is None else step
@@ -825,7 +825,7 @@ class _WholeFourier(torch.autograd.Function):
         tail = (nq, nk, d, dv, r, nsets, mode, 1.0 if p is None else p, scale, cap, c4, eps, grad,
                 save.data_ptr(), out.data_ptr())
         pw, step = work.data_ptr(), work.shape[1] * work.element_size()
-        check_whole("ffw_fwd", cfg, sizes, g, q, k, v, w, wsb, wsh, hi, save, out, work, threads, mask=mk)
+        check_whole("ffw_fwd", (save_size, work_size), sizes, g, q, k, v, w, wsb, wsh, hi, save, out, work, threads, mask=mk)
 
         if threads == 1:
             fwd(gemm, set_threads, *args, 0, g, *tail, pw)
@@ -880,7 +880,7 @@ class _WholeFourier(torch.autograd.Function):
         tail = (nq, nk, d, dv, r, nsets, int(ctx.mag), c4, eps, save.data_ptr())
         outs = (_base(dq), _base(dk), _base(dvv))
         pw, step = work.data_ptr(), work.shape[1] * work.element_size()
-        check_whole("ffw_bwd", ctx.cfg, (nq, nk, d, dv, r, nsets), g, q, k, v, w, wsb, wsh, hi, save, out, work,
+        check_whole("ffw_bwd", ctx.cfg[2:4], (nq, nk, d, dv, r, nsets), g, q, k, v, w, wsb, wsh, hi, save, out, work,
                     threads, dout=d3, dstrides=dstrides, grads=(dq, dk, dvv), dw=dwb, dsb=dsb, dsh=dsh,
                     shared=shared)
 
