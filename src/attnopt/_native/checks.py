@@ -59,7 +59,7 @@ def require(
 
 def require_view(
     kernel: str, name: str, t: torch.Tensor, *, dtype: torch.dtype, sizes: tuple[int, ...],
-    strides: tuple[int, ...], offset: int = 0,
+    strides: tuple[int, ...], offset: int = 0, limit: int | None = None,
 ) -> None:
     """Check that a kernel reading ``t``'s memory from ``t.data_ptr() + offset`` elements with
     ``sizes`` and ``strides`` (in elements, as passed to C) stays inside ``t``'s storage: the
@@ -68,7 +68,8 @@ def require_view(
     element. A negative stride reads backwards (a Toeplitz bias's rows: stride −1 from offset
     ``Nq − 1``).
 
-    Also checks ``dtype`` and the CPU. Used where a kernel reads a view with its own strides (a
+    ``limit``: where the view is a region of a scratch tensor, the end of the region (the reads stay
+    below it: they do not run into the next region). Also checks ``dtype`` and the CPU. Used where a kernel reads a view with its own strides (a
     broadcast mask, a head-shared parameter, a transposed gradient) or a buffer at an offset.
 
     Raises:
@@ -90,6 +91,8 @@ def require_view(
             high += (size - 1) * stride
     start = t.storage_offset()
     room = t.untyped_storage().nbytes() // t.element_size() - start
+    if limit is not None:
+        room = min(room, limit)
     if low < -start or high >= room:
         raise _fail(kernel, name, f"reads elements {low}..{high} from its first one (sizes {sizes}, strides "
                                   f"{strides}, offset {offset}), its storage holds {-start}..{room - 1}")
@@ -105,18 +108,22 @@ def require_size(kernel: str, name: str, value: int, *, at_most: int | None = No
         raise _fail(kernel, name, f"{value}, expected within [{at_least}, {at_most}]")
 
 
-def require_dense(kernel: str, name: str, x: torch.Tensor | tuple[torch.Tensor, int], *, dtype: torch.dtype,
-                  numel: int) -> None:
+def require_dense(kernel: str, name: str, x: torch.Tensor | tuple[torch.Tensor, int] | tuple[torch.Tensor, int, int],
+                  *, dtype: torch.dtype, numel: int) -> None:
     """Check a dense buffer of ``numel`` entries: a contiguous tensor of exactly ``numel`` entries, or
-    ``(t, offset)``: ``numel`` entries of the contiguous ``t`` from element ``offset`` on, inside ``t``.
+    ``(t, offset)``: ``numel`` entries of the contiguous ``t`` from element ``offset`` on, inside ``t``, or
+    ``(t, offset, end)``: the same inside the region ``[offset, end)`` of ``t`` (a plan's scratch layout:
+    a buffer that does not run into the next one).
 
     Raises:
         NativeArgumentError: dtype, device, contiguity or the bounds do not hold.
     """
     if isinstance(x, tuple):
-        t, offset = x
+        t, offset = x[0], x[1]
+        end = t.numel() if len(x) < 3 else min(x[2], t.numel())  # type: ignore[misc]
         require(kernel, name, t, dtype=dtype)
-        if offset < 0 or offset + numel > t.numel():
-            raise _fail(kernel, name, f"entries {offset}..{offset + numel} of a scratch of {t.numel()}")
+        if offset < 0 or offset + numel > end:
+            raise _fail(kernel, name, f"entries {offset}..{offset + numel} of a region {offset}..{end} of a "
+                                      f"scratch of {t.numel()}")
         return
     require(kernel, name, x, dtype=dtype, numel=numel)

@@ -714,6 +714,21 @@ def _size(fn: Any, sizes: tuple[int, ...]) -> int:
     return hit
 
 
+_CHECKED_SIZES: dict[tuple[int, tuple[int, ...]], int] = {}
+
+
+def _kernel_size(fn: Any, sizes: tuple[int, ...]) -> int:
+    """``fn(*sizes)`` for :func:`check_whole`, from a cache of its own (not :func:`_size`'s: a size
+    the caller got wrong is not the size the check compares with)."""
+    key = (id(fn), sizes)
+    hit = _CHECKED_SIZES.get(key)
+    if hit is None:
+        if len(_CHECKED_SIZES) > 1024:
+            _CHECKED_SIZES.clear()
+        hit = _CHECKED_SIZES[key] = int(fn(*sizes))
+    return hit
+
+
 def _heads_split(g: int, work: int) -> int:
     """Threads for ``g`` heads of ``work`` scores each (one below ``_native._MIN_PARALLEL`` entries)."""
     return min(torch.get_num_threads(), g) if g * work >= _native._MIN_PARALLEL else 1
@@ -758,18 +773,18 @@ def check_whole(
     if mask is not None:
         require(kernel, "mask", mask, dtype=dtype, numel=g * nk)
     heads = ((g - 1) // hi + 1, min(hi, g), sr * d)
-    wt, w_at = w if isinstance(w, tuple) else (w, 0)
+    wt, w_at, w_end = (w[0], w[1], w[2] if len(w) > 2 else None) if isinstance(w, tuple) else (w, 0, None)
     if not isinstance(w, tuple) and (w.stride(-1) != 1 or (w.shape[-2] > 1 and w.stride(-2) != d)
                                      or w.shape[-2:] != (sr, d)):
         raise NativeArgumentError(f"attnopt internal error: C kernel {kernel!r}, argument 'w': shape "
                                   f"{tuple(w.shape)}, strides {w.stride()}: expected dense ({sr}, {d}) rows")
-    require_view(kernel, "w", wt, dtype=dtype, sizes=heads, strides=(wsb, wsh, 1), offset=w_at)
-    per_save, per_work = _size(size_fns[0], sizes), _size(size_fns[1], sizes)
+    require_view(kernel, "w", wt, dtype=dtype, sizes=heads, strides=(wsb, wsh, 1), offset=w_at, limit=w_end)
+    per_save, per_work = _kernel_size(size_fns[0], sizes), _kernel_size(size_fns[1], sizes)
     require_dense(kernel, "save", save, dtype=dtype, numel=g * per_save)
     if isinstance(work, tuple):
         row = per_work if step is None else step
         require_size(kernel, "work step", row, at_least=per_work)
-        require_dense(kernel, "work", (work[0], work[1]), dtype=dtype, numel=(threads - 1) * row + per_work)
+        require_dense(kernel, "work", work, dtype=dtype, numel=(threads - 1) * row + per_work)
     else:
         require(kernel, "work", work, dtype=dtype, min_numel=threads * per_work)
         require_size(kernel, "work rows", work.shape[0], at_least=threads)
@@ -783,11 +798,12 @@ def check_whole(
             else:
                 require_view(kernel, "dw", t, dtype=dtype, sizes=heads, strides=(dsb, dsh, 1))
     elif isinstance(dw, tuple):
-        require_view(kernel, "dw", dw[0], dtype=dtype, sizes=heads, strides=(dsb, dsh, 1), offset=dw[1])
+        require_view(kernel, "dw", dw[0], dtype=dtype, sizes=heads, strides=(dsb, dsh, 1), offset=dw[1],
+                     limit=dw[2] if len(dw) > 2 else None)
 
 
 #: a dense buffer handed to C: a tensor, or ``(scratch, offset)`` (a region of a plan's scratch)
-Dense = Union[Tensor, tuple[Tensor, int]]
+Dense = Union[Tensor, tuple[Tensor, int], tuple[Tensor, int, int]]
 
 
 class _WholeFourier(torch.autograd.Function):

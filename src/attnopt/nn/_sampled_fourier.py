@@ -187,7 +187,8 @@ class _SampledFourier(torch.autograd.Function):
             ne = None
             noise_at, (ns, nb, nh) = base + plan.at_noise * size, plan.noise_strides
             require("normal_fill_at", "seed", noise, dtype=torch.int64, numel=1)
-            require_dense("normal_fill_at", "out", (scratch, plan.at_noise), dtype=q.dtype, numel=nsets * b * h * half * d)
+            require_dense("normal_fill_at", "out", (scratch, plan.at_noise, plan.scratch), dtype=q.dtype,
+                          numel=nsets * b * h * half * d)
             plan.noise_fill(noise.data_ptr(), noise_at, nsets * b * h * half * d)
         else:
             ne = _noise_layout(noise, nsets, (b, h), half, d)
@@ -195,9 +196,10 @@ class _SampledFourier(torch.autograd.Function):
         ctx.noise = noise_at - base if ne is None else None, ns, nb, nh
         # the sampler: the keys' mean, the networks, the points and the KL's batch mean in one call
         addrs, paddrs = _addresses(params)
-        check_sample("ss_fwd", plan.dims, k, k.shape[2], (scratch, plan.at_h), (scratch, plan.at_noise) if ne is None
-                     else ne, (ns, nb, nh), rc, params, nsets, (scratch, plan.at_ws), pts=(scratch, plan.at_pts),
-                     kl=(scratch, plan.at_kl), klm=klm)
+        check_sample("ss_fwd", plan.dims, k, k.shape[2], (scratch, plan.at_h, plan.at_pts),
+                     (scratch, plan.at_noise, plan.scratch) if ne is None else ne, (ns, nb, nh), rc, params, nsets,
+                     (scratch, plan.at_ws, plan.at_save), pts=(scratch, plan.at_pts, plan.at_kl),
+                     kl=(scratch, plan.at_kl, plan.at_ws), klm=klm)
         if plan.sample_fwd(*plan.dims, k.data_ptr(), k.shape[2], base + plan.at_h * size, noise_at,
                            ns, nb, nh, None if rc is None else rc.data_ptr(),
                            paddrs, plan.scales, pts, base + plan.at_kl * size, klm.data_ptr(),
@@ -211,8 +213,9 @@ class _SampledFourier(torch.autograd.Function):
         tail = (*plan.fwd_tail, base + plan.at_save * size, out.data_ptr())
         work, step = base + plan.at_work * size, plan.work * size
         fwd = plan.attend_fwd
-        check_whole("ffw_fwd", plan.size_fns, plan.fwd_tail[:6], g, q, k, v, (scratch, plan.at_pts), h * sr * d, sr * d, h,
-                    (scratch, plan.at_save), out, (scratch, plan.at_work), plan.threads, step=plan.work)
+        check_whole("ffw_fwd", plan.size_fns, plan.fwd_tail[:6], g, q, k, v, (scratch, plan.at_pts, plan.at_kl),
+                    h * sr * d, sr * d, h, (scratch, plan.at_save, plan.at_work), out,
+                    (scratch, plan.at_work, plan.at_noise), plan.threads, step=plan.work)
         if plan.threads == 1:
             fwd(plan.gemm, plan.set_threads, *head, 0, g, *tail, work)
         else:
@@ -256,10 +259,11 @@ class _SampledFourier(torch.autograd.Function):
         bwd = plan.attend_bwd
         require("ffw_bwd", "scratch", scratch, dtype=q.dtype, numel=plan.scratch)
         require("ffw_bwd", "backward scratch", bscratch, dtype=q.dtype, numel=plan.backward_scratch)
-        check_whole("ffw_bwd", plan.size_fns, plan.fwd_tail[:6], g, q, k, v, (scratch, plan.at_pts), h * sr * d, sr * d, h,
-                    (scratch, plan.at_save), out, (bscratch, _aligned(b * h * sr * d)), plan.threads, step=plan.work,
-                    dout=d3, dstrides=dstrides, grads=(dq, dk, dvv),
-                    dw=None if dpts is None else (bscratch, 0), dsb=h * sr * d, dsh=sr * d)
+        check_whole("ffw_bwd", plan.size_fns, plan.fwd_tail[:6], g, q, k, v, (scratch, plan.at_pts, plan.at_kl),
+                    h * sr * d, sr * d, h, (scratch, plan.at_save, plan.at_work), out,
+                    (bscratch, _aligned(b * h * sr * d)), plan.threads, step=plan.work, dout=d3, dstrides=dstrides,
+                    grads=(dq, dk, dvv), dw=None if dpts is None else (bscratch, 0, _aligned(b * h * sr * d)),
+                    dsb=h * sr * d, dsh=sr * d)
         if plan.threads == 1:
             bwd(plan.gemm, plan.set_threads, *head, 0, g, *tail, work, *outs, h * sr * d, sr * d, 0)
         else:
@@ -276,8 +280,9 @@ class _SampledFourier(torch.autograd.Function):
         gaddrs, pgaddrs = _addresses(every)
         if dkl.dtype != out.dtype:
             dkl = dkl.to(out.dtype)
-        check_sample("ss_bwd", plan.dims, (scratch, plan.at_h), 0, None, (scratch, at // size) if at is not None
-                     else ne, (ns, nb, nh), rc, params, nsets, (scratch, plan.at_ws), gpts=(bscratch, 0), gkl=dkl,
+        check_sample("ss_bwd", plan.dims, (scratch, plan.at_h, plan.at_pts), 0, None,
+                     (scratch, at // size, plan.scratch) if at is not None else ne, (ns, nb, nh), rc, params, nsets,
+                     (scratch, plan.at_ws, plan.at_save), gpts=(bscratch, 0, _aligned(b * h * sr * d)), gkl=dkl,
                      gks=0, nkeys=k.shape[2], dkeys=dk, draw=draw, grads=every)
         if plan.sample_bwd(*plan.dims, base + plan.at_h * size, noise_at, ns, nb, nh,
                            None if rc is None else rc.data_ptr(), paddrs, plan.scales,

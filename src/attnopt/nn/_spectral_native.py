@@ -129,7 +129,7 @@ def _noise_layout(noise: Tensor, n_sets: int, lead: tuple[int, ...], half: int, 
 
 
 #: a dense buffer handed to C: a tensor, or ``(scratch, offset)`` (a region of a plan's scratch)
-Dense = Union[Tensor, tuple[Tensor, int]]
+Dense = Union[Tensor, tuple[Tensor, int], tuple[Tensor, int, int]]
 
 
 def check_sample(
@@ -157,9 +157,10 @@ def check_sample(
             raise NativeArgumentError(f"attnopt internal error: C kernel {kernel!r}, argument 'hbuf': missing")
         require_dense(kernel, "hbuf", hbuf, dtype=dtype, numel=m * d)
     ns, nb, nh = strides
-    nt, at = noise if isinstance(noise, tuple) else (noise, 0)
+    nt, at, end = (noise[0], noise[1], noise[2] if len(noise) > 2 else None) if isinstance(noise, tuple) else (
+        noise, 0, None)
     require_view(kernel, "noise", nt, dtype=dtype, sizes=(n_sets, b, heads, half, d), strides=(ns, nb, nh, d, 1),
-                 offset=at)
+                 offset=at, limit=end)
     cop = raw is not None
     if raw is not None:
         require(kernel, "raw", raw, dtype=dtype, numel=heads * heads)
