@@ -169,7 +169,8 @@ def test_biased_softmax_checks():
     layout = gn._layout(bias, False, nq)
     gn._check_bs("bs_fwd", s, None, g * nq * nk, bias, False, g, h, nq, nk, mx, rinv, None, layout)
     with _raises("'bs_fwd', argument 's': not contiguous"):
-        gn._check_bs("bs_fwd", s.transpose(1, 2), None, g * nq * nk, bias, False, g, h, nq, nk, mx, rinv, None,
+        gn._check_bs("bs_fwd", s.transpose(1, 2), None, g * nq * nk, bias, False, g, h, nq, nk, mx, rinv,
+                     None,
                      layout)
     with _raises("'bs_fwd', argument 'bias': reads elements"):  # a batch stride on a batch-1 bias
         gn._check_bs("bs_fwd", s, None, g * nq * nk, bias, False, g, h, nq, nk, mx, rinv, None,
@@ -245,7 +246,7 @@ def test_spectral_sampler_check():
         call(ws=a["ws"][1:])
     with _raises("'ss_fwd', argument 'noise': reads elements"):
         call(strides=(a["strides"][0], a["strides"][2] * 3, a["strides"][2]))  # a batch stride: 1 stored
-    with _raises("'ss_fwd', parameter 3"):
+    with _raises("'ss_fwd', argument 'parameter 3'"):
         call(params=[*a["params"][:3], a["params"][3][1:], *a["params"][4:]])
     with _raises("'ss_fwd', argument 'pts'"):
         call(pts=a["pts"].double())
@@ -257,7 +258,8 @@ def test_whole_fourier_check():
     from attnopt.functional import _kernel_fused as kf
     from attnopt.functional._kernel_fused import check_whole
 
-    fns = kf._whole_fns(attnopt._native.library("fourier_features"), True) if attnopt._native.enabled() else None
+    fns = kf._whole_fns(attnopt._native.library("fourier_features"),
+                        True) if attnopt._native.enabled() else None
     if fns is None:
         pytest.skip("no native kernels")
     sizes_fns = (fns[2], fns[3])
@@ -265,7 +267,8 @@ def test_whole_fourier_check():
     sizes = (nq, nk, d, dv, r, nsets)
     sr = r * nsets
     per_save, per_work = int(fns[2](*sizes)), int(fns[3](*sizes))
-    q, k, v, out = torch.zeros(g, nq, d), torch.zeros(g, nk, d), torch.zeros(g, nk, dv), torch.zeros(g, nq, dv)
+    q, k, v, out = torch.zeros(g, nq, d), torch.zeros(g, nk, d), torch.zeros(g, nk, dv), torch.zeros(g, nq,
+                                                                                                     dv)
     w = torch.zeros(2, 3, sr, d)  # per (batch, head): hi = 3
     save, work = torch.zeros(g, per_save), torch.zeros(1, per_work)
     check_whole("ffw_fwd", sizes_fns, sizes, g, q, k, v, w, 3 * sr * d, sr * d, 3, save, out, work, 1)
@@ -275,7 +278,8 @@ def test_whole_fourier_check():
         check_whole("ffw_fwd", sizes_fns, sizes, g, q, k, v, w[..., :-1, :], 3 * sr * d, sr * d, 3, save, out,
                     work, 1)
     with _raises("'ffw_fwd', argument 'save'"):
-        check_whole("ffw_fwd", sizes_fns, sizes, g, q, k, v, w, 3 * sr * d, sr * d, 3, save[:, 1:], out, work, 1)
+        check_whole("ffw_fwd", sizes_fns, sizes, g, q, k, v, w, 3 * sr * d, sr * d, 3, save[:, 1:], out,
+                    work, 1)
     with _raises("'ffw_fwd', argument 'work"):
         check_whole("ffw_fwd", sizes_fns, sizes, g, q, k, v, w, 3 * sr * d, sr * d, 3, save, out, work, 2)
     with _raises("'ffw_fwd', argument 'q'"):
@@ -289,17 +293,20 @@ def test_whole_fourier_check():
                     dout=dout, dstrides=(nq * dv, dv, 1))
     # a scratch region (the sampled path's plan): the work rows of the last thread past the scratch
     scratch = torch.zeros(per_work * 2 + 10)
-    check_whole("ffw_fwd", sizes_fns, sizes, g, q, k, v, w, 3 * sr * d, sr * d, 3, save, out, (scratch, 10), 2,
+    check_whole("ffw_fwd", sizes_fns, sizes, g, q, k, v, w, 3 * sr * d, sr * d, 3, save, out, (scratch, 10),
+                2,
                 step=per_work)
     with _raises("'ffw_fwd', argument 'work'"):
-        check_whole("ffw_fwd", sizes_fns, sizes, g, q, k, v, w, 3 * sr * d, sr * d, 3, save, out, (scratch, 11),
+        check_whole("ffw_fwd", sizes_fns, sizes, g, q, k, v, w, 3 * sr * d, sr * d, 3, save, out, (scratch,
+                                                                                                   11),
                     2, step=per_work)
 
 
 def test_per_pass_fourier_check():
     from attnopt.functional._kernel_fused import _check_rows
 
-    _check_rows("ff_finish", 4, (("num", torch.zeros(4, 3), 3), ("out", torch.zeros(4, 2), 2), ("inv", None, 1)))
+    _check_rows("ff_finish", 4, (("num", torch.zeros(4, 3), 3), ("out", torch.zeros(4, 2), 2), ("inv", None,
+                                                                                                1)))
     with _raises("'ff_finish', argument 'out'"):
         _check_rows("ff_finish", 4, (("num", torch.zeros(4, 3), 3), ("out", torch.zeros(3, 2), 2)))
     with _raises("'ff_finish', argument 'out': dtype"):
@@ -364,7 +371,8 @@ def test_e2e_dnas_weight(small_native, monkeypatch):
     from attnopt.functional import _dnas_native
 
     real = _dnas_native._flat
-    monkeypatch.setattr(_dnas_native, "_flat", lambda x, b, h, tail: None if x is None else real(x, b, h, tail)[1:])
+    monkeypatch.setattr(_dnas_native, "_flat", lambda x, b, h, tail: None if x is None else real(x, b, h,
+                                                                                                 tail)[1:])
     q, k, v = (torch.randn(2, 2, 5, 4, requires_grad=True) for _ in range(3))
     with _raises("'dn_fwd', argument 'w'"):
         attnopt.hybrid_normalized_attention(q, k, v, torch.tensor(0.3), iterations=1, impl="materialized")
@@ -471,7 +479,8 @@ def test_e2e_sampled_fourier_workspace(small_native, monkeypatch):
     monkeypatch.setattr(_sampled_fourier, "_PLANS", {})
     monkeypatch.setattr(_sampled_fourier, "_BY_CALL", {})
     real = _sampled_fourier._set_stride
-    monkeypatch.setattr(_sampled_fourier, "_set_stride", lambda *a: real(*a) - 40)  # past the 16-entry alignment
+    monkeypatch.setattr(_sampled_fourier, "_set_stride",
+                        lambda *a: real(*a) - 40)  # past the 16-entry alignment
     torch.manual_seed(0)
     mod = ann.make_attention("ikan", 8, 2).train()
     with _raises("'ss_fwd', argument 'ws'"):
@@ -508,7 +517,7 @@ def test_alibi_under_vmap_of_functional_call():
 
 
 def test_sampled_fourier_plans_hold_no_tensor_address():
-    """A plan holds sizes, offsets, C functions and constants; no tensor (nor an int that is one's address)."""
+    """A plan holds sizes, offsets, C functions and constants: no tensor, nor a tensor's address."""
     from attnopt.nn import _sampled_fourier
 
     if os.environ.get("ATTNOPT_NATIVE") == "0" or attnopt._native.blas() is None:

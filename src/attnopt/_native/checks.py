@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["NativeArgumentError", "require", "require_dense", "require_size", "require_view"]
+__all__ = ["NativeArgumentError", "fail", "require", "require_dense", "require_size", "require_view"]
 
 
 class NativeArgumentError(RuntimeError):
@@ -23,8 +23,10 @@ class NativeArgumentError(RuntimeError):
     writes (an internal error of attnopt: please report it)."""
 
 
-def _fail(kernel: str, name: str, what: str) -> NativeArgumentError:
-    return NativeArgumentError(f"attnopt internal error: C kernel {kernel!r}, argument {name!r}: {what}")
+def fail(kernel: str, name: str | None, what: str) -> NativeArgumentError:
+    """The error for ``kernel``'s argument ``name`` (None: the call as a whole), to raise."""
+    where = f"C kernel {kernel!r}" if name is None else f"C kernel {kernel!r}, argument {name!r}"
+    return NativeArgumentError(f"attnopt internal error: {where}: {what}")
 
 
 def require(
@@ -46,15 +48,15 @@ def require(
         NativeArgumentError: any of these does not hold.
     """
     if t.dtype is not dtype:
-        raise _fail(kernel, name, f"dtype {t.dtype}, expected {dtype}")
+        raise fail(kernel, name, f"dtype {t.dtype}, expected {dtype}")
     if not t.is_cpu:
-        raise _fail(kernel, name, f"on {t.device}, expected the CPU")
+        raise fail(kernel, name, f"on {t.device}, expected the CPU")
     if contiguous and not t.is_contiguous():
-        raise _fail(kernel, name, f"not contiguous (shape {tuple(t.shape)}, strides {t.stride()})")
+        raise fail(kernel, name, f"not contiguous (shape {tuple(t.shape)}, strides {t.stride()})")
     if numel is not None and t.numel() != numel:
-        raise _fail(kernel, name, f"{t.numel()} entries, the kernel uses {numel}")
+        raise fail(kernel, name, f"{t.numel()} entries, the kernel uses {numel}")
     if min_numel is not None and t.numel() < min_numel:
-        raise _fail(kernel, name, f"{t.numel()} entries, the kernel uses {min_numel}")
+        raise fail(kernel, name, f"{t.numel()} entries, the kernel uses {min_numel}")
 
 
 def require_view(
@@ -69,18 +71,19 @@ def require_view(
     ``Nq − 1``).
 
     ``limit``: where the view is a region of a scratch tensor, the end of the region (the reads stay
-    below it: they do not run into the next region). Also checks ``dtype`` and the CPU. Used where a kernel reads a view with its own strides (a
+    below it: they do not run into the next region). Also checks ``dtype`` and the CPU. Used where a
+    kernel reads a view with its own strides (a
     broadcast mask, a head-shared parameter, a transposed gradient) or a buffer at an offset.
 
     Raises:
         NativeArgumentError: the reads overrun the storage (either end), or the dtype or device differ.
     """
     if t.dtype is not dtype:
-        raise _fail(kernel, name, f"dtype {t.dtype}, expected {dtype}")
+        raise fail(kernel, name, f"dtype {t.dtype}, expected {dtype}")
     if not t.is_cpu:
-        raise _fail(kernel, name, f"on {t.device}, expected the CPU")
+        raise fail(kernel, name, f"on {t.device}, expected the CPU")
     if len(sizes) != len(strides):
-        raise _fail(kernel, name, f"{len(sizes)} sizes and {len(strides)} strides")
+        raise fail(kernel, name, f"{len(sizes)} sizes and {len(strides)} strides")
     low = high = offset
     for size, stride in zip(sizes, strides):
         if size <= 0:
@@ -94,21 +97,23 @@ def require_view(
     if limit is not None:
         room = min(room, limit)
     if low < -start or high >= room:
-        raise _fail(kernel, name, f"reads elements {low}..{high} from its first one (sizes {sizes}, strides "
+        raise fail(kernel, name, f"reads elements {low}..{high} from its first one (sizes {sizes}, strides "
                                   f"{strides}, offset {offset}), its storage holds {-start}..{room - 1}")
 
 
-def require_size(kernel: str, name: str, value: int, *, at_most: int | None = None, at_least: int = 0) -> None:
+def require_size(kernel: str, name: str, value: int, *, at_most: int | None = None,
+                 at_least: int = 0) -> None:
     """Check an integer handed to C (a count, an offset into a buffer) against its bounds.
 
     Raises:
         NativeArgumentError: ``value < at_least`` or ``value > at_most``.
     """
     if value < at_least or (at_most is not None and value > at_most):
-        raise _fail(kernel, name, f"{value}, expected within [{at_least}, {at_most}]")
+        raise fail(kernel, name, f"{value}, expected within [{at_least}, {at_most}]")
 
 
-def require_dense(kernel: str, name: str, x: torch.Tensor | tuple[torch.Tensor, int] | tuple[torch.Tensor, int, int],
+def require_dense(kernel: str, name: str, x: torch.Tensor | tuple[torch.Tensor, int] | tuple[torch.Tensor,
+                                                                                             int, int],
                   *, dtype: torch.dtype, numel: int) -> None:
     """Check a dense buffer of ``numel`` entries: a contiguous tensor of exactly ``numel`` entries, or
     ``(t, offset)``: ``numel`` entries of the contiguous ``t`` from element ``offset`` on, inside ``t``, or
@@ -123,7 +128,7 @@ def require_dense(kernel: str, name: str, x: torch.Tensor | tuple[torch.Tensor, 
         end = t.numel() if len(x) < 3 else min(x[2], t.numel())  # type: ignore[misc]
         require(kernel, name, t, dtype=dtype)
         if offset < 0 or offset + numel > end:
-            raise _fail(kernel, name, f"entries {offset}..{offset + numel} of a region {offset}..{end} of a "
+            raise fail(kernel, name, f"entries {offset}..{offset + numel} of a region {offset}..{end} of a "
                                       f"scratch of {t.numel()}")
         return
     require(kernel, name, x, dtype=dtype, numel=numel)

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from attnopt import _native
-from attnopt._native.checks import NativeArgumentError, require, require_size
+from attnopt._native.checks import fail, require, require_size
 from attnopt.functional._autograd import refuse_double_backward
 
 __all__ = ["library", "native_sinkhorn", "no_grad_small", "CHUNK_ENTRIES"]
@@ -141,10 +141,9 @@ def _check_dn(
         if t is not None:
             require(kernel, name, t, dtype=f32, numel=g * n)
     if w is not None and (u is None or binv is None or (dp is None and rho is None)):
-        raise NativeArgumentError(f"attnopt internal error: C kernel {kernel!r}: HNAS (w given) without "
-                                  "u / binv / rho")
+        raise fail(kernel, None, "HNAS (w given) without u / binv / rho")
     if dp is None and rs is None:
-        raise NativeArgumentError(f"attnopt internal error: C kernel {kernel!r}, argument 'rs': missing")
+        raise fail(kernel, "rs", "missing")
 
 
 class _NativeSinkhorn(torch.autograd.Function):

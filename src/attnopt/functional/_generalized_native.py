@@ -51,7 +51,7 @@ import torch
 from torch import Tensor
 
 from attnopt import _native
-from attnopt._native.checks import NativeArgumentError, require, require_size, require_view
+from attnopt._native.checks import fail, require, require_size, require_view
 from attnopt._validation import check_finite, resolve_scale
 from attnopt.functional._autograd import refuse_double_backward
 from attnopt.functional._denormal import flush_denormal
@@ -182,7 +182,8 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
                     for r0 in range(0, nq, rstep):
                         r1 = min(nq, r0 + rstep)
                         s = torch.mm(q3[gi, r0:r1], k3[gi].t(), out=p[gi, r0:r1] if save else p[0, : r1 - r0])
-                        _check_bs("bs_fwd", s, None, (r1 - r0) * nk, bias, toeplitz, g, h, nq, nk, mx, rinv, None,
+                        _check_bs("bs_fwd", s, None, (r1 - r0) * nk, bias, toeplitz, g, h, nq, nk, mx, rinv,
+                                  None,
                                   (base, (sb, sh, si)))
                         ps = s.data_ptr()
 
@@ -198,7 +199,8 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
                 if rstep:
                     break
                 s = torch.bmm(qc, kc, out=p[h0:h1] if save else p[: h1 - h0])
-                _check_bs("bs_fwd", s, None, (h1 - h0) * nq * nk, bias, toeplitz, g, h, nq, nk, mx, rinv, None,
+                _check_bs("bs_fwd", s, None, (h1 - h0) * nq * nk, bias, toeplitz, g, h, nq, nk, mx, rinv,
+                          None,
                                   (base, (sb, sh, si)))
                 ps = s.data_ptr()
 
@@ -276,7 +278,8 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
                         else:
                             s = p[gi, r0:r1]
                         dp = torch.mm(dr, v3[gi].t(), out=dp_buf[0, : r1 - r0])
-                        _check_bs("bs_bwd", s, dp, (r1 - r0) * nk, bias, toeplitz, g, h, nq, nk, mx, rinv, delta,
+                        _check_bs("bs_bwd", s, dp, (r1 - r0) * nk, bias, toeplitz, g, h, nq, nk, mx, rinv,
+                                  delta,
                                   (base, (sb, sh, si)))
                         ps, pdp = s.data_ptr(), dp.data_ptr()
 
@@ -601,18 +604,19 @@ def _check_bias(kernel: str, name: str, t: Tensor, toeplitz: bool, g: int, h: in
     Toeplitz bias ``(H|1, Nq + Nk − 1)`` (contiguous) from ``offsets[0, Nq − 1]`` with ``si = −1``."""
     if toeplitz:
         if t.dim() != 2 or t.shape[-1] != nq + nk - 1 or t.shape[0] not in (1, h) or not t.is_contiguous():
-            raise NativeArgumentError(f"attnopt internal error: C kernel {kernel!r}, argument {name!r}: a "
-                                      f"Toeplitz bias of shape {tuple(t.shape)}, expected contiguous "
-                                      f"({h}|1, {nq + nk - 1})")
+            raise fail(kernel, name, f"a "
+                       f"Toeplitz bias of shape {tuple(t.shape)}, expected contiguous "
+                       f"({h}|1, {nq + nk - 1})")
     elif t.dim() != 4 or t.shape[-1] != nk or (nk > 1 and t.stride(-1) != 1):
-        raise NativeArgumentError(f"attnopt internal error: C kernel {kernel!r}, argument {name!r}: shape "
-                                  f"{tuple(t.shape)}, strides {t.stride()}: expected 4-D, {nk} keys of unit stride")
+        raise fail(kernel, name, f"shape "
+                   f"{tuple(t.shape)}, strides {t.stride()}: expected 4-D, {nk} keys of unit stride")
     base, strides = _layout(t, toeplitz, nq) if layout is None else layout
     offset, rest = divmod(base - t.data_ptr(), t.element_size())
     if rest:
-        raise NativeArgumentError(f"attnopt internal error: C kernel {kernel!r}, argument {name!r}: an address "
+        raise fail(kernel, name, "an address "
                                   "between two elements")
-    require_view(kernel, name, t, dtype=dtype, sizes=((g - 1) // max(h, 1) + 1, h, nq, nk), strides=(*strides, 1),
+    require_view(kernel, name, t, dtype=dtype, sizes=((g - 1) // max(h, 1) + 1, h, nq, nk),
+                 strides=(*strides, 1),
                  offset=offset)
 
 
@@ -638,9 +642,10 @@ def _check_bsf_gather(table: Tensor, buckets: Tensor, out: Tensor | None, h: int
     ``(rows, H)`` table read with its strides, ``C = Nq + Nk − 1`` int64 buckets (values below
     ``rows``: T5's buckets are clamped to ``num_buckets − 1``), ``out`` dense ``(H, C)``."""
     if table.dim() != 2 or table.shape[1] != h:
-        raise NativeArgumentError(f"attnopt internal error: C kernel 'bsf_gather', argument 'table': shape "
-                                  f"{tuple(table.shape)}, expected (num_buckets, {h})")
-    require_view("bsf_gather", "table", table, dtype=table.dtype, sizes=tuple(table.shape), strides=table.stride())
+        raise fail("bsf_gather", "table", f"shape "
+                   f"{tuple(table.shape)}, expected (num_buckets, {h})")
+    require_view("bsf_gather", "table", table, dtype=table.dtype, sizes=tuple(table.shape),
+                 strides=table.stride())
     require("bsf_gather", "buckets", buckets, dtype=torch.int64, numel=c)
     if out is not None:
         require("bsf_gather", "out", out, dtype=table.dtype, numel=h * c)
@@ -652,14 +657,14 @@ def _heads_view(kernel: str, name: str, t: Tensor, dtype: torch.dtype, rows: int
     (:func:`_head_strides`), unit columns: its own, and inside its storage."""
     s = t.stride()
     if t.dim() != 4 or t.shape[2:] != (rows, cols) or (cols > 1 and s[3] != 1) or passed[0] != t.data_ptr():
-        raise NativeArgumentError(f"attnopt internal error: C kernel {kernel!r}, argument {name!r}: shape "
-                                  f"{tuple(t.shape)}, strides {s}: expected (B, H, {rows}, {cols}), unit columns")
+        raise fail(kernel, name, f"shape "
+                   f"{tuple(t.shape)}, strides {s}: expected (B, H, {rows}, {cols}), unit columns")
     require_view(kernel, name, t, dtype=dtype, sizes=tuple(t.shape), strides=(*passed[1:], 1))
 
 
 def _check_bsf(kernel: str, q: Tensor, k: Tensor, v: Tensor, heads: tuple[tuple[int, int, int, int], ...],
-               bias: Tensor | None, e: Tensor, out: Tensor, rinv: Tensor, dout: Tensor | None, work: Tensor | None,
-               layout: tuple[int, tuple[int, int, int]] | None = None) -> None:
+               bias: Tensor | None, e: Tensor, out: Tensor, rinv: Tensor, dout: Tensor | None,
+               work: Tensor | None, layout: tuple[int, tuple[int, int, int]] | None = None) -> None:
     """What ``bsf_fwd`` / ``bsf_bwd`` read and write: ``q, k, v`` of one ``(B, H)`` with unit columns,
     the Toeplitz bias (forward), ``G·Nq·Nk`` weights ``e``, ``out (B, H, Nq, Dv)``, ``G·Nq`` ``rinv``;
     the backward reads ``dout`` with its four strides and uses per thread a row of ``work`` of
@@ -671,8 +676,8 @@ def _check_bsf(kernel: str, q: Tensor, k: Tensor, v: Tensor, heads: tuple[tuple[
     _heads_view(kernel, "k", k, dtype, nk, d, heads[1])
     _heads_view(kernel, "v", v, dtype, nk, dv, heads[2])
     if k.shape[:2] != (b, h) or v.shape[:3] != (b, h, nk):
-        raise NativeArgumentError(f"attnopt internal error: C kernel {kernel!r}: q, k, v shapes "
-                                  f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise fail(kernel, None, f"q, k, v shapes "
+                   f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if bias is not None:
         _check_bias(kernel, "bias", bias, True, g, h, nq, nk, dtype, layout)
     require(kernel, "e", e, dtype=dtype, numel=g * nq * nk)
@@ -680,8 +685,8 @@ def _check_bsf(kernel: str, q: Tensor, k: Tensor, v: Tensor, heads: tuple[tuple[
     require(kernel, "rinv", rinv, dtype=dtype, numel=g * nq)
     if dout is not None:
         if tuple(dout.shape) != (b, h, nq, dv):
-            raise NativeArgumentError(f"attnopt internal error: C kernel {kernel!r}, argument 'dout': shape "
-                                      f"{tuple(dout.shape)}, expected {(b, h, nq, dv)}")
+            raise fail(kernel, "dout", f"shape "
+                       f"{tuple(dout.shape)}, expected {(b, h, nq, dv)}")
         require_view(kernel, "dout", dout, dtype=dtype, sizes=tuple(dout.shape), strides=dout.stride())
     if work is not None:
         require(kernel, "work", work, dtype=dtype)

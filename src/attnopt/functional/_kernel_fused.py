@@ -54,13 +54,13 @@ from __future__ import annotations
 import ctypes
 import math
 from collections.abc import Callable
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from attnopt import _native
-from attnopt._native.checks import NativeArgumentError, require, require_dense, require_size, require_view
+from attnopt._native.checks import fail, require, require_dense, require_size, require_view
 from attnopt._validation import broadcast_shapes
 from attnopt.functional._autograd import double_backward
 from attnopt.functional._kernel_chunked import blocked_backward, blocked_forward
@@ -445,7 +445,8 @@ def _tail(
             dp = torch.empty_like(cp)
             sr, es2 = cp.shape[-1], cp.element_size()
             require_size("ff_dp", "S·R", sr, at_least=nsets * r, at_most=nsets * r)
-            _check_rows("ff_dp", cp.numel() // max(sr, 1), (("dphi", dphi, 2 * r), ("cos", cp, sr), ("sin", sp, sr),
+            _check_rows("ff_dp", cp.numel() // max(sr, 1), (("dphi", dphi, 2 * r), ("cos", cp, sr), ("sin",
+                                                                                                     sp, sr),
                                                             ("dp", dp, sr)))
             g, c, s, o2 = dphi.data_ptr(), cp.data_ptr(), sp.data_ptr(), dp.data_ptr()
 
@@ -748,8 +749,9 @@ def _each(threads: int, g: int, call: Callable[[int, int, int], None]) -> None:
 
 
 def check_whole(
-    kernel: str, size_fns: tuple[Any, Any], sizes: tuple[int, ...], g: int, q: Tensor, k: Tensor, v: Tensor, w: Dense,
-    wsb: int, wsh: int, hi: int, save: Dense, out: Tensor, work: Dense, threads: int, *, step: int | None = None,
+    kernel: str, size_fns: tuple[Any, Any], sizes: tuple[int, ...], g: int, q: Tensor, k: Tensor, v: Tensor,
+    w: Dense, wsb: int, wsh: int, hi: int, save: Dense, out: Tensor, work: Dense, threads: int, *,
+    step: int | None = None,
     mask: Tensor | None = None, dout: Tensor | None = None, dstrides: tuple[int, ...] = (),
     grads: tuple[Tensor | None, ...] = (), dw: list[Tensor] | Dense | None = None, dsb: int = 0, dsh: int = 0,
     shared: bool = False,
@@ -758,7 +760,8 @@ def check_whole(
     ``sizes = (Nq, Nk, d, Dv, R, S)``: ``q (g, Nq, d)``, ``k (g, Nk, d)``, ``v (g, Nk, Dv)``, ``out (g, Nq,
     Dv)`` dense; head ``j``'s points ``S·R × d`` dense at ``w + (j // hi)·wsb + (j % hi)·wsh``, inside ``w``'s
     storage for every head; ``mask (g, Nk)`` dense; ``ffw_save_size`` entries of ``save`` per head and
-    ``ffw_work_size`` of ``work`` per thread (``size_fns``: those two C functions) (rows of ``step`` entries: a 2-D ``work``'s row length by
+    ``ffw_work_size`` of ``work`` per thread (``size_fns``: those two C functions; rows of ``step``
+    entries: a 2-D ``work``'s row length by
     default); the backward's ``dout`` element ``(j, i, c)`` at ``j·ds₀ + i·ds₁ + c·ds₂``, the gradients
     dense like their inputs, ``dw``: one ``(S·R, d)`` buffer per thread (``shared``) or head ``j``'s at
     ``(j // hi)·dsb + (j % hi)·dsh``. The save and work sizes are the C functions' own
@@ -776,8 +779,8 @@ def check_whole(
     wt, w_at, w_end = (w[0], w[1], w[2] if len(w) > 2 else None) if isinstance(w, tuple) else (w, 0, None)
     if not isinstance(w, tuple) and (w.stride(-1) != 1 or (w.shape[-2] > 1 and w.stride(-2) != d)
                                      or w.shape[-2:] != (sr, d)):
-        raise NativeArgumentError(f"attnopt internal error: C kernel {kernel!r}, argument 'w': shape "
-                                  f"{tuple(w.shape)}, strides {w.stride()}: expected dense ({sr}, {d}) rows")
+        raise fail(kernel, "w", f"shape "
+                   f"{tuple(w.shape)}, strides {w.stride()}: expected dense ({sr}, {d}) rows")
     require_view(kernel, "w", wt, dtype=dtype, sizes=heads, strides=(wsb, wsh, 1), offset=w_at, limit=w_end)
     per_save, per_work = _kernel_size(size_fns[0], sizes), _kernel_size(size_fns[1], sizes)
     require_dense(kernel, "save", save, dtype=dtype, numel=g * per_save)
@@ -803,7 +806,7 @@ def check_whole(
 
 
 #: a dense buffer handed to C: a tensor, or ``(scratch, offset)`` (a region of a plan's scratch)
-Dense = Union[Tensor, tuple[Tensor, int], tuple[Tensor, int, int]]
+Dense = Tensor | tuple[Tensor, int] | tuple[Tensor, int, int]
 
 
 class _WholeFourier(torch.autograd.Function):
@@ -841,7 +844,8 @@ class _WholeFourier(torch.autograd.Function):
         tail = (nq, nk, d, dv, r, nsets, mode, 1.0 if p is None else p, scale, cap, c4, eps, grad,
                 save.data_ptr(), out.data_ptr())
         pw, step = work.data_ptr(), work.shape[1] * work.element_size()
-        check_whole("ffw_fwd", (save_size, work_size), sizes, g, q, k, v, w, wsb, wsh, hi, save, out, work, threads, mask=mk)
+        check_whole("ffw_fwd", (save_size, work_size), sizes, g, q, k, v, w, wsb, wsh, hi, save, out, work,
+                    threads, mask=mk)
 
         if threads == 1:
             fwd(gemm, set_threads, *args, 0, g, *tail, pw)
@@ -896,7 +900,8 @@ class _WholeFourier(torch.autograd.Function):
         tail = (nq, nk, d, dv, r, nsets, int(ctx.mag), c4, eps, save.data_ptr())
         outs = (_base(dq), _base(dk), _base(dvv))
         pw, step = work.data_ptr(), work.shape[1] * work.element_size()
-        check_whole("ffw_bwd", ctx.cfg[2:4], (nq, nk, d, dv, r, nsets), g, q, k, v, w, wsb, wsh, hi, save, out, work,
+        check_whole("ffw_bwd", ctx.cfg[2:4], (nq, nk, d, dv, r, nsets), g, q, k, v, w, wsb, wsh, hi, save,
+                    out, work,
                     threads, dout=d3, dstrides=dstrides, grads=(dq, dk, dvv), dw=dwb, dsb=dsb, dsh=dsh,
                     shared=shared)
 

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from attnopt import _native
-from attnopt._native.checks import NativeArgumentError, require, require_size, require_view
+from attnopt._native.checks import fail, require, require_size, require_view
 from attnopt.functional._autograd import refuse_double_backward
 
 __all__ = ["library", "native_periodic_attention"]
@@ -116,8 +116,8 @@ def _check_px(
         require(kernel, "e", e, dtype=dtype, numel=bh * nk)
     if mask is not None:
         if mask.dim() != 3 or mask.shape[2] != nk or (nk > 1 and mask.stride(2) != 1):
-            raise NativeArgumentError(f"attnopt internal error: C kernel {kernel!r}, argument 'mask': shape "
-                                      f"{tuple(mask.shape)}, strides {mask.stride()}: expected (G, Nq|1, {nk}), "
+            raise fail(kernel, "mask", f"shape "
+                       f"{tuple(mask.shape)}, strides {mask.stride()}: expected (G, Nq|1, {nk}), "
                                       "unit key stride")
         require_view(kernel, "mask", mask, dtype=dtype, sizes=((bh - 1) // max(rep, 1) + 1, nq, nk),
                      strides=(mask.stride(0), mask.stride(1), 1))
@@ -133,7 +133,8 @@ def _check_px(
         require(kernel, "colsums", colsums, dtype=dtype, numel=2 * bh * nk)
 
 
-def _check_px_fin(gq: Tensor | None, q: Tensor, rs: Tensor, gk: Tensor | None, k: Tensor, colsums: Tensor) -> None:
+def _check_px_fin(gq: Tensor | None, q: Tensor, rs: Tensor, gk: Tensor | None, k: Tensor,
+                  colsums: Tensor) -> None:
     """What ``px_fin`` reads and writes: ``q``, ``gq (BH, Nq, d)``, ``k``, ``gk (BH, Nk, d)`` dense, ``rs
     (BH, Nq)``, ``colsums (2, BH, Nk)``."""
     bh, nq, d = q.shape
@@ -229,7 +230,8 @@ class _NativePeriodic(torch.autograd.Function):
                 pw = p_all if whole else p_all[f]
                 psc = sc_all.data_ptr() + h0 * nq * nk * sc_all.element_size()
             dp = torch.bmm(dof, vt if whole else vt[f], out=dp_buf[: h1 - h0])
-            _check_px("px_bwd", pw, None if recompute else sc_all, dp, q, k, None, mask, ctx.rep, aux, state, h0, h1,
+            _check_px("px_bwd", pw, None if recompute else sc_all, dp, q, k, None, mask, ctx.rep, aux,
+                      state, h0, h1,
                       do, out, rs, colsums)
             ps, pdp = pw.data_ptr(), dp.data_ptr()
 

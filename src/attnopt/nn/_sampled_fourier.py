@@ -48,15 +48,30 @@ import torch
 from torch import Tensor
 
 from attnopt import _func, _native
-from attnopt._native.checks import NativeArgumentError, require, require_dense
+from attnopt._native.checks import fail, require, require_dense
 from attnopt._validation import _finite_fns, check_finite
 from attnopt.functional import _kernel_fused, dispatch
 from attnopt.functional._autograd import refuse_double_backward
-from attnopt.functional._kernel_fused import _CAP, _LP_MODES, _each, _heads_split, _size, _whole_call, check_whole
+from attnopt.functional._kernel_fused import (
+    _CAP,
+    _LP_MODES,
+    _each,
+    _heads_split,
+    _size,
+    _whole_call,
+    check_whole,
+)
 from attnopt.nn import _spectral_native
 from attnopt.nn._gaussian_noise import seeded_fill
-from attnopt.nn._spectral_native import _PLAIN, _WRAPPED, _functions, _noise_layout, _set_stride, _shapes
-from attnopt.nn._spectral_native import check_sample
+from attnopt.nn._spectral_native import (
+    _PLAIN,
+    _WRAPPED,
+    _functions,
+    _noise_layout,
+    _set_stride,
+    _shapes,
+    check_sample,
+)
 from attnopt.nn._spectral_native import library as sampler_library
 
 __all__ = ["sampled_fourier_attention"]
@@ -141,7 +156,8 @@ def _addresses(tensors: tuple[Tensor, ...] | list[Tensor]) -> tuple[array.array,
     return addrs, addrs.buffer_info()[0]
 
 
-def _check_sampled(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, params: tuple[Tensor, ...], scratch: Tensor) -> None:
+def _check_sampled(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, params: tuple[Tensor, ...],
+                   scratch: Tensor) -> None:
     """The call's tensors against the shape its plan was made for: ``q (B, H, Nq, d)``, ``k (B, H, Nk, d)``,
     ``v (B, H, Nk, Dv)`` contiguous, the parameters' shapes, the scratch of ``plan.scratch`` entries (the
     regions of each C call are checked before it, by :func:`check_sample` and :func:`check_whole`)."""
@@ -150,11 +166,11 @@ def _check_sampled(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, params: tuple[T
     kernel = "sampled_fourier"
     for name, t, shape in (("q", q, (b, h, nq, d)), ("k", k, (b, h, nk, d)), ("v", v, (b, h, nk, dv))):
         if t.shape != shape:
-            raise NativeArgumentError(f"attnopt internal error: C kernel {kernel!r}, argument {name!r}: shape "
-                                      f"{tuple(t.shape)}, the plan's {shape}")
+            raise fail(kernel, name, f"shape "
+                       f"{tuple(t.shape)}, the plan's {shape}")
         require(kernel, name, t, dtype=q.dtype)
     if tuple(p.shape for p in params) != plan.param_shapes:
-        raise NativeArgumentError(f"attnopt internal error: C kernel {kernel!r}: parameter shapes differ from the plan's")
+        raise fail(kernel, None, "parameter shapes differ from the plan's")
     require(kernel, "scratch", scratch, dtype=q.dtype, numel=plan.scratch)
 
 
@@ -197,7 +213,8 @@ class _SampledFourier(torch.autograd.Function):
         # the sampler: the keys' mean, the networks, the points and the KL's batch mean in one call
         addrs, paddrs = _addresses(params)
         check_sample("ss_fwd", plan.dims, k, k.shape[2], (scratch, plan.at_h, plan.at_pts),
-                     (scratch, plan.at_noise, plan.scratch) if ne is None else ne, (ns, nb, nh), rc, params, nsets,
+                     (scratch, plan.at_noise, plan.scratch) if ne is None else ne, (ns, nb,
+                                                                                    nh), rc, params, nsets,
                      (scratch, plan.at_ws, plan.at_save), pts=(scratch, plan.at_pts, plan.at_kl),
                      kl=(scratch, plan.at_kl, plan.at_ws), klm=klm)
         if plan.sample_fwd(*plan.dims, k.data_ptr(), k.shape[2], base + plan.at_h * size, noise_at,
@@ -213,7 +230,8 @@ class _SampledFourier(torch.autograd.Function):
         tail = (*plan.fwd_tail, base + plan.at_save * size, out.data_ptr())
         work, step = base + plan.at_work * size, plan.work * size
         fwd = plan.attend_fwd
-        check_whole("ffw_fwd", plan.size_fns, plan.fwd_tail[:6], g, q, k, v, (scratch, plan.at_pts, plan.at_kl),
+        check_whole("ffw_fwd", plan.size_fns, plan.fwd_tail[:6], g, q, k, v, (scratch, plan.at_pts,
+                                                                              plan.at_kl),
                     h * sr * d, sr * d, h, (scratch, plan.at_save, plan.at_work), out,
                     (scratch, plan.at_work, plan.at_noise), plan.threads, step=plan.work)
         if plan.threads == 1:
@@ -259,9 +277,11 @@ class _SampledFourier(torch.autograd.Function):
         bwd = plan.attend_bwd
         require("ffw_bwd", "scratch", scratch, dtype=q.dtype, numel=plan.scratch)
         require("ffw_bwd", "backward scratch", bscratch, dtype=q.dtype, numel=plan.backward_scratch)
-        check_whole("ffw_bwd", plan.size_fns, plan.fwd_tail[:6], g, q, k, v, (scratch, plan.at_pts, plan.at_kl),
+        check_whole("ffw_bwd", plan.size_fns, plan.fwd_tail[:6], g, q, k, v, (scratch, plan.at_pts,
+                                                                              plan.at_kl),
                     h * sr * d, sr * d, h, (scratch, plan.at_save, plan.at_work), out,
-                    (bscratch, _aligned(b * h * sr * d)), plan.threads, step=plan.work, dout=d3, dstrides=dstrides,
+                    (bscratch,
+                     _aligned(b * h * sr * d)), plan.threads, step=plan.work, dout=d3, dstrides=dstrides,
                     grads=(dq, dk, dvv), dw=None if dpts is None else (bscratch, 0, _aligned(b * h * sr * d)),
                     dsb=h * sr * d, dsh=sr * d)
         if plan.threads == 1:
@@ -281,8 +301,10 @@ class _SampledFourier(torch.autograd.Function):
         if dkl.dtype != out.dtype:
             dkl = dkl.to(out.dtype)
         check_sample("ss_bwd", plan.dims, (scratch, plan.at_h, plan.at_pts), 0, None,
-                     (scratch, at // size, plan.scratch) if at is not None else ne, (ns, nb, nh), rc, params, nsets,
-                     (scratch, plan.at_ws, plan.at_save), gpts=(bscratch, 0, _aligned(b * h * sr * d)), gkl=dkl,
+                     (scratch, at // size, plan.scratch) if at is not None else ne, (ns, nb,
+                                                                                     nh), rc, params, nsets,
+                     (scratch, plan.at_ws, plan.at_save), gpts=(bscratch, 0,
+                                                                _aligned(b * h * sr * d)), gkl=dkl,
                      gks=0, nkeys=k.shape[2], dkeys=dk, draw=draw, grads=every)
         if plan.sample_bwd(*plan.dims, base + plan.at_h * size, noise_at, ns, nb, nh,
                            None if rc is None else rc.data_ptr(), paddrs, plan.scales,

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from attnopt import _func, _native
-from attnopt._native.checks import NativeArgumentError, require, require_view
+from attnopt._native.checks import fail, require, require_view
 from attnopt.functional._toeplitz import mark_toeplitz, mark_toeplitz_table
 
 __all__ = [
@@ -226,8 +226,7 @@ def _check_t5_toeplitz(table: Tensor, buckets: Tensor, out: Tensor, nq: int, nk:
     ``(1, H, Nq, Nk)``."""
     kernel = "bsf_toeplitz"
     if table.dim() != 2:
-        raise NativeArgumentError(f"attnopt internal error: C kernel {kernel!r}, argument 'table': "
-                                  f"{table.dim()} dims, expected 2")
+        raise fail(kernel, "table", f"{table.dim()} dims, expected 2")
     require_view(kernel, "table", table, dtype=table.dtype, sizes=tuple(table.shape), strides=table.stride())
     require(kernel, "buckets", buckets, dtype=torch.int64, numel=nq + nk - 1)
     require(kernel, "out", out, dtype=table.dtype, numel=table.shape[1] * nq * nk)
@@ -314,7 +313,8 @@ class ALiBiPreference(PreferenceModule):
         if _func.level() is not None or torch.compiler.is_compiling():
             # inside torch.func or while torch.compile traces: the new tensors may be wrapped or fake
             # and the slopes' storage is not reachable; built anew, not kept
-            return self._build(query_len, key_len, self._per_offset(query_len, key_len)).to(dtype).contiguous()
+            return self._build(query_len, key_len, self._per_offset(query_len,
+                                                                    key_len)).to(dtype).contiguous()
         key = (query_len, key_len, slopes.device, dtype)
         storage = slopes.untyped_storage()
         layout = (slopes.storage_offset(), slopes.stride(), slopes._version)
