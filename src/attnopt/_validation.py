@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from attnopt import _native
+from attnopt._native.checks import require, require_size, require_view
 
 __all__ = [
     "VALUE_CHECKS",
@@ -302,9 +303,22 @@ def _native_nonfinite(x: Tensor, fns: dict) -> bool | None:
         return None
     dense, strided = native
     if x.is_contiguous():
+        _check_finite(x, None, None)
         return bool(dense(x.data_ptr(), x.numel()))
     pad = 4 - x.dim()
-    return bool(strided(x.data_ptr(), *((1,) * pad), *x.shape, *((0,) * pad), *x.stride()))
+    sizes, strides = (*((1,) * pad), *x.shape), (*((0,) * pad), *x.stride())
+    _check_finite(x, sizes, strides)
+    return bool(strided(x.data_ptr(), *sizes, *strides))
+
+
+def _check_finite(x: Tensor, sizes: tuple[int, ...] | None, strides: tuple[int, ...] | None) -> None:
+    """What ``nonfinite_dense_*`` (``sizes`` None: ``x.numel()`` dense entries) or
+    ``nonfinite_strided_*`` (four sizes and strides, in elements) reads of ``x``."""
+    if sizes is None or strides is None:
+        require("nonfinite_dense", "x", x, dtype=x.dtype)
+    else:
+        require_size("nonfinite_strided", "dims", len(sizes), at_least=4, at_most=4)
+        require_view("nonfinite_strided", "x", x, dtype=x.dtype, sizes=sizes, strides=strides)
 
 
 def _values(x: Tensor) -> Tensor | None:

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from attnopt import _native
+from attnopt._native.checks import fail, require, require_size
 from attnopt.functional._autograd import refuse_double_backward
 
 __all__ = ["library", "native_sinkhorn", "no_grad_small", "CHUNK_ENTRIES"]
@@ -117,6 +118,34 @@ def _admissible_rows(full: Tensor | None, kbias: Tensor | None, causal: bool, b:
     return fin.any(-1)
 
 
+def _check_dn(
+    s: Tensor, dp: Tensor | None, h0: int, h1: int, g: int, nq: int, nk: int, kbias: Tensor | None,
+    w: Tensor | None, m: Tensor, beta: Tensor, u: Tensor | None, alpha: Tensor, binv: Tensor | None,
+    rs: Tensor | None, rho: Tensor | None, drow: Tensor | None,
+) -> None:
+    """What ``dn_fwd`` (``dp`` None) / ``dn_bwd`` read and write for the heads ``[h0, h1)`` of ``G``: the
+    chunk's dense ``(h1 − h0, Nq, Nk)`` scores ``s`` (and ``dp``), per absolute head ``Nk`` entries of
+    ``kbias``, ``m``, ``beta``, ``u``, ``Nq`` of ``alpha``, ``binv``, ``rs``, ``rho``, ``drow``, one of ``w``;
+    HNAS (``w`` given) needs ``u``, ``binv`` (and ``rho`` in the forward)."""
+    kernel = "dn_fwd" if dp is None else "dn_bwd"
+    f32 = torch.float32
+    if not 0 <= h0 <= h1 <= g:
+        require_size(kernel, "h1", h1, at_least=h0, at_most=g)
+        require_size(kernel, "h0", h0, at_most=h1)
+    require(kernel, "s", s, dtype=f32, numel=(h1 - h0) * nq * nk)
+    if dp is not None:
+        require(kernel, "dp", dp, dtype=f32, numel=(h1 - h0) * nq * nk)
+    for name, t, n in (("kbias", kbias, nk), ("w", w, 1), ("m", m, nk), ("beta", beta, nk), ("u", u, nk),
+                       ("alpha", alpha, nq), ("binv", binv, nq), ("rs", rs, nq), ("rho", rho, nq),
+                       ("drow", drow, nq)):
+        if t is not None:
+            require(kernel, name, t, dtype=f32, numel=g * n)
+    if w is not None and (u is None or binv is None or (dp is None and rho is None)):
+        raise fail(kernel, None, "HNAS (w given) without u / binv / rho")
+    if dp is None and rs is None:
+        raise fail(kernel, "rs", "missing")
+
+
 class _NativeSinkhorn(torch.autograd.Function):
     """DNAS (``w is None``) or HNAS, K = 1, on contiguous 4-D ``(B, H, N, ·)`` float32 inputs."""
 
@@ -148,6 +177,7 @@ class _NativeSinkhorn(torch.autograd.Function):
             s = torch.bmm(qs[h0:h1], k3[h0:h1].transpose(-2, -1), out=ws)
             if full is not None:
                 _add_mask(s, full, h, h0, h1)
+            _check_dn(s, None, h0, h1, g, nq, nk, kbias, wv, m, beta, u, alpha, binv, rs, rho, None)
             _heads(lambda a, e, s=s, h0=h0: lib.dn_fwd(
                 _p(s), _I64(h0), _p(kbias), _p(wv), _p(m), _p(beta), _p(u), _p(alpha), _p(binv), _p(rs),
                 _p(rho), _I64(a), _I64(e), _I64(nq), _I64(nk), c), h0, h1, nq * nk)
@@ -184,6 +214,7 @@ class _NativeSinkhorn(torch.autograd.Function):
             if full is not None:
                 _add_mask(s, full, h, h0, h1)
             dp = torch.bmm(d3[h0:h1], v3[h0:h1].transpose(-2, -1), out=work2[:size].view(-1, nq, nk))
+            _check_dn(s, dp, h0, h1, g, nq, nk, None, wv, m, beta, u, alpha, binv, None, None, drow)
             _heads(lambda a, e, s=s, dp=dp, h0=h0: lib.dn_bwd(
                 _p(s), _p(dp), _I64(h0), _p(wv), _p(m), _p(beta), _p(u), _p(alpha), _p(binv), _p(drow),
                 _I64(a), _I64(e), _I64(nq), _I64(nk), c), h0, h1, nq * nk)
@@ -227,6 +258,10 @@ def no_grad_small(
     binv = alpha + g * nq * f if hyb else None
     ptr = ctypes.c_void_p
     c = _INT(int(causal))
+    require("dn_fwd", "s", s, dtype=torch.float32, numel=g * nq * nk)
+    require("dn_fwd", "buf", buf, dtype=torch.float32, numel=per_k + per_q)
+    if w is not None:
+        require("dn_fwd", "w", w, dtype=torch.float32, numel=g)
     _native.parallel_rows(lambda a, e: lib.dn_fwd(
         ptr(s.data_ptr()), _I64(0), None, _p(w), ptr(m), ptr(beta), None if u is None else ptr(u), ptr(alpha),
         None if binv is None else ptr(binv), ptr(rs), None if rho is None else ptr(rho), _I64(a), _I64(e),

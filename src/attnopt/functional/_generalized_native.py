@@ -51,6 +51,7 @@ import torch
 from torch import Tensor
 
 from attnopt import _native
+from attnopt._native.checks import fail, require, require_size, require_view
 from attnopt._validation import check_finite, resolve_scale
 from attnopt.functional._autograd import refuse_double_backward
 from attnopt.functional._denormal import flush_denormal
@@ -181,6 +182,9 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
                     for r0 in range(0, nq, rstep):
                         r1 = min(nq, r0 + rstep)
                         s = torch.mm(q3[gi, r0:r1], k3[gi].t(), out=p[gi, r0:r1] if save else p[0, : r1 - r0])
+                        _check_bs("bs_fwd", s, None, (r1 - r0) * nk, bias, toeplitz, g, h, nq, nk, mx, rinv,
+                                  None,
+                                  (base, (sb, sh, si)))
                         ps = s.data_ptr()
 
                         def piece(a: int, e: int, ps: int = ps, gi: int = gi, r0: int = r0, r1: int = r1
@@ -195,6 +199,9 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
                 if rstep:
                     break
                 s = torch.bmm(qc, kc, out=p[h0:h1] if save else p[: h1 - h0])
+                _check_bs("bs_fwd", s, None, (h1 - h0) * nq * nk, bias, toeplitz, g, h, nq, nk, mx, rinv,
+                          None,
+                                  (base, (sb, sh, si)))
                 ps = s.data_ptr()
 
                 def rows(i0: int, i1: int, ps: int = ps, h0: int = h0, h1: int = h1) -> None:
@@ -241,6 +248,8 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
         _, bwd = _functions(ctx.lib, qs.dtype)
         base, (sb, sh, si) = _layout(bias, toeplitz, nq)
         gbase, (gsb, gsh, gsi) = (0, (0, 0, 0)) if gb is None else _layout(gb, False, nq)
+        if gb is not None:
+            _check_bias("bs_bwd", "gb", gb, False, g, h, nq, nk, bias.dtype)
         if need_t:
             gsb, gsh, gsi = sb, sh, si
         pmx, prinv, pdelta = mx.data_ptr(), rinv.data_ptr(), delta.data_ptr()
@@ -254,6 +263,7 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
             buf = parts_t.get(i0)
             if buf is None:
                 buf = parts_t.setdefault(i0, bias.new_zeros(bias.shape))
+                _check_bias("bs_bwd", "gb", buf, True, g, h, nq, nk, bias.dtype)
             return _layout(buf, True, nq)[0]
 
         rstep = _row_step(nq, nk, qs.element_size())
@@ -268,6 +278,9 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
                         else:
                             s = p[gi, r0:r1]
                         dp = torch.mm(dr, v3[gi].t(), out=dp_buf[0, : r1 - r0])
+                        _check_bs("bs_bwd", s, dp, (r1 - r0) * nk, bias, toeplitz, g, h, nq, nk, mx, rinv,
+                                  delta,
+                                  (base, (sb, sh, si)))
                         ps, pdp = s.data_ptr(), dp.data_ptr()
 
                         def piece(a: int, e: int, ps: int = ps, pdp: int = pdp, gi: int = gi, r0: int = r0,
@@ -296,6 +309,8 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
                 else:
                     s = p[h0:h1]
                 dp = torch.bmm(dc, vt, out=dp_buf[: h1 - h0])
+                _check_bs("bs_bwd", s, dp, (h1 - h0) * nq * nk, bias, toeplitz, g, h, nq, nk, mx, rinv, delta,
+                                  (base, (sb, sh, si)))
                 ps, pdp = s.data_ptr(), dp.data_ptr()
 
                 def rows(i0: int, i1: int, ps: int = ps, pdp: int = pdp, h0: int = h0, h1: int = h1
@@ -409,6 +424,7 @@ class _FusedBiasedSoftmax(torch.autograd.Function):
         g = b * h
         if kind == TABLE:
             bias = q.new_empty(h, nq + nk - 1)
+            _check_bsf_gather(src, buckets, bias, h, nq + nk - 1)
             gather(src.data_ptr(), src.stride(0), src.stride(1), buckets.data_ptr(), h, nq + nk - 1,
                    bias.data_ptr())
         else:
@@ -417,6 +433,7 @@ class _FusedBiasedSoftmax(torch.autograd.Function):
         e, rinv = q.new_empty(g, nq, nk), q.new_empty(g, nq)
         out = q.new_empty(b, h, nq, dv)
         qa, ka, va = _head_strides(q), _head_strides(k), _head_strides(v)
+        _check_bsf("bsf_fwd", q, k, v, (qa, ka, va), bias, e, out, rinv, None, None, (base, (sb, sh, si)))
         po, pe, pr = out.data_ptr(), e.data_ptr(), rinv.data_ptr()
         threads = torch.get_num_threads()
         if threads <= 1 or g * nq * nk < _native._MIN_PARALLEL:
@@ -474,6 +491,14 @@ class _FusedBiasedSoftmax(torch.autograd.Function):
         pe, po, pr = e.data_ptr(), out.data_ptr(), rinv.data_ptr()
         pq, pk, pv = dq.data_ptr(), dk.data_ptr(), dvv.data_ptr()
         bounds = [g * i // threads for i in range(threads + 1)]
+        _check_bsf("bsf_bwd", q, k, v, (qa, ka, va), None, e, out, rinv, dout, work)
+        for buf in gbufs:
+            if table is None:
+                _check_bias("bsf_bwd", "gb", buf, True, g, h, nq, nk, q.dtype)
+            else:
+                _check_bsf_gather(buf, saved[6], None, h, nq + nk - 1)
+        for name, t in (("dq", dq), ("dk", dk), ("dv", dvv)):
+            require("bsf_bwd", name, t, dtype=q.dtype)
 
         def heads(t: int) -> None:
             if not need:
@@ -566,3 +591,103 @@ def fused_attention(
     cfg = (kind, buckets, alpha, _fused_functions(lib, dtype), gemm, found.set_threads)
     out: Tensor = _FusedBiasedSoftmax.apply(_unit(q), _unit(k), _unit(v), src, cfg)
     return out
+
+
+# --- what the C kernels receive (issue 29): one check per entry family, before each call -------------
+
+
+def _check_bias(kernel: str, name: str, t: Tensor, toeplitz: bool, g: int, h: int, nq: int, nk: int,
+                dtype: torch.dtype, layout: tuple[int, tuple[int, int, int]] | None = None) -> None:
+    """A bias (or its gradient buffer) as the kernels read it for ``g = B·H`` heads at ``layout``, the
+    address and (batch, head, row) strides handed to C (default :func:`_layout`'s): ``(b, h, i, j)`` at
+    ``b·sb + h·sh + i·si + j`` from the address (``j`` unit stride: a 4-D bias with ``Nk`` keys), or for a
+    Toeplitz bias ``(H|1, Nq + Nk − 1)`` (contiguous) from ``offsets[0, Nq − 1]`` with ``si = −1``."""
+    if toeplitz:
+        if t.dim() != 2 or t.shape[-1] != nq + nk - 1 or t.shape[0] not in (1, h) or not t.is_contiguous():
+            raise fail(kernel, name, f"a "
+                       f"Toeplitz bias of shape {tuple(t.shape)}, expected contiguous "
+                       f"({h}|1, {nq + nk - 1})")
+    elif t.dim() != 4 or t.shape[-1] != nk or (nk > 1 and t.stride(-1) != 1):
+        raise fail(kernel, name, f"shape "
+                   f"{tuple(t.shape)}, strides {t.stride()}: expected 4-D, {nk} keys of unit stride")
+    base, strides = _layout(t, toeplitz, nq) if layout is None else layout
+    offset, rest = divmod(base - t.data_ptr(), t.element_size())
+    if rest:
+        raise fail(kernel, name, "an address "
+                                  "between two elements")
+    require_view(kernel, name, t, dtype=dtype, sizes=((g - 1) // max(h, 1) + 1, h, nq, nk),
+                 strides=(*strides, 1),
+                 offset=offset)
+
+
+def _check_bs(kernel: str, s: Tensor, dp: Tensor | None, entries: int, bias: Tensor, toeplitz: bool, g: int,
+              h: int, nq: int, nk: int, mx: Tensor, rinv: Tensor, delta: Tensor | None,
+              layout: tuple[int, tuple[int, int, int]]) -> None:
+    """What ``bs_fwd`` (``dp`` None) / ``bs_bwd`` read and write: the block's dense scores ``s`` (and
+    ``dp``) of ``entries`` values, the bias at ``layout`` (:func:`_check_bias`), ``G·Nq`` row values
+    ``mx``, ``rinv``, ``delta``."""
+    dtype = s.dtype
+    require(kernel, "s", s, dtype=dtype, numel=entries)
+    if dp is not None:
+        require(kernel, "dp", dp, dtype=dtype, numel=entries)
+    _check_bias(kernel, "bias", bias, toeplitz, g, h, nq, nk, dtype, layout)
+    require(kernel, "mx", mx, dtype=dtype, numel=g * nq)
+    require(kernel, "rinv", rinv, dtype=dtype, numel=g * nq)
+    if delta is not None:
+        require(kernel, "delta", delta, dtype=dtype, numel=g * nq)
+
+
+def _check_bsf_gather(table: Tensor, buckets: Tensor, out: Tensor | None, h: int, c: int) -> None:
+    """``bsf_gather`` (and the bucket-table gradient of ``bsf_bwd``, ``out`` None): a 2-D
+    ``(rows, H)`` table read with its strides, ``C = Nq + Nk − 1`` int64 buckets (values below
+    ``rows``: T5's buckets are clamped to ``num_buckets − 1``), ``out`` dense ``(H, C)``."""
+    if table.dim() != 2 or table.shape[1] != h:
+        raise fail("bsf_gather", "table", f"shape "
+                   f"{tuple(table.shape)}, expected (num_buckets, {h})")
+    require_view("bsf_gather", "table", table, dtype=table.dtype, sizes=tuple(table.shape),
+                 strides=table.stride())
+    require("bsf_gather", "buckets", buckets, dtype=torch.int64, numel=c)
+    if out is not None:
+        require("bsf_gather", "out", out, dtype=table.dtype, numel=h * c)
+
+
+def _heads_view(kernel: str, name: str, t: Tensor, dtype: torch.dtype, rows: int, cols: int,
+                passed: tuple[int, int, int, int]) -> None:
+    """A ``(B, H, rows, cols)`` tensor read from the address and (batch, head, row) strides ``passed``
+    (:func:`_head_strides`), unit columns: its own, and inside its storage."""
+    s = t.stride()
+    if t.dim() != 4 or t.shape[2:] != (rows, cols) or (cols > 1 and s[3] != 1) or passed[0] != t.data_ptr():
+        raise fail(kernel, name, f"shape "
+                   f"{tuple(t.shape)}, strides {s}: expected (B, H, {rows}, {cols}), unit columns")
+    require_view(kernel, name, t, dtype=dtype, sizes=tuple(t.shape), strides=(*passed[1:], 1))
+
+
+def _check_bsf(kernel: str, q: Tensor, k: Tensor, v: Tensor, heads: tuple[tuple[int, int, int, int], ...],
+               bias: Tensor | None, e: Tensor, out: Tensor, rinv: Tensor, dout: Tensor | None,
+               work: Tensor | None, layout: tuple[int, tuple[int, int, int]] | None = None) -> None:
+    """What ``bsf_fwd`` / ``bsf_bwd`` read and write: ``q, k, v`` of one ``(B, H)`` with unit columns,
+    the Toeplitz bias (forward), ``G·Nq·Nk`` weights ``e``, ``out (B, H, Nq, Dv)``, ``G·Nq`` ``rinv``;
+    the backward reads ``dout`` with its four strides and uses per thread a row of ``work`` of
+    ``2·Nq·Nk + Nq·(Dv + 1) + Nq + Nk − 1`` entries."""
+    b, h, nq, d = q.shape
+    nk, dv = k.shape[2], v.shape[3]
+    dtype, g = q.dtype, b * h
+    _heads_view(kernel, "q", q, dtype, nq, d, heads[0])
+    _heads_view(kernel, "k", k, dtype, nk, d, heads[1])
+    _heads_view(kernel, "v", v, dtype, nk, dv, heads[2])
+    if k.shape[:2] != (b, h) or v.shape[:3] != (b, h, nk):
+        raise fail(kernel, None, f"q, k, v shapes "
+                   f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if bias is not None:
+        _check_bias(kernel, "bias", bias, True, g, h, nq, nk, dtype, layout)
+    require(kernel, "e", e, dtype=dtype, numel=g * nq * nk)
+    require(kernel, "out", out, dtype=dtype, numel=g * nq * dv)
+    require(kernel, "rinv", rinv, dtype=dtype, numel=g * nq)
+    if dout is not None:
+        if tuple(dout.shape) != (b, h, nq, dv):
+            raise fail(kernel, "dout", f"shape "
+                       f"{tuple(dout.shape)}, expected {(b, h, nq, dv)}")
+        require_view(kernel, "dout", dout, dtype=dtype, sizes=tuple(dout.shape), strides=dout.stride())
+    if work is not None:
+        require(kernel, "work", work, dtype=dtype)
+        require_size(kernel, "work", work.shape[1], at_least=2 * nq * nk + nq * (dv + 1) + nq + nk - 1)

@@ -60,6 +60,7 @@ import torch
 from torch import Tensor
 
 from attnopt import _native
+from attnopt._native.checks import fail, require, require_dense, require_size, require_view
 from attnopt._validation import broadcast_shapes
 from attnopt.functional._autograd import double_backward
 from attnopt.functional._kernel_chunked import blocked_backward, blocked_forward
@@ -89,6 +90,7 @@ def _magnitude_native(
     u = torch.empty_like(k) if grad else None
     c = k.new_empty(k.shape[:-1]) if grad else None
     fn = lib.lp_magnitude_f32 if k.dtype == torch.float32 else lib.lp_magnitude_f64
+    _check_rows("lp_magnitude", rows, (("k", k, d), ("a", a, 1), ("u", u, d), ("c", c, 1)))
     size = k.element_size()
     mode = ctypes.c_int(_LP_MODES.get(p, 0))
 
@@ -201,6 +203,17 @@ def _dense(fns: _Fns, *ts: Tensor | None) -> _Fns:
     return fns
 
 
+def _check_rows(kernel: str, rows: int, args: tuple[tuple[str, Tensor | None, int], ...]) -> None:
+    """What a per-pass kernel (``ff_*``, ``lp_magnitude``) reads and writes: for each ``(name, tensor,
+    per_row)`` (``None`` skipped: NULL) ``rows × per_row`` dense entries of one dtype, the first tensor's.
+    A thread's ``[r0, r1)`` is an address offset by ``r0 × per_row`` entries and ``r1 − r0`` rows, so
+    the whole-range check covers every split."""
+    dtype = args[0][1].dtype if args[0][1] is not None else None
+    for name, t, per_row in args:
+        if t is not None:
+            require(kernel, name, t, dtype=t.dtype if dtype is None else dtype, numel=rows * per_row)
+
+
 def _run(plan: _Plan) -> None:
     fn, args, rows, row_len = plan
     _native.parallel_rows(lambda r0, r1: fn(*args(r0, r1)), rows, row_len)
@@ -233,6 +246,9 @@ def _features_plan(fns: dict[str, Any], pr: Tensor, nsets: int, r: int) -> tuple
     cp, sp = torch.empty_like(pr), torch.empty_like(pr)
     sr = pr.shape[-1]
 
+    rows = pr.numel() // max(sr, 1)
+    require_size("ff_features", "S·R", sr, at_least=nsets * r, at_most=nsets * r)
+    _check_rows("ff_features", rows, (("P", pr, sr), ("phi", phi, 2 * r), ("cos", cp, sr), ("sin", sp, sr)))
     es, a, f, c, s = pr.element_size(), pr.data_ptr(), phi.data_ptr(), cp.data_ptr(), sp.data_ptr()
 
     def args(r0: int, r1: int, _keep: Any = (pr, phi, cp, sp)) -> tuple[Any, ...]:
@@ -268,6 +284,9 @@ def _key_weights_plan(
     mode = -1 if p is None else _LP_MODES.get(p, 0)
     cap, pp = torch.finfo(k.dtype).max / 8, 1.0 if p is None else p
 
+    rows = heads * nk
+    _check_rows("ff_key_weights", rows, (("k", k, d), ("v", v, dv), ("mask", mk, 1), ("vm", vm, dv + 1),
+                                         ("kw", kw, 1), ("u", u, d), ("c", cm, 1)))
     es, a_k, a_v, a_m = k.element_size(), k.data_ptr(), v.data_ptr(), _base(mk)
     a_vm, a_kw, a_u, a_c = vm.data_ptr(), kw.data_ptr(), _base(u), _base(cm)
 
@@ -340,6 +359,7 @@ def _finish(fns: _Fns, num: Tensor, guard: bool) -> tuple[Tensor, Tensor]:
     out = num.new_empty(*num.shape[:-1], e - 1)
     inv = num.new_empty(*num.shape[:-1], 1)
 
+    _check_rows("ff_finish", num.numel() // e, (("num", num, e), ("out", out, e - 1), ("inv", inv, 1)))
     es, a, o, i = num.element_size(), num.data_ptr(), out.data_ptr(), inv.data_ptr()
 
     def args(r0: int, r1: int, _keep: Any = (num, out, inv)) -> tuple[Any, ...]:
@@ -359,6 +379,8 @@ def _out_grad(fns: _Fns, dout: Tensor, inv: Tensor, out: Tensor) -> Tensor:
     d2 = dout.reshape(-1, dv)  # (the gradient of a sum is an expanded scalar: strides 0, no copy)
     gn = out.new_empty(*out.shape[:-1], dv + 1)
     rs, cs = d2.stride()
+    require_view("ff_gn", "dout", d2, dtype=out.dtype, sizes=tuple(d2.shape), strides=(rs, cs))
+    _check_rows("ff_gn", d2.shape[0], (("inv", inv, 1), ("out", out, dv), ("gn", gn, dv + 1)))
     es, a, i, o, a_g = out.element_size(), d2.data_ptr(), inv.data_ptr(), out.data_ptr(), gn.data_ptr()
 
     def args(r0: int, r1: int, _keep: Any = (d2, inv, out, gn)) -> tuple[Any, ...]:
@@ -402,6 +424,8 @@ def _tail(
             dm = v.new_empty(*v.shape[:-1], 1) if need_kw else None
             dk = torch.empty_like(u) if need_mag and u is not None else None
             es = v.element_size()
+            _check_rows("ff_key_grads", rows, (("t", t, dvn + 1), ("v", v, dvn), ("kw", kw, 1), ("c", cm, 1),
+                                               ("u", u, d), ("dv", dv, dvn), ("dm", dm, 1), ("dk", dk, d)))
             a_t, a_v, a_kw, a_c, a_u = t.data_ptr(), v.data_ptr(), _base(kw), _base(cm), _base(u)
             a_dv, a_dm, a_dk = _base(dv), _base(dm), _base(dk)
 
@@ -420,6 +444,10 @@ def _tail(
         else:
             dp = torch.empty_like(cp)
             sr, es2 = cp.shape[-1], cp.element_size()
+            require_size("ff_dp", "S·R", sr, at_least=nsets * r, at_most=nsets * r)
+            _check_rows("ff_dp", cp.numel() // max(sr, 1), (("dphi", dphi, 2 * r), ("cos", cp, sr), ("sin",
+                                                                                                     sp, sr),
+                                                            ("dp", dp, sr)))
             g, c, s, o2 = dphi.data_ptr(), cp.data_ptr(), sp.data_ptr(), dp.data_ptr()
 
             def f_args(r0: int, r1: int, _keep: Any = (dphi, cp, sp, dp)) -> tuple[Any, ...]:
@@ -687,6 +715,21 @@ def _size(fn: Any, sizes: tuple[int, ...]) -> int:
     return hit
 
 
+_CHECKED_SIZES: dict[tuple[int, tuple[int, ...]], int] = {}
+
+
+def _kernel_size(fn: Any, sizes: tuple[int, ...]) -> int:
+    """``fn(*sizes)`` for :func:`check_whole`, from a cache of its own (not :func:`_size`'s: a size
+    the caller got wrong is not the size the check compares with)."""
+    key = (id(fn), sizes)
+    hit = _CHECKED_SIZES.get(key)
+    if hit is None:
+        if len(_CHECKED_SIZES) > 1024:
+            _CHECKED_SIZES.clear()
+        hit = _CHECKED_SIZES[key] = int(fn(*sizes))
+    return hit
+
+
 def _heads_split(g: int, work: int) -> int:
     """Threads for ``g`` heads of ``work`` scores each (one below ``_native._MIN_PARALLEL`` entries)."""
     return min(torch.get_num_threads(), g) if g * work >= _native._MIN_PARALLEL else 1
@@ -703,6 +746,67 @@ def _each(threads: int, g: int, call: Callable[[int, int, int], None]) -> None:
     call(0, bounds[0], bounds[1])
     for fut in futures:
         fut.result()
+
+
+def check_whole(
+    kernel: str, size_fns: tuple[Any, Any], sizes: tuple[int, ...], g: int, q: Tensor, k: Tensor, v: Tensor,
+    w: Dense, wsb: int, wsh: int, hi: int, save: Dense, out: Tensor, work: Dense, threads: int, *,
+    step: int | None = None,
+    mask: Tensor | None = None, dout: Tensor | None = None, dstrides: tuple[int, ...] = (),
+    grads: tuple[Tensor | None, ...] = (), dw: list[Tensor] | Dense | None = None, dsb: int = 0, dsh: int = 0,
+    shared: bool = False,
+) -> None:
+    """What ``ffw_fwd`` / ``ffw_bwd`` (``_native/fourier_features.c``) read and write for heads ``[0, g)``,
+    ``sizes = (Nq, Nk, d, Dv, R, S)``: ``q (g, Nq, d)``, ``k (g, Nk, d)``, ``v (g, Nk, Dv)``, ``out (g, Nq,
+    Dv)`` dense; head ``j``'s points ``S·R × d`` dense at ``w + (j // hi)·wsb + (j % hi)·wsh``, inside ``w``'s
+    storage for every head; ``mask (g, Nk)`` dense; ``ffw_save_size`` entries of ``save`` per head and
+    ``ffw_work_size`` of ``work`` per thread (``size_fns``: those two C functions; rows of ``step``
+    entries: a 2-D ``work``'s row length by
+    default); the backward's ``dout`` element ``(j, i, c)`` at ``j·ds₀ + i·ds₁ + c·ds₂``, the gradients
+    dense like their inputs, ``dw``: one ``(S·R, d)`` buffer per thread (``shared``) or head ``j``'s at
+    ``(j // hi)·dsb + (j % hi)·dsh``. The save and work sizes are the C functions' own
+    (:func:`_size`). A dense buffer is a tensor or ``(scratch, offset)`` (:func:`require_dense`)."""
+    nq, nk, d, dv, r, nsets = sizes
+    dtype, sr = q.dtype, r * nsets
+    for name, t, rows, cols in (("q", q, nq, d), ("k", k, nk, d), ("v", v, nk, dv), ("out", out, nq, dv)):
+        require(kernel, name, t, dtype=dtype, numel=g * rows * cols)
+    for name, t, like in zip(("dq", "dk", "dv"), grads, (q, k, v)):
+        if t is not None:
+            require(kernel, name, t, dtype=dtype, numel=like.numel())
+    if mask is not None:
+        require(kernel, "mask", mask, dtype=dtype, numel=g * nk)
+    heads = ((g - 1) // hi + 1, min(hi, g), sr * d)
+    wt, w_at, w_end = (w[0], w[1], w[2] if len(w) > 2 else None) if isinstance(w, tuple) else (w, 0, None)
+    if not isinstance(w, tuple) and (w.stride(-1) != 1 or (w.shape[-2] > 1 and w.stride(-2) != d)
+                                     or w.shape[-2:] != (sr, d)):
+        raise fail(kernel, "w", f"shape "
+                   f"{tuple(w.shape)}, strides {w.stride()}: expected dense ({sr}, {d}) rows")
+    require_view(kernel, "w", wt, dtype=dtype, sizes=heads, strides=(wsb, wsh, 1), offset=w_at, limit=w_end)
+    per_save, per_work = _kernel_size(size_fns[0], sizes), _kernel_size(size_fns[1], sizes)
+    require_dense(kernel, "save", save, dtype=dtype, numel=g * per_save)
+    if isinstance(work, tuple):
+        row = per_work if step is None else step
+        require_size(kernel, "work step", row, at_least=per_work)
+        require_dense(kernel, "work", work, dtype=dtype, numel=(threads - 1) * row + per_work)
+    else:
+        require(kernel, "work", work, dtype=dtype, min_numel=threads * per_work)
+        require_size(kernel, "work rows", work.shape[0], at_least=threads)
+        require_size(kernel, "work row", work.shape[1], at_least=per_work)
+    if dout is not None:
+        require_view(kernel, "dout", dout, dtype=dtype, sizes=(g, nq, dv), strides=dstrides)
+    if isinstance(dw, list):
+        for t in dw:
+            if shared:
+                require(kernel, "dw", t, dtype=dtype, numel=sr * d)
+            else:
+                require_view(kernel, "dw", t, dtype=dtype, sizes=heads, strides=(dsb, dsh, 1))
+    elif isinstance(dw, tuple):
+        require_view(kernel, "dw", dw[0], dtype=dtype, sizes=heads, strides=(dsb, dsh, 1), offset=dw[1],
+                     limit=dw[2] if len(dw) > 2 else None)
+
+
+#: a dense buffer handed to C: a tensor, or ``(scratch, offset)`` (a region of a plan's scratch)
+Dense = Tensor | tuple[Tensor, int] | tuple[Tensor, int, int]
 
 
 class _WholeFourier(torch.autograd.Function):
@@ -740,6 +844,8 @@ class _WholeFourier(torch.autograd.Function):
         tail = (nq, nk, d, dv, r, nsets, mode, 1.0 if p is None else p, scale, cap, c4, eps, grad,
                 save.data_ptr(), out.data_ptr())
         pw, step = work.data_ptr(), work.shape[1] * work.element_size()
+        check_whole("ffw_fwd", (save_size, work_size), sizes, g, q, k, v, w, wsb, wsh, hi, save, out, work,
+                    threads, mask=mk)
 
         if threads == 1:
             fwd(gemm, set_threads, *args, 0, g, *tail, pw)
@@ -794,6 +900,10 @@ class _WholeFourier(torch.autograd.Function):
         tail = (nq, nk, d, dv, r, nsets, int(ctx.mag), c4, eps, save.data_ptr())
         outs = (_base(dq), _base(dk), _base(dvv))
         pw, step = work.data_ptr(), work.shape[1] * work.element_size()
+        check_whole("ffw_bwd", ctx.cfg[2:4], (nq, nk, d, dv, r, nsets), g, q, k, v, w, wsb, wsh, hi, save,
+                    out, work,
+                    threads, dout=d3, dstrides=dstrides, grads=(dq, dk, dvv), dw=dwb, dsb=dsb, dsh=dsh,
+                    shared=shared)
 
         if threads == 1:
             pdw = None if not dwb else dwb[0].data_ptr()

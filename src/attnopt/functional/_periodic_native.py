@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from attnopt import _native
+from attnopt._native.checks import fail, require, require_size, require_view
 from attnopt.functional._autograd import refuse_double_backward
 
 __all__ = ["library", "native_periodic_attention"]
@@ -89,6 +90,61 @@ def _address(t: Tensor | None, offset: int = 0) -> int | None:
     return None if t is None else t.data_ptr() + offset * t.element_size()
 
 
+def _check_px(
+    kernel: str, s: Tensor, sc: Tensor | None, dp: Tensor | None, q: Tensor, k: Tensor, e: Tensor | None,
+    mask: Tensor | None, rep: int, aux: Tensor, state: Tensor, h0: int, h1: int, dout: Tensor | None = None,
+    out: Tensor | None = None, rs: Tensor | None = None, colsums: Tensor | None = None,
+) -> None:
+    """What ``px_fwd`` (``dp`` None) / ``px_bwd`` read and write for the heads ``[h0, h1)`` of ``BH``:
+    the chunk's dense scores ``s`` (and ``dp``), ``(h1 − h0, Nq, Nk)``; ``sc`` dense ``(BH, Nq, Nk)`` (read
+    from head ``h0`` on); ``q (BH, Nq, d)``, ``k (BH, Nk, d)``, ``e (BH·Nk)``, ``aux (BH, 2, Nk)``, ``state
+    (2, BH, Nq)`` dense; the mask's row ``i`` of head ``g`` at ``(g // rep)·msg + i·msi``, unit key stride;
+    the backward's ``dout``, ``out (BH, Nq, Dv)``, ``rs (BH, Nq)``, ``colsums (2, BH, Nk)`` dense."""
+    bh, nq, d = q.shape
+    nk = k.shape[1]
+    dtype = q.dtype
+    require_size(kernel, "h1", h1, at_least=h0 + 1, at_most=bh)
+    require_size(kernel, "h0", h0, at_least=0)
+    require(kernel, "s", s, dtype=dtype, numel=(h1 - h0) * nq * nk)
+    if dp is not None:
+        require(kernel, "dp", dp, dtype=dtype, numel=(h1 - h0) * nq * nk)
+    if sc is not None:
+        require(kernel, "sc", sc, dtype=dtype, numel=bh * nq * nk)
+    require(kernel, "q", q, dtype=dtype, numel=bh * nq * d)
+    require(kernel, "k", k, dtype=dtype, numel=bh * nk * d)
+    if e is not None:
+        require(kernel, "e", e, dtype=dtype, numel=bh * nk)
+    if mask is not None:
+        if mask.dim() != 3 or mask.shape[2] != nk or (nk > 1 and mask.stride(2) != 1):
+            raise fail(kernel, "mask", f"shape "
+                       f"{tuple(mask.shape)}, strides {mask.stride()}: expected (G, Nq|1, {nk}), "
+                                      "unit key stride")
+        require_view(kernel, "mask", mask, dtype=dtype, sizes=((bh - 1) // max(rep, 1) + 1, nq, nk),
+                     strides=(mask.stride(0), mask.stride(1), 1))
+    require(kernel, "aux", aux, dtype=dtype, numel=bh * 2 * nk)
+    require(kernel, "state", state, dtype=dtype, numel=2 * bh * nq)
+    if dout is not None and out is not None:
+        dv = out.shape[-1]
+        require(kernel, "dout", dout, dtype=dtype, numel=bh * nq * dv)
+        require(kernel, "out", out, dtype=dtype, numel=bh * nq * dv)
+    if rs is not None:
+        require(kernel, "rs", rs, dtype=dtype, numel=bh * nq)
+    if colsums is not None:
+        require(kernel, "colsums", colsums, dtype=dtype, numel=2 * bh * nk)
+
+
+def _check_px_fin(gq: Tensor | None, q: Tensor, rs: Tensor, gk: Tensor | None, k: Tensor,
+                  colsums: Tensor) -> None:
+    """What ``px_fin`` reads and writes: ``q``, ``gq (BH, Nq, d)``, ``k``, ``gk (BH, Nk, d)`` dense, ``rs
+    (BH, Nq)``, ``colsums (2, BH, Nk)``."""
+    bh, nq, d = q.shape
+    nk = k.shape[1]
+    for name, t, n in (("dq", gq, bh * nq * d), ("q", q, bh * nq * d), ("rs", rs, bh * nq),
+                       ("dk", gk, bh * nk * d), ("k", k, bh * nk * d), ("colsums", colsums, 2 * bh * nk)):
+        if t is not None:
+            require("px_fin", name, t, dtype=q.dtype, numel=n)
+
+
 class _NativePeriodic(torch.autograd.Function):
     """q (…, Nq, d), k (…, Nk, d), v (…, Nk, dv) contiguous, the leading dims of each holding BH
     rows (flattened here, not by a tracked view: each view is one more autograd node, ~7 µs in
@@ -124,6 +180,7 @@ class _NativePeriodic(torch.autograd.Function):
             whole = h0 == 0 and h1 == bh
             buf = p if whole and p.shape[0] == bh else (p[h0:h1] if save else p[: h1 - h0])
             torch.bmm(q if whole else q[h0:h1], kt if whole else kt[h0:h1], out=buf)
+            _check_px("px_fwd", buf, sc, None, q, k, e, mask, rep, aux, state, h0, h1)
             ps, psc = buf.data_ptr(), _address(sc, h0 * nq * nk)
 
             def rows(a: int, b: int, ps: int = ps, psc: int | None = psc, h0: int = h0) -> None:
@@ -173,6 +230,9 @@ class _NativePeriodic(torch.autograd.Function):
                 pw = p_all if whole else p_all[f]
                 psc = sc_all.data_ptr() + h0 * nq * nk * sc_all.element_size()
             dp = torch.bmm(dof, vt if whole else vt[f], out=dp_buf[: h1 - h0])
+            _check_px("px_bwd", pw, None if recompute else sc_all, dp, q, k, None, mask, ctx.rep, aux,
+                      state, h0, h1,
+                      do, out, rs, colsums)
             ps, pdp = pw.data_ptr(), dp.data_ptr()
 
             def rows(a: int, b: int, ps: int = ps, psc: int | None = psc, pdp: int = pdp, h0: int = h0
@@ -189,6 +249,7 @@ class _NativePeriodic(torch.autograd.Function):
         if need_q or need_k:
             pgq, pgk = (gq.data_ptr() if need_q else None), (gk.data_ptr() if need_k else None)
             pk = k.data_ptr()
+            _check_px_fin(gq if need_q else None, q, rs, gk if need_k else None, k, colsums)
 
             def finish(a: int, b: int) -> None:
                 fin(pgq, pq, prs, pgk, pk, pcs, pdls, a, b, nq, nk, d, c * om2, ctx.s)

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from attnopt import _native
+from attnopt._native.checks import require
 
 __all__ = ["backward", "forward", "forward_status", "usable"]
 
@@ -84,6 +85,7 @@ def forward_status(
     theta = torch.empty((*x.shape[:-1], 1), dtype=x.dtype)
     status = torch.empty(rows, dtype=torch.int8)
     counter = torch.zeros(1, dtype=torch.int64)
+    _check_sparse_map(x, p, theta, status, counter, rows, n)
     args = (_ptr(x), _ptr(p), _ptr(theta), _ptr(status), _ptr(counter), ctypes.c_int64(rows))
     if alpha == 2.0:
         fn = getattr(lib, f"sparsemax_fwd_{_SUFFIX[x.dtype]}")
@@ -135,6 +137,7 @@ def backward(p: Tensor, grad: Tensor, alpha: float) -> Tensor:
     fn = getattr(lib, f"{name}_{_SUFFIX[p.dtype]}")
     rows = p.numel() // n
     counter = torch.zeros(1, dtype=torch.int64)
+    _check_sparse_map(p, g, out, None, counter, rows, n)
     args = (_ptr(p), _ptr(g), _ptr(out), _ptr(counter), ctypes.c_int64(rows), ctypes.c_int64(n))
 
     def call(_r0: int, _r1: int) -> None:  # every thread claims rows from the shared counter
@@ -142,3 +145,18 @@ def backward(p: Tensor, grad: Tensor, alpha: float) -> Tensor:
 
     _native.parallel_rows(call, rows, n)
     return out
+
+
+def _check_sparse_map(
+    a: Tensor, b: Tensor, c: Tensor, status: Tensor | None, counter: Tensor, rows: int, n: int,
+) -> None:
+    """What ``{sparsemax,entmax15}_{fwd,bwd}_*`` read and write: ``rows × n`` dense entries of ``a``, ``b``
+    (forward: x, p; backward: p, g) and of ``c`` (backward: out; forward: θ, ``rows`` entries), ``rows``
+    int8 status codes (forward), one int64 row counter."""
+    kernel = "sparse_maps"
+    require(kernel, "a", a, dtype=a.dtype, numel=rows * n)
+    require(kernel, "b", b, dtype=a.dtype, numel=rows * n)
+    require(kernel, "c", c, dtype=a.dtype, numel=rows if status is not None else rows * n)
+    if status is not None:
+        require(kernel, "status", status, dtype=torch.int8, numel=rows)
+    require(kernel, "counter", counter, dtype=torch.int64, numel=1)

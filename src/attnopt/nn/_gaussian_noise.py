@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from attnopt import _native
+from attnopt._native.checks import require
 
 __all__ = ["draw_seed", "gaussian_noise", "noise_from_seed", "seeded_fill"]
 
@@ -76,9 +77,16 @@ def noise_from_seed(seed: Tensor, shape: tuple[int, ...], dtype: torch.dtype = t
         fill = seeded_fill(dtype)
         if fill is not None:
             out = torch.empty(shape, dtype=dtype)
+            _check_normal_fill(seed, out, dtype)
             fill(seed.data_ptr(), out.data_ptr(), out.numel())
             return out
     return _mirror(seed, shape).to(dtype)
+
+
+def _check_normal_fill(seed: Tensor, out: Tensor, dtype: torch.dtype) -> None:
+    """What ``normal_fill_at_*`` reads and writes: one int64 seed, ``out.numel()`` dense ``dtype`` entries."""
+    require("normal_fill_at", "seed", seed, dtype=torch.int64, numel=1)
+    require("normal_fill_at", "out", out, dtype=dtype)
 
 
 def seeded_fill(dtype: torch.dtype) -> Any:

@@ -48,13 +48,30 @@ import torch
 from torch import Tensor
 
 from attnopt import _func, _native
+from attnopt._native.checks import fail, require, require_dense
 from attnopt._validation import _finite_fns, check_finite
 from attnopt.functional import _kernel_fused, dispatch
 from attnopt.functional._autograd import refuse_double_backward
-from attnopt.functional._kernel_fused import _CAP, _LP_MODES, _each, _heads_split, _size, _whole_call
+from attnopt.functional._kernel_fused import (
+    _CAP,
+    _LP_MODES,
+    _each,
+    _heads_split,
+    _size,
+    _whole_call,
+    check_whole,
+)
 from attnopt.nn import _spectral_native
 from attnopt.nn._gaussian_noise import seeded_fill
-from attnopt.nn._spectral_native import _PLAIN, _WRAPPED, _functions, _noise_layout, _set_stride, _shapes
+from attnopt.nn._spectral_native import (
+    _PLAIN,
+    _WRAPPED,
+    _functions,
+    _noise_layout,
+    _set_stride,
+    _shapes,
+    check_sample,
+)
 from attnopt.nn._spectral_native import library as sampler_library
 
 __all__ = ["sampled_fourier_attention"]
@@ -72,6 +89,7 @@ class _Plan(NamedTuple):
     nonfinite: Any  # finite.c's dense test for the dtype
     noise_fill: Any  # normal.c's seeded fill for the dtype, or None: the noise comes as a tensor
     libs: tuple[Any, Any]  # the sampler's and the attention's libraries (the calls' check: still them)
+    size_fns: tuple[Any, Any]  # ffw_save_size, ffw_work_size (the checks' sizes: the kernel's own)
     param_shapes: tuple[torch.Size, ...]  # the network parameters' shapes
     dims: tuple[int, int, int, int, int, int]  # (S, B, H, R/2, d, hidden): the sampler's
     scales: Any  # the densities' base_scale (a C double array)
@@ -117,6 +135,7 @@ def _plan(key: tuple[Any, ...], lib: Any, cfg: Any, nonfinite: Any, noise_fill: 
         _PLANS.clear()
     plan = _PLANS[key] = _Plan(
         sample_fwd, sample_bwd, fwd, bwd, gemm, set_threads, nonfinite, noise_fill, (lib, cfg_lib),
+        (save_size, work_size),
         _shapes(nsets, d, hid), (nsets, b, h, half, d, hid),
         (ctypes.c_double * nsets)(*scales), threads,
         (nq, nk, d, dv, r, nsets, _LP_MODES.get(p, 0), p, 1.0 / math.sqrt(d), _CAP[dtype], c4, eps, 1),
@@ -137,6 +156,24 @@ def _addresses(tensors: tuple[Tensor, ...] | list[Tensor]) -> tuple[array.array,
     return addrs, addrs.buffer_info()[0]
 
 
+def _check_sampled(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, params: tuple[Tensor, ...],
+                   scratch: Tensor) -> None:
+    """The call's tensors against the shape its plan was made for: ``q (B, H, Nq, d)``, ``k (B, H, Nk, d)``,
+    ``v (B, H, Nk, Dv)`` contiguous, the parameters' shapes, the scratch of ``plan.scratch`` entries (the
+    regions of each C call are checked before it, by :func:`check_sample` and :func:`check_whole`)."""
+    _, b, h, _, d, _ = plan.dims
+    nq, nk, _, dv = plan.fwd_tail[:4]
+    kernel = "sampled_fourier"
+    for name, t, shape in (("q", q, (b, h, nq, d)), ("k", k, (b, h, nk, d)), ("v", v, (b, h, nk, dv))):
+        if t.shape != shape:
+            raise fail(kernel, name, f"shape "
+                       f"{tuple(t.shape)}, the plan's {shape}")
+        require(kernel, name, t, dtype=q.dtype)
+    if tuple(p.shape for p in params) != plan.param_shapes:
+        raise fail(kernel, None, "parameter shapes differ from the plan's")
+    require(kernel, "scratch", scratch, dtype=q.dtype, numel=plan.scratch)
+
+
 class _SampledFourier(torch.autograd.Function):
     """q, k, v ``(B, H, N, d)``; noise ``(S, B|1, H, R/2, d)`` (no gradient), or its int64 seed
     (0-d, :mod:`._gaussian_noise`) with a seeded plan; raw ``(H, H)`` or None; the :class:`_Plan`;
@@ -152,18 +189,22 @@ class _SampledFourier(torch.autograd.Function):
         nsets, b, h, half, d, hid = plan.dims
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # heads from a projection are views
         nonfinite = plan.nonfinite
+        scratch = q.new_empty(plan.scratch)
+        _check_sampled(plan, q, k, v, params, scratch)
         # kernel_attention's entry check (the message from check_finite, naming the argument)
         if nonfinite(q.data_ptr(), q.numel()) or nonfinite(k.data_ptr(), k.numel()) or nonfinite(
                 v.data_ptr(), v.numel()):
             check_finite(q=q, k=k, v=v)
         rc = None if raw is None else raw.contiguous()
-        scratch = q.new_empty(plan.scratch)
         out, klm = q.new_empty(b, h, q.shape[2], v.shape[3]), q.new_empty(())
         base, size = scratch.data_ptr(), scratch.element_size()
         pts, sr = base + plan.at_pts * size, nsets * 2 * half
         if plan.noise_fill is not None:  # the noise from its seed, into the scratch
             ne = None
             noise_at, (ns, nb, nh) = base + plan.at_noise * size, plan.noise_strides
+            require("normal_fill_at", "seed", noise, dtype=torch.int64, numel=1)
+            require_dense("normal_fill_at", "out", (scratch, plan.at_noise, plan.scratch), dtype=q.dtype,
+                          numel=nsets * b * h * half * d)
             plan.noise_fill(noise.data_ptr(), noise_at, nsets * b * h * half * d)
         else:
             ne = _noise_layout(noise, nsets, (b, h), half, d)
@@ -171,6 +212,11 @@ class _SampledFourier(torch.autograd.Function):
         ctx.noise = noise_at - base if ne is None else None, ns, nb, nh
         # the sampler: the keys' mean, the networks, the points and the KL's batch mean in one call
         addrs, paddrs = _addresses(params)
+        check_sample("ss_fwd", plan.dims, k, k.shape[2], (scratch, plan.at_h, plan.at_pts),
+                     (scratch, plan.at_noise, plan.scratch) if ne is None else ne, (ns, nb,
+                                                                                    nh), rc, params, nsets,
+                     (scratch, plan.at_ws, plan.at_save), pts=(scratch, plan.at_pts, plan.at_kl),
+                     kl=(scratch, plan.at_kl, plan.at_ws), klm=klm)
         if plan.sample_fwd(*plan.dims, k.data_ptr(), k.shape[2], base + plan.at_h * size, noise_at,
                            ns, nb, nh, None if rc is None else rc.data_ptr(),
                            paddrs, plan.scales, pts, base + plan.at_kl * size, klm.data_ptr(),
@@ -184,6 +230,10 @@ class _SampledFourier(torch.autograd.Function):
         tail = (*plan.fwd_tail, base + plan.at_save * size, out.data_ptr())
         work, step = base + plan.at_work * size, plan.work * size
         fwd = plan.attend_fwd
+        check_whole("ffw_fwd", plan.size_fns, plan.fwd_tail[:6], g, q, k, v, (scratch, plan.at_pts,
+                                                                              plan.at_kl),
+                    h * sr * d, sr * d, h, (scratch, plan.at_save, plan.at_work), out,
+                    (scratch, plan.at_work, plan.at_noise), plan.threads, step=plan.work)
         if plan.threads == 1:
             fwd(plan.gemm, plan.set_threads, *head, 0, g, *tail, work)
         else:
@@ -225,6 +275,15 @@ class _SampledFourier(torch.autograd.Function):
         tail = (*plan.bwd_tail, base + plan.at_save * size)
         work, step = bscratch.data_ptr() + _aligned(b * h * sr * d) * size, plan.work * size
         bwd = plan.attend_bwd
+        require("ffw_bwd", "scratch", scratch, dtype=q.dtype, numel=plan.scratch)
+        require("ffw_bwd", "backward scratch", bscratch, dtype=q.dtype, numel=plan.backward_scratch)
+        check_whole("ffw_bwd", plan.size_fns, plan.fwd_tail[:6], g, q, k, v, (scratch, plan.at_pts,
+                                                                              plan.at_kl),
+                    h * sr * d, sr * d, h, (scratch, plan.at_save, plan.at_work), out,
+                    (bscratch,
+                     _aligned(b * h * sr * d)), plan.threads, step=plan.work, dout=d3, dstrides=dstrides,
+                    grads=(dq, dk, dvv), dw=None if dpts is None else (bscratch, 0, _aligned(b * h * sr * d)),
+                    dsb=h * sr * d, dsh=sr * d)
         if plan.threads == 1:
             bwd(plan.gemm, plan.set_threads, *head, 0, g, *tail, work, *outs, h * sr * d, sr * d, 0)
         else:
@@ -241,6 +300,12 @@ class _SampledFourier(torch.autograd.Function):
         gaddrs, pgaddrs = _addresses(every)
         if dkl.dtype != out.dtype:
             dkl = dkl.to(out.dtype)
+        check_sample("ss_bwd", plan.dims, (scratch, plan.at_h, plan.at_pts), 0, None,
+                     (scratch, at // size, plan.scratch) if at is not None else ne, (ns, nb,
+                                                                                     nh), rc, params, nsets,
+                     (scratch, plan.at_ws, plan.at_save), gpts=(bscratch, 0,
+                                                                _aligned(b * h * sr * d)), gkl=dkl,
+                     gks=0, nkeys=k.shape[2], dkeys=dk, draw=draw, grads=every)
         if plan.sample_bwd(*plan.dims, base + plan.at_h * size, noise_at, ns, nb, nh,
                            None if rc is None else rc.data_ptr(), paddrs, plan.scales,
                            base + plan.at_ws * size, dpts, dkl.data_ptr(), 0, b, None, k.shape[2], outs[1], 1,

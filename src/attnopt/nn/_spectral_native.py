@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from attnopt import _func, _native
+from attnopt._native.checks import fail, require, require_dense, require_view
 from attnopt.functional._autograd import double_backward
 
 __all__ = ["library", "native_sample"]
@@ -129,6 +130,67 @@ def _noise_layout(noise: Tensor, n_sets: int, lead: tuple[int, ...], half: int, 
     return ne
 
 
+#: a dense buffer handed to C: a tensor, or ``(scratch, offset)`` (a region of a plan's scratch)
+Dense = Tensor | tuple[Tensor, int] | tuple[Tensor, int, int]
+
+
+def check_sample(
+    kernel: str, dims: tuple[int, ...], h: Dense, n: int, hbuf: Dense | None, noise: Dense,
+    strides: tuple[int, ...], raw: Tensor | None, params: list[Tensor] | tuple[Tensor, ...],
+    scales: tuple[float, ...] | int, ws: Dense, *, pts: Dense | None = None, kl: Dense | None = None,
+    klm: Tensor | None = None, gpts: Dense | None = None, gkl: Tensor | None = None, gks: int = 0,
+    dh: Tensor | None = None, nkeys: int = 0, dkeys: Tensor | None = None, dnoise: Tensor | None = None,
+    draw: Tensor | None = None, grads: list[Tensor] | None = None,
+) -> None:
+    """What ``ss_fwd`` / ``ss_bwd`` of ``spectral_sample.c`` read and write, ``dims = (S, B, H, half,
+    d, hid)``, ``M = B·H``, ``R = M·half``: ``h`` dense ``(M, d)``, or with ``n > 0`` keys ``(M, n, d)`` and
+    ``hbuf (M, d)``; the noise element ``(s, b, m, i, k)`` at ``s·ns + b·nb + m·nh + i·d + k``; ``raw (H, H)``
+    dense; 8 ``S`` dense parameters of the stock shapes; ``S`` scales; the workspace ``S·set_stride + 2H²``
+    (copula); ``pts (M, S, 2, half, d)``, ``kl (B)``, ``klm ()``. The backward's ``gpts`` like ``pts``,
+    ``gkl[b·gks]``, ``dh (M, d)``, ``dkeys (M, nkeys, d)``, ``dnoise (S, R, d)``, ``draw (H, H)`` and
+    gradients shaped as the parameters. A dense buffer is a tensor or ``(scratch, offset)``
+    (:func:`attnopt._native.checks.require_dense`)."""
+    n_sets, b, heads, half, d, hid = dims
+    m = b * heads
+    dtype = (h[0] if isinstance(h, tuple) else h).dtype
+    require_dense(kernel, "h", h, dtype=dtype, numel=m * (n if n > 0 else 1) * d)
+    if n > 0:
+        if hbuf is None:
+            raise fail(kernel, "hbuf", "missing")
+        require_dense(kernel, "hbuf", hbuf, dtype=dtype, numel=m * d)
+    ns, nb, nh = strides
+    nt, at, end = (noise[0], noise[1], noise[2] if len(noise) > 2 else None) if isinstance(noise,
+                                                                                           tuple) else (
+        noise, 0, None)
+    require_view(kernel, "noise", nt, dtype=dtype, sizes=(n_sets, b, heads, half, d), strides=(ns, nb, nh,
+                                                                                               d, 1),
+                 offset=at, limit=end)
+    cop = raw is not None
+    if raw is not None:
+        require(kernel, "raw", raw, dtype=dtype, numel=heads * heads)
+    n_scales = scales if isinstance(scales, int) else len(scales)
+    if len(params) != 8 * n_sets or n_scales != n_sets:
+        raise fail(kernel, None, f"{len(params)} parameters and "
+                   f"{n_scales} scales for {n_sets} sets")
+    for i, (p, shape) in enumerate(zip(params, _shapes(n_sets, d, hid), strict=True)):
+        if p.shape != shape or p.dtype is not dtype or not p.is_contiguous() or not p.is_cpu:
+            raise fail(kernel, f"parameter {i}", f"shape "
+                       f"{tuple(p.shape)}, {p.dtype}, expected a contiguous CPU {tuple(shape)}, {dtype}")
+        if grads is not None:
+            require(kernel, f"grad {i}", grads[i], dtype=dtype, numel=p.numel())
+    need = n_sets * _set_stride(m, half, d, hid, cop) + (2 * heads * heads if cop else 0)
+    require_dense(kernel, "ws", ws, dtype=dtype, numel=need)
+    per = m * n_sets * 2 * half * d
+    for name, x, size in (("pts", pts, per), ("kl", kl, b), ("kl_mean", klm, 1), ("gpts", gpts, per),
+                          ("dh", dh, m * d), ("dkeys", dkeys, m * nkeys * d), ("dnoise", dnoise,
+                                                                               n_sets * m * half * d),
+                          ("draw", draw, heads * heads)):
+        if x is not None:
+            require_dense(kernel, name, x, dtype=dtype, numel=size)
+    if gkl is not None:
+        require_view(kernel, "gkl", gkl, dtype=dtype, sizes=(b,), strides=(gks,))
+
+
 def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -172,6 +234,8 @@ class _NativeSpectralSample(torch.autograd.Function):
         fwd, _ = _functions(lib, h.dtype)
         dims = (n_sets, batch, heads, half, d, hid)
         strides = (ne.stride(0), ne.stride(1), ne.stride(2))
+        check_sample("ss_fwd", dims, hc, nkeys, h, ne, strides, rc, params, scales, ws, pts=pts, kl=kl,
+                     klm=klm)
         if fwd(*dims, hc.data_ptr(), nkeys, h.data_ptr(), ne.data_ptr(), *strides, _ptr(rc), addrs, sc,
                pts.data_ptr(), kl.data_ptr(), _ptr(klm), ws.data_ptr()):
             raise MemoryError("spectral sampler (native): out of memory for its scratch")
@@ -210,7 +274,12 @@ class _NativeSpectralSample(torch.autograd.Function):
         rc = raw.contiguous() if raw is not None else None
         gks = 0 if ctx.kl_mean else gk.stride(0) if gk.dim() == 1 else 1
         nkeys = 0 if ctx.keys is None else ctx.keys[-2]
-        if bwd(*ctx.dims, h.contiguous().data_ptr(), ne.data_ptr(), *ctx.strides, _ptr(rc), addrs, ctx.sc,
+        # held by a name through the call (a temporary's memory is freed as soon as its address is taken)
+        hc = h.contiguous()
+        check_sample("ss_bwd", ctx.dims, hc, 0, None, ne, ctx.strides, rc, params, ctx.scales, ws, gpts=gp,
+                     gkl=gk,
+                     gks=gks, dh=dh, nkeys=nkeys, dkeys=dkeys, dnoise=dn, draw=draw, grads=grads)
+        if bwd(*ctx.dims, hc.data_ptr(), ne.data_ptr(), *ctx.strides, _ptr(rc), addrs, ctx.sc,
                ws.data_ptr(), gp.data_ptr(), gk.data_ptr(), gks, gdiv, _ptr(dh), nkeys, _ptr(dkeys), 0,
                _ptr(dn), _ptr(draw), gaddrs):
             raise MemoryError("spectral sampler (native): out of memory for its scratch")

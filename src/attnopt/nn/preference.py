@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import ctypes
 import math
+import weakref
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from attnopt import _func, _native
+from attnopt._native.checks import fail, require, require_view
 from attnopt.functional._toeplitz import mark_toeplitz, mark_toeplitz_table
 
 __all__ = [
@@ -202,6 +204,7 @@ class _T5Bias(torch.autograd.Function):
         if lib is None:
             return _t5_plain(table, buckets, nq, nk)
         out = table.new_empty(1, heads, nq, nk)
+        _check_t5_toeplitz(table, buckets, out, nq, nk)
         fill = _fill(lib, table.dtype)
         if fill(table.data_ptr(), table.stride(0), table.stride(1), buckets.data_ptr(), heads, nq, nk,
                 out.data_ptr()) != 0:
@@ -215,6 +218,19 @@ class _T5Bias(torch.autograd.Function):
         sums = _diagonal_sums(grad, index)  # (H, Nq + Nk − 1)
         table = sums.new_zeros(ctx.rows, sums.shape[0]).index_add_(0, buckets, sums.t())
         return table, None, None, None, None
+
+
+def _check_t5_toeplitz(table: Tensor, buckets: Tensor, out: Tensor, nq: int, nk: int) -> None:
+    """What ``bsf_toeplitz_*`` reads and writes: ``table`` (rows, H) with its strides, ``Nq + Nk − 1``
+    dense int64 ``buckets`` (values in ``[0, rows)``: :func:`relative_position_bucket` clamps them to
+    ``num_buckets − 1``, and the table is the ``(num_buckets, H)`` embedding), ``out`` dense
+    ``(1, H, Nq, Nk)``."""
+    kernel = "bsf_toeplitz"
+    if table.dim() != 2:
+        raise fail(kernel, "table", f"{table.dim()} dims, expected 2")
+    require_view(kernel, "table", table, dtype=table.dtype, sizes=tuple(table.shape), strides=table.stride())
+    require(kernel, "buckets", buckets, dtype=torch.int64, numel=nq + nk - 1)
+    require(kernel, "out", out, dtype=table.dtype, numel=table.shape[1] * nq * nk)
 
 
 def _fill(lib: ctypes.CDLL, dtype: torch.dtype) -> Any:
@@ -295,25 +311,29 @@ class ALiBiPreference(PreferenceModule):
 
     def _cached(self, query_len: int, key_len: int, dtype: torch.dtype) -> Tensor:
         slopes = self.slopes
-        if torch.compiler.is_compiling():  # a graph builds it (no Python-side cache in the graph)
-            return self._build(query_len, key_len, self._per_offset(query_len, key_len)).to(dtype)
+        if _func.level() is not None or torch.compiler.is_compiling():
+            # inside torch.func or while torch.compile traces: the new tensors may be wrapped or fake
+            # and the slopes' storage is not reachable; built anew, not kept
+            return self._build(query_len, key_len, self._per_offset(query_len,
+                                                                    key_len)).to(dtype).contiguous()
         key = (query_len, key_len, slopes.device, dtype)
-        # the memory's address on CPU; off the CPU the Parameter's identity (no device pointer read)
-        stamp = (slopes.data_ptr() if slopes.is_cpu else id(slopes), slopes._version)
-        cache: dict[tuple[object, ...], tuple[tuple[int, int], Tensor, int]] = self.__dict__.setdefault(
-            "_bias_cache", {})
+        storage = slopes.untyped_storage()
+        layout = (slopes.storage_offset(), slopes.stride(), slopes._version)
+        cache: dict[tuple[object, ...], tuple[weakref.ref, tuple[object, ...], Tensor, int]] = (
+            self.__dict__.setdefault("_bias_cache", {}))
         hit = cache.get(key)
-        if hit is not None and hit[0] == stamp and hit[1]._version == hit[2]:
-            return hit[1]
+        if hit is not None and hit[0]() is storage and hit[1] == layout and hit[2]._version == hit[3]:
+            return hit[2]
         per_offset = self._per_offset(query_len, key_len)
         bias = self._build(query_len, key_len, per_offset).to(dtype).contiguous()
-        if _func.level() is not None:  # inside torch.func the new tensors may be wrapped: not kept
-            return bias
         if len(cache) >= 8:
             cache.clear()
         if per_offset is not None:  # the C path of generalized attention reads these (see _toeplitz)
             mark_toeplitz(bias, per_offset.to(dtype))
-        cache[key] = (stamp, bias, bias._version)
+        # the slopes' memory is named by a weak reference to its storage object (PyTorch keeps one
+        # Python object per storage while it lives), not by its address: a freed storage's address
+        # may be reused by the next allocation (``slopes.data = other``), a dead weak reference not
+        cache[key] = (weakref.ref(storage), layout, bias, bias._version)
         return bias
 
     def _per_offset(self, query_len: int, key_len: int) -> Tensor | None:
