@@ -770,9 +770,9 @@ def check_whole(
     dtype, sr = q.dtype, r * nsets
     for name, t, rows, cols in (("q", q, nq, d), ("k", k, nk, d), ("v", v, nk, dv), ("out", out, nq, dv)):
         require(kernel, name, t, dtype=dtype, numel=g * rows * cols)
-    for name, t, like in zip(("dq", "dk", "dv"), grads, (q, k, v)):
-        if t is not None:
-            require(kernel, name, t, dtype=dtype, numel=like.numel())
+    for name, grad, like in zip(("dq", "dk", "dv"), grads, (q, k, v)):
+        if grad is not None:
+            require(kernel, name, grad, dtype=dtype, numel=like.numel())
     if mask is not None:
         require(kernel, "mask", mask, dtype=dtype, numel=g * nk)
     heads = ((g - 1) // hi + 1, min(hi, g), sr * d)
