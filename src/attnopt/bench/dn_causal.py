@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from attnopt.bench._harness import BenchContext, Measurement, bench_suite, peak_memory_mb, time_call
+from attnopt.bench.doubly_normalized import D, H, _closure, _inputs  # the same inputs (B = 1, H = 8, d = 64)
 from attnopt.functional.doubly_normalized import doubly_normalized_attention, hybrid_normalized_attention
 
-H, D = 8, 64
 #: Sinkhorn-K prefix rows above this many score-entry updates (K · H · N³, ×3 with the backward) are
 #: skipped: N = 256 with backward runs in seconds; N = 512 forward alone took minutes on a CPU thread
 SINKHORN_LIMIT = 3 * 3 * H * 256**3
@@ -38,28 +38,6 @@ def _impls() -> dict[str, Callable[..., torch.Tensor]]:
         "dnas K=1 plan (leaks)": lambda q, k, v, w: doubly_normalized_attention(  # noqa: ARG005
             q, k, v, is_causal=True, causal="plan"),
     }
-
-
-def _inputs(n: int, grad: bool, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(n)
-    q, k, v = (torch.randn(1, H, n, D, generator=g).to(device).requires_grad_(grad) for _ in range(3))
-    w = torch.tensor(0.5, device=device, requires_grad=grad)
-    return q, k, v, w
-
-
-def _closure(fn: Callable[..., torch.Tensor], inputs: tuple, backward: bool) -> Callable[[], None]:
-    q, k, v, w = inputs
-
-    def run() -> None:
-        for t in (q, k, v, w):
-            t.grad = None
-        if backward:
-            fn(q, k, v, w).sum().backward()
-        else:
-            with torch.no_grad():
-                fn(q, k, v, w)
-
-    return run
 
 
 def memory_factory(impl: str, n: int, backward: bool, device: str = "cpu") -> Callable[[], None]:
