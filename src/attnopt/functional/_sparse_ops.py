@@ -54,7 +54,7 @@ def _(p: Tensor, grad: Tensor, alpha: float) -> Tensor:  # noqa: ARG001
 
 
 def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: tuple) -> None:
-    ctx.alpha = inputs[1]
+    ctx.alpha = inputs[1]  # type: ignore[attr-defined]
     ctx.save_for_backward(output[0])
 
 
@@ -74,7 +74,7 @@ def sparse_map(x: Tensor, alpha: float, max_iter: int = 1000) -> Tensor:
         ValueError: NaN or ``+inf`` in ``x``, or a row the kernel did not settle (the library's
             routers rerun those rows on the PyTorch path instead).
     """
-    p, _, status = torch.ops.attnopt.sparse_map_fwd(x, alpha, max_iter)  # type: ignore[attr-defined]
+    p, _, status = torch.ops.attnopt.sparse_map_fwd(x, alpha, max_iter)
     if not torch.compiler.is_compiling():  # (a host read: eager CPU only)
         worst = int(status.max()) if status.numel() else 0
         if worst == 2:
