@@ -97,9 +97,25 @@ def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
 def device() -> torch.device:
     """The fake device (set up on the first call)."""
     if _STATE["lib"] is None:
-        from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+        from torch.utils.backend_registration import (
+            _DummyBackendModule,
+            _setup_privateuseone_for_python_backend,
+        )
 
-        _setup_privateuseone_for_python_backend(NAME)
+        class _Module(_DummyBackendModule):  # type: ignore[misc]
+            # torch.utils.checkpoint asks every registered device for its autocast dtypes: without
+            # this the process's later checkpointed backward calls (any device) raise
+            def get_amp_supported_dtype(self) -> list[torch.dtype]:
+                return []
+
+            # ... and AOT autograd (opcheck, torch.compile) saves / restores every device's RNG
+            def get_rng_state(self, device: object = None) -> torch.Tensor:  # noqa: ARG002
+                return torch.empty(0, dtype=torch.uint8)
+
+            def set_rng_state(self, state: torch.Tensor, device: object = None) -> None:  # noqa: ARG002
+                return None
+
+        _setup_privateuseone_for_python_backend(NAME, backend_module=_Module())
         lib = torch.library.Library("_", "IMPL")
         lib.fallback(_fallback, "PrivateUse1")
         _STATE["lib"] = lib

@@ -227,8 +227,20 @@ def _functions() -> list[tuple[str, str, str]]:
                 continue
             back = [f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "backward"]
             src = ast.get_source_segment(text, back[0]) if back else ""
+            # ``backward = staticmethod(Other.backward)``: the same policy as ``Other``'s backward
+            alias = [a.value for a in node.body if isinstance(a, ast.Assign)
+                     and any(isinstance(t, ast.Name) and t.id == "backward" for t in a.targets)]
+            if not back and alias:
+                src = "alias:" + ast.unparse(alias[0])
             found.append((str(path.relative_to(SRC)), node.name, src or ""))
-    return found
+    by_class = {c: b for _, c, b in found}
+    resolved = []
+    for f, c, b in found:
+        if b.startswith("alias:"):  # e.g. "staticmethod(_Sparsemax.backward)" -> _Sparsemax's source
+            target = b.split("(")[-1].split(".")[0]
+            b = by_class.get(target, "")
+        resolved.append((f, c, b))
+    return resolved
 
 
 def test_every_function_states_its_double_backward():

@@ -69,8 +69,10 @@ def test_float32_equals_float64_reference_to_rounding(path, alpha):
     # the C kernels keep the threshold as c + d (d: the last closed-form correction) in float32
     torch.testing.assert_close(p.double(), _ref(alpha)(x), atol=3e-7 if path == "native" else 2e-6, rtol=0)
     finite = [i for i in range(20) if i != 4]
+    # a float32 threshold off by e moves a row's sum by |support| * e: 1000-wide rows with a wide
+    # support measured up to 3.1e-6 on a CPU without AVX-512 (the kernels' scalar sweeps)
     torch.testing.assert_close(p[finite].double().sum(-1), torch.ones(19, dtype=torch.float64),
-                               atol=1e-6, rtol=0)
+                               atol=5e-6, rtol=0)
 
 
 @needs_native
