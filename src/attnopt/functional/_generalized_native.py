@@ -655,11 +655,11 @@ def _heads_view(kernel: str, name: str, t: Tensor, dtype: torch.dtype, rows: int
                 passed: tuple[int, int, int, int]) -> None:
     """A ``(B, H, rows, cols)`` tensor read from the address and (batch, head, row) strides ``passed``
     (:func:`_head_strides`), unit columns: its own, and inside its storage."""
-    s = t.stride()
-    if t.dim() != 4 or t.shape[2:] != (rows, cols) or (cols > 1 and s[3] != 1) or passed[0] != t.data_ptr():
+    s, n = t.stride(), t.shape
+    if len(n) != 4 or n[2] != rows or n[3] != cols or (cols > 1 and s[3] != 1) or passed[0] != t.data_ptr():
         raise fail(kernel, name, f"shape "
-                   f"{tuple(t.shape)}, strides {s}: expected (B, H, {rows}, {cols}), unit columns")
-    require_view(kernel, name, t, dtype=dtype, sizes=tuple(t.shape), strides=(*passed[1:], 1))
+                   f"{tuple(n)}, strides {s}: expected (B, H, {rows}, {cols}), unit columns")
+    require_view(kernel, name, t, dtype=dtype, sizes=n, strides=(passed[1], passed[2], passed[3], 1))
 
 
 def _check_bsf(kernel: str, q: Tensor, k: Tensor, v: Tensor, heads: tuple[tuple[int, int, int, int], ...],
