@@ -160,6 +160,8 @@ def _fwd_kernel(
     offs_r = tl.arange(0, RP)
     offs_n0 = tl.arange(0, BLOCK_N)
     w_ptr = W + ob * swb + oh * swh
+    m_ptr = M + ob * smb + oh * smh
+    cb_ptr = CB + ob * scb + oh * sch
     q = tl.load(Q + ob * sqb + oh * sqh + offs_m[:, None] * sqn + offs_d[None, :] * sqd,
                 mask=(offs_m[:, None] < NQ) & (offs_d[None, :] < DA), other=0.0)
     cq, sq, _u0, _u1 = _features(q, w_ptr, swr, swd, offs_r, offs_d, R, DA, coef, S, ACC, PREC)
@@ -173,9 +175,9 @@ def _fwd_kernel(
         offs_n = start_n + offs_n0
         _k, ck, sk, _v0, _v1, cb = _key_side(
             K + ob * skb + oh * skh + offs_n[:, None] * skn + offs_d[None, :] * skd, w_ptr,
-            CB + ob * scb + oh * sch + offs_n * scn, offs_n, offs_d, offs_r, NK, DA, R, swr, swd, coef, half_s,
+            cb_ptr + offs_n * scn, offs_n, offs_d, offs_r, NK, DA, R, swr, swd, coef, half_s,
             p, cap, MAG, S, ACC, PREC)
-        t, _x = _score(cq, sq, ck, sk, cb, M + ob * smb + oh * smh + offs_m[:, None] * smi + offs_n[None, :] * smj,
+        t, _x = _score(cq, sq, ck, sk, cb, m_ptr + offs_m[:, None] * smi + offs_n[None, :] * smj,
                        offs_m, offs_n, NQ, NK, eps, q.dtype, CAUSAL, HAS_MASK, ACC, PREC)
         m_new = tl.maximum(m_i, tl.max(t, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -236,9 +238,11 @@ def _bwd_keys_kernel(
     offs_r = tl.arange(0, RP)
     offs_m0 = tl.arange(0, BLOCK_M)
     w_ptr = W + ob * swb + oh * swh
+    m_ptr = M + ob * smb + oh * smh
+    cb_ptr = CB + ob * scb + oh * sch
     k, ck, sk, u0, u1, cb = _key_side(
         K + ob * skb + oh * skh + offs_n[:, None] * skn + offs_d[None, :] * skd, w_ptr,
-        CB + ob * scb + oh * sch + offs_n * scn, offs_n, offs_d, offs_r, NK, DA, R, swr, swd, coef, half_s, p, cap,
+        cb_ptr + offs_n * scn, offs_n, offs_d, offs_r, NK, DA, R, swr, swd, coef, half_s, p, cap,
         MAG, S, ACC, PREC)
     v = tl.load(V + ob * svb + oh * svh + offs_n[:, None] * svn + offs_dv[None, :] * svd,
                 mask=(offs_n[:, None] < NK) & (offs_dv[None, :] < DVA), other=0.0)
@@ -254,7 +258,7 @@ def _bwd_keys_kernel(
         q = tl.load(Q + ob * sqb + oh * sqh + offs_m[:, None] * sqn + offs_d[None, :] * sqd,
                     mask=(offs_m[:, None] < NQ) & (offs_d[None, :] < DA), other=0.0)
         cq, sq, _q0, _q1 = _features(q, w_ptr, swr, swd, offs_r, offs_d, R, DA, coef, S, ACC, PREC)
-        t, x = _score(cq, sq, ck, sk, cb, M + ob * smb + oh * smh + offs_m[:, None] * smi + offs_n[None, :] * smj,
+        t, x = _score(cq, sq, ck, sk, cb, m_ptr + offs_m[:, None] * smi + offs_n[None, :] * smj,
                       offs_m, offs_n, NQ, NK, eps, q.dtype, CAUSAL, HAS_MASK, ACC, PREC)
         lse = tl.load(L + ob * slb + oh * slh + offs_m * sln, mask=offs_m < NQ, other=float("-inf")).to(ACC)
         lse = tl.where(lse == float("-inf"), float("inf"), lse)  # no admissible key: P = 0
@@ -270,7 +274,8 @@ def _bwd_keys_kernel(
         dsk += tl.dot(dxt, sq, out_dtype=ACC, input_precision=PREC)
         da += tl.sum(dt, 0)
     nb = pid_g * NK + offs_n
-    gk = _points_grad(k, dck, dsk, u0, u1, w_ptr, swr, swd, offs_r, offs_d, R, DA, coef, DW + pid_g * S * R * D,
+    dw_ptr = DW + pid_g * S * R * D
+    gk = _points_grad(k, dck, dsk, u0, u1, w_ptr, swr, swd, offs_r, offs_d, R, DA, coef, dw_ptr,
                       D, S, ACC, PREC)
     if MAG > 0:
         _a, g = _magnitude(k.to(ACC), half_s, p, cap, MAG)
@@ -303,6 +308,8 @@ def _bwd_queries_kernel(
     offs_r = tl.arange(0, RP)
     offs_n0 = tl.arange(0, BLOCK_N)
     w_ptr = W + ob * swb + oh * swh
+    m_ptr = M + ob * smb + oh * smh
+    cb_ptr = CB + ob * scb + oh * sch
     q = tl.load(Q + ob * sqb + oh * sqh + offs_m[:, None] * sqn + offs_d[None, :] * sqd,
                 mask=(offs_m[:, None] < NQ) & (offs_d[None, :] < DA), other=0.0)
     cq, sq, uq0, uq1 = _features(q, w_ptr, swr, swd, offs_r, offs_d, R, DA, coef, S, ACC, PREC)
@@ -320,9 +327,9 @@ def _bwd_queries_kernel(
         offs_n = start_n + offs_n0
         _k, ck, sk, _v0, _v1, cb = _key_side(
             K + ob * skb + oh * skh + offs_n[:, None] * skn + offs_d[None, :] * skd, w_ptr,
-            CB + ob * scb + oh * sch + offs_n * scn, offs_n, offs_d, offs_r, NK, DA, R, swr, swd, coef, half_s,
+            cb_ptr + offs_n * scn, offs_n, offs_d, offs_r, NK, DA, R, swr, swd, coef, half_s,
             p, cap, MAG, S, ACC, PREC)
-        t, x = _score(cq, sq, ck, sk, cb, M + ob * smb + oh * smh + offs_m[:, None] * smi + offs_n[None, :] * smj,
+        t, x = _score(cq, sq, ck, sk, cb, m_ptr + offs_m[:, None] * smi + offs_n[None, :] * smj,
                       offs_m, offs_n, NQ, NK, eps, q.dtype, CAUSAL, HAS_MASK, ACC, PREC)
         pt = tl.exp(t - lse[:, None])
         v = tl.load(V + ob * svb + oh * svh + offs_n[:, None] * svn + offs_dv[None, :] * svd,
@@ -331,8 +338,9 @@ def _bwd_queries_kernel(
         dx = _dx(pt * (dp - delta[:, None]), x, eps)
         dcq += tl.dot(dx, ck, out_dtype=ACC, input_precision=PREC)
         dsq += tl.dot(dx, sk, out_dtype=ACC, input_precision=PREC)
+    dw_ptr = DW + pid_g * S * R * D
     gq = _points_grad(q, dcq, dsq, uq0, uq1, w_ptr, swr, swd, offs_r, offs_d, R, DA, coef,
-                      DW + pid_g * S * R * D, D, S, ACC, PREC)
+                      dw_ptr, D, S, ACC, PREC)
     rows = pid_g * NQ + offs_m
     tl.store(DQ + rows[:, None] * D + offs_d[None, :], gq.to(DQ.dtype.element_ty),
              mask=(offs_m[:, None] < NQ) & (offs_d[None, :] < DA))
@@ -348,7 +356,8 @@ def _common(q: Tensor, v: Tensor, w: Tensor, sets: int) -> tuple[int, int, int, 
     return bm, bn, r, meta
 
 
-def _scalars(pot: torch.dtype, device: torch.device, coef: float, eps: float, scale: float, p: float) -> Tensor:
+def _scalars(pot: torch.dtype, device: torch.device, coef: float, eps: float, scale: float,
+             p: float) -> Tensor:
     """The kernels' scalars ``(c, ε, s/2, p, cap)`` as a tensor in the potential dtype."""
     return torch.tensor([coef, eps, 0.5 * scale, p, _CAP[pot]], dtype=pot, device=device)
 
@@ -366,7 +375,8 @@ def _ika_fwd(
     mm = cb if mask is None else mask
     ms = (0, 0, 0, 0) if mask is None else tuple(mask.stride())
     wrap_triton(_fwd_kernel)[(triton.cdiv(nq, bm), batch * heads)](
-        q, k, v, w, cb, mm, out, lse, _scalars(cb.dtype, q.device, coef, eps, scale, p), heads, nq, nk, d, dv, r,
+        q, k, v, w, cb, mm, out, lse, _scalars(cb.dtype, q.device, coef, eps, scale, p), heads, nq, nk, d, dv,
+        r,
         *q.stride(), *k.stride(), *v.stride(), *w.stride(), *cb.stride(), *ms, *out.stride(), *lse.stride(),
         CAUSAL=causal, HAS_MASK=mask is not None, MAG=mag, **meta)
     return out, lse
@@ -375,7 +385,8 @@ def _ika_fwd(
 @triton_op("attnopt::triton_ika_backward", mutates_args=())
 def _ika_bwd(
     dout: Tensor, dlse: Tensor, q: Tensor, k: Tensor, v: Tensor, w: Tensor, cb: Tensor, mask: Tensor | None,
-    out: Tensor, lse: Tensor, causal: int, mag: int, p: float, scale: float, eps: float, coef: float, sets: int,
+    out: Tensor, lse: Tensor, causal: int, mag: int, p: float, scale: float, eps: float, coef: float,
+    sets: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     batch, heads, nq, d = q.shape
     nk, dv = k.shape[2], v.shape[3]
@@ -392,7 +403,8 @@ def _ika_bwd(
     ms = (0, 0, 0, 0) if mask is None else tuple(mask.stride())
     do = dout.to(q.dtype)
     args = (_scalars(pot, q.device, coef, eps, scale, p), heads, nq, nk, d, dv, r)
-    strides = (*q.stride(), *k.stride(), *v.stride(), *w.stride(), *cb.stride(), *ms, *do.stride(), *lse.stride())
+    strides = (*q.stride(), *k.stride(), *v.stride(), *w.stride(), *cb.stride(), *ms, *do.stride(),
+               *lse.stride())
     flags = dict(CAUSAL=causal, HAS_MASK=mask is not None, MAG=mag, **meta)
     wrap_triton(_bwd_keys_kernel)[(triton.cdiv(nk, bn), batch * heads)](
         q, k, v, w, cb, mm, do, lse, delta, gk, gv, gw, gcb, *args, *strides, **flags)
@@ -439,4 +451,5 @@ def ika_attention(
     if mag < 0:
         raise ValueError(f"the fused kernel computes magnitude_p in [1, 2] or None, got {magnitude_p}")
     p = 2.0 if magnitude_p is None else float(magnitude_p)
-    return _ika_fwd(q, k, v, w, cb, mask, int(causal), mag, p, float(scale), float(eps), float(coef), int(sets))
+    return _ika_fwd(q, k, v, w, cb, mask, int(causal), mag, p, float(scale), float(eps), float(coef),
+                    int(sets))
