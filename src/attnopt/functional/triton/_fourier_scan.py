@@ -64,7 +64,8 @@ def _chunk(Q, K, V, W, CB, ob, oh, start, N, DA, DVA, R, sqb, sqh, sqn, sqd, skb
            svb, svh, svn, svd, swb, swh, swr, swd, scb, sch, scn, coef, half_s, p, cap,
            CH: tl.constexpr, D: tl.constexpr, EP: tl.constexpr, RP: tl.constexpr, MAG: tl.constexpr,
            S: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
-    """One chunk's tiles: ``(q, k, v1, a, φ_cos(q), φ_sin(q), u_q0, u_q1, φ_cos(k), φ_sin(k), u_k0, u_k1)``."""
+    """One chunk's tiles: ``(q, k, v1, a, φ_cos(q), φ_sin(q), u_q0, u_q1, φ_cos(k), φ_sin(k), u_k0,
+    u_k1)`` (``v1 = [v, 1]``, ``a`` the key log-weight)."""
     offs = start + tl.arange(0, CH)
     offs_d = tl.arange(0, D)
     offs_e = tl.arange(0, EP)
@@ -92,7 +93,7 @@ def _factor(c_prev, c_row, CH: tl.constexpr, ACC: tl.constexpr):
 
 
 @triton.jit
-def _block(cq, sq, ck, sk, a, c_row, eps, CH: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
+def _block(cq, sq, ck, sk, a, c_row, CH: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
     """The chunk's ``CH × CH`` block: ``(x, e)`` with ``e_ij = e^{a_j − c_i}`` on ``j ≤ i`` (else 0)."""
     x = tl.dot(cq, tl.trans(ck), out_dtype=ACC, input_precision=PREC)
     x += tl.dot(sq, tl.trans(sk), out_dtype=ACC, input_precision=PREC)
@@ -126,12 +127,12 @@ def _fwd_kernel(
         offs = start + loc
         _q, _k, v1, a, cq, sq, _a0, _a1, ck, sk, _b0, _b1 = _chunk(
             Q, K, V, W, CB, ob, oh, start, N, DA, DVA, R, sqb, sqh, sqn, sqd, skb, skh, skn, skd,
-            svb, svh, svn, svd, swb, swh, swr, swd, scb, sch, scn, coef, half_s, p, cap, CH, D, EP, RP, MAG, S,
-            ACC, PREC)
+            svb, svh, svn, svd, swb, swh, swr, swd, scb, sch, scn, coef, half_s, p, cap, CH, D, EP, RP, MAG,
+            S, ACC, PREC)
         tri = loc[None, :] <= loc[:, None]
         c_row = tl.maximum(tl.max(tl.where(tri, a[None, :], float("-inf")), 1), c_prev)
         carry = _factor(c_prev, c_row, CH, ACC)
-        x, e = _block(cq, sq, ck, sk, a, c_row, eps, CH, ACC, PREC)
+        x, e = _block(cq, sq, ck, sk, a, c_row, CH, ACC, PREC)
         num = tl.dot((x * x + eps) * e, v1, out_dtype=ACC, input_precision=PREC)
         c_end = tl.maximum(c_prev, tl.max(a, 0))
         end_ok = c_end > float("-inf")
@@ -159,14 +160,15 @@ def _fwd_kernel(
         den = tl.sum(tl.where((offs_e == DVA)[None, :], num, 0.0), 1)
         ok = den > 0
         out = tl.where(ok[:, None], num / tl.where(ok, den, 1.0)[:, None], 0.0)
-        tl.store(O + ob * sob + oh * soh + offs[:, None] * son + offs_e[None, :] * sod, out.to(O.dtype.element_ty),
-                 mask=(offs[:, None] < N) & (offs_e[None, :] < DVA))
+        tl.store(O + ob * sob + oh * soh + offs[:, None] * son + offs_e[None, :] * sod,
+                 out.to(O.dtype.element_ty), mask=(offs[:, None] < N) & (offs_e[None, :] < DVA))
         tl.store(CR + pid_g * N + offs, c_row, mask=offs < N)
         tl.store(DEN + pid_g * N + offs, den, mask=offs < N)
 
 
 @triton.jit
-def _row_grad(DO, O, DEN, ob, oh, pid_g, offs, N, DVA, sob, soh, son, sod, EP: tl.constexpr, ACC: tl.constexpr):
+def _row_grad(DO, O, DEN, ob, oh, pid_g, offs, N, DVA, sob, soh, son, sod, EP: tl.constexpr,
+              ACC: tl.constexpr):
     """``g_i = [do_i, −do_i·out_i] / den_i`` (0 for a row with no admissible key)."""
     offs_e = tl.arange(0, EP)
     msk = (offs[:, None] < N) & (offs_e[None, :] < DVA)
@@ -205,12 +207,12 @@ def _bwd_queries_kernel(
         offs = start + loc
         q, _k, v1, a, cq, sq, uq0, uq1, ck, sk, _b0, _b1 = _chunk(
             Q, K, V, W, CB, ob, oh, start, N, DA, DVA, R, sqb, sqh, sqn, sqd, skb, skh, skn, skd,
-            svb, svh, svn, svd, swb, swh, swr, swd, scb, sch, scn, coef, half_s, p, cap, CH, D, EP, RP, MAG, S,
-            ACC, PREC)
+            svb, svh, svn, svd, swb, swh, swr, swd, scb, sch, scn, coef, half_s, p, cap, CH, D, EP, RP, MAG,
+            S, ACC, PREC)
         c_row = tl.load(CR + pid_g * N + offs, mask=offs < N, other=float("-inf"))
         g = _row_grad(DO, O, DEN, ob, oh, pid_g, offs, N, DVA, sob, soh, son, sod, EP, ACC)
         carry = _factor(c_prev, c_row, CH, ACC)
-        x, e = _block(cq, sq, ck, sk, a, c_row, eps, CH, ACC, PREC)
+        x, e = _block(cq, sq, ck, sk, a, c_row, CH, ACC, PREC)
         gg = tl.dot(g, tl.trans(v1), out_dtype=ACC, input_precision=PREC)
         dx = 2.0 * gg * x * e
         dcq = tl.dot(dx, ck, out_dtype=ACC, input_precision=PREC)
@@ -236,8 +238,8 @@ def _bwd_queries_kernel(
             tl.store(base + RP * EP + s_ptrs, s_s)
         tl.debug_barrier()
         c_prev = c_end
-        gq = _points_grad(q, dcq, dsq, uq0, uq1, w_ptr, swr, swd, offs_r, offs_d, R, DA, coef, dw_ptr, D, S, ACC,
-                          PREC)
+        gq = _points_grad(q, dcq, dsq, uq0, uq1, w_ptr, swr, swd, offs_r, offs_d, R, DA, coef, dw_ptr, D, S,
+                          ACC, PREC)
         rows = pid_g * N + offs
         tl.store(DQ + rows[:, None] * D + offs_d[None, :], gq.to(DQ.dtype.element_ty),
                  mask=(offs[:, None] < N) & (offs_d[None, :] < DA))
@@ -271,11 +273,11 @@ def _bwd_keys_kernel(
         offs = start + loc
         _q, k, v1, a, cq, sq, _a0, _a1, ck, sk, uk0, uk1 = _chunk(
             Q, K, V, W, CB, ob, oh, start, N, DA, DVA, R, sqb, sqh, sqn, sqd, skb, skh, skn, skd,
-            svb, svh, svn, svd, swb, swh, swr, swd, scb, sch, scn, coef, half_s, p, cap, CH, D, EP, RP, MAG, S,
-            ACC, PREC)
+            svb, svh, svn, svd, swb, swh, swr, swd, scb, sch, scn, coef, half_s, p, cap, CH, D, EP, RP, MAG,
+            S, ACC, PREC)
         c_row = tl.load(CR + pid_g * N + offs, mask=offs < N, other=float("-inf"))
-        c_prev = tl.load(CR + pid_g * N + start - 1 + 0 * loc, mask=(loc == 0) & (start > 0), other=float("-inf"))
-        c_prev = tl.max(c_prev, 0)
+        first = (loc == 0) & (start > 0)  # the running max before the chunk: the previous row's
+        c_prev = tl.max(tl.load(CR + pid_g * N + start - 1 + 0 * loc, mask=first, other=float("-inf")), 0)
         g = _row_grad(DO, O, DEN, ob, oh, pid_g, offs, N, DVA, sob, soh, son, sod, EP, ACC)
         c_end = tl.maximum(c_prev, tl.max(a, 0))
         end_ok = c_end > float("-inf")
@@ -285,7 +287,7 @@ def _bwd_keys_kernel(
         r = _factor(c_prev, c_row, CH, ACC)
         gr = g * r[:, None]
         # the chunk's block
-        x, e = _block(cq, sq, ck, sk, a, c_row, eps, CH, ACC, PREC)
+        x, e = _block(cq, sq, ck, sk, a, c_row, CH, ACC, PREC)
         w = (x * x + eps) * e
         gg = tl.dot(g, tl.trans(v1), out_dtype=ACC, input_precision=PREC)
         dv1 = tl.dot(tl.trans(w), g, out_dtype=ACC, input_precision=PREC) + eps * m[:, None] * pe[None, :]
@@ -314,8 +316,8 @@ def _bwd_keys_kernel(
             tl.store(base + RP * EP + s_ptrs, p_s)
         tl.debug_barrier()
         pe = pe * decay + tl.sum(gr, 0)
-        gk = _points_grad(k, dck, dsk, uk0, uk1, w_ptr, swr, swd, offs_r, offs_d, R, DA, coef, dw_ptr, D, S, ACC,
-                          PREC)
+        gk = _points_grad(k, dck, dsk, uk0, uk1, w_ptr, swr, swd, offs_r, offs_d, R, DA, coef, dw_ptr, D, S,
+                          ACC, PREC)
         if MAG > 0:
             _mag, gm = _magnitude(k.to(ACC), half_s, p, cap, MAG)
             gk += da[:, None] * gm
@@ -336,8 +338,8 @@ def _chunk_rows() -> int:
 def _launch_meta(q: Tensor, v: Tensor, w: Tensor, sets: int) -> tuple[int, dict[str, Any]]:
     acc, prec = _meta(q)
     r = w.shape[2] // sets
-    return r, dict(CH=_chunk_rows(), D=_pow2(q.shape[3]), EP=_pow2(v.shape[3] + 1), RP=_pow2(r), S=sets, ACC=acc,
-                   PREC=prec, num_warps=4, num_stages=1)
+    return r, dict(CH=_chunk_rows(), D=_pow2(q.shape[3]), EP=_pow2(v.shape[3] + 1), RP=_pow2(r), S=sets,
+                   ACC=acc, PREC=prec, num_warps=4, num_stages=1)
 
 
 def _state(q: Tensor, r: int, meta: dict[str, Any], pot: torch.dtype) -> Tensor:
@@ -359,16 +361,17 @@ def _scan_fwd(
     c_row = torch.empty((batch, heads, n), dtype=pot, device=q.device)
     den = torch.empty((batch, heads, n), dtype=pot, device=q.device)
     wrap_triton(_fwd_kernel)[(batch * heads,)](
-        q, k, v, w, cb, out, c_row, den, _state(q, r, meta, pot), _scalars(pot, q.device, coef, eps, scale, p),
-        heads, n, d, dv, r, *q.stride(), *k.stride(), *v.stride(), *w.stride(), *cb.stride(), *out.stride(),
+        q, k, v, w, cb, out, c_row, den, _state(q, r, meta, pot),
+        _scalars(pot, q.device, coef, eps, scale, p), heads, n, d, dv, r, *q.stride(), *k.stride(),
+        *v.stride(), *w.stride(), *cb.stride(), *out.stride(),
         MAG=mag, **meta)
     return out, c_row, den
 
 
 @triton_op("attnopt::triton_ika_scan_backward", mutates_args=())
 def _scan_bwd(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, w: Tensor, cb: Tensor, out: Tensor, c_row: Tensor, den: Tensor,
-    mag: int, p: float, scale: float, eps: float, coef: float, sets: int,
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, w: Tensor, cb: Tensor, out: Tensor, c_row: Tensor,
+    den: Tensor, mag: int, p: float, scale: float, eps: float, coef: float, sets: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     batch, heads, n, d = q.shape
     dv = v.shape[3]
@@ -384,11 +387,11 @@ def _scan_bwd(
     sc = _scalars(pot, q.device, coef, eps, scale, p)
     strides = (*q.stride(), *k.stride(), *v.stride(), *w.stride(), *cb.stride(), *outc.stride())
     wrap_triton(_bwd_queries_kernel)[(batch * heads,)](
-        q, k, v, w, cb, do, outc, c_row, den, gq, gw, _state(q, r, meta, pot), sc, heads, n, d, dv, r, *strides,
-        MAG=mag, **meta)
-    wrap_triton(_bwd_keys_kernel)[(batch * heads,)](
-        q, k, v, w, cb, do, outc, c_row, den, gk, gv, gcb, gw, _state(q, r, meta, pot), sc, heads, n, d, dv, r,
+        q, k, v, w, cb, do, outc, c_row, den, gq, gw, _state(q, r, meta, pot), sc, heads, n, d, dv, r,
         *strides, MAG=mag, **meta)
+    wrap_triton(_bwd_keys_kernel)[(batch * heads,)](
+        q, k, v, w, cb, do, outc, c_row, den, gk, gv, gcb, gw, _state(q, r, meta, pot), sc, heads, n, d, dv,
+        r, *strides, MAG=mag, **meta)
     return gq[..., :d], gk[..., :d], gv[..., :dv], gw[..., :d].to(w.dtype), gcb
 
 

@@ -28,10 +28,11 @@ from attnopt._validation import broadcast_shapes, resolve_scale
 from attnopt.functional.triton import check_device
 from attnopt.functional.triton._flash import INTERPRETED, flash
 from attnopt.functional.triton._fourier import ika_attention, magnitude_mode
+from attnopt.functional.triton._fourier_scan import ika_causal_scan
 from attnopt.functional.triton._shapes import _to4, prepare
 from attnopt.kernels import RBF, Kernel
 
-__all__ = ["supported", "triton_kernel_attention"]
+__all__ = ["supported", "triton_kernel_attention", "triton_linear_causal"]
 
 
 def supported(kernel: Kernel) -> bool:
@@ -100,4 +101,43 @@ def _fourier(
     mp = magnitude_p if inside else None
     out = ika_attention(p.q, p.k, p.v, w4, cb, p.mask, causal=is_causal, magnitude_p=mp, scale=scale, eps=eps,
                         coef=coef, sets=sets)[0]
+    return p.restore(out)
+
+
+def triton_linear_causal(
+    q: Tensor, k: Tensor, v: Tensor, *, kernel: Kernel, magnitude_p: float | None, key_mask: Tensor | None,
+    scale: float, eps: float,
+) -> Tensor:
+    """Causal ``mode="linear"`` for a random Fourier kernel: the chunked scan of :mod:`._fourier_scan`.
+
+    Args:
+        q, k, v: validated (…, N, ·) inputs (non-empty, ``Nq == Nk``).
+        kernel: a kernel with :meth:`~attnopt.kernels.Kernel.fourier_stack`.
+        magnitude_p: as ``kernel_attention``. key_mask: additive (…, 1, Nk) key mask or None.
+        scale: ``s`` of the magnitude. eps: ``ε``.
+    Returns:
+        (…, N, dv) in ``q``'s dtype; a row with no admissible key is 0.
+    Raises:
+        RuntimeError: the kernels cannot run on this device.
+    """
+    from attnopt.functional.kernel import _key_bias
+
+    check_device(q, INTERPRETED)
+    stack = kernel.fourier_stack()
+    assert stack is not None
+    points, sets, coef = stack
+    batch = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], points.shape[:-2])
+    p = prepare(q.expand(*batch, *q.shape[-2:]), k, v, None)
+    assert p.v is not None
+    cb = p.key_bias
+    if key_mask is not None:
+        cb = cb + _to4(key_mask.to(p.pot).expand(*p.batch, 1, k.shape[-2]), p.batch).reshape(cb.shape)
+    inside = magnitude_mode(magnitude_p) >= 0
+    if not inside:
+        mag = _key_bias(k, magnitude_p, scale, p.pot)
+        assert mag is not None
+        cb = cb + _to4(mag.expand(*p.batch, 1, k.shape[-2]), p.batch).reshape(cb.shape)
+    mp = magnitude_p if inside else None
+    out = ika_causal_scan(p.q, p.k, p.v, _to4(points.to(p.pot), p.batch), cb.contiguous(), magnitude_p=mp,
+                          scale=scale, eps=eps, coef=coef, sets=sets)
     return p.restore(out)
