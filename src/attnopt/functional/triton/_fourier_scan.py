@@ -29,6 +29,11 @@ Backward, with ``g_i = [do_i, −do_i·out_i] / n_{i,dv}`` (``dL/dn_i``; 0 for a
 chunk's end; every factor ≤ 1): ``dV1_j += m_j Σ_ab φ_ja φ_jb P_ab``, ``dφ_j[a] += 2 m_j
 Σ_b φ_jb P[a,b,:]·V1_j``, ``m_j = e^{a_j − c_end}``. The features' chain to ``q``, ``k`` and the points
 is :func:`._fourier._points_grad`'s. ``torch.library.triton_op`` ops (``attnopt::triton_ika_scan``).
+
+Every product runs in the accumulator dtype with IEEE precision (float32 for half inputs, never
+TF32), as ``φᵀSφ`` cancels to the much smaller ``Σ_j m_j f_ij²``. One program per (batch, head):
+the scan is sequential in N, so at small ``B·H`` the GPU is mostly idle (splitting ``S`` over
+programs by feature slices, with the row sums combined afterwards, is the tuning step left).
 """
 from typing import Any
 
@@ -336,7 +341,9 @@ def _chunk_rows() -> int:
 
 
 def _launch_meta(q: Tensor, v: Tensor, w: Tensor, sets: int) -> tuple[int, dict[str, Any]]:
-    acc, prec = _meta(q)
+    acc, _prec = _meta(q)  # every product in the accumulator dtype, IEEE (no TF32): the linear form
+    # amplifies rounding (kernel_linear's docstring), so the scan never rounds its operands to 10 bits
+    prec = "ieee"
     r = w.shape[2] // sets
     return r, dict(CH=_chunk_rows(), D=_pow2(q.shape[3]), EP=_pow2(v.shape[3] + 1), RP=_pow2(r), S=sets,
                    ACC=acc, PREC=prec, num_warps=4, num_stages=1)
