@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import attnopt
 from attnopt.functional import dispatch
@@ -117,3 +119,24 @@ def test_module_under_triton_matches_reference_backend(variant):
     assert_close(outs[0], outs[1], 1e-12, what="out")
     for i, (a, b) in enumerate(zip(*gs)):
         assert_close(a, b, 1e-10, rtol=1e-10, what=f"grad {i}")
+
+
+@pytest.mark.slow
+@settings(max_examples=12, deadline=None)
+@given(nq=st.integers(1, 40), nk=st.integers(1, 40), d=st.integers(1, 20), dv=st.integers(1, 20),
+       r=st.integers(1, 20), sets=st.sampled_from([1, 2]), p=st.sampled_from([None, 1.0, 1.25, 2.0, 3.0]),
+       causal=st.booleans(), seed=st.integers(0, 2**16))
+def test_fused_fourier_any_shape(nq, nk, d, dv, r, sets, p, causal, seed):
+    """Any sizes (block remainders, d / dv / R not powers of two, one row, one key): values and
+    gradients against float64; ~1–2 s an example in the interpreter (``pytest -m slow``)."""
+    q, k = rand(1, 2, nq, d, seed=seed), rand(1, 2, nk, d, seed=seed + 1)
+    v = rand(1, 2, nk, dv, seed=seed + 2)
+    w = rand(2, sets * r, d, seed=seed + 3)
+    kernel = RandomFourier(w) if sets == 1 else NonStationaryFourier.stacked(w)
+    kw = dict(kernel=kernel, magnitude_p=p, is_causal=causal)
+    with blocks(), attnopt.backend("triton"):
+        out = kernel_attention(q, k, v, **kw)
+    ref = kernel_weights(q, k, **kw) @ v
+    assert_close(out, ref, 1e-11, what="out")
+    for i, (got, want) in enumerate(zip(grads(out, (q, k, v, w)), grads(ref, (q, k, v, w)))):
+        assert_close(got, want, 1e-9, rtol=1e-9, what="dq dk dv dW".split()[i])
