@@ -132,6 +132,22 @@ def test_ika_linear_causal_scan_cuda(dtype):
     assert dispatch.last_dispatch["kernel"] == "triton"
 
 
+@pytest.mark.parametrize("variant", ["ikan", "mikan"])
+def test_implicit_kernel_modules_on_cuda_take_the_fused_kernel(variant):
+    """The IKAN / MIKAN modules on CUDA (auto routing, float32, training mode, key padding): the fused
+    kernel runs and the density networks (and the copula) get finite gradients."""
+    from attnopt.nn import ImplicitKernelAttention
+
+    mod = ImplicitKernelAttention(64, 4, variant, num_samples=16, p=1.5, seed=0).cuda().train()
+    x = torch.randn(2, 300, 64, device="cuda")
+    pad = torch.zeros(2, 300, dtype=torch.bool, device="cuda")
+    pad[1, 200:] = True
+    out = mod(x, x, x, key_padding_mask=pad)[0]
+    assert dispatch.last_dispatch["kernel"] == "triton"
+    (out.float().square().mean() + mod.kl().mean()).backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in mod.parameters())
+
+
 def test_ika_memory_is_linear_in_n():
     n = 8192
     q, k, v = _inputs(torch.bfloat16, n=n)

@@ -156,6 +156,7 @@ def _fwd_kernel(
                                       + tl.dot(sq, s_s, out_dtype=ACC, input_precision=PREC))
             s_c = s_c * decay + tl.dot(tl.trans(ck * colk[:, None]), vm, out_dtype=ACC, input_precision=PREC)
             s_s = s_s * decay + tl.dot(tl.trans(sk * colk[:, None]), vm, out_dtype=ACC, input_precision=PREC)
+            tl.debug_barrier()  # every warp has read the slice before it is overwritten
             tl.store(base + s_ptrs, s_c)
             tl.store(base + RP * EP + s_ptrs, s_s)
         tl.debug_barrier()
@@ -239,6 +240,7 @@ def _bwd_queries_kernel(
             dsq += tl.where((offs_r == f - R)[None, :], col[:, None], 0.0)
             s_c = s_c * decay + tl.dot(tl.trans(ck * colk[:, None]), vm, out_dtype=ACC, input_precision=PREC)
             s_s = s_s * decay + tl.dot(tl.trans(sk * colk[:, None]), vm, out_dtype=ACC, input_precision=PREC)
+            tl.debug_barrier()  # every warp has read the slice before it is overwritten
             tl.store(base + s_ptrs, s_c)
             tl.store(base + RP * EP + s_ptrs, s_s)
         tl.debug_barrier()
@@ -317,6 +319,7 @@ def _bwd_keys_kernel(
             dsk += tl.where((offs_r == f - R)[None, :], col[:, None], 0.0)
             p_c = p_c * decay + tl.dot(tl.trans(cq * colq[:, None]), gr, out_dtype=ACC, input_precision=PREC)
             p_s = p_s * decay + tl.dot(tl.trans(sq * colq[:, None]), gr, out_dtype=ACC, input_precision=PREC)
+            tl.debug_barrier()  # every warp has read the slice before it is overwritten
             tl.store(base + s_ptrs, p_c)
             tl.store(base + RP * EP + s_ptrs, p_s)
         tl.debug_barrier()
