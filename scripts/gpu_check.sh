@@ -4,7 +4,9 @@
 #      (never pins a torch: an unpinned resolve would keep it, a CPU pin would replace it),
 #      plus the bench peers adasplash and entmax when the registry has them (optional);
 #   2. pytest -m gpu: the kernels on CUDA against float64 (bf16 / fp32 tolerances in the tests);
-#   3. attnopt bench --device cuda --only cuda: the rows against SDPA flash, Flex, the peers.
+#   3. attnopt bench --device cuda --only cuda: the rows against SDPA flash, Flex, the peers
+#      (DNAS, HNAS, entmax-1.5, T5 / ALiBi through Flex, and implicit-kernel attention: IKAN and
+#      MIKAN through the fused random-Fourier kernel, the causal linear mode through the scan).
 # Usage: bash scripts/gpu_check.sh [--dry-run] [OUT_DIR]
 #   --dry-run  on a machine without CUDA: print the steps, check the suite's logic in Triton's
 #              interpreter at a tiny size (forward only), install nothing.

@@ -16,9 +16,9 @@ def test_cuda_suite_logic_in_the_interpreter(monkeypatch):
     monkeypatch.setenv("ATTNOPT_BENCH_CUDA_SIZES", "24")
     rows = list(all_suites("cuda")["cuda"](BenchContext(device="cpu", memory=False, repeat=1)))
     cases = {r.case for r in rows}
-    assert len(cases) == 6
+    assert len(cases) == 8
     for case in cases:
         assert sum(r.baseline for r in rows if r.case == case) == 1
     ours = [r for r in rows if r.impl.startswith("attnopt")]
-    assert len(ours) == 6 and all(r.seconds > 0 for r in ours)
+    assert len(ours) == 8 and all(r.seconds > 0 for r in ours)
     assert sum("target" in r.note for r in ours) == 5

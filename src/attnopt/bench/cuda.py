@@ -11,7 +11,10 @@ B·H = 32 (B = 4, H = 8), d = 64, bf16, forward+backward, N = 4096 and 16384 (``
 * ``t5 causal`` / ``alibi causal`` through FlexAttention (target ≤ 1.3× SDPA flash); peer: SDPA
   with the materialized bias (N ≤ 4096). The bias is built once outside the timed call (the
   preference modules lay out a ``(1, H, N, N)`` tensor; the Flex route reads only its offsets);
-* ``ikan R=32 p=1`` (no target): the fused implicit-kernel pass.
+* implicit-kernel attention (no targets; IKA vs SDPA flash): ``ikan R=32 p=1`` (stationary points
+  per head) and ``mikan R=32 p=1.5`` (non-stationary stacked points, MIKAN's layout): features,
+  magnitude and attention in the fused Triton pass; ``ikan linear causal R=16 p=1``: the causal
+  linear mode as a chunked scan (O(N·R²·dv), one program per head), baseline SDPA flash causal.
 
 Plain FlexAttention (no ``score_mod``) is shown for scale in every case. Memory (``peak MB``):
 ``torch.cuda.max_memory_allocated`` around one call in this process (a fresh subprocess per row
@@ -87,7 +90,7 @@ def _cases(n: int, heads: int, device: str, dtype: torch.dtype) -> dict[str, tup
         kernel_attention,
         regularized_attention,
     )
-    from attnopt.kernels import RandomFourier
+    from attnopt.kernels import NonStationaryFourier, RandomFourier
     from attnopt.nn import ALiBiPreference, T5RelativePreference
 
     small = n <= PEER_MAX_N
@@ -97,6 +100,9 @@ def _cases(n: int, heads: int, device: str, dtype: torch.dtype) -> dict[str, tup
     alibi_bias = ALiBiPreference(heads).to(device)(n, n)
     points = torch.randn(heads, 32, D, generator=torch.Generator().manual_seed(0)).to(device) / 8
     kern = RandomFourier(points)
+    g = torch.Generator().manual_seed(1)
+    kern_ns = NonStationaryFourier.stacked((torch.randn(heads, 64, D, generator=g) / 8).to(device))
+    kern_lin = RandomFourier((torch.randn(heads, 16, D, generator=g) / 8).to(device))
     cases: dict[str, tuple[bool, dict[str, Fn]]] = {
         "dnas K=1": (False, {"attnopt (triton)": _triton(
             lambda q, k, v: doubly_normalized_attention(q, k, v))}),
@@ -110,6 +116,11 @@ def _cases(n: int, heads: int, device: str, dtype: torch.dtype) -> dict[str, tup
             lambda q, k, v: generalized_attention(q, k, v, log_preference=alibi_bias, is_causal=True))}),
         "ikan R=32 p=1": (False, {"attnopt (triton)": _triton(
             lambda q, k, v: kernel_attention(q, k, v, kernel=kern, magnitude_p=1.0))}),
+        "mikan R=32 p=1.5": (False, {"attnopt (triton)": _triton(
+            lambda q, k, v: kernel_attention(q, k, v, kernel=kern_ns, magnitude_p=1.5))}),
+        "ikan linear causal R=16 p=1": (True, {"attnopt (triton scan)": _triton(
+            lambda q, k, v: kernel_attention(q, k, v, kernel=kern_lin, magnitude_p=1.0, mode="linear",
+                                             is_causal=True))}),
     }
     if small:
         cases["dnas K=1"][1]["materialized sinkhorn (peer)"] = (

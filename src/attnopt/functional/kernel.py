@@ -500,6 +500,21 @@ def _on_triton(
                                    scale=scale, is_causal=is_causal, eps=eps)
 
 
+def _linear_on_triton(
+    q: Tensor, k: Tensor, v: Tensor, kernel: Kernel, magnitude_p: float | None, key_mask: Tensor | None,
+    scale: float, eps: float,
+) -> Tensor | None:
+    """The causal linear mode's Triton scan (:func:`attnopt.functional.triton.kernel.triton_linear_causal`),
+    or None where it does not apply (no Fourier form, a key mask that needs a gradient)."""
+    from attnopt.functional.triton.kernel import triton_linear_causal
+
+    if kernel.fourier_stack() is None or (key_mask is not None and key_mask.requires_grad):
+        return None
+    dispatch.record("kernel", "triton")
+    return triton_linear_causal(q, k, v, kernel=kernel, magnitude_p=magnitude_p, key_mask=key_mask,
+                                scale=scale, eps=eps)
+
+
 def kernel_weights(
     q: Tensor,
     k: Tensor,
@@ -650,9 +665,13 @@ def kernel_attention(
                 key_mask = additive_mask(attn_mask, (*batch, 1, nk), compute)
         if is_causal and nq != nk:
             raise ValueError(f"mode='linear' with is_causal needs Nq == Nk, got {nq} and {nk}")
-        out = linear_kernel_attention(
-            qc, kc, vc, kernel=kernel, key_bias=combine_additive(bias, key_mask), is_causal=is_causal, eps=eps
-        )
+        out = None
+        if is_causal and gpu.wanted(q) and not under_transform():  # the chunked scan in Triton
+            out = _linear_on_triton(q, k, v, kernel, magnitude_p, key_mask, s, eps)
+        if out is None:
+            key_bias = combine_additive(bias, key_mask)
+            out = linear_kernel_attention(qc, kc, vc, kernel=kernel, key_bias=key_bias, is_causal=is_causal,
+                                          eps=eps)
         if dead_rows is not None:
             out = out.masked_fill(dead_rows, 0.0)
         return out.to(q.dtype)

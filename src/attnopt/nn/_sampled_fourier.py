@@ -342,6 +342,8 @@ def sampled_fourier_attention(
     """
     if torch.compiler.is_compiling():  # fake tensors: no memory for the C kernels (PyTorch path)
         return None
+    if dispatch.current_backend() == "triton":  # the attention's Triton kernels (kernel_attention's router)
+        return None
     key = _call_key(q, k, v, noise, raw, scales, params, p, eps, half)
     plan = _BY_CALL.get(key)
     if plan is None or not _still_applies(q, k, v, noise, raw, params, plan):

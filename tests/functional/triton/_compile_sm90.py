@@ -24,15 +24,21 @@ def main() -> int:
     from triton.compiler import ASTSource
     from triton.compiler import compile as tcompile
 
-    from attnopt.functional.triton import _flash, sparse
+    from attnopt.functional.triton import _flash, _fourier, _fourier_scan, sparse
 
-    def build(fn, dtypes: dict[str, str], consts: dict, floats: tuple[str, ...], label: str) -> None:
+    only = sys.argv[1] if len(sys.argv) > 1 else None  # e.g. "fourier": only the kernels whose label has it
+
+    def build(fn, dtypes: dict[str, str], consts: dict, floats: tuple[str, ...], label: str,
+              options: dict | None = None) -> None:
+        if only is not None and only not in label:
+            return
         sig = {}
         for name in inspect.signature(fn.fn).parameters:
             sig[name] = ("constexpr" if name in consts else "*" + dtypes[name] if name in dtypes
                          else "fp32" if name in floats else "i32")
         kernel = tcompile(ASTSource(fn=fn, signature=sig, constexprs=consts),
-                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
+                          target=GPUTarget("cuda", 90, 32),
+                          options=options or {"num_warps": 8, "num_stages": 3})
         shared = kernel.metadata.shared
         print(f"ok {label}: shared {shared} B")
         assert shared <= SHARED_LIMIT, f"{label}: {shared} B of shared memory"
@@ -51,6 +57,18 @@ def main() -> int:
         consts = dict(common, KIND=kind)
         for fn in (sparse._fwd_kernel, sparse._bwd_cols_kernel, sparse._bwd_rows_kernel):
             build(fn, io, dict(consts), ("scale", "am1", "a", "tol"), f"entmax {fn.fn.__name__} kind={kind}")
+    # implicit-kernel attention: the fused random-Fourier pass and the causal linear-mode scan (R = 32)
+    ika = {name: "bf16" for name in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV_")}
+    ika.update({name: "fp32" for name in ("W", "CB", "M", "L", "SC", "DELTA", "DCB", "DW", "CR", "DEN",
+                                          "ST")})
+    fused = dict(HAS_MASK=False, D=64, DV=64, RP=32, BLOCK_M=128, BLOCK_N=64, ACC=tl.float32, PREC="tf32")
+    for causal, mag, sets in ((0, 1, 2), (1, 3, 1)):
+        for fn in (_fourier._fwd_kernel, _fourier._bwd_keys_kernel, _fourier._bwd_queries_kernel):
+            consts = dict(fused, CAUSAL=causal, MAG=mag, S=sets)
+            build(fn, ika, consts, (), f"fourier {fn.fn.__name__} causal={causal} mag={mag} sets={sets}")
+    scan = dict(CH=64, D=64, EP=128, RP=32, MAG=1, S=2, ACC=tl.float32, PREC="ieee")
+    for fn in (_fourier_scan._fwd_kernel, _fourier_scan._bwd_queries_kernel, _fourier_scan._bwd_keys_kernel):
+        build(fn, ika, dict(scan), (), f"fourier scan {fn.fn.__name__}", {"num_warps": 4, "num_stages": 1})
     return 0
 
 

@@ -23,7 +23,7 @@ from attnopt.functional.doubly_normalized import (
 from attnopt.functional.kernel import kernel_attention, kernel_weights
 from attnopt.functional.regularized import regularized_attention, regularized_attention_weights
 from attnopt.functional.regularizers import SquaredL2, Tsallis
-from attnopt.kernels import RandomFourier
+from attnopt.kernels import NonStationaryFourier, RandomFourier
 from tests.functional.triton._helpers import needs_cuda
 
 pytestmark = [pytest.mark.gpu, needs_cuda]
@@ -94,6 +94,79 @@ def test_ikan_cuda_bf16():
              lambda q, k, v: kernel_weights(q, k, kernel=kern64, magnitude_p=1.0) @ v,
              torch.bfloat16, 3e-2, 5e-2)
     assert dispatch.last_dispatch["kernel"] == "triton"
+
+
+def test_mikan_cuda_bf16_gradients_reach_the_points():
+    """The fused random-Fourier pass (non-stationary stacked points, in-kernel L^1.5 magnitude, key
+    padding) against float64, the points' gradient included."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    w = (torch.randn(H, 64, D, device="cuda", generator=g) / 8).requires_grad_()
+    w64 = w.detach().double().requires_grad_()
+    m = _key_padding()
+    q, k, v = _inputs(torch.bfloat16)
+    with attnopt.backend("auto"):
+        out = kernel_attention(q, k, v, kernel=NonStationaryFourier.stacked(w), magnitude_p=1.5, attn_mask=m)
+    assert dispatch.last_dispatch["kernel"] == "triton"
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    kern64 = NonStationaryFourier.stacked(w64)
+    ref = kernel_weights(q64, k64, kernel=kern64, magnitude_p=1.5, attn_mask=m) @ v64
+    assert torch.isfinite(out).all() and (out.double() - ref).abs().max() <= 3e-2
+    r = torch.randn_like(ref)
+    got = torch.autograd.grad((out.double() * r).sum(), (q, k, v, w))
+    want = torch.autograd.grad((ref * r).sum(), (q64, k64, v64, w64))
+    for a, b in zip(got, want):
+        assert torch.isfinite(a).all() and (a.double() - b).norm() / b.norm() <= 5e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_ika_linear_causal_scan_cuda(dtype):
+    """The causal linear mode's chunked scan (float32 IEEE products inside) against the float64
+    quadratic weights; float32 tolerances follow the linear form's amplified rounding
+    (``kernel_attention``'s docstring: ~1e-3 output, ~4e-3 gradients relative to the largest entry)."""
+    w = torch.randn(H, 16, D, device="cuda", generator=torch.Generator(device="cuda").manual_seed(4)) / 8
+    m = _key_padding()
+    kw = dict(magnitude_p=1.0, attn_mask=m, is_causal=True)
+    tol = (3e-2, 5e-2) if dtype == torch.bfloat16 else (2e-3, 1e-2)
+    _compare(lambda q, k, v: kernel_attention(q, k, v, kernel=RandomFourier(w), mode="linear", **kw),
+             lambda q, k, v: kernel_weights(q, k, kernel=RandomFourier(w.double()), **kw) @ v, dtype, *tol)
+    assert dispatch.last_dispatch["kernel"] == "triton"
+
+
+@pytest.mark.parametrize("variant", ["ikan", "mikan"])
+def test_implicit_kernel_modules_on_cuda_take_the_fused_kernel(variant):
+    """The IKAN / MIKAN modules on CUDA (auto routing, float32, training mode, key padding): the fused
+    kernel runs and the density networks (and the copula) get finite gradients."""
+    from attnopt.nn import ImplicitKernelAttention
+
+    mod = ImplicitKernelAttention(64, 4, variant, num_samples=16, p=1.5, seed=0).cuda().train()
+    x = torch.randn(2, 300, 64, device="cuda")
+    pad = torch.zeros(2, 300, dtype=torch.bool, device="cuda")
+    pad[1, 200:] = True
+    out = mod(x, x, x, key_padding_mask=pad)[0]
+    assert dispatch.last_dispatch["kernel"] == "triton"
+    (out.float().square().mean() + mod.kl().mean()).backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in mod.parameters())
+
+
+def test_ika_memory_is_linear_in_n():
+    n = 8192
+    q, k, v = _inputs(torch.bfloat16, n=n)
+    kern = RandomFourier(torch.randn(H, 32, D, device="cuda") / 8)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    kernel_attention(q, k, v, kernel=kern, magnitude_p=1.0).float().sum().backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra < 64 * 2**20, f"{extra / 2**20:.1f} MiB"  # one N×N float32 matrix is 256 MiB
+
+
+def test_ika_under_torch_compile_matches_eager():
+    q, k, v = _inputs(torch.bfloat16, n=512)
+    kern = RandomFourier(torch.randn(H, 32, D, device="cuda") / 8)
+    eager = kernel_attention(q, k, v, kernel=kern, magnitude_p=1.0)
+    compiled = torch.compile(lambda a, b, c: kernel_attention(a, b, c, kernel=kern, magnitude_p=1.0))(q, k, v)
+    assert (compiled.float() - eager.float()).abs().max() < 1e-2
 
 
 def test_dnas_memory_is_linear_in_n():

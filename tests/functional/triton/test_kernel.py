@@ -11,7 +11,7 @@ import torch
 import attnopt
 from attnopt.functional import dispatch
 from attnopt.functional.kernel import kernel_attention, kernel_weights
-from attnopt.kernels import RBF, NonStationaryFourier, RandomFourier
+from attnopt.kernels import RBF, Linear, NonStationaryFourier, RandomFourier
 from tests.functional.triton._helpers import DEVICE, assert_close, blocks, grads, rand
 
 B, H, NQ, NK, D, DV, R = 1, 2, 21, 27, 8, 6, 12
@@ -24,12 +24,14 @@ def _kernel(name: str):
     if name == "nonstationary":
         w1, w2 = rand(R, D, seed=21), rand(R, D, seed=22)
         return NonStationaryFourier(w1, w2), [w1, w2]
+    if name == "linear":  # a feature kernel without the Fourier form: the flash primitive's score mode 1
+        return Linear(), []
     return RBF(), []
 
 
 @pytest.mark.parametrize(("name", "p", "kind"), [
     ("ika", 1.0, "none"), ("ika", 2.0, "causal_padding"), ("nonstationary", 0.5, "none"),
-    ("rbf", 2.0, "full"),
+    ("rbf", 2.0, "full"), ("linear", 2.0, "none"),
 ])
 def test_kernel_attention_matches_float64_reference(name, p, kind):
     q, k, v = rand(B, H, NQ, D, seed=1), rand(B, H, NK, D, seed=2), rand(B, H, NK, DV, seed=3)
