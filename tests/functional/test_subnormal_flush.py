@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from attnopt.functional import _denormal, doubly_normalized_attention, regularized_attention
-from attnopt.functional import _flash_cpu as fc
 from attnopt.functional import regularized as reg_mod
 from attnopt.functional._denormal import flush_denormal_on, flushed_sdpa
+from attnopt.functional.doubly_normalized import flash_cpu as fc
 from attnopt.functional.regularized import locality_bias
 
 TINY = torch.finfo(torch.float32).tiny

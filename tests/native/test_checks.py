@@ -136,7 +136,7 @@ def test_sparse_map_check():
 
 
 def test_dnas_check():
-    from attnopt.functional._dnas_native import _check_dn
+    from attnopt.functional.doubly_normalized.cpu import _check_dn
 
     g, nq, nk = 4, 3, 5
     s = torch.zeros(2, nq, nk)
@@ -320,8 +320,10 @@ def test_per_pass_fourier_check():
 def small_native(monkeypatch: pytest.MonkeyPatch) -> None:
     """The native kernels on, one thread, the size thresholds at 0 (small shapes reach C)."""
     monkeypatch.delenv("ATTNOPT_NATIVE", raising=False)
-    for module, name in [("attnopt.functional._dnas_materialized", "NATIVE_MIN_ENTRIES"),
-                         ("attnopt.functional._sparse_attention_fused", "NATIVE_MIN_ENTRIES"),
+    from attnopt.functional._thresholds import THRESHOLDS
+
+    monkeypatch.setattr(THRESHOLDS, "dnas_native_min_entries", 0)
+    for module, name in [("attnopt.functional._sparse_attention_fused", "NATIVE_MIN_ENTRIES"),
                          ("attnopt.functional.generalized", "NATIVE_MIN_HEAD_SCORES"),
                          ("attnopt.functional.generalized", "NATIVE_FORWARD_MIN_HEAD_SCORES")]:
         mod = __import__(module, fromlist=[name])
@@ -368,7 +370,7 @@ def test_e2e_t5_buckets(small_native, monkeypatch):
 
 @needs_native
 def test_e2e_dnas_weight(small_native, monkeypatch):
-    from attnopt.functional import _dnas_native
+    from attnopt.functional.doubly_normalized import cpu as _dnas_native
 
     real = _dnas_native._flat
     monkeypatch.setattr(_dnas_native, "_flat", lambda x, b, h, tail: None if x is None else real(x, b, h,

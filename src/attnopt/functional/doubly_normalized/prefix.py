@@ -30,14 +30,14 @@ Lemma 1's column-mass bound holds per prefix, not for the whole plan.
 
 Cost (materialized, plain PyTorch ops, autograd through them). DNAS / HNAS: ``O(Nq Nk d)`` time
 and the ``Nq × Nk`` scores in memory, as the materialized path of
-:mod:`._dnas_materialized`. Sinkhorn-K (K ≥ 2): each row solves its own ``(i + 1) × Nk``
+:mod:`.materialized`. Sinkhorn-K (K ≥ 2): each row solves its own ``(i + 1) × Nk``
 problem, ``O(K Nq² Nk)`` time, computed a chunk of rows at a time (``R × Nq × Nk`` live
-elements, :data:`CHUNK_ELEMENTS`); with gradient each chunk is checkpointed and recomputed in
+elements, ``THRESHOLDS.dn_prefix_chunk_elements``); with gradient each chunk is checkpointed and recomputed in
 the backward (one chunk's normalizations live at a time, the forward's time twice): meant for
 analysis and moderate sequence lengths.
 
 No streaming (O(N)-memory) path: the normalizer ``c_j^{(i)}`` belongs to a (query, key) pair, not
-to a key, so the flash passes of :mod:`._flash_cpu` / :mod:`._sinkhorn_chunked` (a per-key bias
+to a key, so the flash passes of :mod:`.flash_cpu` / :mod:`.streaming` (a per-key bias
 ``−c_j``) do not apply. A forward in O(N) memory is a scan over query blocks carrying the running
 column log-sum-exp (``Nk`` numbers); its backward needs the reverse scan of the gradient through
 that running state, which is not written. The fast fused / native / streaming paths never run
@@ -54,6 +54,7 @@ from torch.utils.checkpoint import checkpoint
 from attnopt._func import under_transform
 from attnopt._validation import additive_mask, causal_additive_mask, check_attention_inputs
 from attnopt.functional._softmax import safe_logsumexp, safe_softmax
+from attnopt.functional._thresholds import THRESHOLDS
 
 __all__ = ["Causal", "CAUSAL_OPTIONS", "resolve_causal", "prefix_weights", "prefix_attention"]
 
@@ -61,10 +62,6 @@ __all__ = ["Causal", "CAUSAL_OPTIONS", "resolve_causal", "prefix_weights", "pref
 #: restricts the transport plan, normalizations over queries run over every query.
 Causal = Literal["prefix", "plan"]
 CAUSAL_OPTIONS: tuple[str, ...] = ("prefix", "plan")
-
-#: live elements of one chunk of Sinkhorn-K prefix problems (rows × queries × keys × batch);
-#: trades Python-loop overhead against the size of the temporaries
-CHUNK_ELEMENTS = 1 << 22
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -135,8 +132,8 @@ def _sinkhorn_rows(s: Tensor, iterations: int, first_row: int) -> Tensor:
     lead = 1
     for n in s.shape[:-2]:
         lead *= n
-    chunk = max(1, CHUNK_ELEMENTS // max(1, lead * nq * nk))
-    # one chunk holds at most K · CHUNK_ELEMENTS saved entries: recompute only when there are several
+    chunk = max(1, THRESHOLDS.dn_prefix_chunk_elements // max(1, lead * nq * nk))
+    # one chunk holds at most K · dn_prefix_chunk_elements saved entries: recompute only with several
     recompute = (nq - first_row > chunk and s.requires_grad and torch.is_grad_enabled()
                  and not under_transform())
     out = []

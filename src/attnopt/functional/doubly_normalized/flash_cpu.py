@@ -47,6 +47,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from attnopt.functional._autograd import first_order_only, refuse_double_backward
@@ -54,7 +55,7 @@ from attnopt.functional._denormal import flush_denormal
 
 _NO_DOUBLE = ("doubly_normalized_attention (streaming)", "use doubly_normalized_weights(q, k, ...) @ v")
 
-__all__ = ["flash_available", "dnas1", "lse_pass", "attn_pass", "key_bias"]
+__all__ = ["flash_available", "dnas1", "lse_pass", "attn_pass", "key_bias", "run_passes"]
 
 _fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -297,3 +298,32 @@ def attn_pass(
     """(B, H, Nq, dv) row-softmax attention against the key potential ``pot``."""
     out: Tensor = _AttnPass.apply(q, k, v, pot, valid, full_mask, causal, scale)[0]
     return out
+
+
+def run_passes(
+    q: Tensor, k: Tensor, v: Tensor, iterations: int, full: Tensor | None, is_causal: bool,
+    row_valid: Tensor, col_valid: Tensor, scale: float,
+) -> Tensor:
+    """Sinkhorn-K (K >= 1) on 4-D CPU tensors with the flash-kernel passes (``is_causal`` only with
+    ``Nq = Nk``): :func:`dnas1` for K = 1, else chained :func:`lse_pass` / :func:`attn_pass`."""
+    d, dv = q.shape[-1], v.shape[-1]
+    if d != dv:  # the kernel wants one head size: zero columns change neither scores nor outputs
+        w = max(d, dv)
+        q, k, v = F.pad(q, (0, w - d)), F.pad(k, (0, w - d)), F.pad(v, (0, w - dv))
+    if iterations == 1:
+        return dnas1(q, k, v, row_valid, col_valid, full, is_causal, scale)[..., :dv]
+    full_t = None if full is None else full.transpose(-1, -2)
+
+    def col(f: Tensor) -> Tensor:
+        if is_causal:
+            flipped = lse_pass(k.flip(-2), q.flip(-2), f.flip(-1), row_valid.flip(-1), None, True, scale)
+            return flipped.flip(-1)
+        return lse_pass(k, q, f, row_valid, full_t, False, scale)
+
+    f = torch.zeros(row_valid.shape, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32,
+                    device=q.device)
+    g = col(f)
+    for _ in range(iterations - 1):
+        f = lse_pass(q, k, g, col_valid, full, is_causal, scale)
+        g = col(f)
+    return attn_pass(q, k, v, g, col_valid, full, is_causal, scale)[..., :dv]

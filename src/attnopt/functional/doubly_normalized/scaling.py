@@ -27,19 +27,20 @@ one matmul of inner width ``dv + 2K`` (HNAS ``2·dv + 2K + 1``); ``dV`` and ``�
 one thin matmul ``Eᵀ [α_K⊙g | b⊙dO | c_K]``; ``∂L/∂w = Σ_i <dO_i, out^D_i − out^L_i>`` costs
 O(N·dv). For K = 1 this is ``dS_ij = E_ij[(α_i β_j)(dP_ij − δ^D_i) − γ_j β_j]``.
 
-Memory and speed. The batch × heads are processed in chunks of about :data:`CHUNK_ENTRIES`
-score entries, so that the ``Nq × Nk`` temporaries stay in cache; one workspace per call is
-reused by every chunk; the backward recomputes ``E`` of a chunk from its saved column maxima
-(bitwise the same ops), so only O(N) state per head is kept between forward and backward.
+Memory and speed. The batch × heads are processed in chunks of about
+``THRESHOLDS.dnas_scaling_chunk_entries`` (:mod:`attnopt.functional._thresholds`) score
+entries, so that the ``Nq × Nk`` temporaries stay in cache; one workspace per call is reused by
+every chunk; the backward recomputes ``E`` of a chunk from its saved column maxima (bitwise the
+same ops), so only O(N) state per head is kept between forward and backward.
 
-Native passes. For K = 1 in float32 on CPU, :func:`fused_sinkhorn` hands the call to
-:mod:`._dnas_native` (the same math with the elementwise work of each direction in C, every
-matmul at head width) when ``attnopt._native`` can build it; this module is its fallback.
+Native passes. For K = 1 in float32 on CPU the router runs :mod:`.cpu` instead (the same math
+with the elementwise work of each direction in C, every matmul at head width) when
+``attnopt._native`` can build it; this module is its fallback.
 
 Underflow. ``z_j ≥ 1``, but a later normalizer can underflow: ``σ_i`` for a row dominated by
 other rows in every column, ``ρ_i`` for a row whose best score is far below the head's best.
 When a normalizer of an admissible row or key falls below ``tiny·2^40`` the caller recomputes
-with the log-domain path of :mod:`._dnas_materialized` (rare, never silent). A row with no
+with the log-domain reference (rare, never silent). A row with no
 admissible key gets zeros, a key no query sees weight 0.
 """
 from __future__ import annotations
@@ -49,8 +50,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnopt.functional import _dnas_native
-from attnopt.functional._autograd import refuse_double_backward
+from attnopt.functional._autograd import reduce_to, refuse_double_backward
+from attnopt.functional._thresholds import THRESHOLDS
 
 __all__ = ["fused_sinkhorn"]
 
@@ -87,22 +88,6 @@ def _inv(x: Tensor) -> Tensor:
     return torch.where(x > 0, x.reciprocal(), torch.zeros_like(x))
 
 
-def _reduce_to(g: Tensor, shape: torch.Size) -> Tensor:
-    """Sum a broadcast gradient ``g`` back to ``shape`` (leading dims dropped, size-1 dims kept)."""
-    while g.dim() > len(shape):
-        g = g.sum(0)
-    for i, n in enumerate(shape):
-        if n == 1 and g.shape[i] != 1:
-            g = g.sum(i, keepdim=True)
-    return g
-
-
-#: Score entries per chunk of (batch, head) slices: the ``Nq × Nk`` temporaries of one chunk stay in
-#: the CPU's L2 cache (measured, d = 16–64, N = 128–512: 2^20 entries ran 1.5–2× faster than one
-#: call over all heads at B·H·N² = 2^25).
-CHUNK_ENTRIES = 1 << 20
-
-
 def _split(n: int, parts: int) -> list[slice]:
     """``range(n)`` cut into ``parts`` slices of near-equal length."""
     edges = [n * i // parts for i in range(parts + 1)]
@@ -110,8 +95,9 @@ def _split(n: int, parts: int) -> list[slice]:
 
 
 def _chunks(b: int, h: int, per_head: int) -> list[tuple[slice, slice]]:
-    """(batch slice, head slice) pairs covering ``(b, h)``, about :data:`CHUNK_ENTRIES` entries each."""
-    heads = max(1, CHUNK_ENTRIES // max(per_head, 1))
+    """(batch slice, head slice) pairs covering ``(b, h)``, about
+    ``THRESHOLDS.dnas_scaling_chunk_entries`` entries each."""
+    heads = max(1, THRESHOLDS.dnas_scaling_chunk_entries // max(per_head, 1))
     if b * h <= heads:
         return [(slice(None), slice(None))]
     if h <= heads:
@@ -289,7 +275,7 @@ class _FusedSinkhorn(torch.autograd.Function):
         work, work2 = dout.new_empty(n), dout.new_empty(n if need_qk else 0)
         if len(parts) == 1:
             dq, dk, dv, drow = _backward_chunk(states[0], dout, ctx.scale, need_qk, need_w, work, work2)
-            dw = None if drow is None else _reduce_to(drow, ctx.w_shape)
+            dw = None if drow is None else reduce_to(drow, ctx.w_shape)
             return dq, dk, dv, dw, None, None, None, None, None
         dq = dout.new_empty(b, h, nq, ctx.shape_k[-1]) if need_qk else None
         dk = dout.new_empty(ctx.shape_k) if need_qk else None
@@ -303,7 +289,7 @@ class _FusedSinkhorn(torch.autograd.Function):
             if dw is not None and drow is not None:
                 wpart = _part(dw, bs, hs)
                 assert wpart is not None
-                wpart += _reduce_to(drow, wpart.shape)
+                wpart += reduce_to(drow, wpart.shape)
         return dq, dk, dv, dw, None, None, None, None, None
 
 
@@ -322,9 +308,6 @@ def fused_sinkhorn(
     ``w`` broadcastable to ``(B, H, 1, 1)``, both 4-D with batch / head dims of size 1 or full;
     ``Nq, Nk >= 1``.
     """
-    lib = _dnas_native.library(q, iterations)
-    if lib is not None:  # K = 1, float32, CPU: the C passes of _native/dnas.c
-        return _dnas_native.native_sinkhorn(lib, q, k, v, w, mask, causal, scale)
     info = [True]
     out: Tensor = _FusedSinkhorn.apply(q, k, v, w, mask, causal, scale, iterations, info)
     return out if info[0] else None

@@ -1,6 +1,6 @@
 r"""Native (C) DNAS / HNAS, one Sinkhorn step, float32 on CPU (internal; ``_native/dnas.c``).
 
-Same math as :mod:`._dnas_fused` (scaling form ``E = e^{S − m}`` with column maxima ``m``,
+Same math as :mod:`.scaling` (scaling form ``E = e^{S − m}`` with column maxima ``m``,
 doubly-normalized-attention eq. (6)–(8) and Sec. 6), with all ``Nq × Nk`` elementwise work of
 each direction in one C call per chunk of heads, so that every matmul has the inner width of
 the head (``d`` or ``dv``) instead of ``2·dv + 2`` and no elementwise pass leaves the cache:
@@ -17,7 +17,7 @@ the head (``d`` or ``dv``) instead of ``2·dv + 2`` and no elementwise pass leav
   ``f_ij = w α_i β_j + (1 − w) u_j / ρ_i``, and ``P = E ⊙ f``; then ``dV = Pᵀ dO``,
   ``dQ = scale·dS K``, ``dK = dSᵀ (scale·Q)``, ``∂L/∂w = Σ_i (δ^D_i − δ^L_i)``.
 
-That is the closed form of :mod:`._dnas_fused` for K = 1 with its rank-one terms applied
+That is the closed form of :mod:`.scaling` for K = 1 with its rank-one terms applied
 elementwise. Masks: a key-only mask ``(…, 1, Nk)`` is never added to ``S`` — a finite key bias
 cancels in ``E`` (it shifts ``S_·j`` and ``m_j`` alike) and enters only the LNAS factor
 ``u_j = e^{m_j + b_j − μ}``; a dropped key gets ``m_j = +∞`` (``E_·j = 0``). ``is_causal`` is
@@ -25,11 +25,11 @@ applied inside the passes (no mask tensor, the hidden half is skipped); a full
 ``(…, Nq, Nk)`` mask is added to ``S``.
 
 The C exponential is a polynomial (about 1.4 ulp; 0 below ``e^{−87}``); results agree with the
-PyTorch path of :mod:`._dnas_fused` to float32 rounding. A chunk holds about
-:data:`CHUNK_ENTRIES` scores per thread (``S`` and ``dP`` stay in a 2 MiB L2 cache); its heads
+PyTorch path of :mod:`.scaling` to float32 rounding. A chunk holds about
+``THRESHOLDS.dnas_cpu_chunk_entries`` scores per thread (``S`` and ``dP`` stay in a 2 MiB L2 cache); its heads
 are split over ``torch.get_num_threads()`` threads (:func:`attnopt._native.parallel_rows`).
 Underflow of a row normalizer of an admissible row returns ``None`` (the caller recomputes in
-the log domain), as in :mod:`._dnas_fused`.
+the log domain), as in :mod:`.scaling`.
 """
 from __future__ import annotations
 
@@ -41,13 +41,10 @@ from torch import Tensor
 
 from attnopt import _native
 from attnopt._native.checks import fail, require, require_size
-from attnopt.functional._autograd import refuse_double_backward
+from attnopt.functional._autograd import reduce_to, refuse_double_backward
+from attnopt.functional._thresholds import THRESHOLDS
 
-__all__ = ["library", "native_sinkhorn", "no_grad_small", "CHUNK_ENTRIES"]
-
-#: Score entries per thread in one chunk (1 MiB of float32: ``S`` and ``dP`` of the backward fit a
-#: 2 MiB L2 together; measured at N = 512, d = 16: 2^18 ran faster than 2^20).
-CHUNK_ENTRIES = 1 << 18
+__all__ = ["library", "native_sinkhorn", "no_grad_small"]
 
 _I64, _INT = ctypes.c_int64, ctypes.c_int
 
@@ -63,8 +60,8 @@ _p = _native.pointer
 
 
 def _chunks(g: int, per_head: int) -> list[tuple[int, int]]:
-    """Head ranges ``[h0, h1)`` of about ``CHUNK_ENTRIES`` scores per thread."""
-    step = max(1, CHUNK_ENTRIES * max(1, torch.get_num_threads()) // max(per_head, 1))
+    """Head ranges ``[h0, h1)`` of about ``THRESHOLDS.dnas_cpu_chunk_entries`` scores per thread."""
+    step = max(1, THRESHOLDS.dnas_cpu_chunk_entries * max(1, torch.get_num_threads()) // max(per_head, 1))
     return [(h, min(h + step, g)) for h in range(0, g, step)]
 
 
@@ -224,9 +221,7 @@ class _NativeSinkhorn(torch.autograd.Function):
         dq.mul_(scale)
         dw = None
         if drow is not None:
-            from attnopt.functional._dnas_fused import _reduce_to
-
-            dw = _reduce_to(drow.view(b, h, nq, 1), ctx.w_shape)
+            dw = reduce_to(drow.view(b, h, nq, 1), ctx.w_shape)
         return (dq.view(b, h, nq, -1), dk.view(b, h, nk, -1), dvv.view(b, h, nk, dv_), dw,
                 None, None, None, None, None)
 
@@ -238,7 +233,7 @@ def no_grad_small(
     """DNAS / HNAS (K = 1) forward without autograd on 3-D ``(G, N, ·)`` float32, no mask (and
     ``is_causal`` only with ``Nk <= Nq``: every row and key admissible); ``None`` on underflow.
 
-    One C call over all heads (up to :data:`attnopt.functional._dnas_materialized.NO_GRAD_MAX_ENTRIES`
+    One C call over all heads (up to ``THRESHOLDS.dnas_scaling_chunk_entries``
     scores, split over threads by heads) on scores scaled in the GEMM, then ``P V``: no autograd
     Function, no chunking, one flat buffer for the per-head vectors. ``w``: ``None``
     (DNAS) or a float32 tensor of ``G`` contiguous entries.
@@ -278,7 +273,7 @@ def native_sinkhorn(
 ) -> Tensor | None:
     """DNAS (``w=None``) or HNAS (K = 1) on contiguous ``(B, H, N, ·)`` float32; ``None`` on underflow.
 
-    Arguments as :func:`attnopt.functional._dnas_fused.fused_sinkhorn`.
+    Arguments as :func:`attnopt.functional.doubly_normalized.scaling.fused_sinkhorn`.
     """
     info = [True]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()

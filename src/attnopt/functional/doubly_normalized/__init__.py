@@ -15,56 +15,59 @@ doubly-normalized-attention eq. (6)–(8), (10) and Sec. 6 (design.md §3). With
 Causal decoders (``causal``). A causal mask restricts the transport plan but does not make the
 mechanism autoregressive: ``c_j = logsumexp_i s_ij`` runs over the *later* queries too, so row
 ``i`` would read queries after ``i``. ``causal="prefix"`` (the default with ``is_causal=True``)
-runs the autoregressive variant of :mod:`._dn_prefix` (query ``i`` normalizes over queries
+runs the autoregressive variant of :mod:`.prefix` (query ``i`` normalizes over queries
 ``≤ i`` only; materialized, never the fast paths below); ``causal="plan"`` keeps the masked plan
 (for analysis). An ``attn_mask`` that happens to be causal is not inspected (that would read its
 values): pass ``is_causal=True`` or ``causal="prefix"`` with it.
 
-Size dispatch (``impl``). Below a measured crossover (:mod:`attnopt.functional.dispatch`)
-``impl="auto"`` runs the fused materialized path of :mod:`._dnas_materialized` /
-:mod:`._dnas_fused` (one exponential in scaling form, chunked over batch × heads so the
-``N × N`` temporaries stay in cache, O(N) state saved for the backward);
-``impl="streaming"`` (and ``auto`` above the crossover) is the flash-kernel O(N) path below.
+The one router (this file) picks an implementation; each lives in its own file and none imports
+another:
+
+* :mod:`.reference` — plain PyTorch, log domain, any device: ``attnopt.backend("reference")``,
+  ``torch.func`` transforms, meta tensors, a mask that requires grad, and (below the crossover)
+  every tensor that cannot be read on the host (off the CPU, while ``torch.compile`` traces: no
+  host sync, no loop over batch × heads); also the recomputation when a fast kernel reports an
+  underflowing normalizer (rare, never silent).
+* ``impl="materialized"`` (``auto`` below ``dispatch.CROSSOVERS``), host-readable CPU tensors:
+  :mod:`.cpu` (the C passes: K = 1, float32, from ``THRESHOLDS.dnas_native_min_entries``),
+  :mod:`.materialized` (probability domain, saves the weights: while the scores fit one
+  ``THRESHOLDS.dnas_scaling_chunk_entries`` chunk) or :mod:`.scaling` (scaling form, chunked
+  over batch × heads, O(N) saved state: above it). Without autograd and without a mask the
+  no-grad forwards of :mod:`.cpu` / :mod:`.materialized` run up to one chunk.
+* ``impl="streaming"`` (``auto`` above the crossover): :mod:`.streaming`, O(N) memory, with the
+  CPU flash-kernel passes of :mod:`.flash_cpu` where they apply, else its blocked passes.
+* :mod:`.prefix` — the autoregressive ``causal="prefix"`` variant (a formula of its own).
+* the Triton kernels of :mod:`attnopt.functional.triton.doubly_normalized` on CUDA tensors with
+  Triton installed, or under ``attnopt.backend("triton")`` (``last_dispatch`` says ``"triton"``).
+
+Every size rule is in :mod:`attnopt.functional._thresholds`.
 
 Memory (streaming). The attention functions never form the ``Nq × Nk`` matrix, in forward or
 backward, for no mask, ``is_causal`` with ``causal="plan"`` and key-only masks ``(B, H, 1, Nk)`` (key
-padding); the autoregressive ``causal="prefix"`` variant is materialized (:mod:`._dn_prefix`). A mask of
-shape ``(…, Nq, Nk)`` is itself ``Nq × Nk``; it is used as given (the passes then carry one
-mask-sized temporary) — O(N) memory needs a key-only mask.
-
-Dispatch (``_run_passes``): on CPU, PyTorch's fused flash kernel
-``aten._scaled_dot_product_flash_attention_for_cpu`` (all floating dtypes), with the
-hand-fused backward of :mod:`._flash_cpu`; elsewhere, the blocked pure-PyTorch passes of
-:mod:`._sinkhorn_chunked` (half precision computed in float32), which also serves
-``is_causal`` with ``Nq != Nk`` on CPU. On CUDA tensors with Triton installed (or under
-``attnopt.backend("triton")``) the Triton kernels of :mod:`attnopt.functional.triton.doubly_normalized`
-run instead (``last_dispatch`` says ``"triton"``).
+padding). A mask of shape ``(…, Nq, Nk)`` is itself ``Nq × Nk``; it is used as given (the passes
+then carry one mask-sized temporary) — O(N) memory needs a key-only mask.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from attnopt._validation import (
     additive_mask,
-    causal_additive_mask,
-    check_attention_inputs,
     device_assert,
     empty_attention,
+    host_readable,
     host_values,
     resolve_scale,
     validate_attention,
 )
-from attnopt.functional import _dn_prefix as prefix
-from attnopt.functional import _flash_cpu as fc
 from attnopt.functional import dispatch
 from attnopt.functional import triton as gpu
-from attnopt.functional._autograd import under_transform
-from attnopt.functional._dnas_materialized import dispatched_sinkhorn
+from attnopt.functional._autograd import records_graph, under_transform
 from attnopt.functional._dropout import check_dropout_p, dropout_attention
-from attnopt.functional._sinkhorn_chunked import chunked_attn_pass, chunked_lse_pass
-from attnopt.functional._softmax import safe_logsumexp, safe_softmax
+from attnopt.functional._thresholds import THRESHOLDS
+from attnopt.functional.doubly_normalized import cpu, flash_cpu, materialized, reference, scaling, streaming
+from attnopt.functional.doubly_normalized import prefix as prefix
 from attnopt.functional.generalized import generalized_attention
 
 __all__ = [
@@ -85,107 +88,6 @@ def _check_iterations(iterations: int) -> int:
     return iterations
 
 
-def _to_bh(x: Tensor, batch: tuple[int, ...]) -> Tensor:
-    """Expand ``x (…, N, ·)`` to ``batch`` and view it as 4-D ``(B, H, N, ·)``."""
-    x = x.expand(*batch, *x.shape[-2:])
-    if len(batch) == 2:
-        return x
-    g = 1
-    for n in batch:
-        g *= n
-    return x.reshape(g, 1, *x.shape[-2:])
-
-
-def _prepare_masks(
-    attn_mask: Tensor | None, is_causal: bool, batch: tuple[int, ...], bh: tuple[int, int], nq: int, nk: int,
-    pot_dtype: torch.dtype, device: torch.device,
-) -> tuple[Tensor | None, Tensor, Tensor, bool]:
-    """Return ``(full (B,H,Nq,Nk) or None, row_valid (B,H,Nq), col_valid (B,H,Nk), causal)``.
-
-    ``is_causal`` is folded into a full mask when there is one (``causal`` is then False).
-
-    A key-only mask keeps only which keys are excluded: finite key biases cancel exactly in
-    every column normalization (``s_ij + m_j − (c_j + m_j)``).
-    """
-    target = (*batch, nq, nk)
-    m = additive_mask(attn_mask, target, pot_dtype)
-    full: Tensor | None = None
-    if m is None:
-        keys = torch.ones(*bh, nk, dtype=torch.bool, device=device)
-    elif m.dim() < 2 or m.shape[-2] == 1:
-        keys = torch.isfinite(m).expand(*batch, 1, nk).reshape(*bh, nk)
-    else:
-        full = m.expand(target).reshape(*bh, nq, nk)
-        keys = torch.ones(*bh, nk, dtype=torch.bool, device=device)
-    if full is not None:
-        if is_causal:
-            full = full + causal_additive_mask(nq, nk, pot_dtype, device)
-        fin = torch.isfinite(full)
-        return full.contiguous(), fin.any(-1), fin.any(-2), False
-    idx_q = torch.arange(nq, device=device)
-    if is_causal:
-        seen = torch.cumsum(keys.int(), dim=-1) > 0  # any admissible key j' <= j
-        row_valid = seen[..., idx_q.clamp(max=nk - 1)]
-        col_valid = keys & (torch.arange(nk, device=device) < nq)
-    else:
-        row_valid = keys.any(-1, keepdim=True).expand(*bh, nq)
-        col_valid = keys
-    return None, row_valid, col_valid, is_causal
-
-
-def _run_passes(
-    q: Tensor, k: Tensor, v: Tensor, iterations: int, full: Tensor | None, is_causal: bool,
-    row_valid: Tensor, col_valid: Tensor, scale: float,
-) -> Tensor:
-    """Sinkhorn-K (K >= 1) on 4-D tensors; picks the fused CPU kernel or the blocked path."""
-    nq, nk = q.shape[-2], k.shape[-2]
-    # with Nq != Nk the swapped (column) pass needs a causal mask the kernel does not offer: the
-    # blocked path keeps that case O(N) instead of materializing the mask
-    if fc.flash_available(q) and not (is_causal and nq != nk):
-        d, dv = q.shape[-1], v.shape[-1]
-        if d != dv:  # the kernel wants one head size: zero columns change neither scores nor outputs
-            w = max(d, dv)
-            q, k, v = F.pad(q, (0, w - d)), F.pad(k, (0, w - d)), F.pad(v, (0, w - dv))
-        if iterations == 1:
-            return fc.dnas1(q, k, v, row_valid, col_valid, full, is_causal, scale)[..., :dv]
-        full_t = None if full is None else full.transpose(-1, -2)
-
-        def col(f: Tensor) -> Tensor:
-            if is_causal:
-                return fc.lse_pass(k.flip(-2), q.flip(-2), f.flip(-1), row_valid.flip(-1), None, True,
-                                   scale).flip(-1)
-            return fc.lse_pass(k, q, f, row_valid, full_t, False, scale)
-
-        def row(g: Tensor) -> Tensor:
-            return fc.lse_pass(q, k, g, col_valid, full, is_causal, scale)
-
-        def attend(g: Tensor) -> Tensor:
-            return fc.attn_pass(q, k, v, g, col_valid, full, is_causal, scale)[..., :dv]
-    else:
-        orig = q.dtype
-        if orig in _HALF:
-            q, k, v = q.float(), k.float(), v.float()
-        full_t = None if full is None else full.transpose(-1, -2)
-        lower, upper = ("lower", "upper") if is_causal else (None, None)
-
-        def col(f: Tensor) -> Tensor:
-            return chunked_lse_pass(k, q, f, row_valid, full_t, upper, scale)
-
-        def row(g: Tensor) -> Tensor:
-            return chunked_lse_pass(q, k, g, col_valid, full, lower, scale)
-
-        def attend(g: Tensor) -> Tensor:
-            return chunked_attn_pass(q, k, v, g, col_valid, full, lower, scale).to(orig)
-
-    f = torch.zeros(row_valid.shape, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32,
-                    device=q.device)
-    g = col(f)
-    for _ in range(iterations - 1):
-        f = row(g)
-        g = col(f)
-    return attend(g)
-
-
 def _on_triton(
     mech: str, q: Tensor, k: Tensor, v: Tensor, iterations: int, weight: Tensor | None,
     attn_mask: Tensor | None, scale: float, is_causal: bool,
@@ -202,22 +104,114 @@ def _lnas(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, scale: floa
     return generalized_attention(q, k, v, attn_mask=attn_mask, scale=scale, is_causal=is_causal)
 
 
-def _dnas(
-    q: Tensor, k: Tensor, v: Tensor, iterations: int, attn_mask: Tensor | None, scale: float, is_causal: bool
+def _batch_shape(*xs: Tensor) -> tuple[int, ...]:
+    """Broadcast batch shape (all dims but the last two) of ``xs``; cheap when they agree."""
+    first = tuple(xs[0].shape[:-2])
+    if all(tuple(x.shape[:-2]) == first for x in xs[1:]):
+        return first
+    return tuple(torch.broadcast_shapes(*(x.shape[:-2] for x in xs)))
+
+
+def _as_4d(
+    qkv: list[Tensor], w: Tensor | None, mask: Tensor | None, batch: tuple[int, ...],
+) -> tuple[list[Tensor], Tensor | None, Tensor | None]:
+    """``(B, H, N, ·)`` contiguous views of batch-expanded inputs, with the mask and weight 4-D."""
+    nq, nk = qkv[0].shape[-2], qkv[1].shape[-2]
+    if len(batch) == 2:
+        lead: tuple[int, ...] = batch
+    elif len(batch) < 2:
+        lead = (*(1,) * (2 - len(batch)), *batch)
+    else:
+        lead = (-1, batch[-1])
+    q, k, v = (x.reshape(*lead, *x.shape[-2:]).contiguous() for x in qkv)  # one O(N·d) copy of a view
+    if mask is not None:  # rank len(batch) + 2 (additive_mask)
+        if len(batch) > 2:
+            mask = mask.expand(*batch, nq, nk).reshape(*lead, nq, nk)
+        else:
+            mask = mask.reshape(*(1,) * (4 - mask.dim()), *mask.shape)
+    if w is not None:  # () or one per head (…, H, 1, 1) with H the last batch dim
+        w = w.reshape(*(1,) * (4 - w.dim()), *w.shape)
+    return [q, k, v], w, mask
+
+
+def _materialized(
+    q: Tensor, k: Tensor, v: Tensor, iterations: int, weight: Tensor | None, attn_mask: Tensor | None,
+    scale: float, is_causal: bool, batch: tuple[int, ...],
 ) -> Tensor:
-    nq, nk, _ = check_attention_inputs(q, k, v)
-    empty = empty_attention(q, k, v)
-    if empty is not None:  # the fused kernel crashes the process on empty sizes
-        return empty
-    batch = tuple(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
-    q4, k4, v4 = _to_bh(q, batch), _to_bh(k, batch), _to_bh(v, batch)
-    bh = (q4.shape[0], q4.shape[1])
-    pot = torch.float64 if q.dtype == torch.float64 else torch.float32
-    full, row_valid, col_valid, causal = _prepare_masks(
-        attn_mask, is_causal, batch, bh, nq, nk, pot, q.device
-    )
-    out = _run_passes(q4, k4, v4, iterations, full, causal, row_valid, col_valid, scale)
-    return out.reshape(*batch, nq, v.shape[-1])
+    """The materialized side of the router: which kernel runs for these sizes (inputs validated,
+    host-readable CPU tensors, ``Nq, Nk >= 1``); the reference when a kernel underflows."""
+    orig = q.dtype
+    compute = torch.float32 if orig in _HALF else orig
+    nq, nk = q.shape[-2], k.shape[-2]
+    mask = additive_mask(attn_mask, (*batch, nq, nk), compute)
+    qkv = []
+    for x in (q, k, v):
+        x = x if x.dtype == compute else x.to(compute)
+        qkv.append(x if tuple(x.shape[:-2]) == batch else x.expand(*batch, *x.shape[-2:]))
+    m = None if mask is None else mask.detach()
+    w = None if weight is None else weight.to(compute)
+    entries = nq * nk
+    for n in batch:
+        entries *= n
+    t = THRESHOLDS
+    lib = cpu.library(qkv[0], iterations)
+    out: Tensor | None = None
+    if entries <= t.dnas_scaling_chunk_entries and m is None and not (is_causal and nk > nq) \
+            and not records_graph(*qkv, w):  # inference: nothing saved
+        if lib is not None:  # K = 1, float32: one C pass over all heads
+            g = qkv[0].shape[:-2]
+            q3, k3, v3 = (x.reshape(-1, *x.shape[-2:]) for x in qkv)
+            wf = None if w is None else w.expand(*g, 1, 1).reshape(-1).contiguous()
+            out = cpu.no_grad_small(lib, q3, k3, v3, wf, is_causal, scale)
+            out = None if out is None else out.view(*g, nq, v.shape[-1])
+        else:
+            out = materialized.no_grad_forward(*qkv, w, is_causal, scale, iterations)
+    elif lib is not None and entries >= t.dnas_native_min_entries:
+        (q4, k4, v4), w4, m4 = _as_4d(qkv, w, m, batch)
+        out = cpu.native_sinkhorn(lib, q4, k4, v4, w4, m4, is_causal, scale)
+        out = None if out is None else out.reshape(*batch, nq, v.shape[-1])
+    elif entries > t.dnas_scaling_chunk_entries:  # more than one cache-sized chunk
+        (q4, k4, v4), w4, m4 = _as_4d(qkv, w, m, batch)
+        out = scaling.fused_sinkhorn(q4, k4, v4, w4, m4, is_causal, scale, iterations)
+        out = None if out is None else out.reshape(*batch, nq, v.shape[-1])
+    else:
+        out = materialized.materialized_sinkhorn(*qkv, w, m, is_causal, scale, iterations)
+    if out is None:  # an underflowing normalizer (a dominated row): the log domain, exact
+        return reference.attention(q, k, v, iterations, weight, attn_mask, scale, is_causal)
+    return out.to(orig)
+
+
+def _route(
+    mech: str, q: Tensor, k: Tensor, v: Tensor, iterations: int, weight: Tensor | None,
+    attn_mask: Tensor | None, scale: float, is_causal: bool, impl: str, forced: bool,
+) -> Tensor:
+    """THE router of DNAS / Sinkhorn-K (``weight=None``, K >= 1) and HNAS (inputs validated,
+    the prefix variant and dropout already answered; ``forced``: :func:`dispatch.use_reference`'s
+    answer); records the choice in ``last_dispatch``."""
+    grad_mask = isinstance(attn_mask, Tensor) and attn_mask.requires_grad and torch.is_grad_enabled()
+    if forced or under_transform() or q.is_meta or grad_mask:
+        # torch.func transforms (the fused Functions have no vmap rule and are ctx-style), meta tensors
+        # (the fused paths read values) and a differentiable mask: the plain ops (as SDPA's math kernel)
+        return reference.attention(q, k, v, iterations, weight, attn_mask, scale, is_causal)
+    if gpu.wanted(q):  # the Triton kernels (attnopt.functional.triton): CUDA, or backend("triton")
+        return _on_triton(mech, q, k, v, iterations, weight, attn_mask, scale, is_causal)
+    batch = _batch_shape(q, k, v)
+    g = 1
+    for n in batch:
+        g *= n
+    path = dispatch.choose_impl(mech, nq=q.shape[-2], nk=k.shape[-2], batch=g, dtype=q.dtype, impl=impl)
+    dispatch.record(mech, path)
+    if path == "materialized":
+        if not host_readable(q):  # off the CPU / compiling: one graph of plain ops, no host read
+            return reference.attention(q, k, v, iterations, weight, attn_mask, scale, is_causal)
+        return _materialized(q, k, v, iterations, weight, attn_mask, scale, is_causal, batch)
+    run = flash_cpu.run_passes if flash_cpu.flash_available(q) else None
+    dn = streaming.attention(q, k, v, iterations, attn_mask, scale, is_causal, run)
+    if weight is None:
+        return dn
+    ln = generalized_attention(q, k, v, attn_mask=attn_mask, scale=scale, is_causal=is_causal)
+    w = weight.to(dn.dtype)
+    return w * dn + (1 - w) * ln
 
 
 def doubly_normalized_attention(
@@ -265,7 +259,7 @@ def doubly_normalized_attention(
         causal: how causality enters the normalizations over queries. ``"prefix"``: autoregressive,
             query ``i`` normalizes each column over the admissible queries ``i' ≤ i`` only,
             ``c_j^{(i)} = logsumexp_{j ≤ i' ≤ i} s_{i'j}`` under a causal mask (Sinkhorn-K: row
-            ``i`` of K steps on the block of queries ``0..i``; see :mod:`._dn_prefix`), so row
+            ``i`` of K steps on the block of queries ``0..i``; see :mod:`.prefix`), so row
             ``i`` never depends on later queries; materialized, ``O(Nq Nk)`` memory (Sinkhorn-K
             ``O(K Nq² Nk)`` time). ``"plan"``: the mask only restricts the transport plan, the
             column normalization runs over every query — under ``is_causal`` row ``i`` reads the
@@ -278,7 +272,7 @@ def doubly_normalized_attention(
             ``"materialized"``; with the
             prefix variant the dropout falls on its weights).
         impl: ``"streaming"`` (the O(N)-memory passes above), ``"materialized"`` (one fused
-            pass over the ``Nq × Nk`` scores, :mod:`._dnas_materialized`; fastest at short
+            pass over the ``Nq × Nk`` scores, :mod:`.materialized`; fastest at short
             sequences) or ``"auto"`` (by size, :func:`attnopt.functional.dispatch.choose_impl`;
             the choice is recorded in ``dispatch.last_dispatch``). Same result up to rounding.
 
@@ -313,29 +307,19 @@ def doubly_normalized_attention(
                                             is_causal=is_causal)
         else:
             dispatch.record(name, "materialized")
-            weights = _weights(q, k, iterations, attn_mask, alpha, is_causal)
+            weights = reference.sinkhorn_weights(q, k, iterations, attn_mask, alpha, is_causal)
         return dropout_attention(weights, v, dropout_p, q.dtype)
     mech = {0: "lnas", 1: "doubly_normalized"}.get(iterations, "sinkhorn")
-    reference = dispatch.use_reference(mech, q)
-    if iterations == 0 and not reference:
+    forced = dispatch.use_reference(mech, q)  # first: backend("cpu") refuses other devices here
+    if iterations == 0:
+        if forced:
+            return reference.attention(q, k, v, 0, None, attn_mask, alpha, is_causal)
         return _lnas(q, k, v, attn_mask, alpha, is_causal)
     if use_prefix:
-        dispatch.record("doubly_normalized" if iterations == 1 else "sinkhorn", "prefix")
+        dispatch.record(mech, "prefix")
         return prefix.prefix_attention(q, k, v, iterations=iterations, attn_mask=attn_mask, scale=alpha,
                                        is_causal=is_causal)
-    if reference or under_transform() or q.is_meta or (
-            isinstance(attn_mask, Tensor) and attn_mask.requires_grad and torch.is_grad_enabled()):
-        # torch.func transforms (the fused Functions have no vmap rule and are ctx-style), meta tensors
-        # (the fused paths read values) and a differentiable mask: the materialized weights in plain
-        # ops (as SDPA's math kernel does)
-        w = _weights(q, k, iterations, attn_mask, alpha, is_causal)
-        return torch.matmul(w, v.to(w.dtype)).to(q.dtype)
-    if gpu.wanted(q):  # the Triton kernels (attnopt.functional.triton): CUDA, or backend("triton")
-        return _on_triton(mech, q, k, v, iterations, None, attn_mask, alpha, is_causal)
-    fused = dispatched_sinkhorn(mech, q, k, v, iterations, None, attn_mask, alpha, is_causal, impl)
-    if fused is not None:
-        return fused
-    return _dnas(q, k, v, iterations, attn_mask, alpha, is_causal)
+    return _route(mech, q, k, v, iterations, None, attn_mask, alpha, is_causal, impl, forced)
 
 
 def _use_prefix(causal: object, is_causal: bool, impl: str, iterations: int) -> bool:
@@ -345,26 +329,6 @@ def _use_prefix(causal: object, is_causal: bool, impl: str, iterations: int) -> 
         raise ValueError("impl='streaming' has no autoregressive (causal='prefix') variant: use impl='auto', "
                          "or causal='plan' for the masked plan, which lets each row read later queries")
     return use
-
-
-def _weights(q: Tensor, k: Tensor, iterations: int, attn_mask: Tensor | None, scale: float,
-             is_causal: bool) -> Tensor:
-    nq, nk, _ = check_attention_inputs(q, k)
-    batch = tuple(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2]))
-    compute = torch.float32 if q.dtype in _HALF else q.dtype
-    s = torch.matmul(q.to(compute), k.to(compute).transpose(-2, -1)) * scale
-    m = additive_mask(attn_mask, (*batch, nq, nk), compute)
-    if m is not None:
-        s = s + m
-    if is_causal:
-        s = s + causal_additive_mask(nq, nk, compute, q.device)
-    if iterations == 0:
-        return safe_softmax(s, dim=-1)
-    for _ in range(iterations):
-        for dim in (-2, -1):
-            lse = safe_logsumexp(s, dim=dim, keepdim=True)  # -inf for an empty slice
-            s = s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    return torch.exp(s)
 
 
 def doubly_normalized_weights(
@@ -401,7 +365,7 @@ def doubly_normalized_weights(
     if _use_prefix(causal, is_causal, "auto", iterations):
         return prefix.prefix_weights(q, k, iterations=iterations, attn_mask=attn_mask, scale=alpha,
                                      is_causal=is_causal).to(q.dtype)
-    return _weights(q, k, iterations, attn_mask, alpha, is_causal).to(q.dtype)
+    return reference.sinkhorn_weights(q, k, iterations, attn_mask, alpha, is_causal).to(q.dtype)
 
 
 def _check_weight(weight: Tensor, q: Tensor) -> Tensor:
@@ -493,31 +457,18 @@ def hybrid_normalized_attention(
                                        scale=resolve_scale(scale, q.shape[-1]), is_causal=is_causal, weight=w)
     if dropout_p > 0.0:  # dropout on the mixed, materialized weights (see doubly_normalized_attention)
         alpha = resolve_scale(scale, q.shape[-1])
-        dn = _weights(q, k, iterations, attn_mask, alpha, is_causal)
-        mixed = torch.lerp(_weights(q, k, 0, attn_mask, alpha, is_causal), dn, w.to(dn.dtype))
+        dn = reference.sinkhorn_weights(q, k, iterations, attn_mask, alpha, is_causal)
+        ln = reference.sinkhorn_weights(q, k, 0, attn_mask, alpha, is_causal)
+        mixed = torch.lerp(ln, dn, w.to(dn.dtype))
         dispatch.record("hybrid_normalized", "materialized")
         return dropout_attention(mixed, v, dropout_p, q.dtype)
-    # the reference backend, torch.func, meta: plain ops (see doubly_normalized_attention)
-    if dispatch.use_reference("hybrid_normalized", q) or under_transform() or q.is_meta:
-        alpha = resolve_scale(scale, q.shape[-1])
-        dn = _weights(q, k, iterations, attn_mask, alpha, is_causal)
-        mixed = torch.lerp(_weights(q, k, 0, attn_mask, alpha, is_causal), dn, w.to(dn.dtype))
-        return torch.matmul(mixed, v.to(mixed.dtype)).to(q.dtype)
-    grad_mask = isinstance(attn_mask, Tensor) and attn_mask.requires_grad and torch.is_grad_enabled()
-    if iterations >= 1 and not grad_mask and gpu.wanted(q):
-        return _on_triton("hybrid_normalized", q, k, v, iterations, w, attn_mask,
-                          resolve_scale(scale, q.shape[-1]), is_causal)
-    if iterations >= 1 and not grad_mask:
-        fused = dispatched_sinkhorn("hybrid_normalized", q, k, v, iterations, w, attn_mask,
-                                    resolve_scale(scale, q.shape[-1]), is_causal, impl)
-        if fused is not None:
-            return fused
-    dn = doubly_normalized_attention(q, k, v, iterations=iterations, attn_mask=attn_mask, scale=scale,
-                                     is_causal=is_causal, causal="plan", impl="streaming")
-    ln = doubly_normalized_attention(q, k, v, iterations=0, attn_mask=attn_mask, scale=scale,
-                                     is_causal=is_causal)
-    w = w.to(dn.dtype)
-    return w * dn + (1 - w) * ln
+    if iterations == 0:  # w π^LNAS + (1 − w) π^LNAS: softmax attention (w keeps its zero gradient)
+        ln = doubly_normalized_attention(q, k, v, iterations=0, attn_mask=attn_mask, scale=scale,
+                                         is_causal=is_causal)
+        wl = w.to(ln.dtype)
+        return wl * ln + (1 - wl) * ln
+    return _route("hybrid_normalized", q, k, v, iterations, w, attn_mask, resolve_scale(scale, q.shape[-1]),
+                  is_causal, impl, dispatch.use_reference("hybrid_normalized", q))
 
 
 def hybrid_normalized_weights(
@@ -548,7 +499,7 @@ def hybrid_normalized_weights(
     if _use_prefix(causal, is_causal, "auto", iterations):
         return prefix.prefix_weights(q, k, iterations=iterations, attn_mask=attn_mask, scale=alpha,
                                      is_causal=is_causal, weight=w).to(q.dtype)
-    dn = _weights(q, k, iterations, attn_mask, alpha, is_causal)
-    ln = _weights(q, k, 0, attn_mask, alpha, is_causal)
+    dn = reference.sinkhorn_weights(q, k, iterations, attn_mask, alpha, is_causal)
+    ln = reference.sinkhorn_weights(q, k, 0, attn_mask, alpha, is_causal)
     w = w.to(dn.dtype)
     return (w * dn + (1 - w) * ln).to(q.dtype)

@@ -1,0 +1,121 @@
+r"""Every size threshold of :mod:`attnopt.functional` in one table (internal; overridable).
+
+A family's router (its ``__init__.py``) and its implementations read their size rules from the
+one live instance :data:`THRESHOLDS` *at call time*, so a change is seen by the next call:
+
+* in code, for a block: ``with overrides(dnas_native_min_entries=0): ...`` (restored on exit);
+* in a test: ``monkeypatch.setattr(THRESHOLDS, "dnas_native_min_entries", 0)``;
+* for a process: the environment variable ``ATTNOPT_THRESHOLDS``, read once at import, e.g.
+  ``ATTNOPT_THRESHOLDS="dnas_native_min_entries=0,dnas_scaling_chunk_entries=65536"``.
+
+The per-mechanism crossovers between a materialized and a streaming path
+(:data:`attnopt.functional.dispatch.CROSSOVERS`, ``impl="auto"``) are the field
+:attr:`Thresholds.crossovers` (the same dict object).
+
+Units. ``*_entries`` count score entries ``B·H·Nq·Nk`` (or of one chunk); ``*_head_scores``
+count ``Nq·Nk`` of one head; ``*_elements`` count live tensor elements; ``*_bytes`` bytes. A
+threshold trades speed against memory or cache size; where it was measured is said next to it
+(the figures themselves live in the bench output, ``attnopt bench --only small_n``, and the
+notes; re-measure on your machine and override). Thresholds change which implementation runs,
+never the result beyond float rounding: every path is tested against the float64 reference.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+__all__ = ["THRESHOLDS", "Thresholds", "overrides"]
+
+
+def _crossovers() -> dict[str, dict[str, int]]:
+    return {
+        "doubly_normalized": {"float32": 1 << 26, "float64": 1 << 25, "half": 1 << 25},
+        "sinkhorn": {"float32": 1 << 26, "float64": 1 << 25, "half": 1 << 25},
+        "hybrid_normalized": {"float32": 1 << 26, "float64": 1 << 25, "half": 1 << 25},
+        "sparse": {"float32": 1 << 24, "float64": 1 << 24, "half": 1 << 23},
+        "generalized": {"float32": 1 << 20, "float64": 1 << 20, "half": 1 << 20},
+        # kernel: the fused Fourier node beat the chunked path fwd+bwd at every size measured up to
+        # B·H·N² = 64·1024²; both paths run the Nq×Nk passes by cache-sized blocks, so the
+        # crossover only picks where the features are computed (2^24 keeps N = 64–512 fused)
+        "kernel": {"float32": 1 << 24, "float64": 1 << 24, "half": 1 << 23},
+    }
+
+
+@dataclass
+class Thresholds:
+    """The size thresholds, one field each (see the module docstring for units and overrides)."""
+
+    #: ``impl="auto"``: largest ``B·H·Nq·Nk`` that runs materialized, per mechanism and dtype
+    #: (``"half"`` = float16/bfloat16). Measured fwd+bwd, d = 64, one CPU thread (bench small_n).
+    crossovers: dict[str, dict[str, int]] = field(default_factory=_crossovers)
+
+    # -- doubly_normalized/ ------------------------------------------------------------------------
+    #: scaling-form kernel (``doubly_normalized/scaling.py``): score entries per chunk of
+    #: (batch, head) slices, so the ``Nq × Nk`` temporaries of one chunk stay in the L2 cache;
+    #: also the size above which it replaces the probability-domain kernel
+    #: (``materialized.py``, which saves the weights and wins while they fit in cache), and
+    #: the largest problem the no-grad forward runs in one piece
+    dnas_scaling_chunk_entries: int = 1 << 20
+    #: from this many score entries the C passes (``doubly_normalized/cpu.py``: K = 1, float32,
+    #: CPU) run instead of the probability-domain kernel (measured fwd+bwd, d = 64, 1 thread:
+    #: equal at 64·64², the C passes ahead from 8·256²)
+    dnas_native_min_entries: int = 1 << 18
+    #: score entries per thread in one chunk of the C passes (``S`` and ``dP`` of the backward
+    #: fit a 2 MiB L2 together; 2^18 ran faster than 2^20 at N = 512, d = 16)
+    dnas_cpu_chunk_entries: int = 1 << 18
+    #: rows per block of the blocked streaming passes (``doubly_normalized/streaming.py``)
+    dnas_streaming_block: int = 256
+    #: live elements of one chunk of the autoregressive Sinkhorn-K prefix rows
+    #: (``doubly_normalized/prefix.py``): Python-loop overhead against temporaries' size
+    dn_prefix_chunk_elements: int = 1 << 22
+
+
+#: The live table every router reads.
+THRESHOLDS = Thresholds()
+
+_FIELDS = {f.name for f in dataclasses.fields(Thresholds) if f.name != "crossovers"}
+
+
+def _check(name: str, value: object) -> int:
+    if name not in _FIELDS:
+        raise ValueError(f"unknown threshold {name!r}; known: {sorted(_FIELDS)}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"threshold {name} must be a non-negative int, got {value!r}")
+    return value
+
+
+@contextmanager
+def overrides(**values: int) -> Iterator[Thresholds]:
+    """Set some thresholds of :data:`THRESHOLDS` inside a ``with`` block (restored on exit).
+
+    Raises:
+        ValueError: an unknown name or a value that is not a non-negative int.
+    """
+    checked = {name: _check(name, value) for name, value in values.items()}
+    saved = {name: getattr(THRESHOLDS, name) for name in checked}
+    for name, value in checked.items():
+        setattr(THRESHOLDS, name, value)
+    try:
+        yield THRESHOLDS
+    finally:
+        for name, value in saved.items():
+            setattr(THRESHOLDS, name, value)
+
+
+def _from_environment(text: str) -> None:
+    """Apply ``ATTNOPT_THRESHOLDS`` (``name=int,name=int``) to :data:`THRESHOLDS`."""
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"ATTNOPT_THRESHOLDS: expected name=int, got {item!r}")
+        try:
+            number = int(value.strip(), 0)
+        except ValueError:
+            raise ValueError(f"ATTNOPT_THRESHOLDS: {name.strip()} needs an int, got {value!r}") from None
+        setattr(THRESHOLDS, name.strip(), _check(name.strip(), number))
+
+
+_from_environment(os.environ.get("ATTNOPT_THRESHOLDS", ""))
