@@ -16,7 +16,7 @@ from attnopt.functional import (
     kernel_attention,
     regularized_attention,
 )
-from attnopt.functional.regularizers import SquaredL2, Tsallis
+from attnopt.functional.regularized.regularizers import SquaredL2, Tsallis
 from attnopt.kernels import NonStationaryFourier, Periodic, RandomFourier
 from attnopt.nn import ImplicitKernelAttention, T5RelativePreference
 from attnopt.nn._gaussian_noise import noise_from_seed

@@ -122,7 +122,7 @@ def test_t5_toeplitz_check():
 
 
 def test_sparse_map_check():
-    from attnopt.functional._sparse_native import _check_sparse_map
+    from attnopt.functional.regularized.cpu import _check_sparse_map
 
     x, p, theta = torch.zeros(6, 5), torch.zeros(6, 5), torch.zeros(6, 1)
     status, counter = torch.zeros(6, dtype=torch.int8), torch.zeros(1, dtype=torch.int64)
@@ -323,8 +323,8 @@ def small_native(monkeypatch: pytest.MonkeyPatch) -> None:
     from attnopt.functional._thresholds import THRESHOLDS
 
     monkeypatch.setattr(THRESHOLDS, "dnas_native_min_entries", 0)
-    for module, name in [("attnopt.functional._sparse_attention_fused", "NATIVE_MIN_ENTRIES"),
-                         ("attnopt.functional.generalized", "NATIVE_MIN_HEAD_SCORES"),
+    monkeypatch.setattr(THRESHOLDS, "sparse_native_min_entries", 0)
+    for module, name in [("attnopt.functional.generalized", "NATIVE_MIN_HEAD_SCORES"),
                          ("attnopt.functional.generalized", "NATIVE_FORWARD_MIN_HEAD_SCORES")]:
         mod = __import__(module, fromlist=[name])
         if hasattr(mod, name):
@@ -351,7 +351,7 @@ def test_e2e_normal_fill_wrong_seed_dtype(small_native):
 
 @needs_native
 def test_e2e_sparse_map_counter(small_native, monkeypatch):
-    from attnopt.functional import _sparse_native
+    from attnopt.functional.regularized import cpu as _sparse_native
 
     monkeypatch.setattr(_sparse_native, "torch", _shim(
         torch, zeros=lambda *a, **k: torch.zeros(*a, **{**k, "dtype": torch.int32})))

@@ -53,7 +53,7 @@ def _threads(n: int) -> Iterator[None]:
 #: so that its small shapes reach C (``(module[:object], attribute, value)``)
 _THRESHOLDS = [
     ("attnopt.functional._thresholds:THRESHOLDS", "dnas_native_min_entries", 0),
-    ("attnopt.functional._sparse_attention_fused", "NATIVE_MIN_ENTRIES", 0),
+    ("attnopt.functional._thresholds:THRESHOLDS", "sparse_native_min_entries", 0),
     ("attnopt.functional.generalized", "NATIVE_MIN_HEAD_SCORES", 0),
     ("attnopt.functional.generalized", "NATIVE_FORWARD_MIN_HEAD_SCORES", 0),
 ]

@@ -54,7 +54,7 @@ from attnopt.functional.doubly_normalized import doubly_normalized_attention, hy
 from attnopt.functional.generalized import generalized_attention
 from attnopt.functional.kernel import kernel_attention
 from attnopt.functional.regularized import regularized_attention
-from attnopt.functional.regularizers import SquaredL2, Tsallis
+from attnopt.functional.regularized.regularizers import SquaredL2, Tsallis
 from attnopt.kernels import NonStationaryFourier, Periodic, RandomFourier
 from attnopt.nn.implicit_kernel import ImplicitKernelAttention
 from attnopt.nn.preference import ALiBiPreference, T5RelativePreference

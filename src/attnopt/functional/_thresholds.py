@@ -72,6 +72,32 @@ class Thresholds:
     #: (``doubly_normalized/prefix.py``): Python-loop overhead against temporaries' size
     dn_prefix_chunk_elements: int = 1 << 22
 
+    # -- regularized/ (sparsemax / entmax maps and attention) ----------------------------------------
+    #: from this many scores ``B·H·Nq·Nk`` the materialized sparsemax / 1.5-entmax attention
+    #: (``regularized/materialized.py``) runs the C map (``regularized/cpu.py``) on the scores
+    #: instead of the in-place PyTorch search (C ahead from 2^21 at one and two threads, behind at
+    #: two threads on small blocks)
+    sparse_native_min_entries: int = 1 << 21
+    #: without autograd the C map runs in place on the scores from this many entries (nothing
+    #: saved, no second ``N × N`` buffer; faster at every size measured, hence 0)
+    sparse_no_grad_native_min_entries: int = 0
+    #: entries per row block of the materialized attention's threshold search (fits the L2 cache)
+    sparse_row_block_entries: int = 1 << 16
+    #: live elements of one query block of the streaming attention (``regularized/streaming.py``)
+    sparse_streaming_block_elements: int = 1 << 22
+    #: entries per row block of the sparsemax map's CPU threshold search (``regularized/maps.py``)
+    sparsemax_block_entries: int = 1 << 16
+    #: entries per row block of the entmax maps' CPU threshold search (``regularized/maps.py``)
+    entmax_block_entries: int = 1 << 18
+    #: entries per row block of the 1.5-entmax pass search (``regularized/entmax15_passes.py``):
+    #: the block and its scratch stay in L2
+    entmax15_passes_block_entries: int = 1 << 18
+    #: rows shorter than this take the dense map search, not the group search
+    #: (``regularized/groups.py``: the dense search is already cheap)
+    sparse_groups_min_row: int = 256
+    #: entries per row block of the group search (fits the L2 cache, so the gathers hit it)
+    sparse_groups_block_entries: int = 1 << 20
+
 
 #: The live table every router reads.
 THRESHOLDS = Thresholds()

@@ -31,12 +31,12 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from attnopt.functional import _sparse_groups as _groups
+from attnopt.functional._thresholds import THRESHOLDS
+from attnopt.functional.regularized import groups as _groups
 
 __all__ = ["entmax15_passes"]
 
 _GROUP = 4  # strided groups whose maxima give the first guess (a subset of the row)
-_BLOCK = 1 << 18  # entries per row block: the block and its scratch stay in L2
 _LB_ITERS = 2  # Newton steps on the group maxima before their closed form
 _RETRIES = 2  # reruns of the failing rows from their Newton lower bound
 
@@ -114,7 +114,7 @@ def entmax15_passes(x: Tensor, tol: float, dense: Dense) -> tuple[Tensor, Tensor
     m = torch.empty((rows, 1), dtype=x.dtype, device=x.device)  # row max (−inf rows: 0)
     c = torch.empty_like(m)  # threshold, relative to the row max
     c_next = torch.empty_like(m)  # Newton restart point (score units), NaN where c is exact
-    step = max(1, _BLOCK // n)
+    step = max(1, THRESHOLDS.entmax15_passes_block_entries // n)
     pool: queue.SimpleQueue[Tensor] = queue.SimpleQueue()  # cache-sized scratch, one per worker
     for _ in range(min(torch.get_num_threads(), -(-rows // step))):
         pool.put(torch.empty((3, step, n), dtype=x.dtype, device=x.device))

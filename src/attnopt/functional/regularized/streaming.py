@@ -1,7 +1,7 @@
 r"""Blocked sparsemax / α-entmax attention that never keeps the ``Nq × Nk`` weights (internal).
 
 Forward: for each block of queries, compute the scores, the map ``p = [(α−1)(s − max s) − θ]₊^{1/(α−1)}``
-(:mod:`attnopt.functional.entmax`), ``out = p v``; keep only the per-query thresholds ``θ``.
+(:mod:`attnopt.functional.regularized.maps`), ``out = p v``; keep only the per-query thresholds ``θ``.
 Backward: recompute the block's scores and ``p`` from ``θ`` (no iteration), then
 
 .. math:: dV \mathrel{+}= p^\top dO,\quad dP = dO\,V^\top,\quad
@@ -21,18 +21,17 @@ import torch
 from torch import Tensor
 
 from attnopt.functional._autograd import double_backward, tracked_vjp
-from attnopt.functional.entmax import (
+from attnopt.functional._thresholds import THRESHOLDS
+from attnopt.functional.regularized.maps import (
     _default_tol,
     _entmax_backward,
     _map_from_threshold,
     _threshold_map,
-    entmax,
-    sparsemax,
 )
+from attnopt.functional.regularized.reference import sparse_attention
 
 __all__ = ["blocked_sparse_attention"]
 
-_BLOCK_ELEMENTS = 1 << 22
 
 
 def _compute(dtype: torch.dtype) -> torch.dtype:
@@ -60,22 +59,6 @@ def _block_scores(
         rows = torch.arange(i0, i1, device=s.device)[:, None]
         s.masked_fill_(torch.arange(nk, device=s.device)[None, :] > rows, float("-inf"))
     return s
-
-
-def _plain(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, beta: Tensor | None, alpha: float,
-           scale: float, causal: bool, *_: object) -> Tensor:
-    """The same attention in tracked plain ops (``(*batch, N, ·)`` inputs): scores, the map, ``@ v``."""
-    c = _compute(q.dtype)
-    s = torch.matmul(q.to(c), k.to(c).transpose(-2, -1)) * scale
-    if mask is not None:
-        s = s + mask
-    if beta is not None:
-        dist = _distance(0, q.shape[-2], k.shape[-2], beta.dtype, s.device)
-        s = s - (beta * dist if beta.dim() == 0 else beta.view(-1, 1, 1) * dist).to(c)
-    if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    p = sparsemax(s) if alpha == 2.0 else entmax(s, alpha)
-    return torch.matmul(p, v.to(c)).to(q.dtype)
 
 
 class _BlockedSparseAttention(torch.autograd.Function):
@@ -118,7 +101,7 @@ class _BlockedSparseAttention(torch.autograd.Function):
     def backward(ctx: Any, dout: Tensor, _dtheta: Tensor | None) -> tuple[Any, ...]:
         if double_backward(ctx):  # create_graph=True: the plain ops (exact double backward)
             args = (*ctx.saved_tensors[:5], ctx.alpha, ctx.scale, ctx.causal, 0)
-            return tracked_vjp(ctx, _plain, args, dout)
+            return tracked_vjp(ctx, sparse_attention, args, dout)
         q, k, v, mask, beta, thetas = ctx.saved_tensors
         compute = _compute(q.dtype)
         kc, vc = k.to(compute), v.to(compute)
@@ -173,7 +156,7 @@ def blocked_sparse_attention(
     nq, nk = q.shape[-2], k.shape[-2]
     if block_size is None:
         rows = max(1, int(torch.tensor(batch).prod().item()) if batch else 1)
-        block_size = max(1, min(nq, _BLOCK_ELEMENTS // max(1, rows * nk)))
+        block_size = max(1, min(nq, THRESHOLDS.sparse_streaming_block_elements // max(1, rows * nk)))
     if mask is not None:
         mask = mask.detach()
     out, _ = _BlockedSparseAttention.apply(q, k, v, mask, beta, alpha, scale, is_causal, block_size)

@@ -1,6 +1,6 @@
 r"""Sparsemax and 1.5-entmax by sorting: exact thresholds with a fixed op count (internal).
 
-The device path of :mod:`attnopt.functional.entmax`: the threshold searches there stop when a
+The device path of :mod:`attnopt.functional.regularized.maps`: the threshold searches there stop when a
 value read on the host says so (the support stopped changing, ``|Σp − 1| ≤ tol``), which
 stalls a GPU stream once per iteration and breaks a ``torch.compile`` graph. The sort-based
 algorithms find the same thresholds in closed form with no data-dependent control flow

@@ -5,7 +5,7 @@ on first use by :mod:`attnopt._native`; ``torch.get_num_threads()`` threads
 (:func:`attnopt._native.parallel_rows`) claim runs of rows from a shared counter, so a thread
 that a loaded machine deschedules does not hold up the call. Each row is a handful of
 vectorized sweeps over a few kB that stay in the L1 cache, where the PyTorch-op search
-(:mod:`attnopt.functional._entmax15_passes`, :mod:`attnopt.functional._sparse_groups`) pays a
+(:mod:`.entmax15_passes`, :mod:`.groups`) pays a
 dozen streaming ops per cache block and a thread barrier after each. Per row, with
 ``z = x − max x`` (written once into the output):
 
@@ -27,8 +27,23 @@ Sums are vectorized in the input precision over blocks of 256 entries and carrie
 A row whose search does not settle within ``max_iter`` sweeps is reported, and the caller
 reruns it on the PyTorch path (never a silent wrong row).
 
-Backward (the closed forms of :func:`attnopt.functional.entmax._entmax_backward`):
+Backward (the closed forms of :func:`attnopt.functional.regularized.maps._entmax_backward`):
 ``∂L/∂x = s ⊙ (g − ⟨s, g⟩/⟨s, 1⟩)`` with ``s = √p`` (1.5-entmax) or ``s = 1_{p>0}`` (sparsemax).
+
+The same kernels as ``torch.library`` ops (issue 30 item 2: a C kernel reached through PyTorch's
+dispatcher, so that ``torch.compile``, ``torch.export``, the profiler and ``torch.func`` see one op):
+
+* ``attnopt::sparse_map_fwd(x, alpha, max_iter) -> (p, theta, status)``: ``status`` (one int8 per
+  row: 0 settled, 1 not settled within ``max_iter`` sweeps, 2 NaN / ``+inf``) replaces the
+  ctypes wrapper's data-dependent ``redo`` index, so the op's output shapes follow from its
+  input shapes alone (the fake implementation needs nothing more);
+* ``attnopt::sparse_map_bwd(p, grad, alpha) -> dx``: the closed-form backward above;
+* :func:`sparse_map`: ``p`` with autograd registered on the forward op (its backward is the
+  backward op), for callers that want one differentiable op.
+
+Both ops have CPU kernels only; other devices have no kernel registered (a clear dispatcher
+error), and the library's routers never hand them a device tensor (they run the sort-based
+closed forms of :mod:`.sort` there). The routers still call the ctypes entry points.
 """
 from __future__ import annotations
 
@@ -40,7 +55,8 @@ from torch import Tensor
 from attnopt import _native
 from attnopt._native.checks import require
 
-__all__ = ["backward", "forward", "forward_status", "usable"]
+__all__ = ["backward", "forward", "forward_status", "sparse_map", "sparse_map_bwd", "sparse_map_fwd",
+           "usable"]
 
 _LIB = "sparse_maps"
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
@@ -71,7 +87,7 @@ def forward_status(
     """``(p, θ, status)``: :func:`forward`'s C call, with one int8 ``status`` per row (0 settled,
     1 not settled within ``max_iter`` sweeps, 2 NaN / ``+inf``) instead of the ``redo`` index.
 
-    The body of the ``attnopt::sparse_map_fwd`` op (:mod:`._sparse_ops`): no host read, output
+    The body of the ``attnopt::sparse_map_fwd`` op (below): no host read, output
     shapes from the input shape alone.
     """
     lib = _native.library(_LIB)
@@ -108,7 +124,7 @@ def forward(
     before writing it, and later sweeps read only ``p``); the ``redo`` rows then hold a shifted
     copy of their input, not the input.
 
-    ``θ`` (shape ``(..., 1)``) is the threshold of :func:`attnopt.functional.entmax._map_from_threshold`:
+    ``θ`` (shape ``(..., 1)``) is the threshold of :func:`.maps._map_from_threshold`:
     ``p = [(α−1)(x − max x) − θ]₊^{1/(α−1)}``. ``redo`` holds the flat indices of the rows whose
     search did not settle (their ``p`` and ``θ`` are to be recomputed by the caller).
 
@@ -160,3 +176,59 @@ def _check_sparse_map(
     if status is not None:
         require(kernel, "status", status, dtype=torch.int8, numel=rows)
     require(kernel, "counter", counter, dtype=torch.int64, numel=1)
+
+
+@torch.library.custom_op("attnopt::sparse_map_fwd", mutates_args=(), device_types="cpu")
+def sparse_map_fwd(x: Tensor, alpha: float, max_iter: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(p, θ, status)`` of sparsemax (``alpha = 2``) or 1.5-entmax along the last dim of ``x``."""
+    return forward_status(x, alpha, max_iter)
+
+
+@sparse_map_fwd.register_fake
+def _(x: Tensor, alpha: float, max_iter: int) -> tuple[Tensor, Tensor, Tensor]:  # noqa: ARG001
+    rows = x.numel() // max(x.shape[-1], 1)
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            x.new_empty((*x.shape[:-1], 1)), x.new_empty((rows,), dtype=torch.int8))
+
+
+@torch.library.custom_op("attnopt::sparse_map_bwd", mutates_args=(), device_types="cpu")
+def sparse_map_bwd(p: Tensor, grad: Tensor, alpha: float) -> Tensor:
+    """The closed-form backward of :func:`sparse_map_fwd` along the last dim."""
+    return backward(p, grad, alpha)
+
+
+@sparse_map_bwd.register_fake
+def _(p: Tensor, grad: Tensor, alpha: float) -> Tensor:  # noqa: ARG001
+    return torch.empty_like(p, memory_format=torch.contiguous_format)
+
+
+def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: tuple) -> None:
+    ctx.alpha = inputs[1]  # type: ignore[attr-defined]
+    ctx.save_for_backward(output[0])
+
+
+def _backward(ctx: torch.autograd.function.FunctionCtx, gp: Tensor, _gt: Tensor | None,
+              _gs: Tensor | None) -> tuple[Tensor | None, None, None]:
+    (p,) = ctx.saved_tensors  # type: ignore[attr-defined]
+    return torch.ops.attnopt.sparse_map_bwd(p, gp, ctx.alpha), None, None  # type: ignore[attr-defined]
+
+
+sparse_map_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def sparse_map(x: Tensor, alpha: float, max_iter: int = 1000) -> Tensor:
+    """Sparsemax / 1.5-entmax of the last dim by the C kernel as one differentiable op.
+
+    Raises:
+        ValueError: NaN or ``+inf`` in ``x``, or a row the kernel did not settle (the library's
+            routers rerun those rows on the PyTorch path instead).
+    """
+    p, _, status = torch.ops.attnopt.sparse_map_fwd(x, alpha, max_iter)
+    if not torch.compiler.is_compiling():  # (a host read: eager CPU only)
+        worst = int(status.max()) if status.numel() else 0
+        if worst == 2:
+            raise ValueError("scores must not contain NaN or +inf (use -inf to mask an entry)")
+        if worst == 1:
+            raise ValueError(f"the C search did not settle within max_iter={max_iter} sweeps")
+    out: Tensor = p
+    return out

@@ -21,9 +21,9 @@ Dispatch of :func:`regularized_attention`:
   N = 2048) slower on them (B·H = 8, d = 64, 1 thread; up to 9× with peaked scores).
 * :class:`SquaredL2` and :class:`Tsallis` with a float α, below the size crossover of
   :mod:`attnopt.functional.dispatch` (``impl="auto"``, or ``impl="materialized"``) → the
-  fused materialized path (:mod:`attnopt.functional._sparse_attention_fused`: scores once, the
+  fused materialized path (:mod:`attnopt.functional.regularized.materialized`: scores once, the
   exact threshold search in place on them, ``P`` saved for a closed-form backward); above it
-  (or ``impl="streaming"``) → a blocked implementation (:mod:`attnopt.functional._blocked_sparse`):
+  (or ``impl="streaming"``) → a blocked implementation (:mod:`attnopt.functional.regularized.streaming`):
   queries are processed in blocks, only the per-query thresholds are kept, and the backward
   recomputes each block of weights from them, so neither pass holds the ``Nq × Nk`` matrix.
 * ``SquaredL2`` / float-α ``Tsallis`` (α > 1) without ``locality`` on a CUDA tensor with Triton
@@ -57,7 +57,6 @@ from attnopt._validation import (
 from attnopt.functional import dispatch
 from attnopt.functional import triton as gpu
 from attnopt.functional._autograd import under_transform
-from attnopt.functional._blocked_sparse import blocked_sparse_attention
 from attnopt.functional._denormal import flushed_sdpa, sdpa
 from attnopt.functional._dropout import check_dropout_p, dropout_attention
 from attnopt.functional._generalized_fused import (
@@ -66,8 +65,9 @@ from attnopt.functional._generalized_fused import (
     flash_bias_available,
 )
 from attnopt.functional._softmax import safe_softmax
-from attnopt.functional._sparse_attention_fused import fused_sparse_attention
-from attnopt.functional.regularizers import Regularizer, Shannon, SquaredL2, Tsallis
+from attnopt.functional.regularized.materialized import fused_sparse_attention
+from attnopt.functional.regularized.regularizers import Regularizer, Shannon, SquaredL2, Tsallis
+from attnopt.functional.regularized.streaming import blocked_sparse_attention
 
 __all__ = [
     "softmax_weights",
@@ -105,7 +105,7 @@ def regularized_weights(scores: Tensor, regularizer: Regularizer, *, dim: int = 
     Args:
         scores: (..., S) real scores; ``-inf`` entries get weight 0.
         regularizer: :class:`Shannon`, :class:`SquaredL2`, :class:`Tsallis`, or any object with
-            ``conjugate_grad(scores, dim)`` (:class:`~attnopt.functional.regularizers.Regularizer`).
+            ``conjugate_grad(scores, dim)`` (:class:`~.regularizers.Regularizer`).
         dim: dimension that sums to one.
     Returns:
         (..., S) weights summing to one along ``dim`` (all ``-inf`` slices: zeros for the
@@ -227,11 +227,11 @@ def regularized_attention(
             per block).
         dropout_p: dropout probability on the weights ``p`` before the sum over values (as in
             SDPA: applied whenever > 0). A call with ``dropout_p > 0`` runs on the materialized
-            ``Nq × Nk`` weights (plain PyTorch ops, :mod:`._dropout`; ``block_size`` and ``impl``
+            ``Nq × Nk`` weights (plain PyTorch ops, :mod:`.._dropout`; ``block_size`` and ``impl``
             are then ignored).
         impl: for ``SquaredL2`` / float-α ``Tsallis``: ``"streaming"`` (the blocked path),
             ``"materialized"`` (scores once, exact thresholds found in place on them, ``P`` saved
-            for the backward; :mod:`._sparse_attention_fused`) or ``"auto"`` (by size,
+            for the backward; :mod:`.materialized`) or ``"auto"`` (by size,
             :func:`attnopt.functional.dispatch.choose_impl`, recorded in
             ``dispatch.last_dispatch["sparse"]``; an explicit ``block_size`` means blocked).
             Ignored by the other regularizers, and under ``torch.func`` transforms (``vmap``,

@@ -19,15 +19,15 @@ How it is computed (no fixed iteration count hiding error):
   when the support stops changing — the result is the exact projection.
 * α = 1.5: once Newton has converged, the threshold is recomputed in closed form on the
   support (the quadratic of the sort-based algorithm), so the result is exact to rounding.
-  Large contiguous CPU inputs (last dim) take :mod:`attnopt.functional._entmax15_passes`
+  Large contiguous CPU inputs (last dim) take :mod:`attnopt.functional.regularized.entmax15_passes`
   instead: the same closed form from a group-max guess, verified in a second pass, with reruns
   and this dense search for the rows it rejects — two streaming passes per cache block.
 * α = 1.5 and 2 off the CPU (a GPU, meta / fake tensors, inside ``torch.compile``): the
-  sort-based closed forms of :mod:`attnopt.functional._sparse_sort` (exact, no host sync, a
+  sort-based closed forms of :mod:`attnopt.functional.regularized.sort` (exact, no host sync, a
   fixed op count); other α there run the Newton search below for exactly ``max_iter``
   iterations with converged slices frozen (the same result as stopping early; no warning).
 * α = 1.5 and 2 along the last dim of float32/float64 CPU tensors: the C kernels of
-  :mod:`attnopt.functional._sparse_native` (same closed forms, same acceptance of the support,
+  :mod:`attnopt.functional.regularized.cpu` (same closed forms, same acceptance of the support,
   a few sweeps per row in the L1 cache; forward and backward), when a C compiler is available
   and ``ATTNOPT_NATIVE`` is not ``0``; the PyTorch paths above are their fallback.
 
@@ -53,18 +53,17 @@ import torch
 from torch import Tensor
 
 from attnopt._validation import check_tensor, device_assert, host_readable, host_values
-from attnopt.functional import _sparse_groups as _groups
-from attnopt.functional import _sparse_native as _native_maps
 from attnopt.functional._autograd import double_backward, under_transform
-from attnopt.functional._entmax15_passes import entmax15_passes
-from attnopt.functional._sparse_sort import entmax15_sort, sparsemax_sort
+from attnopt.functional._thresholds import THRESHOLDS
 from attnopt.functional.dispatch import current_backend
+from attnopt.functional.regularized import cpu as _native_maps
+from attnopt.functional.regularized import groups as _groups
+from attnopt.functional.regularized.entmax15_passes import entmax15_passes
+from attnopt.functional.regularized.sort import entmax15_sort, sparsemax_sort
 
 __all__ = ["sparsemax", "entmax", "entmax15", "entmax_bisect"]
 
 _HALF = (torch.float16, torch.bfloat16)
-_CHUNK_SPARSEMAX = 1 << 16  # entries per row block of the CPU threshold search (cache sized)
-_CHUNK = 1 << 18
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -269,9 +268,9 @@ def _threshold_map(x: Tensor, alpha: float, dim: int, max_iter: int, tol: float)
     """Forward of the float-α map returning ``(p, θ)``; :func:`_map_from_threshold` recomputes ``p``.
 
     Sparsemax and 1.5-entmax along the last dim of a float32/float64 CPU tensor run
-    the C kernels of :mod:`attnopt.functional._sparse_native` when they are built (the
+    the C kernels of :mod:`attnopt.functional.regularized.cpu` when they are built (the
     PyTorch paths below are the fallback). Otherwise large CPU inputs (last dim) go through
-    the exact candidate-group path of :mod:`attnopt.functional._sparse_groups` when their rows
+    the exact candidate-group path of :mod:`attnopt.functional.regularized.groups` when their rows
     are sparse, else the dense search.
     """
     core: Callable[[Tensor, int], tuple[Tensor, Tensor]]
@@ -280,18 +279,21 @@ def _threshold_map(x: Tensor, alpha: float, dim: int, max_iter: int, tol: float)
         z, empty = _shift(x, dim)  # the sort-based closed forms: exact, no host read, fixed op count
         return (sparsemax_sort if alpha == 2.0 else entmax15_sort)(z, empty, dim)
     if alpha == 2.0:
-        core, elements = (lambda c, d: _sparsemax_forward(c, d, max_iter)), _CHUNK_SPARSEMAX
+        elements = THRESHOLDS.sparsemax_block_entries
+        core = lambda c, d: _sparsemax_forward(c, d, max_iter)  # noqa: E731
 
         def solve(t: Tensor, th0: Tensor | None, cap: int | None) -> tuple[Tensor, Tensor]:
             return _sparsemax_forward(t, -1, cap or max_iter, th0, warn=cap is None)
     elif alpha == 1.5:
-        core, elements = (lambda c, d: _entmax15_forward(c, d, tol, max_iter)), _CHUNK
+        elements = THRESHOLDS.entmax_block_entries
+        core = lambda c, d: _entmax15_forward(c, d, tol, max_iter)  # noqa: E731
 
         def solve(t: Tensor, th0: Tensor | None, cap: int | None) -> tuple[Tensor, Tensor]:
             return _entmax15_forward(t, -1, tol, cap or max_iter, th0, warn=cap is None)
     else:
         a = torch.full((), alpha, dtype=x.dtype, device=x.device)
-        core, elements = (lambda c, d: _entmax_general_forward(c, a, d, tol, max_iter)), _CHUNK
+        elements = THRESHOLDS.entmax_block_entries
+        core = lambda c, d: _entmax_general_forward(c, a, d, tol, max_iter)  # noqa: E731
 
         def solve(t: Tensor, th0: Tensor | None, cap: int | None) -> tuple[Tensor, Tensor]:
             return _entmax_general_forward(t, a, -1, tol, cap or max_iter, th0, warn=cap is None)
@@ -360,7 +362,7 @@ def _backward_rows(p: Tensor, grad: Tensor, alpha: float) -> Tensor:
     pf = p.view(-1, n)
     gf = grad.reshape(-1, n)
     out = torch.empty_like(pf)
-    step = max(1, _CHUNK_SPARSEMAX // n)
+    step = max(1, THRESHOLDS.sparsemax_block_entries // n)
     local = threading.local()  # one cache-sized buffer per worker thread
 
     def block(i: int, j: int) -> bool:

@@ -24,12 +24,12 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from attnopt.functional._thresholds import THRESHOLDS
+
 __all__ = ["group_forward", "group_size", "run_blocks", "usable"]
 
 _GROUP = 8  # entries per group for sparsemax (α ≥ 2); α < 2 has wider supports: groups of 4
-_MIN_N = 256  # rows shorter than this: the dense search is already cheap
 _MARGIN = 1e-3  # safety margin on the lower bound (z units; θ ∈ [−1, 0])
-_BLOCK = 1 << 20  # entries per row block: fits the L2 cache, so the gathers hit it
 
 _LB_ITERS = 2  # iterations of the lower-bound solve on the group maxima (every iterate is a bound)
 
@@ -47,11 +47,11 @@ def usable(x: Tensor, dim: int) -> bool:
     """CPU, last dim, contiguous, a row length that splits into groups of 8, large enough."""
     n = x.shape[-1] if x.dim() else 0
     return (x.device.type == "cpu" and x.dim() >= 2 and dim % x.dim() == x.dim() - 1 and x.is_contiguous()
-            and n >= _MIN_N and n % _GROUP == 0 and x.numel() >= 4 * n)
+            and n >= THRESHOLDS.sparse_groups_min_row and n % _GROUP == 0 and x.numel() >= 4 * n)
 
 
-def _blocks(rows: int, n: int, elements: int = _BLOCK) -> list[tuple[int, int]]:
-    step = max(1, elements // n)
+def _blocks(rows: int, n: int, elements: int | None = None) -> list[tuple[int, int]]:
+    step = max(1, (THRESHOLDS.sparse_groups_block_entries if elements is None else elements) // n)
     return [(i, min(rows, i + step)) for i in range(0, rows, step)]
 
 

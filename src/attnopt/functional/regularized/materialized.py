@@ -15,7 +15,7 @@ on the whole row block (no shift by the row max, no second score-sized buffer fo
   extra entry of ``S`` falls below it and ``Σ[z − τ]₊² < 1`` — so ``τ`` is taken once
   ``|Σ[z − τ]₊² − 1| ≤ tol`` (or Newton's step is below rounding). Then ``g = [z − τ]₊ = √P``
   and ``P = g²`` (exact to rounding once the support is found).
-* other α: the threshold search of :mod:`attnopt.functional.entmax`.
+* other α: the threshold search of :mod:`attnopt.functional.regularized.maps`.
 
 Rows longer than a cache-sized block are processed in row blocks, so the search's passes run
 in cache. Rows that are entirely masked give ``P = 0`` (and zero gradient).
@@ -63,14 +63,14 @@ from torch import Tensor
 
 from attnopt import _native
 from attnopt._validation import broadcast_shapes
-from attnopt.functional import _sparse_native
 from attnopt.functional._autograd import double_backward, records_graph, tracked_vjp
-from attnopt.functional._blocked_sparse import _plain
-from attnopt.functional.entmax import _default_tol, _entmax_backward, _threshold_map
+from attnopt.functional._thresholds import THRESHOLDS
+from attnopt.functional.regularized import cpu
+from attnopt.functional.regularized.maps import _default_tol, _entmax_backward, _threshold_map
+from attnopt.functional.regularized.reference import sparse_attention
 
 __all__ = ["fused_sparse_attention"]
 
-_ROW_BLOCK = 1 << 16  # entries per row block of the threshold search (fits the L2 cache)
 _MAX_ITER_SPARSEMAX = 1000
 _MAX_ITER_ENTMAX = 100
 _NEWTON_FIRST = 2  # unchecked Newton steps of the 1.5-entmax search (measured: 3-5 in all)
@@ -175,7 +175,7 @@ def _entmax15_rows(t: Tensor, g: Tensor, tol: float) -> Tensor:
 
 
 def _block_rows(n: int) -> int:
-    return max(1, _ROW_BLOCK // max(n, 1))
+    return max(1, THRESHOLDS.sparse_row_block_entries // max(n, 1))
 
 
 def _by_blocks(rows: int, n: int, fn: Any) -> None:
@@ -218,7 +218,7 @@ def _plain_vjp(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
 
     def attend(*xs: Any) -> Tensor:  # the forward's inputs; q, k, v flattened to (B·H, N, ·)
         qkv = (x.view(*ctx.batch, *x.shape[-2:]) for x in xs[:3])
-        out = _plain(*qkv, xs[4], xs[5], ctx.alpha, ctx.scale, ctx.causal)
+        out = sparse_attention(*qkv, xs[4], xs[5], ctx.alpha, ctx.scale, ctx.causal)
         return out.reshape(-1, *out.shape[-2:])
 
     return tracked_vjp(ctx, attend, (*saved[:3], None, ctx.mask, saved[-1], None, None, None), dout)
@@ -312,28 +312,11 @@ class _FusedEntmaxAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, dbeta, None, None, None
 
 
-#: From this many scores (B·H·Nq·Nk), α ∈ {1.5, 2} take the C map of :mod:`._sparse_native` on the
-#: scores (through :class:`_FusedEntmaxAttention`) instead of the in-place PyTorch-op search. Measured
-#: (fwd+bwd CPU time, d = 64): C 0.36–0.52× the search at B·H·N² ≥ 2²¹ at one and two threads,
-#: but slower at two threads on small blocks (1.16–1.89× at B·H = 8, N ≤ 256).
-NATIVE_MIN_ENTRIES = 1 << 21
-
-
-#: Without autograd (inference) the C map runs from this many scores on, at any thread count:
-#: nothing is saved, the scale rides on the GEMM and ``P`` is written over the scores (no second
-#: ``N × N`` buffer). Measured (forward, no grad, d = 64, B·H = 8, float32, loaded 2-core machine,
-#: CPU ms, the autograd path -> this one, sparsemax / 1.5-entmax): 1 thread N = 64 0.47 -> 0.28 /
-#: 0.55 -> 0.31 (SDPA 0.11), N = 256 3.9 -> 1.9 / 6.1 -> 2.0 (SDPA 1.25), N = 512 7.5 -> 7.0 /
-#: 7.3 -> 6.7 (SDPA 4.7); 2 threads N = 64 1.28 -> 0.71 / 2.56 -> 0.66, N = 256 9.1 -> 5.3 /
-#: 14.0 -> 4.9, N = 512 26 -> 11 / 20 -> 14: faster at every size measured, hence 0.
-NO_GRAD_MIN_ENTRIES = 0
-
-
 def _no_grad_forward(
     q: Tensor, k: Tensor, v: Tensor, batch: tuple[int, ...], mask: Tensor | None, beta: Tensor | None,
     alpha: float, scale: float, causal: bool,
 ) -> Tensor:
-    """Inference: the scores (scale on the GEMM), the C map of :mod:`._sparse_native` (exact
+    """Inference: the scores (scale on the GEMM), the C map of :mod:`.cpu` (exact
     thresholds, rows it does not settle redone by the PyTorch search), ``P V``; nothing saved."""
     nq, nk = q.shape[-2], k.shape[-2]
 
@@ -350,7 +333,7 @@ def _no_grad_forward(
         return s
 
     max_iter = _MAX_ITER_SPARSEMAX if alpha == 2.0 else _MAX_ITER_ENTMAX
-    p, _, redo = _sparse_native.forward(scores(), alpha, max_iter, in_place=True)  # P over S: no N×N alloc
+    p, _, redo = cpu.forward(scores(), alpha, max_iter, in_place=True)  # P over S: no N×N alloc
     if redo.numel():  # rows the C search did not settle (rare): the whole map again, with its fallback
         p = _threshold_map(scores(), alpha, -1, max_iter, _default_tol(q.dtype))[0]
     return torch.bmm(p.view(-1, nq, nk), v).view(*batch, nq, v.shape[-1])
@@ -358,10 +341,10 @@ def _no_grad_forward(
 
 def _native_map(q: Tensor, nk: int, min_entries: int | None = None) -> bool:
     """Whether the C sparse-map kernel runs the threshold search for these (flattened) queries."""
-    limit = NATIVE_MIN_ENTRIES if min_entries is None else min_entries
+    limit = THRESHOLDS.sparse_native_min_entries if min_entries is None else min_entries
     return (q.shape[0] * q.shape[1] * nk >= limit and q.device.type == "cpu"
             and q.dtype in (torch.float32, torch.float64) and _native.has_storage(q)
-            and _sparse_native.library_available())
+            and cpu.library_available())
 
 
 def fused_sparse_attention(
@@ -370,7 +353,7 @@ def fused_sparse_attention(
 ) -> Tensor:
     """Sparsemax (``alpha = 2``) / α-entmax attention on materialized scores (inputs validated).
 
-    Same contract as :func:`attnopt.functional._blocked_sparse.blocked_sparse_attention`.
+    Same contract as :func:`attnopt.functional.regularized.streaming.blocked_sparse_attention`.
     """
     orig = q.dtype
     compute = torch.float32 if orig in (torch.float16, torch.bfloat16) else orig
@@ -383,7 +366,8 @@ def fused_sparse_attention(
         qkv.append(x.reshape(-1, *x.shape[-2:]))
     m = None if mask is None else mask.detach().to(compute)
     inference = not records_graph(*qkv, beta)
-    if alpha in (1.5, 2.0) and inference and _native_map(qkv[0], k.shape[-2], NO_GRAD_MIN_ENTRIES):
+    no_grad_c = _native_map(qkv[0], k.shape[-2], THRESHOLDS.sparse_no_grad_native_min_entries)
+    if alpha in (1.5, 2.0) and inference and no_grad_c:
         plain = _no_grad_forward(qkv[0], qkv[1], qkv[2], batch, m, beta, alpha, scale, is_causal)
         return plain if orig == compute else plain.to(orig)
     fn = _FusedSparseAttention if alpha in (1.5, 2.0) and not _native_map(qkv[0], k.shape[-2]) \
