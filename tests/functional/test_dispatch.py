@@ -214,12 +214,12 @@ def test_sparse_explicit_block_size_keeps_blocked_path_and_gradcheck():
 
 
 def test_generalized_biased_paths_match_reference_and_dispatch(monkeypatch):
-    from attnopt.functional import generalized
     from attnopt.functional.generalized import generalized_attention, generalized_weights
 
-    monkeypatch.setattr(generalized, "SDPA_BELOW", 0)  # these tiny sizes would go to SDPA itself
-    monkeypatch.setattr(generalized, "SDPA_BELOW_LEARNED_NATIVE", 0)
-    monkeypatch.setattr(generalized, "NATIVE_CROSSOVER", 0)  # the crossover below decides, C path or not
+    monkeypatch.setattr(THRESHOLDS, "generalized_sdpa_below", 0)  # these tiny sizes would go to SDPA itself
+    monkeypatch.setattr(THRESHOLDS, "generalized_sdpa_below_learned_native", 0)
+    # the crossover below decides, C path or not
+    monkeypatch.setattr(THRESHOLDS, "generalized_native_crossover", 0)
 
     q, k, v = _qkv(5, 7, seed=6)
     bias = torch.randn(1, 3, 5, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(1))

@@ -160,7 +160,7 @@ def test_dnas_check():
 
 
 def test_biased_softmax_checks():
-    from attnopt.functional import _generalized_native as gn
+    from attnopt.functional.generalized import cpu as gn
 
     b, h, nq, nk = 2, 3, 4, 5
     g = b * h
@@ -382,7 +382,7 @@ def test_e2e_dnas_weight(small_native, monkeypatch):
 
 @needs_native
 def test_e2e_biased_softmax_row_stride(small_native, monkeypatch):
-    from attnopt.functional import _generalized_native
+    from attnopt.functional.generalized import cpu as _generalized_native
 
     real = _generalized_native._strides
     monkeypatch.setattr(_generalized_native, "_strides", lambda t: (*real(t)[:2], 2 * real(t)[2] + 1))
@@ -394,7 +394,7 @@ def test_e2e_biased_softmax_row_stride(small_native, monkeypatch):
 
 @needs_native
 def test_e2e_fused_biased_softmax_strides(small_native, monkeypatch):
-    from attnopt.functional import _generalized_native
+    from attnopt.functional.generalized import cpu as _generalized_native
 
     if attnopt._native.blas() is None:
         pytest.skip("no BLAS found in torch's library")

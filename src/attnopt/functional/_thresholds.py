@@ -98,6 +98,37 @@ class Thresholds:
     #: entries per row block of the group search (fits the L2 cache, so the gathers hit it)
     sparse_groups_block_entries: int = 1 << 20
 
+    # -- generalized/ (softmax with an additive bias: T5, ALiBi, masks) -----------------------------
+    #: ``B·H·Nq·Nk`` up to which ``auto`` runs a relative-position bias (T5's table, ALiBi's offsets)
+    #: under autograd by the whole-call C path (``generalized/cpu.py``: ``fused_attention``, the
+    #: forward one C call, the backward one); ``last_dispatch["generalized_kernel"] == "fused"``
+    generalized_wholecall_below: int = 1 << 23
+    #: ... and one head's ``Nq·Nk`` at most this (at N = 512 a head's E, dP, dS no longer share L2)
+    generalized_wholecall_max_head_scores: int = 1 << 16
+    #: ``B·H·Nq·Nk`` at or below which ``auto`` hands a full bias under autograd to SDPA itself
+    #: (a Python node's per-call cost made it 1.2–2× SDPA with the same bias at B·H = 8, N = 64–128)
+    generalized_sdpa_below: int = 1 << 17
+    #: the same bound for a bias that needs a gradient when the node's C passes run
+    generalized_sdpa_below_learned_native: int = 1 << 14
+    #: ``B·H·Nq·Nk`` up to which ``auto`` takes the materialized node for a *constant* full bias when
+    #: its C passes run (else ``crossovers["generalized"]``): O(chunk) memory, ahead of the flash
+    #: kernel at every size measured (where measuring stopped)
+    generalized_native_crossover: int = 1 << 26
+    #: ... provided one head's ``Nq·Nk`` is at least this (below, the flash kernel reads strided heads
+    #: in place while the node copies them)
+    generalized_native_min_head_scores: int = 1 << 16
+    #: one head's ``Nq·Nk`` from which a forward-only call takes the node's C passes, not streaming
+    generalized_native_forward_min_head_scores: int = 1 << 18
+    #: bytes of one chunk's ``Nq × Nk`` score block in the PyTorch node (``generalized/materialized.py``;
+    #: half a 2 MiB L2: ``dP`` sits beside it)
+    generalized_chunk_bytes: int = 1 << 20
+    #: bytes of scores per thread in one chunk of the C passes (``generalized/cpu.py``: ``S`` and ``dP``
+    #: of the backward share the L2)
+    generalized_cpu_chunk_bytes: int = 1 << 20
+    #: largest ``B·H·Nq·Nk`` bytes of ``P`` always saved for the backward (above: recomputed per chunk,
+    #: in the PyTorch node when the head dimension is below 64, in the C passes at any)
+    generalized_save_bytes: int = 1 << 24
+
 
 #: The live table every router reads.
 THRESHOLDS = Thresholds()

@@ -14,7 +14,7 @@ Dispatch of :func:`regularized_attention`:
   ``scale/τ``: fused kernels, O(N) memory; on CPU with subnormals flushed
   (:func:`attnopt.functional._denormal.flushed_sdpa`: peaked scores made SDPA up to 2.8×
   slower). With a mask or locality bias (divided by ``τ``) on
-  CPU: the fused paths of :mod:`attnopt.functional._generalized_fused` (the flash kernel with
+  CPU: the fused paths of :mod:`attnopt.functional.generalized` (the flash kernel with
   the bias as its mask; the materialized one when the bias needs a gradient, e.g. a learned
   ``β``), which flush subnormals: under ``−β|i − j|`` the far keys' weights fall below float32's
   smallest normal number, and SDPA's fwd+bwd was 2.8× (β = 0.1, N = 1024) to 6× (β = 0.1,
@@ -59,12 +59,12 @@ from attnopt.functional import triton as gpu
 from attnopt.functional._autograd import under_transform
 from attnopt.functional._denormal import flushed_sdpa, sdpa
 from attnopt.functional._dropout import check_dropout_p, dropout_attention
-from attnopt.functional._generalized_fused import (
+from attnopt.functional._softmax import safe_softmax
+from attnopt.functional.generalized import (
     biased_flash_attention,
     biased_softmax_attention,
     flash_bias_available,
 )
-from attnopt.functional._softmax import safe_softmax
 from attnopt.functional.regularized.materialized import fused_sparse_attention
 from attnopt.functional.regularized.regularizers import Regularizer, Shannon, SquaredL2, Tsallis
 from attnopt.functional.regularized.streaming import blocked_sparse_attention

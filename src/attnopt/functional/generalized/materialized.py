@@ -1,27 +1,23 @@
-r"""Softmax attention with an additive bias: two fused CPU paths (internal).
+r"""Softmax attention with an additive bias, materialized in cache-sized chunks (internal).
 
 fenchel-dual-attention eq. (16)–(18): ``O = softmax(scale·QKᵀ + b) V`` with ``b = log u + m``
 (a T5 relative bias, ALiBi, masks).
 
-* :func:`biased_softmax_attention` — *materialized*, one autograd node, and the only path
-  with a gradient for ``b`` (a learned T5 bias). Works through the batch·head dimension in
-  chunks whose ``Nq × Nk`` score block fits the L2 cache (:data:`CHUNK_BYTES`): the score,
-  softmax and ``dP``/``dS`` passes run in cache (at B·H = 8, N = 512 the forward took 6 ms
-  chunked vs 14 ms on the whole tensor). Closed-form backward
+One autograd node (:class:`_BiasedSoftmax`), and the only path
+with a gradient for ``b`` (a learned T5 bias). Works through the batch·head dimension in
+chunks whose ``Nq × Nk`` score block fits the L2 cache (``THRESHOLDS.generalized_chunk_bytes``): the score,
+softmax and ``dP``/``dS`` passes run in cache (at B·H = 8, N = 512 the forward took 6 ms
+chunked vs 14 ms on the whole tensor). Closed-form backward
 
-  .. math:: dP = dO\,V^\top,\quad dS = P\odot(dP - \delta),\ \delta_i = \langle dO_i, O_i\rangle,\quad
-            dQ = \mathrm{scale}\, dS\, K,\ dK = dS^\top(\mathrm{scale}\,Q),\ dV = P^\top dO,\
-            db = \textstyle\sum_{\text{broadcast dims}} dS.
+.. math:: dP = dO\,V^\top,\quad dS = P\odot(dP - \delta),\ \delta_i = \langle dO_i, O_i\rangle,\quad
+          dQ = \mathrm{scale}\, dS\, K,\ dK = dS^\top(\mathrm{scale}\,Q),\ dV = P^\top dO,\
+          db = \textstyle\sum_{\text{broadcast dims}} dS.
 
-  Where the native kernels run (CPU float32/64, a C compiler, ``ATTNOPT_NATIVE`` not ``0``,
-  tensors with storage) the same node runs its elementwise passes in C
-  (:mod:`._generalized_native`); the PyTorch version here is the fallback.
+Where the native kernels run (CPU float32/64, a C compiler, ``ATTNOPT_NATIVE`` not ``0``,
+tensors with storage) the router runs the same node with its elementwise passes in C
+(:mod:`.cpu`); the PyTorch version here is the fallback.
 
-* :func:`biased_flash_attention` — *streaming*: PyTorch's fused CPU flash kernel
-  (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward) with the bias as
-  its float mask, O(N) memory beyond the bias; no gradient for the bias.
-
-Both run with subnormals flushed to zero (:mod:`._denormal`): under ALiBi most far keys
+It runs with subnormals flushed to zero (:mod:`attnopt.functional._denormal`): under ALiBi most far keys
 have subnormal weights, which made SDPA's backward with the same mask 2.5× slower.
 A row whose bias is ``-inf`` everywhere gets zeros (and zero gradients). Half precision is
 computed in float32.
@@ -36,25 +32,15 @@ import torch
 from torch import Tensor
 
 from attnopt._validation import broadcast_shapes, host_readable
-from attnopt.functional import _generalized_native
 from attnopt.functional._autograd import refuse_double_backward
 from attnopt.functional._denormal import flush_denormal
-from attnopt.functional._toeplitz import toeplitz_offsets
+from attnopt.functional._thresholds import THRESHOLDS
 
-__all__ = ["biased_softmax_attention", "biased_flash_attention", "flash_bias_available", "CHUNK_BYTES"]
-
-#: Bytes of one chunk's ``Nq × Nk`` score block (half this machine's 2 MiB L2: ``dP`` sits beside it).
-CHUNK_BYTES = 1 << 20
-#: Largest ``B·H·Nq·Nk`` bytes of ``P`` always saved for the backward; above, it is recomputed
-#: per chunk when the head dimension is below 64.
-SAVE_BYTES = 1 << 24
-
-_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+__all__ = ["batched", "biased_softmax_node", "compute_dtype"]
 
 
 def _chunks(b: int, h: int, block: int, on_host: bool = True) -> Iterator[tuple[slice, slice]]:
-    """(batch, head) slices covering ``b × h`` with about ``CHUNK_BYTES / block`` score blocks each.
+    """(batch, head) slices covering ``b × h`` with about ``generalized_chunk_bytes / block`` score blocks.
 
     One chunk (the whole batch) unless ``on_host`` (a CPU tensor outside ``torch.compile``): the
     cache-sized chunks are a CPU optimization; on another device they would be a Python loop over
@@ -62,7 +48,7 @@ def _chunks(b: int, h: int, block: int, on_host: bool = True) -> Iterator[tuple[
     if not on_host:
         yield slice(0, b), slice(0, h)
         return
-    per = max(1, CHUNK_BYTES // max(block, 1))
+    per = max(1, THRESHOLDS.generalized_chunk_bytes // max(block, 1))
     if per >= h:
         nb = per // h
         for b0 in range(0, b, nb):
@@ -96,9 +82,9 @@ def _probabilities(
 class _BiasedSoftmax(torch.autograd.Function):
     """q, k, v: contiguous (B, H, N, ·); bias: 4-D, broadcastable to (B, H, Nq, Nk).
 
-    ``P`` is saved for the backward up to :data:`SAVE_BYTES` and, for head dimensions below 64,
-    recomputed chunk by chunk above (a large fresh buffer, written once and read once, cost more
-    than the recompute)."""
+    ``P`` is saved for the backward up to ``THRESHOLDS.generalized_save_bytes`` and, for head
+    dimensions below 64, recomputed chunk by chunk above (a large fresh buffer, written once and
+    read once, cost more than the recompute)."""
 
     @staticmethod
     def forward(
@@ -110,7 +96,7 @@ class _BiasedSoftmax(torch.autograd.Function):
         block = nq * nk * q.element_size()
         # recompute only where its matmul is cheap: at d = 16 (B·H = 128, N = 512) it cut the node
         # from 2.1× to 1.8× SDPA; at d = 64 (B·H = 64, N = 512) saving was as fast (1.24× vs 1.29×)
-        save = b * h * block <= SAVE_BYTES or d >= 64
+        save = b * h * block <= THRESHOLDS.generalized_save_bytes or d >= 64
         on_host = host_readable(q)
         chunks = list(_chunks(b, h, block, on_host))
         rows = max(_flat(bs, hs, h).stop - _flat(bs, hs, h).start for bs, hs in chunks)
@@ -204,30 +190,7 @@ class _BiasedSoftmax(torch.autograd.Function):
         return dq, dk, dvv, db, None
 
 
-class _FlashBias(torch.autograd.Function):
-    """The CPU flash kernel with a constant float mask, subnormals flushed (no bias gradient)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float
-    ) -> Tensor:
-        with flush_denormal():
-            out, lse = _fwd(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
-        ctx.scale = scale
-        ctx.save_for_backward(q, k, v, bias, out, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
-        refuse_double_backward(ctx, "generalized_attention (fused bias)", "use generalized_weights(...) @ v")
-        q, k, v, bias, out, lse = ctx.saved_tensors
-        with flush_denormal():
-            dq, dk, dv = _bwd(dout.to(q.dtype).contiguous(), q, k, v, out, lse, 0.0, False,
-                              attn_mask=bias, scale=ctx.scale)
-        return dq, dk, dv, None, None
-
-
-def _batched(
+def batched(
     q: Tensor, k: Tensor, v: Tensor, bias: Tensor, contiguous: bool = True
 ) -> tuple[tuple[Tensor, ...], Tensor, tuple[int, ...]]:
     """q, k, v as (B, H, N, ·) of one batch shape (contiguous unless told) and ``bias`` 4-D
@@ -247,48 +210,12 @@ def _batched(
     return qkv, bias, batch
 
 
-def _compute_dtype(x: Tensor) -> torch.dtype:
+def compute_dtype(x: Tensor) -> torch.dtype:
     return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
 
 
-def biased_softmax_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
-    """``softmax(scale·QKᵀ + bias) V``, materialized in L2-sized chunks (inputs validated)."""
-    orig, compute = q.dtype, _compute_dtype(q)
-    offsets = toeplitz_offsets(bias)  # a relative-position bias's values per offset j − i, or None
-    qkv = q.to(compute), k.to(compute), v.to(compute)
-    lib = _generalized_native.library(*qkv, bias) if all(x.numel() for x in qkv) else None
-    # the C path takes q, k, v of any strides (they are copied into its own layout anyway)
-    (qc, kc, vc), b4, batch = _batched(*qkv, bias.to(compute), contiguous=lib is None)
-    if lib is not None:  # the elementwise passes in C (see _generalized_native)
-        if len(batch) != 2:
-            offsets = None  # heads flattened: no longer one row of offsets per head
-        out: Tensor = _generalized_native.native_biased_softmax(lib, qc, kc, vc, b4, scale, offsets)
-    else:
-        out = _BiasedSoftmax.apply(qc, kc, vc, b4, scale)
-    shape = (*batch, q.shape[-2], v.shape[-1])
-    if out.shape != shape:  # (a reshape to the same shape is an autograd node too)
-        out = out.reshape(shape)
-    return out.to(orig)
-
-
-def flash_bias_available(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> bool:
-    """Whether :func:`biased_flash_attention` takes these inputs.
-
-    CPU, float32/64, 4-D inputs of one batch shape, ``d = dv``, a bias without gradient.
-    """
-    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
-            and q.dim() == k.dim() == v.dim() == 4 and q.dtype == k.dtype == v.dtype
-            and q.shape[:-2] == k.shape[:-2] == v.shape[:-2] and q.shape[-1] == v.shape[-1]
-            and not bias.requires_grad)
-
-
-def biased_flash_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
-    """``softmax(scale·QKᵀ + bias) V`` by the fused CPU flash kernel (see :func:`flash_bias_available`)."""
-    qkv = tuple(x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))  # the kernel's layout contract
-    b = bias.to(q.dtype)
-    if b.dim() < 4:
-        b = b.reshape((1,) * (4 - b.dim()) + tuple(b.shape))
-    if b.stride(-1) != 1 and b.shape[-1] > 1:
-        b = b.contiguous()
-    out: Tensor = _FlashBias.apply(*qkv, b, scale)
+def biased_softmax_node(qc: Tensor, kc: Tensor, vc: Tensor, b4: Tensor, scale: float) -> Tensor:
+    """The PyTorch node on the prepared inputs of :func:`batched` (contiguous ``(B, H, N, ·)``,
+    ``b4`` 4-D); ``(B, H, Nq, dv)``."""
+    out: Tensor = _BiasedSoftmax.apply(qc, kc, vc, b4, scale)
     return out

@@ -4,7 +4,7 @@ A relative-position bias (T5's buckets, ALiBi) is a Toeplitz matrix per head,
 ``bias[0, h, i, j] = offsets[h, j − i + Nq − 1]``. Its builder lays it out as the usual
 ``(1, H, Nq, Nk)`` tensor and records ``offsets (H, Nq + Nk − 1)`` on it with
 :func:`mark_toeplitz`; a consumer that can use the structure (the C path of
-:mod:`._generalized_native`: the bias row ``i`` is the window of ``offsets`` that starts at
+:mod:`.cpu`: the bias row ``i`` is the window of ``offsets`` that starts at
 ``Nq − 1 − i``, and its gradient collects into ``Nq + Nk − 1`` sums per head) takes
 :func:`toeplitz_offsets` instead of the bias — and the gradient then reaches the parameters
 through ``offsets``. Any other use of the tensor (or a copy, a sum with a mask, a reshape,
@@ -12,7 +12,7 @@ an in-place change: its version counter is checked) sees an ordinary tensor.
 
 T5's bias is marked one step further back, with its bucket table ``(num_buckets, H)`` and the
 bucket of each offset (:func:`mark_toeplitz_table`): the whole-call C path of
-:mod:`._generalized_native` takes the table itself (one autograd input, its gradient scattered
+:mod:`.cpu` takes the table itself (one autograd input, its gradient scattered
 into the buckets in C); :func:`toeplitz_offsets` gathers the offsets from it when asked.
 """
 from __future__ import annotations

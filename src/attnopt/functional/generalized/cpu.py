@@ -1,18 +1,18 @@
 r"""Softmax attention with an additive bias, elementwise passes in C (internal; ``_native/biased_softmax.c``).
 
-The same math and chunking as :class:`._generalized_fused._BiasedSoftmax`
+The same math and chunking as :class:`.materialized._BiasedSoftmax`
 (fenchel-dual-attention eq. (16)–(18), ``O = softmax(scale·QKᵀ + b) V``), with every
 ``Nq × Nk`` elementwise pass of a chunk in one C call that works row by row while the row is in
 L1, and the bias read where it lies (a ``(1, H, Nq, Nk)`` bias is shared by the batch: no copy
 per chunk). A relative-position bias (T5, ALiBi) that carries its values per offset ``j − i``
-(:mod:`._toeplitz`) is read from those, ``(H, Nq + Nk − 1)``: row ``i`` is the window from
+(:mod:`.toeplitz`) is read from those, ``(H, Nq + Nk − 1)``: row ``i`` is the window from
 ``Nq − 1 − i``, a few kB that stay in L1, and its gradient collects into per-thread sums by
 offset (no ``(H, Nq, Nk)`` gradient, no diagonal-sum pass after).
 
 * forward: ``S = (scale·Q) Kᵀ`` (``bmm``); in C, per row: ``x = S + b``, its maximum ``m``,
   ``E = exp(x − m)``, ``r = 1 / Σ E``; ``out = r ⊙ (E V)`` (the normalization on the small
   output instead of an ``Nq × Nk`` pass). Saved: ``m`` and ``r`` (O(N) per head), and ``E``
-  itself up to :data:`._generalized_fused.SAVE_BYTES` (above, recomputed at any head dimension);
+  itself up to ``THRESHOLDS.generalized_save_bytes`` (above, recomputed at any head dimension);
 * backward: with ``dO' = r ⊙ dO``: ``dP' = dO' Vᵀ`` (``bmm``) and, where ``E`` was not saved,
   ``S`` again; in C, per row: ``E`` (bitwise as in the forward), ``dS = E ⊙ (dP' − r δ)``
   ``= P ⊙ (dP − δ)``, ``δ_i = <dO_i, O_i>``, and the bias gradient ``db += dS`` summed over the
@@ -24,10 +24,10 @@ bias raise (the C pass counts such rows). Weights and ``dS`` below the smallest 
 number are flushed to zero (as the PyTorch path does with the CPU's FTZ mode). float32's
 exponential is a polynomial (about 2 ulp, see ``dnas.c``), float64's is libm's.
 
-A chunk holds about :data:`CHUNK_BYTES` of scores per thread (whole heads; a head whose scores
-exceed twice that goes in equal blocks of query rows, ``dK`` and ``dV`` accumulated); its query
-rows are split over ``torch.get_num_threads()`` threads (:func:`attnopt._native.parallel_rows`),
-so threads write disjoint rows of the bias gradient.
+A chunk holds about ``THRESHOLDS.generalized_cpu_chunk_bytes`` of scores per thread (whole heads;
+a head whose scores exceed twice that goes in equal blocks of query rows, ``dK`` and ``dV``
+accumulated); its query rows are split over ``torch.get_num_threads()`` threads
+(:func:`attnopt._native.parallel_rows`), so threads write disjoint rows of the bias gradient.
 
 At small sizes a relative-position bias (T5's bucket table, ALiBi's offsets) takes the
 *whole-call* path instead (:func:`fused_attention`, :class:`_FusedBiasedSoftmax`; ``bsf_*`` in
@@ -55,12 +55,10 @@ from attnopt._native.checks import fail, require, require_size, require_view
 from attnopt._validation import check_finite, resolve_scale
 from attnopt.functional._autograd import refuse_double_backward
 from attnopt.functional._denormal import flush_denormal
-from attnopt.functional._toeplitz import toeplitz_offsets, toeplitz_table
+from attnopt.functional._thresholds import THRESHOLDS
+from attnopt.functional.generalized.toeplitz import toeplitz_offsets, toeplitz_table
 
-__all__ = ["CHUNK_BYTES", "fused_attention", "library", "native_biased_softmax"]
-
-#: Bytes of scores per thread in one chunk: ``S`` and ``dP`` of the backward share the 2 MiB L2.
-CHUNK_BYTES = 1 << 20
+__all__ = ["fused_attention", "library", "native_biased_softmax"]
 
 _I64, _INT = ctypes.c_int64, ctypes.c_int
 
@@ -81,8 +79,8 @@ def _pieces(x: Tensor, step: int) -> Any:
 
 
 def _chunks(g: int, block: int) -> list[tuple[int, int]]:
-    """Flat head ranges ``[h0, h1)`` of about ``CHUNK_BYTES`` per thread."""
-    step = max(1, CHUNK_BYTES * max(1, torch.get_num_threads()) // max(block, 1))
+    """Flat head ranges ``[h0, h1)`` of about ``THRESHOLDS.generalized_cpu_chunk_bytes`` per thread."""
+    step = max(1, THRESHOLDS.generalized_cpu_chunk_bytes * max(1, torch.get_num_threads()) // max(block, 1))
     return [(h, min(h + step, g)) for h in range(0, g, step)]
 
 
@@ -90,7 +88,7 @@ def _row_step(nq: int, nk: int, size: int) -> int:
     """Query rows per block when one head's ``Nq × Nk`` scores exceed twice the chunk, else 0
     (whole heads). Blocks of equal size: the train step's N = 513 (a class token) split into
     511 + 2 rows ran its attention 8 % slower than whole heads."""
-    per_chunk = CHUNK_BYTES * max(1, torch.get_num_threads())
+    per_chunk = THRESHOLDS.generalized_cpu_chunk_bytes * max(1, torch.get_num_threads())
     if nq * nk * size <= 2 * per_chunk:
         return 0
     blocks = -(-nq * nk * size // per_chunk)
@@ -153,18 +151,18 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float, lib: ctypes.CDLL,
         toeplitz: bool,
     ) -> Tensor:
-        from attnopt.functional._generalized_fused import SAVE_BYTES
-
         b, h, nq, d = q.shape
         nk, dv = k.shape[-2], v.shape[-1]
         g = b * h
         qs = torch.mul(q, scale, out=q.new_empty(b, h, nq, d))  # scaled and made contiguous at once
         k, v = k.contiguous(), v.contiguous()
         block = nq * nk * q.element_size()
-        # E is recomputed above SAVE_BYTES at any head dimension (the PyTorch path saves P at d >= 64):
+        # E is recomputed above generalized_save_bytes at any head dimension (the PyTorch path saves P at
+        # d >= 64):
         # learned T5 bias, d = 64, fwd+bwd vs SDPA: B·H = 64, N = 512 1.14x saved -> 1.01x recomputed;
         # B·H = 8, N = 1024 1.46x -> 1.36x
-        save = g * block <= SAVE_BYTES and any(ctx.needs_input_grad[:4])  # no backward: chunk buffer only
+        # no backward: the chunk buffer only
+        save = g * block <= THRESHOLDS.generalized_save_bytes and any(ctx.needs_input_grad[:4])
         parts = _chunks(g, block)
         step = parts[0][1] - parts[0][0]
         p = q.new_empty(g if save else step, nq, nk)
@@ -339,7 +337,7 @@ def native_biased_softmax(
     """``softmax(scale·QKᵀ + bias) V`` on contiguous ``(B, H, N, ·)`` q, k, v and a 4-D bias
     broadcastable to ``(B, H, Nq, Nk)`` (same dtype; see :func:`library`).
 
-    ``offsets``: the bias's per-offset values (:func:`._toeplitz.toeplitz_offsets`) where it
+    ``offsets``: the bias's per-offset values (:func:`.toeplitz.toeplitz_offsets`) where it
     is a ``(1, H|1, Nq, Nk)`` Toeplitz bias; then they are read instead of the bias and get
     its gradient."""
     nq, nk = q.shape[-2], k.shape[-2]
@@ -535,11 +533,11 @@ def fused_attention(
     """``softmax(scale·QKᵀ + log_u (+ causal)) V`` by :class:`_FusedBiasedSoftmax` where it applies,
     else ``None`` (then nothing was checked or run).
 
-    It applies to a relative-position ``log_u`` marked by :mod:`._toeplitz` (T5's table, ALiBi's
+    It applies to a relative-position ``log_u`` marked by :mod:`.toeplitz` (T5's table, ALiBi's
     offsets), ``q, k, v`` CPU float32/64 tensors with storage of one shape ``(B, H, N, ·)`` and dtype,
     ``0 < B·H·Nq·Nk <= limit`` and ``Nq·Nk <= head_limit``, under autograd with an input that
     needs a gradient, where the native kernels and :func:`attnopt._native.blas` are there. The entry checks of
-    :func:`.generalized.generalized_attention` that remain are made here or in the C forward
+    :func:`attnopt.functional.generalized.generalized_attention` that remain are made here or in the C forward
     (non-finite ``q``, ``k``, ``v`` or bias rows raise the same ``ValueError``)."""
     if not _native.has_storage(q, k, v, log_u) or log_u.dim() != 4:
         return None
