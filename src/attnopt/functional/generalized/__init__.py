@@ -79,7 +79,8 @@ def generalized_attention(
       the gradient reaches T5's bucket table directly;
     * ``"materialized"`` (``"node"``) — one fused node (:mod:`.materialized`, or its C passes in
       :mod:`.cpu`) that works through the batch·head dim in L2-sized chunks, with a closed-form
-      backward; the only path with a gradient for the bias (a learned T5 bias), O(Nq·Nk) memory as SDPA's math kernel;
+      backward; the only path with a gradient for the bias (a learned T5 bias), O(Nq·Nk) memory
+      as SDPA's math kernel;
     * ``"streaming"`` (``"flash"``, ``"sdpa"``) — on CPU (float32/64, 4-D inputs, d = dv)
       PyTorch's fused flash kernel with the bias as its float mask; elsewhere
       :func:`torch.nn.functional.scaled_dot_product_attention`. O(N) memory beyond the bias.
