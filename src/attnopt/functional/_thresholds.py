@@ -129,6 +129,11 @@ class Thresholds:
     #: in the PyTorch node when the head dimension is below 64, in the C passes at any)
     generalized_save_bytes: int = 1 << 24
 
+    # -- ot/ --------------------------------------------------------------------------------------
+    #: elements per chunk of the exact log-sum-exp that ``log_matmul_exp`` (``ot/reference.py``)
+    #: recomputes for entries whose shifted matmul underflowed
+    ot_gather_elements: int = 1 << 22
+
 
 #: The live table every router reads.
 THRESHOLDS = Thresholds()
