@@ -54,8 +54,8 @@ def _threads(n: int) -> Iterator[None]:
 _THRESHOLDS = [
     ("attnopt.functional._thresholds:THRESHOLDS", "dnas_native_min_entries", 0),
     ("attnopt.functional._thresholds:THRESHOLDS", "sparse_native_min_entries", 0),
-    ("attnopt.functional.generalized", "NATIVE_MIN_HEAD_SCORES", 0),
-    ("attnopt.functional.generalized", "NATIVE_FORWARD_MIN_HEAD_SCORES", 0),
+    ("attnopt.functional._thresholds:THRESHOLDS", "generalized_native_min_head_scores", 0),
+    ("attnopt.functional._thresholds:THRESHOLDS", "generalized_native_forward_min_head_scores", 0),
 ]
 
 

@@ -19,6 +19,7 @@ from attnopt.functional.doubly_normalized import (
 )
 from attnopt.functional.generalized import generalized_attention, generalized_weights
 from attnopt.functional.kernel import kernel_attention, kernel_weights
+from attnopt.functional.kernel import linear as kernel_linear
 from attnopt.functional.ot import ot_attention, ot_weights
 from attnopt.functional.regularized import (
     locality_bias,
@@ -36,8 +37,10 @@ from attnopt.functional.regularized.regularizers import Regularizer, Shannon, Sq
 
 # the flat modules of earlier versions stay importable under their old names (the same module
 # objects): ``attnopt.functional.entmax`` (the attribute stays the function ``entmax``),
-# ``attnopt.functional.losses`` and ``attnopt.functional.regularizers``
+# ``attnopt.functional.losses``, ``attnopt.functional.regularizers`` and
+# ``attnopt.functional.kernel_linear``
 sys.modules[f"{__name__}.entmax"] = _maps
+sys.modules[f"{__name__}.kernel_linear"] = kernel_linear
 sys.modules[f"{__name__}.losses"] = losses
 sys.modules[f"{__name__}.regularizers"] = regularizers
 

@@ -134,6 +134,44 @@ class Thresholds:
     #: recomputes for entries whose shifted matmul underflowed
     ot_gather_elements: int = 1 << 22
 
+    # -- kernel/ (IKA, IKAN, RBF, periodic, linear mode, the spectral sampler) ----------------------
+    #: logits held at once by the query-chunked quadratic path in plain ops (``kernel/__init__.py``)
+    kernel_quadratic_chunk_elements: int = 1 << 24
+    #: score blocks of the exp-free (direct) path in plain ops (measured best on CPU) ...
+    kernel_direct_chunk_elements: int = 1 << 20
+    #: ... but at least 64 query rows a block up to this many scores (fewer, smaller matmuls cost more)
+    kernel_direct_max_elements: int = 1 << 22
+    #: scores per block of the blocked feature-kernel node (``kernel/chunked.py``; 2^16–2^18 fastest
+    #: at N = 512, d = 16 with a 2 MiB L2)
+    kernel_block_elements: int = 1 << 18
+    #: up to this many scores (all heads) the feature-kernel node runs one block and keeps ``F``,
+    #: ``W`` for the backward
+    kernel_whole_elements: int = 1 << 20
+    #: off the CPU (no small cache to fit, launches cost): whole up to this many scores, blocks of
+    #: this size beyond (not measured on a GPU)
+    kernel_device_block_elements: int = 1 << 24
+    #: ``B·H·Nq·Nk`` up to which the fused Fourier node takes its whole-call C path
+    #: (``kernel/fourier.py``: forward and backward one C call each) ...
+    kernel_wholecall_below: int = 1 << 22
+    #: ... and one head's ``Nq·Nk`` at most this (N = 1024 loses)
+    kernel_wholecall_max_head_scores: int = 1 << 18
+    #: linear mode (``kernel/linear.py``): minimum key rows per chunk ...
+    kernel_linear_key_chunk: int = 128
+    #: ... chunks hold about this many state-sized entries
+    kernel_linear_chunk_elements: int = 1 << 19
+    #: linear mode, causal: query rows per prefix-sum chunk
+    kernel_linear_causal_chunk: int = 128
+    #: periodic (Expsin) node (``kernel/periodic.py``): bytes of one chunk's ``Nq × Nk`` block (the
+    #: backward holds three such blocks at once)
+    periodic_chunk_bytes: int = 1 << 18
+    #: largest ``B·H·Nq·Nk`` bytes for which the periodic node saves ``θ`` and ``W`` rather than
+    #: recomputing them
+    periodic_save_bytes: int = 1 << 23
+    #: with more than one torch thread the spectral sampler's C path (``kernel/spectral_cpu.py``,
+    #: one thread) takes samples of at most this many base points; above, the PyTorch node's
+    #: batched matmuls split over the threads catch up
+    spectral_threaded_max_points: int = 1024
+
 
 #: The live table every router reads.
 THRESHOLDS = Thresholds()

@@ -268,7 +268,7 @@ def doubly_normalized_attention(
         dropout_p: dropout probability on the weights ``π`` before the sum over values (as in
             SDPA: applied whenever > 0, the modules pass 0 in ``eval()``). A call with
             ``dropout_p > 0`` runs on the materialized ``Nq × Nk`` weights (plain PyTorch ops,
-            :mod:`._dropout`; ``impl`` is then ignored and ``last_dispatch`` says
+            :mod:`.._dropout`; ``impl`` is then ignored and ``last_dispatch`` says
             ``"materialized"``; with the
             prefix variant the dropout falls on its weights).
         impl: ``"streaming"`` (the O(N)-memory passes above), ``"materialized"`` (one fused

@@ -2,8 +2,8 @@ r"""Sampled implicit-kernel attention in one autograd node (internal; small CPU 
 
 implicit-kernel-attention eq. 5–9, 11 for the stock density networks: the spectral points
 ``w = sign(z)·(c|z| + NN₂(|z|))``, ``z = μ + σ ⊙ e`` with ``[μ, ρ] = NN₁(h)``, ``h`` the keys'
-mean per head (:mod:`._spectral_fused`), then attention with the Fourier features of ``w`` and
-the L^p key magnitude (:class:`attnopt.functional._kernel_fused._WholeFourier`):
+mean per head (:mod:`.spectral`), then attention with the Fourier features of ``w`` and
+the L^p key magnitude (:class:`attnopt.functional.kernel.fourier._WholeFourier`):
 
 .. math:: O_i = \frac{\sum_j (f(q_i, k_j)^2 + \varepsilon)\, m_j v_j}
                        {\sum_j (f(q_i, k_j)^2 + \varepsilon)\, m_j},
@@ -20,7 +20,7 @@ those of :meth:`attnopt.nn.ImplicitKernelAttention.attend`'s two-node path, bitw
 The node calls the C functions itself (not through the two nodes' Functions): the constants
 of a call shape (sizes, options, C entry points, scratch offsets) are a :class:`_Plan` built
 once per shape; the summaries, points, KL, workspaces, the attention's saved block and, in
-training, the base noise (made from its seed by ``_native/normal.c``, :mod:`._gaussian_noise`)
+training, the base noise (made from its seed by ``_native/normal.c``, :mod:`.gaussian_noise`)
 are one scratch tensor (one allocation, one saved tensor); the parameters' addresses go as one
 int64 array; the finiteness checks are C bit tests on the contiguous heads and the points. A
 call whose dtypes, shapes and options were seen before (:func:`_call_key`) makes only the checks
@@ -32,8 +32,8 @@ per-call checks. What remains is the C arithmetic (~0.43 ms of ~0.8) and autogra
 cost of the 16 network parameters (~5 µs each, ~80 µs).
 
 Taken by :meth:`~attnopt.nn.ImplicitKernelAttention.attend` without a mask, ``need_weights``
-or dropout, in the quadratic mode, where the C sampler (:func:`._spectral_native.library`)
-and the whole-call Fourier path (:func:`attnopt.functional._kernel_fused._whole_call`) both
+or dropout, in the quadratic mode, where the C sampler (:func:`.spectral_cpu.library`)
+and the whole-call Fourier path (:func:`attnopt.functional.kernel.fourier._whole_call`) both
 apply; everything else takes the two nodes.
 """
 from __future__ import annotations
@@ -50,9 +50,10 @@ from torch import Tensor
 from attnopt import _func, _native
 from attnopt._native.checks import fail, require, require_dense
 from attnopt._validation import _finite_fns, check_finite
-from attnopt.functional import _kernel_fused, dispatch
+from attnopt.functional import dispatch
 from attnopt.functional._autograd import refuse_double_backward
-from attnopt.functional._kernel_fused import (
+from attnopt.functional._thresholds import THRESHOLDS
+from attnopt.functional.kernel.fourier import (
     _CAP,
     _LP_MODES,
     _each,
@@ -61,9 +62,8 @@ from attnopt.functional._kernel_fused import (
     _whole_call,
     check_whole,
 )
-from attnopt.nn import _spectral_native
-from attnopt.nn._gaussian_noise import seeded_fill
-from attnopt.nn._spectral_native import (
+from attnopt.functional.kernel.gaussian_noise import seeded_fill
+from attnopt.functional.kernel.spectral_cpu import (
     _PLAIN,
     _WRAPPED,
     _functions,
@@ -72,7 +72,7 @@ from attnopt.nn._spectral_native import (
     _shapes,
     check_sample,
 )
-from attnopt.nn._spectral_native import library as sampler_library
+from attnopt.functional.kernel.spectral_cpu import library as sampler_library
 
 __all__ = ["sampled_fourier_attention"]
 
@@ -176,7 +176,7 @@ def _check_sampled(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, params: tuple[T
 
 class _SampledFourier(torch.autograd.Function):
     """q, k, v ``(B, H, N, d)``; noise ``(S, B|1, H, R/2, d)`` (no gradient), or its int64 seed
-    (0-d, :mod:`._gaussian_noise`) with a seeded plan; raw ``(H, H)`` or None; the :class:`_Plan`;
+    (0-d, :mod:`.gaussian_noise`) with a seeded plan; raw ``(H, H)`` or None; the :class:`_Plan`;
     then the ``8·S`` network parameters.
     Returns ``(O (B, H, Nq, dv), KL batch mean (0-d))``."""
 
@@ -329,10 +329,10 @@ def sampled_fourier_attention(
     Args:
         q, k, v: ``(B, H, N, d)`` heads (no mask).
         noise: ``(S, B|1, H, R/2, d)`` base noise (no gradient), or the int64 seed (0-d) of its
-            draw (:func:`._gaussian_noise.draw_seed`): the node makes the values in its scratch.
+            draw (:func:`.gaussian_noise.draw_seed`): the node makes the values in its scratch.
         raw: the copula's raw parameter ``(H, H)`` or None.
         scales: the densities' ``base_scale`` per set.
-        params: :func:`._spectral_fused.fusable` of the densities.
+        params: :func:`.spectral.fusable` of the densities.
         p: the magnitude exponent (``1 <= p <= 2``).
         eps: the ``ε`` of ``f² + ε`` (``> 0``).
         half: ``R/2``, the base points per set and head.
@@ -370,8 +370,8 @@ def _call_key(
     return (q.dtype, k.dtype, v.dtype, noise.dtype, None if raw is None else raw.dtype, q.shape, k.shape,
             v.shape, noise.shape, noise.requires_grad, half, scales, len(params), p, eps,
             torch.get_num_threads(),
-            _kernel_fused.WHOLE_CALL_BELOW, _kernel_fused.WHOLE_CALL_MAX_HEAD_SCORES,
-            _spectral_native.THREADED_MAX_POINTS, _native._MIN_PARALLEL)
+            THRESHOLDS.kernel_wholecall_below, THRESHOLDS.kernel_wholecall_max_head_scores,
+            THRESHOLDS.spectral_threaded_max_points, _native._MIN_PARALLEL)
 
 
 def _still_applies(
@@ -410,8 +410,8 @@ def _checked_plan(
     q: Tensor, k: Tensor, v: Tensor, noise: Tensor, raw: Tensor | None, scales: tuple[float, ...],
     params: list[Tensor], p: float, eps: float, half: int,
 ) -> _Plan | None:
-    """Every check of the path (the sampler's :func:`._spectral_native.library`, the attention's
-    :func:`attnopt.functional._kernel_fused._whole_call`, ...), then the shape's :class:`_Plan`."""
+    """Every check of the path (the sampler's :func:`.spectral_cpu.library`, the attention's
+    :func:`attnopt.functional.kernel.fourier._whole_call`, ...), then the shape's :class:`_Plan`."""
     if not (eps > 0 and 1.0 <= p <= 2.0) or noise.requires_grad:
         return None
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:

@@ -9,9 +9,9 @@ key weight ``m_j`` (magnitude and key mask, ``<= 1``),
           [\textstyle\sum_j W_{ij} m_j v_j,\ \sum_j W_{ij} m_j] = W\,[v \odot m,\ m].
 
 One autograd node over blocks of whole heads (or of query rows of one head when a head is
-larger than a block) of about :data:`BLOCK_ELEMS` scores, so that ``F``, ``W`` and ``dW`` of a
-block stay in the L2 cache; nothing ``Nq × Nk`` is saved (``F`` is recomputed in the backward,
-a matmul of inner width ``D``). Backward with ``g_i = dO_i / den_i``, ``G = [g, −<g, O>]``:
+larger than a block) of about ``THRESHOLDS.kernel_block_elements`` scores, so that ``F``, ``W``
+and ``dW`` of a block stay in the L2 cache; nothing ``Nq × Nk`` is saved (``F`` is recomputed in
+the backward, a matmul of inner width ``D``). Backward with ``g_i = dO_i / den_i``, ``G = [g, −<g, O>]``:
 
 .. math:: dF = 2F \odot (G\,[v \odot m,\ m]^\top),\quad T = W^\top G,\quad
           dv = m \odot T_{:dv},\quad dm = \langle v, T_{:dv}\rangle + T_{dv},\quad
@@ -29,22 +29,10 @@ from torch import Tensor
 
 from attnopt._validation import broadcast_shapes
 from attnopt.functional._autograd import double_backward
+from attnopt.functional._thresholds import THRESHOLDS
 
-__all__ = ["BLOCK_ELEMS", "blocked_backward", "blocked_forward", "chunked_feature_kernel_attention"]
+__all__ = ["blocked_backward", "blocked_forward", "chunked_feature_kernel_attention"]
 
-#: Scores per block. Measured (attention fwd+bwd, Linear kernel, B·H = 128, N = 512, d = 16,
-#: float32, 1 thread, loaded 2-core machine with a 2 MiB L2): 2^16–2^18 116 ms, 2^19 129 ms,
-#: 2^20 136 ms; the chunked autograd ops (2^22-score query blocks) 268 ms, SDPA 429 ms.
-BLOCK_ELEMS = 1 << 18
-#: Up to this many scores (all heads) one block is used and ``F``, ``W`` are kept for the backward:
-#: measured (fwd+bwd, 1 thread, loaded machine) blocked vs whole, d = 64: B·H = 8, N = 512 and
-#: B·H = 64, N = 256 equal within noise (±5 %); train step (B·H = 128, d = 16) N = 128 equal,
-#: N = 256 ika-s 1.24x vs 2.13x softmax. Keeping all of ``F`` (blocked ``W`` only) instead of
-#: recomputing it: N = 512 linear 1.55x vs 1.19x softmax.
-WHOLE_ELEMS = 1 << 20
-#: Off the CPU (no small cache to fit, launches cost): whole up to this many scores (the previous
-#: materialized crossover), blocks of this size beyond (not measured on a GPU).
-DEVICE_BLOCK_ELEMS = 1 << 24
 
 
 def _plain_backward(ctx: Any, dout: Tensor) -> list[Tensor | None]:
@@ -64,9 +52,12 @@ def _plain_backward(ctx: Any, dout: Tensor) -> list[Tensor | None]:
 
 
 def _blocks(g: int, nq: int, nk: int, device: torch.device) -> list[tuple[int, int, int, int]]:
-    """``(h0, h1, r0, r1)``: heads ``[h0, h1)`` × query rows ``[r0, r1)`` of about BLOCK_ELEMS scores."""
+    """``(h0, h1, r0, r1)``: heads ``[h0, h1)`` × query rows ``[r0, r1)`` of about
+    ``kernel_block_elements`` scores."""
     cpu = device.type == "cpu"
-    whole, size = (WHOLE_ELEMS, BLOCK_ELEMS) if cpu else (DEVICE_BLOCK_ELEMS, DEVICE_BLOCK_ELEMS)
+    t = THRESHOLDS
+    whole, size = ((t.kernel_whole_elements, t.kernel_block_elements) if cpu
+                   else (t.kernel_device_block_elements, t.kernel_device_block_elements))
     per_head = nq * max(nk, 1)
     if g * per_head <= whole:
         return [(0, g, 0, nq)]
@@ -92,7 +83,8 @@ def blocked_forward(
     """
     g, nq, nk = pq.shape[0], pq.shape[1], pk.shape[1]
     pkt = pk.transpose(-2, -1)
-    if g * nq * max(nk, 1) <= (WHOLE_ELEMS if pq.device.type == "cpu" else DEVICE_BLOCK_ELEMS):
+    if g * nq * max(nk, 1) <= (THRESHOLDS.kernel_whole_elements if pq.device.type == "cpu"
+                                   else THRESHOLDS.kernel_device_block_elements):
         f = torch.bmm(pq, pkt)  # one block (as _blocks gives): no block bookkeeping at small sizes
         w = torch.addcmul(f.new_full((), eps), f, f, value=c4)
         return torch.bmm(w, vm), (f, w)

@@ -30,12 +30,18 @@ from torch import Tensor, nn
 from attnopt import _func
 from attnopt._validation import host_readable
 from attnopt.functional._autograd import double_backward
-from attnopt.nn import _spectral_native
+from attnopt.functional.kernel import spectral_cpu as _spectral_native
+from attnopt.functional.kernel.spectral_reference import (
+    _LS_MAX,
+    _LS_MIN,
+    _PER_SET,
+    copula_factor,
+    sample_plain,
+)
+from attnopt.functional.kernel.spectral_reference import strictly_lower as _strictly_lower
 
 __all__ = ["copula_factor", "fusable", "sample_spectral_points"]
 
-_PER_SET = 8  # W_1a, b_1a, W_1b, b_1b, W_2a, b_2a, W_2b, b_2b
-_LS_MIN, _LS_MAX = -10.0, 5.0
 
 
 def _mlp_params(net: object) -> tuple[Tensor, ...] | None:
@@ -75,21 +81,6 @@ def _stack(params: tuple[Tensor, ...], i: int, n_sets: int) -> Tensor:
 
 def _stacked(params: tuple[Tensor, ...], n_sets: int) -> list[Tensor]:
     return [_stack(params, i, n_sets) for i in range(_PER_SET)]
-
-
-def copula_factor(raw: Tensor) -> tuple[Tensor, Tensor]:
-    """``(L, L̃)`` of the Gaussian copula: ``L = tril(raw, −1) + diag(exp(diag raw))``, ``L̃`` its rows
-    scaled to unit norm (:meth:`attnopt.nn.spectral.GaussianCopula.factor`)."""
-    low = torch.where(_strictly_lower(raw), raw, 0.0) + torch.diag(raw.diagonal().exp())
-    return low, low / low.norm(dim=-1, keepdim=True)
-
-
-def _strictly_lower(x: Tensor) -> Tensor:
-    """``i > j`` mask of a square ``x``. (Not ``torch.tril``: on CPU it enters the thread pool even
-    for an 8 × 8 matrix, measured 10–12 ms a call with 2 threads on the loaded 2-core machine
-    against 2 µs for ``where``; its backward is another ``tril``.)"""
-    i = torch.arange(x.shape[-1], device=x.device)
-    return i.unsqueeze(-1) > i
 
 
 def _factor_backward(low: Tensor, fac: Tensor, dfac: Tensor, gld: Tensor) -> Tensor:
@@ -209,38 +200,13 @@ class _SpectralSample(torch.autograd.Function):
         return (dh, de, draw, None, *(gr for s in range(n_sets) for gr in (g[s] for g in per_set)))
 
 
-def _plain(
-    h: Tensor, noise: Tensor, raw: Tensor | None, scales: tuple[float, ...], params: list[Tensor]
-) -> tuple[Tensor, Tensor]:
-    """The node's function in plain autograd ops (eq. 6–8, the copula and the KL, set by set)."""
-    d, half = h.shape[-1], noise.shape[-2]
-    fac = None
-    if raw is not None:
-        fac = copula_factor(raw)[1]
-        noise = torch.einsum("mh,...hnd->...mnd", fac.to(noise.dtype), noise)
-    sets, kl = [], h.new_zeros(h.shape[:-2])
-    for s, scale in enumerate(scales):
-        w1a, b1a, w1b, b1b, w2a, b2a, w2b, b2b = params[s * _PER_SET : (s + 1) * _PER_SET]
-        o1 = torch.nn.functional.linear(torch.tanh(torch.nn.functional.linear(h, w1a, b1a)), w1b, b1b)
-        mu, ls = o1[..., :d], o1[..., d:].clamp(_LS_MIN, _LS_MAX)
-        z = mu.unsqueeze(-2) + ls.exp().unsqueeze(-2) * noise[s]
-        a = z.abs()
-        t2 = torch.tanh(torch.nn.functional.linear(a, w2a, b2a))
-        hp = torch.sign(z) * (a * scale + torch.nn.functional.linear(t2, w2b, b2b))
-        sets += [hp, -hp]
-        kl = kl + 0.5 * half * (torch.exp(2 * ls) + mu * mu - 1.0 - 2 * ls).sum((-2, -1))
-    if fac is not None:
-        kl = kl - (0.5 * d * half * len(scales)) * (2 * fac.diagonal().log().sum().to(kl.dtype))
-    return torch.cat(sets, dim=-2), kl
-
-
 def _plain_backward(
     ctx: Any, h: Tensor, noise: Tensor, raw: Tensor | None, params: list[Tensor], gpts: Tensor, gkl: Tensor
 ) -> tuple[Tensor | None, ...]:
     inputs = [h, noise, raw, None, *params]
     need = [x for x, n in zip(inputs, ctx.needs_input_grad, strict=True) if n and x is not None]
     with torch.enable_grad():
-        pts, kl = _plain(h, noise, raw, ctx.scales, params)
+        pts, kl = sample_plain(h, noise, raw, ctx.scales, params)
     grads = iter(torch.autograd.grad((pts, kl), need, (gpts, gkl), create_graph=True, allow_unused=True))
     return tuple(next(grads) if n and x is not None else None
                  for x, n in zip(inputs, ctx.needs_input_grad, strict=True))
@@ -263,7 +229,7 @@ def sample_spectral_points(
             autograd node of its own) in place of the per-example KL.
         keys: ``h`` is given as the keys ``(..., H, N ≥ 1, d)``, and the summary is their mean over
             ``N`` (``sum / N``, bitwise ``mean``), taken inside the C node (no nodes of its own).
-    The C sampler of :mod:`._spectral_native` runs where it applies (CPU float32/64, stock
+    The C sampler of :mod:`.spectral_cpu` runs where it applies (CPU float32/64, stock
     networks), else :class:`_SpectralSample`.
 
     Returns:
@@ -281,5 +247,5 @@ def sample_spectral_points(
         pts, kl = _SpectralSample.apply(h, noise, copula_raw, scales, *params)
     else:  # torch.func (vmap, grad, ...), forward AD: the plain ops (the node is ctx-style, no vmap
         # or forward-mode rule)
-        pts, kl = _plain(h, noise, copula_raw, scales, params)
+        pts, kl = sample_plain(h, noise, copula_raw, scales, params)
     return pts, (kl.mean() if kl_mean else kl)

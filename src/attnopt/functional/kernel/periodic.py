@@ -23,15 +23,15 @@ whose ``Nq × Nk`` blocks stay in cache. Forward per chunk: one matmul gives ``�
                  + s\,\textstyle\sum_i dL_{ij}\, k_j,\quad
           dv = W^\top g,\quad de_j = \textstyle\sum_i dL_{ij}.
 
-``θ`` and ``W`` are saved for the backward when they are small (:data:`SAVE_BYTES`) and
+``θ`` and ``W`` are saved for the backward when they are small (``THRESHOLDS.periodic_save_bytes``) and
 recomputed chunk by chunk otherwise (as a flash kernel does: writing and re-reading large
 fresh buffers cost more than the recompute). ``sin θ/θ`` is smooth at ``θ = 0`` (``θ²`` is
 clamped at 1e-30, where it is 1), so the gradient at ``q_i = k_j`` is the kernel's, 0. A row
 with no admissible key gives zeros (and zero gradients). Subnormal weights are flushed to
-zero while the node runs (:mod:`._denormal`).
+zero while the node runs (:mod:`.._denormal`).
 
 On CPU float32/float64 tensors with storage the same node runs its elementwise passes in C
-(:mod:`._periodic_native`, ``_native/periodic.c``: one row pass in the forward, one in the
+(:mod:`.periodic_cpu`, ``_native/periodic.c``: one row pass in the forward, one in the
 backward, matmuls in torch); this PyTorch node is the fallback (no C compiler,
 ``ATTNOPT_NATIVE=0``, CUDA). Measured fwd+bwd vs SDPA in the same run (one thread, loaded
 2-core machine, d = 64, float32), this node → the C passes: B·H = 8, N = 64 2.4× → 1.4×;
@@ -52,14 +52,10 @@ from torch import Tensor
 from attnopt._validation import broadcast_shapes, host_readable
 from attnopt.functional._autograd import refuse_double_backward
 from attnopt.functional._denormal import flush_denormal
-from attnopt.functional._periodic_native import library, native_periodic_attention
+from attnopt.functional._thresholds import THRESHOLDS
+from attnopt.functional.kernel.periodic_cpu import library, native_periodic_attention
 
-__all__ = ["fused_periodic_attention", "periodic_fused_ok", "CHUNK_BYTES", "SAVE_BYTES", "MAX_C"]
-
-#: Bytes of one chunk's ``Nq × Nk`` block (the backward holds three such blocks at once).
-CHUNK_BYTES = 1 << 18
-#: Largest ``B·H·Nq·Nk`` bytes for which ``θ`` and ``W`` are saved rather than recomputed.
-SAVE_BYTES = 1 << 23
+__all__ = ["fused_periodic_attention", "periodic_fused_ok", "MAX_C"]
 #: Largest ``c = 1/l²`` per dtype: the weights ``exp(c cos θ + …)`` neither overflow nor all
 #: underflow (the largest logit of a row is within ``2c`` of its shift). Larger ``c`` (a tiny
 #: length-scale) takes the log-domain path of :func:`attnopt.functional.kernel_attention`.
@@ -76,7 +72,7 @@ def periodic_fused_ok(c: float, dtype: torch.dtype, attn_mask: Tensor | None) ->
 
 def _per_chunk(bh: int, block: int, on_host: bool) -> int:
     """Heads per chunk: L2-sized on CPU, all of them elsewhere (no Python loop over B·H off the CPU)."""
-    return min(bh, max(1, CHUNK_BYTES // max(block, 1))) if on_host else max(bh, 1)
+    return min(bh, max(1, THRESHOLDS.periodic_chunk_bytes // max(block, 1))) if on_host else max(bh, 1)
 
 
 def _chunks(bh: int, block: int, on_host: bool = True) -> Iterator[slice]:
@@ -247,14 +243,14 @@ def fused_periodic_attention(
     e3 = None if key_bias is None else flat(key_bias.to(dt).reshape(*key_bias.shape[:-2], 1, nk))
     m3, rep = (None, 1) if mask is None else _mask_groups(mask.to(dt), batch, nq, nk)
     grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, key_bias))
-    save = grad and bh * nq * nk * q.element_size() <= SAVE_BYTES
+    save = grad and bh * nq * nk * q.element_size() <= THRESHOLDS.periodic_save_bytes
     s = 0.0 if magnitude_scale is None else float(magnitude_scale)
     lib = library(q, k, v, e3, m3)
-    if lib is not None:  # the same node with its elementwise passes in C (._periodic_native)
+    if lib is not None:  # the same node with its elementwise passes in C (.periodic_cpu)
         def rows(x: Tensor) -> Tensor:  # no tracked view where the node can flatten x itself
             return x if tuple(x.shape[:-2]) == batch and x.is_contiguous() else flat(x)
 
         return native_periodic_attention(lib, rows(q), rows(k), rows(v), e3, m3, rep, omega * omega,
-                                         float(c), s, save, CHUNK_BYTES, batch)
+                                         float(c), s, save, THRESHOLDS.periodic_chunk_bytes, batch)
     out = _FusedPeriodic.apply(flat(q), flat(k), flat(v), e3, m3, rep, omega * omega, float(c), s, save)
     return out.view(*batch, nq, dv)

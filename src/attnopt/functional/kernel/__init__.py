@@ -13,14 +13,14 @@ exactly SDPA (Prop. 1) and is computed by SDPA. ``magnitude_p=None`` drops the m
 (the "RBF-only" attention of Tsai et al.).
 
 ``mode="linear"`` (kernels with a feature map) computes the same output in O(N) time and
-memory (see :mod:`attnopt.functional.kernel_linear`). On a CUDA tensor with Triton installed (or
+memory (see :mod:`attnopt.functional.kernel.linear`). On a CUDA tensor with Triton installed (or
 under ``attnopt.backend("triton")``) the quadratic mode with a squared feature kernel or RBF runs
 the Triton kernels of :mod:`attnopt.functional.triton.kernel` (``last_dispatch["kernel"] == "triton"``).
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -44,130 +44,25 @@ from attnopt._validation import (
 )
 from attnopt.functional import dispatch
 from attnopt.functional import triton as gpu
-from attnopt.functional._autograd import double_backward, under_transform
+from attnopt.functional._autograd import under_transform
 from attnopt.functional._denormal import sdpa
 from attnopt.functional._dropout import check_dropout_p, dropout_attention
-from attnopt.functional._kernel_chunked import chunked_feature_kernel_attention
-from attnopt.functional._kernel_fused import (
+from attnopt.functional._softmax import safe_softmax
+from attnopt.functional._thresholds import THRESHOLDS
+from attnopt.functional.kernel.chunked import chunked_feature_kernel_attention
+from attnopt.functional.kernel.fourier import (
     fused_fourier_attention,
     fused_fourier_magnitude_attention,
 )
-from attnopt.functional._periodic_fused import fused_periodic_attention, periodic_fused_ok
-from attnopt.functional._softmax import safe_softmax
-from attnopt.functional.kernel_linear import linear_kernel_attention
+from attnopt.functional.kernel.linear import linear_kernel_attention
+from attnopt.functional.kernel.magnitude import key_bias, log_magnitude
+from attnopt.functional.kernel.periodic import fused_periodic_attention, periodic_fused_ok
 from attnopt.kernels import RBF, Kernel, Periodic
 from attnopt.kernels._base import check_dim
 
 __all__ = ["kernel_attention", "kernel_weights", "log_magnitude", "split_key_query_mask"]
 
 Mode = Literal["quadratic", "linear"]
-_CHUNK_ELEMS = 1 << 24  # logits held at once by the chunked quadratic path
-# query blocks of the exp-free path in plain ops: kernels without a feature map, the weights
-# (kernel_weights) and torch.func's wrapped tensors (feature kernels otherwise take the node of
-# ._kernel_chunked, or below the crossover the fused Fourier node)
-_DIRECT_CHUNK_ELEMS = 1 << 20  # score blocks of the exp-free path (measured best on CPU)
-# ... but at least 64 query rows a block up to 2^22 scores: train step N = 512 (B·H = 128, d = 16)
-# linear 2.8-3.0x -> 2.2-2.4x softmax, ika-s 2.5-2.6x -> 2.1-2.3x; ika-s fwd+bwd B·H = 64, N = 1024,
-# d = 64: 1227 -> 764 ms (1 thread, loaded machine)
-_DIRECT_MAX_ELEMS = 1 << 22
-
-
-def log_magnitude(x: Tensor, p: float, scale: float) -> Tensor:
-    r"""``s·‖x‖_p²/2`` per row: (..., N, d) -> (..., N), in float64 for ``p < 1``.
-
-    For ``p < 1`` the norm grows like ``d^{2/p}`` and would overflow float32, so it is computed
-    in float64 (and clamped below float64's maximum: beyond that the largest keys tie). Exact
-    zeros get a zero gradient.
-    """
-    if 1 <= p <= 2 and x.dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
-        # (Σ|x|^p)^{2/p}: both powers have exponent >= 1, so it is finite with a zero gradient
-        # at 0; one node with a closed-form backward, ~20 small ops cheaper than the guarded
-        # log-domain form below
-        dt = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-        if p == 2:
-            total = x.to(dt).square().sum(-1)
-            return (0.5 * scale * total).clamp(max=torch.finfo(dt).max / 8)
-        out: Tensor = _LpHalfSquare.apply(x.to(dt), float(p), float(scale))[0]
-        return out
-    if p < 1:
-        dt = torch.float64
-    else:
-        dt = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-    ax = x.to(dt).abs()
-    pos = ax > 0
-    powed = torch.where(pos, torch.where(pos, ax, torch.ones_like(ax)).pow(p), torch.zeros_like(ax))
-    total = powed.sum(-1)
-    tpos = total > 0
-    safe_total = torch.where(tpos, total, torch.ones_like(total))
-    log_total = torch.where(tpos, safe_total.log(), total.new_tensor(-1e4))
-    la = math.log(0.5 * scale) + (2.0 / p) * log_total
-    return la.clamp(max=math.log(torch.finfo(dt).max) - 2.0).exp()
-
-
-def _abs_pow(ax: Tensor, e: float) -> Tensor:
-    """``|x|^e`` for ``0 <= e <= 1`` by the cheapest exact op (``pow`` is ~10× a ``sqrt``)."""
-    if e == 0.5:
-        return ax.sqrt()
-    if e == 1.0:
-        return ax
-    if e == 0.0:
-        return torch.ones_like(ax)
-    return ax.pow(e)
-
-
-class _LpHalfSquare(torch.autograd.Function):
-    r"""``a = s·(Σ_i |x_i|^p)^{2/p} / 2`` for ``1 <= p <= 2`` (the L^p magnitude, eq. 11).
-
-    Backward: ``∂a/∂x_i = s·T^{2/p−1}·|x_i|^{p−1}·sign(x_i)`` with ``T = Σ|x|^p`` (0 where
-    ``x_i = 0`` for ``p > 1``; ``T^{2/p−1}`` has a non-negative exponent).
-    """
-
-    generate_vmap_rule = True  # forward and backward are out-of-place torch ops: vmap batches them
-
-    @staticmethod
-    def forward(x: Tensor, p: float, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-        ax = x.abs()
-        pw = _abs_pow(ax, p - 1.0)  # |x|^{p-1}
-        total = (ax * pw).sum(-1)
-        cap = torch.finfo(x.dtype).max / 8
-        out = (0.5 * scale * total.pow(2.0 / p)).clamp(max=cap)
-        return out, pw, total
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tensor]) -> None:
-        # new-style (forward without ctx) so that torch.func transforms accept it
-        x, p, scale = inputs
-        out, pw, total = output
-        ctx.p, ctx.scale = p, scale
-        ctx.mark_non_differentiable(pw, total)
-        live = out < torch.finfo(x.dtype).max / 8
-        ctx.save_for_backward(x, pw, total, live)
-        if under_transform():  # forward mode happens there only (torch.func, forward_ad dual levels)
-            ctx.save_for_forward(x, live)
-
-    @staticmethod
-    def jvp(ctx: Any, x_t: Tensor, *_: Any) -> tuple[Tensor, None, None]:
-        """Forward mode (``torch.func.jvp`` / ``jacfwd``, ``torch.autograd.forward_ad``): the
-        backward's formula contracted with the tangent, recomputed from ``x`` in tracked ops (so
-        that it is differentiable again, e.g. under ``hessian``)."""
-        x, live = ctx.saved_for_forward
-        ax = x.abs()
-        pw = _abs_pow(ax, ctx.p - 1.0)
-        total = (ax * pw).sum(-1)
-        coef = torch.where(live, ctx.scale * total.pow(2.0 / ctx.p - 1.0), 0.0)
-        return coef * (pw * x.sign() * x_t).sum(-1), None, None
-
-    @staticmethod
-    def backward(
-        ctx: Any, g: Tensor, _gpw: Tensor | None, _gtotal: Tensor | None
-    ) -> tuple[Tensor | None, None, None]:
-        x, pw, total, live = ctx.saved_tensors
-        if double_backward(ctx):  # create_graph=True: recompute with tracked ops (exact double backward)
-            ax = x.abs()
-            pw = _abs_pow(ax, ctx.p - 1.0)
-            total = (ax * pw).sum(-1)
-        coef = torch.where(live, g * ctx.scale * total.pow(2.0 / ctx.p - 1.0), 0.0)
-        return pw * x.sign() * coef.unsqueeze(-1), None, None
 
 
 def split_key_query_mask(mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -214,13 +109,8 @@ def _check_options(kernel: object, magnitude_p: float | None, eps: float, mode: 
         raise ValueError(f"mode must be 'quadratic' or 'linear', got {mode!r}")
 
 
-def _key_bias(k: Tensor, magnitude_p: float | None, scale: float, dtype: torch.dtype) -> Tensor | None:
-    """Key magnitude ``s‖k_j‖_p²/2`` shifted by its (detached) max over keys: (..., 1, Nk), ≤ 0."""
-    if magnitude_p is None:
-        return None
-    a = log_magnitude(k, float(magnitude_p), scale)
-    a = a - a.amax(dim=-1, keepdim=True).detach()
-    return a.to(dtype).unsqueeze(-2)
+#: (the name the Triton kernels of :mod:`attnopt.functional.triton.kernel` import)
+_key_bias = key_bias
 
 
 def _log_similarity(kernel: Kernel, q: Tensor, k: Tensor, eps: float) -> Tensor:
@@ -242,7 +132,7 @@ def _prepare(
     _check_options(kernel, magnitude_p, eps, mode)
     s = resolve_scale(scale, d)
     compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    return s, compute, _key_bias(k, magnitude_p, s, compute)
+    return s, compute, key_bias(k, magnitude_p, s, compute)
 
 
 def _full_mask(
@@ -304,7 +194,8 @@ def _quadratic(
     """
     nq, nk = q.shape[-2], k.shape[-2]
     batch = math.prod(broadcast_shapes(q.shape[:-2], k.shape[:-2]))
-    chunk = nq if v is None else max(1, min(nq, _CHUNK_ELEMS // max(1, batch * nk)))
+    chunk_elements = THRESHOLDS.kernel_quadratic_chunk_elements
+    chunk = nq if v is None else max(1, min(nq, chunk_elements // max(1, batch * nk)))
     direct = _direct_ok(kernel, mask, eps, q, k)
     m: Tensor | None = None
     if direct and mask is None:
@@ -326,7 +217,7 @@ def _quadratic(
                 check_dim("spectral points", sets[0], q)
                 return fused_fourier_attention(q, k, m, v, eps, coef, sets)
         # other feature maps (Linear, user kernels): one node at every size (whole below
-        # _kernel_chunked.WHOLE_ELEMS scores, cache-sized blocks above)
+        # kernel_whole_elements scores, cache-sized blocks above)
         kernel._check(q, k)
         return chunked_feature_kernel_attention(kernel.features(q), kernel.features(k), m, v, eps)
     dispatch.record("kernel", "streaming")
@@ -335,7 +226,9 @@ def _quadratic(
         mt = torch.ones_like(v[..., :1]) if m is None else m.transpose(-2, -1).to(v.dtype)
         vm = torch.cat([v * mt, mt.expand(*v.shape[:-1], 1)], dim=-1)
         per_row = max(1, batch * nk)  # at least 64 queries a block (fewer, smaller matmuls cost more)
-        chunk = max(1, min(nq, max(_DIRECT_CHUNK_ELEMS // per_row, min(64, _DIRECT_MAX_ELEMS // per_row))))
+        t = THRESHOLDS
+        chunk = max(1, min(nq, max(t.kernel_direct_chunk_elements // per_row,
+                                   min(64, t.kernel_direct_max_elements // per_row))))
     phi_k: Tensor | None = None
     if direct and kernel.has_features:  # feature maps once, not per query chunk
         kernel._check(q, k)
@@ -394,7 +287,7 @@ def _fused_fourier(
     Fourier-feature kernels (IKA_S / IKA_NS / IKAN), ``ε > 0``, an L^p magnitude with
     ``1 <= p <= 2`` (or none), a key-only mask without gradient, not causal, float32/float64,
     at sizes ``dispatch`` materializes: features, key weights and attention in one node
-    (:func:`~attnopt.functional._kernel_fused.fused_fourier_magnitude_attention`; at small sizes its
+    (:func:`~attnopt.functional.kernel.fourier.fused_fourier_magnitude_attention`; at small sizes its
     whole-call path, forward and backward one C call each), the same function as the general path
     up to float rounding. Inputs are validated by the caller.
     """
@@ -436,9 +329,9 @@ def _periodic(
     q: Tensor, k: Tensor, v: Tensor, kernel: Periodic, magnitude_p: float | None,
     attn_mask: Tensor | None, scale: float | None, is_causal: bool, eps: float,
 ) -> Tensor | None:
-    """The fused Expsin node (:mod:`._periodic_fused`), or None where it does not apply (a
-    length-scale so small that ``c = 1/l²`` > ``MAX_C``, a float mask that needs a gradient, or
-    ``torch.func``'s wrapped tensors, which the plain ops of the general path take)."""
+    """The fused Expsin node (:mod:`.periodic`, its C passes in :mod:`.periodic_cpu`), or None where it
+    does not apply (a length-scale so small that ``c = 1/l²`` > ``MAX_C``, a float mask that needs a
+    gradient, or ``torch.func``'s wrapped tensors, which the plain ops of the general path take)."""
     compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     c = kernel.inv_sq_lengthscale(q.shape[-1])
     if not (periodic_fused_ok(c, compute, attn_mask) and has_storage(q, k, v, attn_mask)):
@@ -446,7 +339,7 @@ def _periodic(
     _check_options(kernel, magnitude_p, eps, "quadratic")
     s = resolve_scale(scale, q.shape[-1])
     l2 = magnitude_p is not None and float(magnitude_p) == 2.0
-    bias = None if l2 else _key_bias(k, magnitude_p, s, compute)
+    bias = None if l2 else key_bias(k, magnitude_p, s, compute)
     mask = None if attn_mask is None and not is_causal else _full_mask(q, k, attn_mask, is_causal, compute)
     dispatch.record("kernel", "materialized")
     out = fused_periodic_attention(
@@ -588,7 +481,7 @@ def kernel_attention(
             by positive kernels. Both modes include it exactly.
         dropout_p: dropout probability on the weights ``α`` before the sum over values (as in
             SDPA: applied whenever > 0). A call with ``dropout_p > 0`` runs on the materialized
-            ``Nq × Nk`` weights (:func:`kernel_weights`' plain ops, :mod:`._dropout`), in either
+            ``Nq × Nk`` weights (:func:`kernel_weights`' plain ops, :mod:`.._dropout`), in either
             ``mode``: the linear form never holds ``α``.
 
     Returns:

@@ -1,6 +1,6 @@
 r"""The implicit spectral densities' sampler in C (internal; ``_native/spectral_sample.c``).
 
-The same function as :class:`._spectral_fused._SpectralSample` (implicit-kernel-attention
+The same function as :class:`.spectral._SpectralSample` (implicit-kernel-attention
 eq. 5–8 for ``S`` point sets, the MIKAN copula ``e = L̃ε`` and the analytic KL): the whole
 forward in one C call, the whole closed-form backward (``dh``, ``dε``, the copula's ``d raw``
 and every network parameter's gradient) in another. At the sizes models train at the PyTorch
@@ -10,7 +10,7 @@ register-blocked loops, one thread.
 
 Used for CPU float32/float64 tensors with storage (not ``torch.func`` / fake tensors), all of
 one dtype, and the stock network shapes, on one torch thread or up to
-:data:`THREADED_MAX_POINTS` base points; elsewhere (and with ``ATTNOPT_NATIVE=0`` or no
+``THRESHOLDS.spectral_threaded_max_points`` base points; elsewhere (and with ``ATTNOPT_NATIVE=0`` or no
 compiler) the PyTorch node runs. Measured (one thread, loaded 2-core machine; IKAN's two sets,
 R = 16, d = 64): forward + backward of the sampler alone 0.58 → 0.26 ms at B·H = 8 (the C
 calls ~30 µs each, the rest Python and autograd), 1.1 → 0.7 ms at B·H = 64. float32's
@@ -29,6 +29,8 @@ from torch import Tensor
 from attnopt import _func, _native
 from attnopt._native.checks import fail, require, require_dense, require_view
 from attnopt.functional._autograd import double_backward
+from attnopt.functional._thresholds import THRESHOLDS
+from attnopt.functional.kernel.spectral_reference import sample_plain
 
 __all__ = ["library", "native_sample"]
 
@@ -44,8 +46,9 @@ def library(
     float32/64 tensors with storage (not ``torch.func`` / fake tensors), one dtype, contiguous
     parameters shaped as the stock networks' (``W₁ₐ (hid, d)``, ``b₁ₐ (hid)``, ``W₁ᵦ (2d, hid)``,
     ``b₁ᵦ (2d)``, ``W₂ₐ (hid, d)``, ``b₂ₐ (hid)``, ``W₂ᵦ (d, hid)``, ``b₂ᵦ (d)`` per set); with
-    more than one torch thread, at most :data:`THREADED_MAX_POINTS` base points. ``keys``: ``h``
-    is the keys ``(..., H, N, d)`` whose mean over ``N`` is the summary (:func:`native_sample`);
+    more than one torch thread, at most ``THRESHOLDS.spectral_threaded_max_points`` base points.
+    ``keys``: ``h`` is the keys ``(..., H, N, d)`` whose mean over ``N`` is the summary
+    (:func:`native_sample`);
     ``half``: the base points per set and head, where ``noise`` is a stand-in (else its ``shape[-2]``)."""
     if torch.compiler.is_compiling():  # fake tensors: no memory for the C kernel
         return None
@@ -63,7 +66,7 @@ def library(
     points = h.numel() // max(h.shape[-1], 1) * half * (len(params) // 8)
     if keys:
         points //= max(h.shape[-2], 1)
-    if points > THREADED_MAX_POINTS and torch.get_num_threads() > 1:
+    if points > THRESHOLDS.spectral_threaded_max_points and torch.get_num_threads() > 1:
         return None  # the C kernel runs on one thread: large samples go to the multithreaded matmuls
     shapes = _shapes(len(params) // 8, h.shape[-1], params[0].shape[0])
     for p, shape in zip(params, shapes, strict=True):  # one pass: ~0.4 µs a parameter
@@ -73,11 +76,6 @@ def library(
     return _native.library("spectral_sample")
 
 
-#: With more than one torch thread, the C path takes samples of at most this many base points
-#: (``B·H·S·R/2``; B·H = 64 with IKAN's two sets of R = 16): it runs on one thread, and above
-#: this the PyTorch node's batched matmuls, split over the threads, catch up (one thread: C at
-#: every size; B·H = 256 measured 2.3 ms against 3.4 ms for the PyTorch node, forward and backward).
-THREADED_MAX_POINTS = 1024
 _DTYPES = (torch.float32, torch.float64)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _WRAPPED = torch._C._functorch.is_functorch_wrapped_tensor
@@ -205,7 +203,7 @@ def _set_stride(m: int, half: int, d: int, hid: int, cop: bool) -> int:
 
 
 class _NativeSpectralSample(torch.autograd.Function):
-    """Inputs as :class:`._spectral_fused._SpectralSample`, plus the library."""
+    """Inputs as :class:`.spectral._SpectralSample`, plus the library."""
 
     @staticmethod
     @_native.untraced
@@ -297,13 +295,11 @@ class _NativeSpectralSample(torch.autograd.Function):
 def _plain_backward(
     ctx: Any, src: Tensor, noise: Tensor, raw: Tensor | None, params: list[Tensor], gpts: Tensor, gkl: Tensor
 ) -> tuple[Tensor | None, ...]:
-    from attnopt.nn._spectral_fused import _plain
-
     inputs = [src, noise, raw, None, None, None, None, *params]
     need = [x for x, n in zip(inputs, ctx.needs_input_grad, strict=True) if n and x is not None]
     with torch.enable_grad():
         h = torch.div(src.sum(dim=-2), src.shape[-2]) if ctx.keys is not None else src
-        pts, kl = _plain(h, noise, raw, ctx.scales, params)
+        pts, kl = sample_plain(h, noise, raw, ctx.scales, params)
         if ctx.kl_mean:
             kl = kl.mean()
     grads = iter(torch.autograd.grad((pts, kl), need, (gpts, gkl), create_graph=True, allow_unused=True))
@@ -315,7 +311,7 @@ def native_sample(
     h: Tensor, noise: Tensor, raw: Tensor | None, scales: tuple[float, ...], params: list[Tensor],
     lib: ctypes.CDLL, kl_mean: bool = False, keys: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """``(points, kl)`` of :func:`._spectral_fused.sample_spectral_points` in C (``lib``: :func:`library`);
+    """``(points, kl)`` of :func:`.spectral.sample_spectral_points` in C (``lib``: :func:`library`);
     ``kl_mean``: the KL's batch mean (0-d) in place of the per-example KL; ``keys``: ``h`` is the
     keys ``(..., H, N ≥ 1, d)``, the summary their mean over ``N`` (taken inside the node)."""
     out: tuple[Tensor, Tensor] = _NativeSpectralSample.apply(

@@ -17,9 +17,9 @@ backward with ``A_ij = W_ij m_j``, ``g_i = dO_i / den_i``, ``δ_i = <g_i, O_i>``
 feature maps, and the latter the L^p key magnitude and key mask, inside the node, with their
 gradients in closed form (the short path of :func:`~attnopt.functional.kernel.kernel_attention`:
 at N = 64 the ~20 separate autograd nodes of features and magnitude cost as much as the
-attention). The ``Nq × Nk`` part runs by the blocks of :mod:`._kernel_chunked` (whole up to
-``WHOLE_ELEMS`` scores, ``F`` recomputed in the backward above). Feature maps without the
-Fourier form (Linear, user kernels) take :mod:`._kernel_chunked`'s node directly. Rows whose
+attention). The ``Nq × Nk`` part runs by the blocks of :mod:`.chunked` (whole up to
+``THRESHOLDS.kernel_whole_elements`` scores, ``F`` recomputed in the backward above). Feature maps without the
+Fourier form (Linear, user kernels) take :mod:`.chunked`'s node directly. Rows whose
 denominator is 0 give zeros.
 
 At N = 64, d = 64 the ``N × d`` passes are as large as the ``N × N`` ones and every op costs
@@ -34,7 +34,7 @@ strided tensors. Measured (fwd+bwd, 1 thread, thread CPU time, loaded 2-core mac
 SDPA in the same run): IKAN R = 16, p = 1.5 at B·H = 8, N = 64 2.6–2.7× → 2.0–2.2×, B·H = 64
 1.65× → 1.25–1.3×; IKA_S R = 8 2.1× → 1.8×.
 
-At small sizes (:data:`WHOLE_CALL_BELOW` scores in all, :data:`WHOLE_CALL_MAX_HEAD_SCORES` per
+At small sizes (``THRESHOLDS.kernel_wholecall_below`` scores in all, ``kernel_wholecall_max_head_scores`` per
 head) :func:`fused_fourier_magnitude_attention` takes the *whole-call* path instead
 (:class:`_WholeFourier`; ``ffw_*`` in the C file): the forward of every head is one C call and
 the backward one, the same passes per head with the products by PyTorch's own BLAS called from C
@@ -63,7 +63,8 @@ from attnopt import _native
 from attnopt._native.checks import fail, require, require_dense, require_size, require_view
 from attnopt._validation import broadcast_shapes
 from attnopt.functional._autograd import double_backward
-from attnopt.functional._kernel_chunked import blocked_backward, blocked_forward
+from attnopt.functional._thresholds import THRESHOLDS
+from attnopt.functional.kernel.chunked import blocked_backward, blocked_forward
 
 __all__ = ["fused_fourier_attention", "fused_fourier_magnitude_attention"]
 
@@ -639,20 +640,6 @@ class _FusedFourier(torch.autograd.Function):
 
 # --- whole-call path for small sizes: the forward in one C call, the backward in one -------------
 
-#: ``B·H·Nq·Nk`` up to which :func:`fused_fourier_magnitude_attention` runs the whole-call path
-#: (:class:`_WholeFourier`: the forward of every head one C call, the backward one, the products by
-#: PyTorch's own BLAS called from C), where it applies. Measured (fwd+bwd, d = 64, float32,
-#: 1 thread, loaded 2-core machine, × SDPA in the same run, whole call vs the node, interleaved):
-#: IKA_S R = 8 / IKAN R = 16 p = 1.5 / sampled IKAN core, B·H = 64: N = 128 (2^20) 0.70 vs 0.77 /
-#: 0.82 vs 0.91 / 1.09 vs 1.18; N = 256 (2^22) 0.72 vs 0.86 / 0.82 vs 1.03 / 0.96 vs 1.14;
-#: B·H = 128, N = 256 (2^23) 0.96 vs 0.88 / 1.17 vs 1.05 (the saved F, 32 MB, no longer pays).
-#: B·H = 8: N = 256 0.73 vs 0.86 / 0.84 vs 0.99; N = 512 (2^18 a head) 0.70 vs 0.80 / 0.80 vs 0.93;
-#: N = 1024 (2^20 a head) 1.09 vs 0.80 / 1.20 vs 0.98. Train step (attnopt.bench.training, N = 128,
-#: 2^21) ika-s / ikan / mikan × softmax 1.16 / 1.21 / 1.21 → 1.10 / 1.14 / 1.16.
-WHOLE_CALL_BELOW = 1 << 22
-#: ... and one head's ``Nq·Nk`` at most this (N = 512; N = 1024 loses, see above).
-WHOLE_CALL_MAX_HEAD_SCORES = 1 << 18
-
 _FWD_SIG = ([_VP] * 6 + [_I64] * 3 + [_VP] + [_I64] * 8 + [ctypes.c_int] + [_F64P] * 5 + [ctypes.c_int]
             + [_VP] * 3)
 _BWD_SIG = ([_VP] * 6 + [_I64] * 3 + [_VP] + [_I64] * 3 + [_VP] + [_I64] * 8 + [ctypes.c_int] + [_F64P] * 2
@@ -935,14 +922,15 @@ def _whole_call(
     """The whole-call configuration where :class:`_WholeFourier` applies, else None: CPU
     float32/64 tensors of one dtype with storage, no dispatch mode active (a FLOP counter sees the
     node's products), q, k, v of one batch shape, ``0 < B·H·Nq·Nk <=
-    WHOLE_CALL_BELOW``, ``Nq·Nk <= WHOLE_CALL_MAX_HEAD_SCORES``, the C kernels and
+    kernel_wholecall_below``, ``Nq·Nk <= kernel_wholecall_max_head_scores``, the C kernels and
     :func:`attnopt._native.blas` there."""
     dtype = q.dtype
     if dtype not in (torch.float32, torch.float64) or q.device.type != "cpu":
         return None
     nq, nk = q.shape[-2], k.shape[-2]
     size = math.prod(q.shape[:-2]) * nq * nk
-    if not 0 < size <= WHOLE_CALL_BELOW or nq * nk > WHOLE_CALL_MAX_HEAD_SCORES:
+    t = THRESHOLDS
+    if not 0 < size <= t.kernel_wholecall_below or nq * nk > t.kernel_wholecall_max_head_scores:
         return None
     if q.shape[-1] == 0 or v.shape[-1] == 0 or points.shape[-2] == 0:
         return None

@@ -35,13 +35,11 @@ import torch
 from torch import Tensor
 
 from attnopt.functional._autograd import under_transform
+from attnopt.functional._thresholds import THRESHOLDS
 from attnopt.kernels import Kernel
 
 __all__ = ["linear_kernel_attention"]
 
-_KEY_CHUNK = 128  # minimum rows per chunk; chunks hold about _CHUNK_ELEMS state-sized entries
-_CHUNK_ELEMS = 1 << 19
-_CAUSAL_CHUNK = 128
 
 
 def _outer_state(phi: Tensor, vm: Tensor) -> Tensor:
@@ -98,7 +96,8 @@ def linear_kernel_attention(
     state: Tensor | None = None
     esum: Tensor | None = None
     width = math.prod(batch) * kernel.features(k[..., :1, :]).shape[-1] * e
-    rows = max(_KEY_CHUNK, min(4096, _CHUNK_ELEMS // max(1, width)))
+    t = THRESHOLDS
+    rows = max(t.kernel_linear_key_chunk, min(4096, t.kernel_linear_chunk_elements // max(1, width)))
     for start in range(0, nk, rows):  # key side: S = Σ_j m_j φ_jφ_jᵀ ⊗ [v_j, 1], chunk by chunk
         sl = slice(start, start + rows)
         phi_k = kernel.features(k[..., sl, :])
@@ -136,8 +135,9 @@ def _causal(phi_q: Tensor, phi_k: Tensor, v1: Tensor, a: Tensor, eps: float) -> 
     esum = phi_q.new_zeros(*lead, e)
     c_prev = torch.full((*lead, 1), float("-inf"), dtype=phi_q.dtype, device=phi_q.device)
     outs = []
-    for start in range(0, n, _CAUSAL_CHUNK):
-        sl = slice(start, start + _CAUSAL_CHUNK)
+    step = THRESHOLDS.kernel_linear_causal_chunk
+    for start in range(0, n, step):
+        sl = slice(start, start + step)
         pq, pk, vc, ac = phi_q[..., sl, :], phi_k[..., sl, :], v1[..., sl, :], a[..., sl]
         size = ac.shape[-1]
         c_row = torch.maximum(torch.cummax(ac.detach(), dim=-1).values, c_prev)  # (…, C)

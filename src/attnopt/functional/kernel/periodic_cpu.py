@@ -1,6 +1,6 @@
 r"""The fused Expsin attention with its elementwise passes in C (internal; ``_native/periodic.c``).
 
-The same function as :class:`._periodic_fused._FusedPeriodic` (implicit-kernel-attention
+The same function as :class:`.periodic._FusedPeriodic` (implicit-kernel-attention
 Table 2, eq. (9) and (11): periodic kernel ``exp(c(cos θ − 1))``, ``θ = ω‖q − k‖``, times the
 L2 magnitude and an outside key bias ``e``, an optional additive mask), with every
 ``Nq × Nk`` and ``N × d`` elementwise pass of a chunk of heads in one C call that works row by
@@ -17,7 +17,7 @@ row while the row is in L1:
   ``E K`` and ``Eᵀ Q`` (``bmm``); one more C pass finishes
   ``dq_i = cω²((E k)_i − Σ_j E_ij q_i)``, ``dk_j = cω²((Eᵀ q)_j − Σ_i E_ij k_j) + s Σ_i dL_ij k_j``.
 
-``P`` and ``sin θ/θ`` are saved up to :data:`._periodic_fused.SAVE_BYTES` and recomputed from
+``P`` and ``sin θ/θ`` are saved up to ``THRESHOLDS.periodic_save_bytes`` and recomputed from
 ``S`` above (with the forward's shift and ``r``). Rows with no admissible key give zeros and
 zero gradients; weights, ``dL`` and ``E`` below the smallest normal number are flushed to
 zero in C (no subnormal reaches a matmul). float32's ``exp``, ``cos`` and ``sin`` are
@@ -25,7 +25,7 @@ vectorized polynomials (a few ulp; ``cos``/``sin`` after a Cody–Waite reductio
 are libm's. Heads of a chunk are split over ``torch.get_num_threads()`` threads
 (:func:`attnopt._native.parallel_rows`).
 
-Measured: see :mod:`._periodic_fused`. At N = 64 the six matmuls are about half the time, the C
+Measured: see :mod:`.periodic`. At N = 64 the six matmuls are about half the time, the C
 passes a sixth (float32 about 1.2–1.7 ns per score in the forward and 1.6 ns in a recomputing
 backward: a square root, a sine/cosine pair, an exponential and in the backward a division);
 float64 fwd+bwd 1.6 → 1.1 ms (B·H = 8, N = 64) against the PyTorch node.
@@ -265,7 +265,7 @@ def native_periodic_attention(
     lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, e: Tensor | None, mask: Tensor | None, rep: int,
     om2: float, c: float, s: float, save: bool, chunk_bytes: int, batch: tuple[int, ...],
 ) -> Tensor:
-    """:class:`._periodic_fused._FusedPeriodic`'s arguments, through the C passes of ``lib``
+    """:class:`.periodic._FusedPeriodic`'s arguments, through the C passes of ``lib``
     (:func:`library`); heads are taken ``chunk_bytes`` of scores per thread at a time. Returns
     ``(*batch, Nq, dv)``."""
     if mask is not None and mask.stride(-1) != 1:
