@@ -143,87 +143,129 @@ def _check_dn(
         raise fail(kernel, "rs", "missing")
 
 
+@_native.untraced
+def dn_forward(
+    q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, causal: bool, scale: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(out, m, β, u, α, 1/β', ok)``: the forward C passes (``dn_fwd``) of DNAS (``w`` None) or HNAS,
+    K = 1, on contiguous 4-D ``(B, H, N, ·)`` float32 inputs; ``mask`` 4-D additive (key-only
+    ``(…, 1, Nk)`` or full), detached.
+
+    ``m, β, u (B·H, Nk)``, ``α, 1/β' (B·H, Nq)`` are what the backward needs (``u``, ``1/β'``
+    empty for DNAS); ``ok`` (0-d bool) is False when the row normalizer of an admissible row
+    underflowed (then ``out`` is not to be used: the caller recomputes in the log domain). The
+    body of the ``attnopt::dn_fwd`` op.
+    """
+    lib = _native.library("dnas")
+    assert lib is not None
+    b, h, nq, _ = q.shape
+    nk, dv = k.shape[-2], v.shape[-1]
+    g = b * h
+    qs = (q * scale).reshape(g, nq, -1)
+    k3, v3 = k.reshape(g, nk, -1), v.reshape(g, nk, dv)
+    key_only = mask is not None and mask.shape[-2] == 1
+    kbias = _flat(mask, b, h, (1, nk)) if key_only else None
+    full = mask if mask is not None and not key_only else None
+    wv = _flat(w, b, h, (1, 1))
+    m, beta = q.new_empty(g, nk), q.new_empty(g, nk)
+    u = q.new_empty(g, nk) if w is not None else None
+    alpha, rs = q.new_empty(g, nq), q.new_empty(g, nq)
+    binv, rho = (q.new_empty(g, nq), q.new_empty(g, nq)) if w is not None else (None, None)
+    out = q.new_empty(g, nq, dv)
+    parts = _chunks(g, nq * nk)
+    work = q.new_empty((parts[0][1] - parts[0][0]) * nq * nk)
+    c = _INT(int(causal))
+    for h0, h1 in parts:
+        ws = work[: (h1 - h0) * nq * nk].view(-1, nq, nk)
+        s = torch.bmm(qs[h0:h1], k3[h0:h1].transpose(-2, -1), out=ws)
+        if full is not None:
+            _add_mask(s, full, h, h0, h1)
+        _check_dn(s, None, h0, h1, g, nq, nk, kbias, wv, m, beta, u, alpha, binv, rs, rho, None)
+        _heads(lambda a, e, s=s, h0=h0: lib.dn_fwd(
+            _p(s), _I64(h0), _p(kbias), _p(wv), _p(m), _p(beta), _p(u), _p(alpha), _p(binv), _p(rs),
+            _p(rho), _I64(a), _I64(e), _I64(nq), _I64(nk), c), h0, h1, nq * nk)
+        torch.bmm(s, v3[h0:h1], out=out[h0:h1])
+    thr = torch.finfo(torch.float32).tiny * 2.0**40
+    dens = rs if rho is None else torch.minimum(rs, rho)
+    low = dens < thr
+    ok = not (bool(low.any()) and bool((low & _admissible_rows(full, kbias, causal, b, h, nq, nk)).any()))
+    return (out.view(b, h, nq, dv), m, beta, q.new_empty(0) if u is None else u, alpha,
+            q.new_empty(0) if binv is None else binv, torch.tensor(ok))  # (distinct empties: no aliasing)
+
+
+@_native.untraced
+def dn_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, m: Tensor,
+    beta: Tensor, u: Tensor, alpha: Tensor, binv: Tensor, causal: bool, scale: float, need_w: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dQ, dK, dV, ∂L/∂w per row (B·H, Nq))`` of :func:`dn_forward` (``dn_bwd``; the last empty
+    unless ``need_w``), from the forward's inputs and its saved vectors. The body of the
+    ``attnopt::dn_bwd`` op."""
+    lib = _native.library("dnas")
+    assert lib is not None
+    b, h, nq, _ = q.shape
+    nk, dv_ = k.shape[-2], v.shape[-1]
+    g = b * h
+    qs = (q * scale).reshape(g, nq, -1)
+    k3, v3 = k.reshape(g, nk, -1), v.reshape(g, nk, dv_)
+    key_only = mask is not None and mask.shape[-2] == 1
+    full = mask if mask is not None and not key_only else None
+    wv = _flat(w, b, h, (1, 1))
+    hyb = w is not None
+    uu, bb = (u, binv) if hyb else (None, None)
+    d3 = dout.reshape(g, nq, dv_).contiguous()
+    dq, dk, dvv = torch.empty_like(qs), torch.empty_like(k3), torch.empty_like(v3)
+    drow = qs.new_empty(g, nq) if need_w and hyb else None
+    parts = _chunks(g, nq * nk)
+    n = (parts[0][1] - parts[0][0]) * nq * nk
+    work, work2 = qs.new_empty(n), qs.new_empty(n)
+    c = _INT(int(causal))
+    for h0, h1 in parts:
+        size = (h1 - h0) * nq * nk
+        s = torch.bmm(qs[h0:h1], k3[h0:h1].transpose(-2, -1), out=work[:size].view(-1, nq, nk))
+        if full is not None:
+            _add_mask(s, full, h, h0, h1)
+        dp = torch.bmm(d3[h0:h1], v3[h0:h1].transpose(-2, -1), out=work2[:size].view(-1, nq, nk))
+        _check_dn(s, dp, h0, h1, g, nq, nk, None, wv, m, beta, uu, alpha, bb, None, None, drow)
+        _heads(lambda a, e, s=s, dp=dp, h0=h0: lib.dn_bwd(
+            _p(s), _p(dp), _I64(h0), _p(wv), _p(m), _p(beta), _p(uu), _p(alpha), _p(bb), _p(drow),
+            _I64(a), _I64(e), _I64(nq), _I64(nk), c), h0, h1, nq * nk)
+        torch.bmm(s.transpose(-2, -1), d3[h0:h1], out=dvv[h0:h1])
+        torch.bmm(dp, k3[h0:h1], out=dq[h0:h1])
+        torch.bmm(dp.transpose(-2, -1), qs[h0:h1], out=dk[h0:h1])
+    dq.mul_(scale)
+    return (dq.view(b, h, nq, -1), dk.view(b, h, nk, -1), dvv.view(b, h, nk, dv_),
+            qs.new_empty(0) if drow is None else drow)
+
+
 class _NativeSinkhorn(torch.autograd.Function):
-    """DNAS (``w is None``) or HNAS, K = 1, on contiguous 4-D ``(B, H, N, ·)`` float32 inputs."""
+    """:func:`dn_forward` / :func:`dn_backward` as one autograd node (plain eager calls); ``info[0]``
+    is set False on underflow (the output is then empty)."""
 
     @staticmethod
     @_native.untraced
     def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, causal: bool,
-        scale: float, lib: ctypes.CDLL, info: list[bool],
+        scale: float, info: list[bool],
     ) -> Tensor:
-        b, h, nq, _ = q.shape
-        nk, dv = k.shape[-2], v.shape[-1]
-        g = b * h
-        qs = (q * scale).reshape(g, nq, -1)
-        k3, v3 = k.reshape(g, nk, -1), v.reshape(g, nk, dv)
-        key_only = mask is not None and mask.shape[-2] == 1
-        kbias = _flat(mask, b, h, (1, nk)) if key_only else None
-        full = mask if mask is not None and not key_only else None
-        wv = _flat(w, b, h, (1, 1))
-        m, beta = q.new_empty(g, nk), q.new_empty(g, nk)
-        u = q.new_empty(g, nk) if w is not None else None
-        alpha, rs = q.new_empty(g, nq), q.new_empty(g, nq)
-        binv, rho = (q.new_empty(g, nq), q.new_empty(g, nq)) if w is not None else (None, None)
-        out = q.new_empty(g, nq, dv)
-        parts = _chunks(g, nq * nk)
-        work = q.new_empty((parts[0][1] - parts[0][0]) * nq * nk)
-        c = _INT(int(causal))
-        for h0, h1 in parts:
-            ws = work[: (h1 - h0) * nq * nk].view(-1, nq, nk)
-            s = torch.bmm(qs[h0:h1], k3[h0:h1].transpose(-2, -1), out=ws)
-            if full is not None:
-                _add_mask(s, full, h, h0, h1)
-            _check_dn(s, None, h0, h1, g, nq, nk, kbias, wv, m, beta, u, alpha, binv, rs, rho, None)
-            _heads(lambda a, e, s=s, h0=h0: lib.dn_fwd(
-                _p(s), _I64(h0), _p(kbias), _p(wv), _p(m), _p(beta), _p(u), _p(alpha), _p(binv), _p(rs),
-                _p(rho), _I64(a), _I64(e), _I64(nq), _I64(nk), c), h0, h1, nq * nk)
-            torch.bmm(s, v3[h0:h1], out=out[h0:h1])
-        thr = torch.finfo(torch.float32).tiny * 2.0**40
-        dens = rs if rho is None else torch.minimum(rs, rho)
-        low = dens < thr
-        if bool(low.any()) and bool((low & _admissible_rows(full, kbias, causal, b, h, nq, nk)).any()):
+        out, m, beta, u, alpha, binv, ok = dn_forward(q, k, v, w, mask, causal, scale)
+        if not bool(ok):
             info[0] = False
             return q.new_empty(0)
-        ctx.save_for_backward(qs, k3, v3, wv, full, m, beta, u, alpha, binv)
-        ctx.shape = (b, h, nq, nk, causal, scale, lib, w is not None and w.requires_grad)
-        ctx.w_shape = None if w is None else w.shape
-        return out.view(b, h, nq, dv)
+        ctx.save_for_backward(q, k, v, w, mask, m, beta, u, alpha, binv)
+        ctx.causal, ctx.scale = causal, scale
+        return out
 
     @staticmethod
     @_native.untraced
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         refuse_double_backward(ctx, "DNAS/HNAS (native C path)", "use *_normalized_weights(...) @ v")
-        qs, k3, v3, wv, full, m, beta, u, alpha, binv = ctx.saved_tensors
-        b, h, nq, nk, causal, scale, lib, _ = ctx.shape
-        g, dv_ = b * h, v3.shape[-1]
-        need_w = ctx.w_shape is not None and ctx.needs_input_grad[3]
-        d3 = dout.reshape(g, nq, dv_).contiguous()
-        dq, dk, dvv = torch.empty_like(qs), torch.empty_like(k3), torch.empty_like(v3)
-        drow = qs.new_empty(g, nq) if need_w else None
-        parts = _chunks(g, nq * nk)
-        n = (parts[0][1] - parts[0][0]) * nq * nk
-        work, work2 = qs.new_empty(n), qs.new_empty(n)
-        c = _INT(int(causal))
-        for h0, h1 in parts:
-            size = (h1 - h0) * nq * nk
-            s = torch.bmm(qs[h0:h1], k3[h0:h1].transpose(-2, -1), out=work[:size].view(-1, nq, nk))
-            if full is not None:
-                _add_mask(s, full, h, h0, h1)
-            dp = torch.bmm(d3[h0:h1], v3[h0:h1].transpose(-2, -1), out=work2[:size].view(-1, nq, nk))
-            _check_dn(s, dp, h0, h1, g, nq, nk, None, wv, m, beta, u, alpha, binv, None, None, drow)
-            _heads(lambda a, e, s=s, dp=dp, h0=h0: lib.dn_bwd(
-                _p(s), _p(dp), _I64(h0), _p(wv), _p(m), _p(beta), _p(u), _p(alpha), _p(binv), _p(drow),
-                _I64(a), _I64(e), _I64(nq), _I64(nk), c), h0, h1, nq * nk)
-            torch.bmm(s.transpose(-2, -1), d3[h0:h1], out=dvv[h0:h1])
-            torch.bmm(dp, k3[h0:h1], out=dq[h0:h1])
-            torch.bmm(dp.transpose(-2, -1), qs[h0:h1], out=dk[h0:h1])
-        dq.mul_(scale)
-        dw = None
-        if drow is not None:
-            dw = reduce_to(drow.view(b, h, nq, 1), ctx.w_shape)
-        return (dq.view(b, h, nq, -1), dk.view(b, h, nk, -1), dvv.view(b, h, nk, dv_), dw,
-                None, None, None, None, None)
+        q, k, v, w, mask, m, beta, u, alpha, binv = ctx.saved_tensors
+        need_w = w is not None and ctx.needs_input_grad[3]
+        dq, dk, dv, drow = dn_backward(dout, q, k, v, w, mask, m, beta, u, alpha, binv, ctx.causal, ctx.scale,
+                                       need_w)
+        dw = reduce_to(drow.view(*q.shape[:3], 1), w.shape) if need_w else None
+        return dq, dk, dv, dw, None, None, None, None
 
 
 @_native.untraced
@@ -268,7 +310,7 @@ def no_grad_small(
 
 
 def native_sinkhorn(
-    lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, causal: bool,
+    _lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, causal: bool,
     scale: float,
 ) -> Tensor | None:
     """DNAS (``w=None``) or HNAS (K = 1) on contiguous ``(B, H, N, ·)`` float32; ``None`` on underflow.
@@ -277,5 +319,66 @@ def native_sinkhorn(
     """
     info = [True]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out: Tensor = _NativeSinkhorn.apply(q, k, v, w, mask, causal, scale, lib, info)
+    out: Tensor = _NativeSinkhorn.apply(q, k, v, w, mask, causal, scale, info)
     return out if info[0] else None
+
+
+# --- the same passes as torch.library ops (issue 30 item 2) -----------------------------------------
+
+
+@torch.library.custom_op("attnopt::dn_fwd", mutates_args=(), device_types="cpu")
+def dn_fwd(
+    q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, causal: bool, scale: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(out, m, β, u, α, 1/β', ok)`` of DNAS / HNAS, K = 1 (:func:`dn_forward`)."""
+    return dn_forward(q.contiguous(), k.contiguous(), v.contiguous(), w, mask, causal, scale)
+
+
+@dn_fwd.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, causal: bool,  # noqa: ARG001
+      scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # noqa: ARG001
+    b, h, nq, _ = q.shape
+    nk, dv = k.shape[-2], v.shape[-1]
+    g, hyb = b * h, w is not None
+    u = q.new_empty(g, nk) if hyb else q.new_empty(0)
+    binv = q.new_empty(g, nq) if hyb else q.new_empty(0)
+    return (q.new_empty(b, h, nq, dv), q.new_empty(g, nk), q.new_empty(g, nk), u, q.new_empty(g, nq), binv,
+            q.new_empty((), dtype=torch.bool))
+
+
+@torch.library.custom_op("attnopt::dn_bwd", mutates_args=(), device_types="cpu")
+def dn_bwd(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, m: Tensor,
+    beta: Tensor, u: Tensor, alpha: Tensor, binv: Tensor, causal: bool, scale: float, need_w: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dQ, dK, dV, ∂L/∂w per row)`` of :func:`dn_fwd` (:func:`dn_backward`)."""
+    return dn_backward(dout, q.contiguous(), k.contiguous(), v.contiguous(), w, mask, m, beta, u, alpha, binv,
+                       causal, scale, need_w)
+
+
+@dn_bwd.register_fake
+def _(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None,  # noqa: ARG001
+      m: Tensor, beta: Tensor, u: Tensor, alpha: Tensor, binv: Tensor, causal: bool,  # noqa: ARG001
+      scale: float, need_w: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # noqa: ARG001
+    b, h, nq, _ = q.shape
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            q.new_empty(b * h, nq) if need_w and w is not None else q.new_empty(0))
+
+
+def _dn_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, w, mask, causal, scale = inputs
+    _, m, beta, u, alpha, binv, _ = output
+    ctx.causal, ctx.scale = causal, scale
+    ctx.save_for_backward(q, k, v, w, mask, m, beta, u, alpha, binv)
+
+
+def _dn_backward(ctx: Any, dout: Tensor, *_unused: Tensor | None) -> tuple[Tensor | None, ...]:
+    q, k, v, w, mask, m, beta, u, alpha, binv = ctx.saved_tensors
+    need_w = w is not None and ctx.needs_input_grad[3]
+    dq, dk, dv, drow = torch.ops.attnopt.dn_bwd(dout, q, k, v, w, mask, m, beta, u, alpha, binv, ctx.causal,
+                                                ctx.scale, need_w)
+    dw = reduce_to(drow.view(*q.shape[:3], 1), w.shape) if need_w else None
+    return dq, dk, dv, dw, None, None, None
+
+
+dn_fwd.register_autograd(_dn_backward, setup_context=_dn_setup)

@@ -41,6 +41,21 @@ whole-call path leaves ~0.1 ms.
 Measured (1 thread, loaded 2-core machine): train step of ``TransformerEncoder`` (E = 64,
 H = 4, B = 32, N = 512, 2 layers) with ``attention="t5"`` 1.44–1.52× → 1.07–1.10× the softmax
 arm; the attention alone at B·H = 128, N = 512, d = 16 1.76× → 1.09× plain SDPA.
+
+The whole-call kernels are also ``torch.library`` ops (issue 30 item 2), so that dynamo,
+``torch.export``, the profiler and ``torch.func.grad`` see one op each way:
+
+* ``attnopt::bsf_fwd(q, k, v, src, buckets, kind, scale) -> (out, E, 1/r)``
+  (:func:`fused_forward`; fake implementation: the shapes alone);
+* ``attnopt::bsf_bwd(dout, q, k, v, E, out, 1/r, src, buckets, kind, scale, need_bias) -> (dQ, dK,
+  dV, d src)`` (:func:`fused_backward`), the forward op's registered autograd.
+
+Plain eager code (the router, :func:`fused_attention`) calls the same two functions through the
+autograd Function :class:`_FusedBiasedSoftmax` instead: PyTorch's Python ``custom_op`` path
+(dispatcher → Python kernel, and a second Python autograd node around it) costs a fixed few tens
+of µs per call, which at B·H = 8, N = 64 is several per cent of the whole forward+backward (the
+figures are in the commit that added the ops and in the issue-30 note). Both run the same C calls
+with the same checks, so they agree bitwise (``tests/functional/test_generalized_ops.py``).
 """
 from __future__ import annotations
 
@@ -382,8 +397,11 @@ def _fused_functions(lib: ctypes.CDLL, dtype: torch.dtype) -> tuple[Any, Any, An
     return done[suffix]
 
 
-#: ``(kind, buckets, scale, C functions, gemm address, MKL thread setter address)`` of a fused call
-_FusedConfig = tuple[int, Any, float, tuple[Any, Any, Any], int, int]
+def _blas_for(dtype: torch.dtype) -> tuple[int, int]:
+    """``(gemm address, MKL thread setter address)`` of PyTorch's own BLAS for ``dtype``."""
+    found = _native.blas()
+    assert found is not None  # fused_attention checked it
+    return (found.dgemm if dtype == torch.float64 else found.sgemm), found.set_threads
 
 
 def _head_strides(t: Tensor) -> tuple[int, int, int, int]:
@@ -407,123 +425,155 @@ def _bias_grad_layout(buf: Tensor, nq: int) -> tuple[int, int, int, int]:
     return buf.data_ptr() + (nq - 1) * buf.element_size(), 0, 0 if buf.shape[0] == 1 else buf.stride(0), -1
 
 
+@_native.untraced
+def fused_forward(
+    q: Tensor, k: Tensor, v: Tensor, src: Tensor, buckets: Tensor | None, kind: int, scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(out, E, 1/r)``: the forward C call(s) of ``softmax(scale·QKᵀ + bias) V`` (``bsf_fwd``).
+
+    q, k, v: ``(B, H, N, ·)`` of one batch shape with unit column stride (:func:`_unit`); ``src`` by
+    ``kind``: per-offset values ``(H|1, Nq + Nk − 1)`` (contiguous) of a Toeplitz bias
+    (:data:`OFFSETS`), or a bucket table ``(num_buckets, H)`` with ``buckets (Nq + Nk − 1,)``
+    (:data:`TABLE`). ``E (B·H, Nq, Nk)`` holds the unnormalized weights, ``1/r (B·H, Nq)`` the row
+    normalizers. The body of the ``attnopt::bsf_fwd`` op.
+
+    Raises:
+        ValueError: non-finite ``q``, ``k``, ``v``, NaN / ``+inf`` in the bias, or overflowing scores.
+    """
+    lib = _native.library("biased_softmax")
+    assert lib is not None
+    fwd, _, gather = _fused_functions(lib, q.dtype)
+    gemm, set_threads = _blas_for(q.dtype)
+    b, h, nq, d = q.shape
+    nk, dv = k.shape[2], v.shape[3]
+    g = b * h
+    if kind == TABLE:
+        assert buckets is not None
+        bias = q.new_empty(h, nq + nk - 1)
+        _check_bsf_gather(src, buckets, bias, h, nq + nk - 1)
+        gather(src.data_ptr(), src.stride(0), src.stride(1), buckets.data_ptr(), h, nq + nk - 1,
+               bias.data_ptr())
+    else:
+        bias = src
+    base, (sb, sh, si) = _layout(bias, True, nq)
+    e, rinv = q.new_empty(g, nq, nk), q.new_empty(g, nq)
+    out = q.new_empty(b, h, nq, dv)
+    qa, ka, va = _head_strides(q), _head_strides(k), _head_strides(v)
+    _check_bsf("bsf_fwd", q, k, v, (qa, ka, va), bias, e, out, rinv, None, None, (base, (sb, sh, si)))
+    po, pe, pr = out.data_ptr(), e.data_ptr(), rinv.data_ptr()
+    threads = torch.get_num_threads()
+    if threads <= 1 or g * nq * nk < _native._MIN_PARALLEL:
+        flags = fwd(gemm, set_threads, *qa, *ka, *va, base, sb, sh, si, pe, po, pr, 0, g, h, nq, nk, d,
+                    dv, scale, 1)
+    else:
+        res: list[int] = []  # list.append is atomic across threads
+
+        def heads(g0: int, g1: int) -> None:
+            res.append(fwd(gemm, set_threads, *qa, *ka, *va, base, sb, sh, si, pe, po, pr, g0, g1, h, nq,
+                           nk, d, dv, scale, 1))
+
+        _native.parallel_rows(heads, g, nq * nk)
+        flags = 0
+        for r in res:
+            flags |= r
+    if flags:
+        if flags >> 32:  # a non-finite q, k or v: the entry check names it
+            check_finite(q=q, k=k, v=v)
+        if not bool(bias.amax(-1).max() < float("inf")):
+            raise ValueError("log_preference must not contain NaN or +inf (-inf masks a key)")
+        raise ValueError("the biased scores overflowed to +inf")
+    return out, e, rinv
+
+
+@_native.untraced
+def fused_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, e: Tensor, out: Tensor, rinv: Tensor, src: Tensor,
+    buckets: Tensor | None, kind: int, scale: float, need_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dQ, dK, dV, d src)`` of :func:`fused_forward` (``bsf_bwd``, one C call per thread); ``d src``
+    (``src``'s shape: the per-offset values or T5's bucket table) is empty unless ``need_bias``.
+    The body of the ``attnopt::bsf_bwd`` op."""
+    lib = _native.library("biased_softmax")
+    assert lib is not None
+    _, bwd, _ = _fused_functions(lib, q.dtype)
+    gemm, set_threads = _blas_for(q.dtype)
+    b, h, nq, d = q.shape
+    nk, dv = k.shape[2], v.shape[3]
+    g = b * h
+    if dout.dtype != q.dtype:
+        dout = dout.to(q.dtype)
+    dq, dk, dvv = q.new_empty(b, h, nq, d), k.new_empty(b, h, nk, d), v.new_empty(b, h, nk, dv)
+    threads = min(torch.get_num_threads(), g) if g * nq * nk >= _native._MIN_PARALLEL else 1
+    # the bias gradient, one buffer per thread: T5's table itself (the C pass adds each head's
+    # sums by offset into the buckets), else the per-offset values' shape
+    table = src if kind == TABLE else None
+    gbufs = [q.new_zeros(src.shape) for _ in range(threads)] if need_bias else []
+    pb = buckets.data_ptr() if table is not None and buckets is not None else 0
+    per = 2 * nq * nk + nq * (dv + 1) + nq + nk - 1
+    work = q.new_empty(threads, per)
+    qa, ka, va = _head_strides(q), _head_strides(k), _head_strides(v)
+    ds = dout.stride()
+    pe, po, pr = e.data_ptr(), out.data_ptr(), rinv.data_ptr()
+    pq, pk, pv = dq.data_ptr(), dk.data_ptr(), dvv.data_ptr()
+    bounds = [g * i // threads for i in range(threads + 1)]
+    _check_bsf("bsf_bwd", q, k, v, (qa, ka, va), None, e, out, rinv, dout, work)
+    for buf in gbufs:
+        if table is None:
+            _check_bias("bsf_bwd", "gb", buf, True, g, h, nq, nk, q.dtype)
+        else:
+            assert buckets is not None
+            _check_bsf_gather(buf, buckets, None, h, nq + nk - 1)
+    for name, t in (("dq", dq), ("dk", dk), ("dv", dvv)):
+        require("bsf_bwd", name, t, dtype=q.dtype)
+
+    def heads(t: int) -> None:
+        if not need_bias:
+            ga: tuple[int, ...] = (0, 0, 0, 0, 0, 0, 0, 0)
+        elif table is None:
+            ga = (*_bias_grad_layout(gbufs[t], nq), 0, 0, 0, 0)
+        else:
+            gt = gbufs[t]
+            ga = (0, 0, 0, 0, pb, gt.data_ptr(), gt.stride(0), gt.stride(1))
+        bwd(gemm, set_threads, *qa, *ka, *va, dout.data_ptr(), *ds, pe, po, pr, *ga, pq, pk, pv,
+            work[t].data_ptr(), bounds[t], bounds[t + 1], h, nq, nk, d, dv, scale)
+
+    if threads == 1:
+        heads(0)
+    else:
+        pool = _native._pool(threads)
+        futures = [pool.submit(heads, t) for t in range(1, threads)]
+        heads(0)
+        for f in futures:
+            f.result()
+    if not need_bias:
+        return dq, dk, dvv, src.new_empty(0)
+    gb = gbufs[0]
+    for extra in gbufs[1:]:
+        gb += extra
+    return dq, dk, dvv, gb
+
+
 class _FusedBiasedSoftmax(torch.autograd.Function):
-    """``softmax(scale·QKᵀ + bias) V``, forward and backward each one C call per thread (BLAS
-    products inside). q, k, v: ``(B, H, N, ·)`` of one batch shape with unit column stride; ``src``
-    by ``kind``: per-offset values ``(H|1, Nq + Nk − 1)`` (contiguous) of a Toeplitz bias, or a
-    bucket table ``(num_buckets, H)`` with ``buckets (Nq + Nk − 1,)``."""
+    """:func:`fused_forward` / :func:`fused_backward` as one autograd node (plain eager calls)."""
 
     @staticmethod
     @_native.untraced
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, src: Tensor, cfg: _FusedConfig) -> Tensor:
-        kind, buckets, scale, (fwd, _, gather), gemm, set_threads = cfg
-        b, h, nq, d = q.shape
-        nk, dv = k.shape[2], v.shape[3]
-        g = b * h
-        if kind == TABLE:
-            bias = q.new_empty(h, nq + nk - 1)
-            _check_bsf_gather(src, buckets, bias, h, nq + nk - 1)
-            gather(src.data_ptr(), src.stride(0), src.stride(1), buckets.data_ptr(), h, nq + nk - 1,
-                   bias.data_ptr())
-        else:
-            bias = src
-        base, (sb, sh, si) = _layout(bias, True, nq)
-        e, rinv = q.new_empty(g, nq, nk), q.new_empty(g, nq)
-        out = q.new_empty(b, h, nq, dv)
-        qa, ka, va = _head_strides(q), _head_strides(k), _head_strides(v)
-        _check_bsf("bsf_fwd", q, k, v, (qa, ka, va), bias, e, out, rinv, None, None, (base, (sb, sh, si)))
-        po, pe, pr = out.data_ptr(), e.data_ptr(), rinv.data_ptr()
-        threads = torch.get_num_threads()
-        if threads <= 1 or g * nq * nk < _native._MIN_PARALLEL:
-            flags = fwd(gemm, set_threads, *qa, *ka, *va, base, sb, sh, si, pe, po, pr, 0, g, h, nq, nk, d,
-                        dv, scale, 1)
-        else:
-            res: list[int] = []  # list.append is atomic across threads
-
-            def heads(g0: int, g1: int) -> None:
-                res.append(fwd(gemm, set_threads, *qa, *ka, *va, base, sb, sh, si, pe, po, pr, g0, g1, h, nq,
-                               nk, d, dv, scale, 1))
-
-            _native.parallel_rows(heads, g, nq * nk)
-            flags = 0
-            for r in res:
-                flags |= r
-        if flags:
-            if flags >> 32:  # a non-finite q, k or v: the entry check names it
-                check_finite(q=q, k=k, v=v)
-            if not bool(bias.amax(-1).max() < float("inf")):
-                raise ValueError("log_preference must not contain NaN or +inf (-inf masks a key)")
-            raise ValueError("the biased scores overflowed to +inf")
-        ctx.cfg, ctx.bias_shape = cfg, bias.shape
-        if kind == TABLE:
-            ctx.save_for_backward(q, k, v, e, out, rinv, buckets, src)
-        else:
-            ctx.save_for_backward(q, k, v, e, out, rinv)
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, src: Tensor, buckets: Tensor | None, kind: int,
+                scale: float) -> Tensor:
+        out, e, rinv = fused_forward(q, k, v, src, buckets, kind, scale)
+        ctx.kind, ctx.scale = kind, scale
+        ctx.save_for_backward(q, k, v, e, out, rinv, src, buckets)
         return out
 
     @staticmethod
     @_native.untraced
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         refuse_double_backward(ctx, "generalized_attention (fused bias)", "use generalized_weights(...) @ v")
-        kind, _, scale, (_, bwd, _), gemm, set_threads = ctx.cfg
-        saved = ctx.saved_tensors
-        q, k, v, e, out, rinv = saved[:6]
-        b, h, nq, d = q.shape
-        nk, dv = k.shape[2], v.shape[3]
-        g = b * h
-        if dout.dtype != q.dtype:
-            dout = dout.to(q.dtype)
-        dq, dk, dvv = q.new_empty(b, h, nq, d), k.new_empty(b, h, nk, d), v.new_empty(b, h, nk, dv)
-        threads = min(torch.get_num_threads(), g) if g * nq * nk >= _native._MIN_PARALLEL else 1
+        q, k, v, e, out, rinv, src, buckets = ctx.saved_tensors
         need = ctx.needs_input_grad[3]
-        # the bias gradient, one buffer per thread: T5's table itself (the C pass adds each head's
-        # sums by offset into the buckets), else the per-offset values' shape
-        table = saved[7] if kind == TABLE else None
-        shape = ctx.bias_shape if table is None else table.shape
-        gbufs = [q.new_zeros(shape) for _ in range(threads)] if need else []
-        pb = saved[6].data_ptr() if table is not None else 0
-        per = 2 * nq * nk + nq * (dv + 1) + nq + nk - 1
-        work = q.new_empty(threads, per)
-        qa, ka, va = _head_strides(q), _head_strides(k), _head_strides(v)
-        ds = dout.stride()
-        pe, po, pr = e.data_ptr(), out.data_ptr(), rinv.data_ptr()
-        pq, pk, pv = dq.data_ptr(), dk.data_ptr(), dvv.data_ptr()
-        bounds = [g * i // threads for i in range(threads + 1)]
-        _check_bsf("bsf_bwd", q, k, v, (qa, ka, va), None, e, out, rinv, dout, work)
-        for buf in gbufs:
-            if table is None:
-                _check_bias("bsf_bwd", "gb", buf, True, g, h, nq, nk, q.dtype)
-            else:
-                _check_bsf_gather(buf, saved[6], None, h, nq + nk - 1)
-        for name, t in (("dq", dq), ("dk", dk), ("dv", dvv)):
-            require("bsf_bwd", name, t, dtype=q.dtype)
-
-        def heads(t: int) -> None:
-            if not need:
-                ga: tuple[int, ...] = (0, 0, 0, 0, 0, 0, 0, 0)
-            elif table is None:
-                ga = (*_bias_grad_layout(gbufs[t], nq), 0, 0, 0, 0)
-            else:
-                gt = gbufs[t]
-                ga = (0, 0, 0, 0, pb, gt.data_ptr(), gt.stride(0), gt.stride(1))
-            bwd(gemm, set_threads, *qa, *ka, *va, dout.data_ptr(), *ds, pe, po, pr, *ga, pq, pk, pv,
-                work[t].data_ptr(), bounds[t], bounds[t + 1], h, nq, nk, d, dv, scale)
-
-        if threads == 1:
-            heads(0)
-        else:
-            pool = _native._pool(threads)
-            futures = [pool.submit(heads, t) for t in range(1, threads)]
-            heads(0)
-            for f in futures:
-                f.result()
-        gsrc = None
-        if need:
-            gb = gbufs[0]
-            for extra in gbufs[1:]:
-                gb += extra
-            gsrc = gb
-        return dq, dk, dvv, gsrc, None
+        dq, dk, dvv, gsrc = fused_backward(dout, q, k, v, e, out, rinv, src, buckets, ctx.kind, ctx.scale,
+                                           need)
+        return dq, dk, dvv, gsrc if need else None, None, None, None
 
 
 def fused_attention(
@@ -585,9 +635,8 @@ def fused_attention(
         src = src.masked_fill(hidden, float("-inf"))
     elif kind == OFFSETS and not src.is_contiguous():
         src = src.contiguous()
-    gemm = found.dgemm if dtype == torch.float64 else found.sgemm
-    cfg = (kind, buckets, alpha, _fused_functions(lib, dtype), gemm, found.set_threads)
-    out: Tensor = _FusedBiasedSoftmax.apply(_unit(q), _unit(k), _unit(v), src, cfg)
+    _fused_functions(lib, dtype)  # declared outside the op bodies (once per library)
+    out: Tensor = _FusedBiasedSoftmax.apply(_unit(q), _unit(k), _unit(v), src, buckets, kind, alpha)
     return out
 
 
@@ -689,3 +738,59 @@ def _check_bsf(kernel: str, q: Tensor, k: Tensor, v: Tensor, heads: tuple[tuple[
     if work is not None:
         require(kernel, "work", work, dtype=dtype)
         require_size(kernel, "work", work.shape[1], at_least=2 * nq * nk + nq * (dv + 1) + nq + nk - 1)
+
+
+# --- the whole-call kernels as torch.library ops (issue 30 item 2) ----------------------------------
+
+
+@torch.library.custom_op("attnopt::bsf_fwd", mutates_args=(), device_types="cpu")
+def bsf_fwd(
+    q: Tensor, k: Tensor, v: Tensor, src: Tensor, buckets: Tensor | None, kind: int, scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(out, E, 1/r)`` of ``softmax(scale·QKᵀ + bias) V`` with a relative-position bias
+    (:func:`fused_forward`)."""
+    return fused_forward(q, k, v, src, buckets, kind, scale)
+
+
+@bsf_fwd.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, src: Tensor, buckets: Tensor | None, kind: int,  # noqa: ARG001
+      scale: float) -> tuple[Tensor, Tensor, Tensor]:  # noqa: ARG001
+    b, h, nq, _ = q.shape
+    nk, dv = k.shape[2], v.shape[3]
+    return q.new_empty(b, h, nq, dv), q.new_empty(b * h, nq, nk), q.new_empty(b * h, nq)
+
+
+@torch.library.custom_op("attnopt::bsf_bwd", mutates_args=(), device_types="cpu")
+def bsf_bwd(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, e: Tensor, out: Tensor, rinv: Tensor, src: Tensor,
+    buckets: Tensor | None, kind: int, scale: float, need_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dQ, dK, dV, d src)`` of :func:`bsf_fwd` (:func:`fused_backward`; ``d src`` empty unless
+    ``need_bias``)."""
+    return fused_backward(dout, q, k, v, e, out, rinv, src, buckets, kind, scale, need_bias)
+
+
+@bsf_bwd.register_fake
+def _(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, e: Tensor, out: Tensor, rinv: Tensor,  # noqa: ARG001
+      src: Tensor, buckets: Tensor | None, kind: int, scale: float,  # noqa: ARG001
+      need_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            src.new_empty(src.shape if need_bias else (0,)))
+
+
+def _bsf_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, src, buckets, kind, scale = inputs
+    out, e, rinv = output
+    ctx.kind, ctx.scale = kind, scale
+    ctx.save_for_backward(q, k, v, e, out, rinv, src, buckets)
+
+
+def _bsf_backward(ctx: Any, dout: Tensor, *_unused: Tensor | None) -> tuple[Tensor | None, ...]:
+    q, k, v, e, out, rinv, src, buckets = ctx.saved_tensors
+    need = ctx.needs_input_grad[3]
+    dq, dk, dvv, gsrc = torch.ops.attnopt.bsf_bwd(dout, q, k, v, e, out, rinv, src, buckets, ctx.kind,
+                                                  ctx.scale, need)
+    return dq, dk, dvv, gsrc if need else None, None, None, None
+
+
+bsf_fwd.register_autograd(_bsf_backward, setup_context=_bsf_setup)
