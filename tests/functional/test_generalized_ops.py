@@ -107,3 +107,41 @@ def test_export_sees_the_op() -> None:
     ep = torch.export.export(M(), (q, k, v, src))
     assert any("attnopt.bsf_fwd" in str(n.target) for n in ep.graph.nodes)
     torch.testing.assert_close(ep.module()(q, k, v, src), M()(q, k, v, src))
+
+
+def _bs_case(toeplitz: bool, b: int = 2, h: int = 3, nq: int = 5, nk: int = 4):
+    g = torch.Generator().manual_seed(1)
+    q, k = (torch.randn(b, h, n, 4, generator=g, dtype=torch.float64).requires_grad_() for n in (nq, nk))
+    v = torch.randn(b, h, nk, 3, generator=g, dtype=torch.float64).requires_grad_()
+    if toeplitz:
+        bias = torch.randn(h, nq + nk - 1, generator=g, dtype=torch.float64)
+    else:
+        bias = torch.randn(1, h, nq, nk, generator=g, dtype=torch.float64)
+        bias[0, 0, 1, :2] = float("-inf")  # masked keys
+    return q, k, v, bias.requires_grad_()
+
+
+@pytest.mark.parametrize("toeplitz", [False, True])
+def test_chunked_ops_opcheck(toeplitz: bool) -> None:
+    """``attnopt::bs_fwd`` / ``bs_bwd`` (the chunked passes): the op checks, with E saved or not."""
+    q, k, v, bias = _bs_case(toeplitz)
+    torch.library.opcheck(torch.ops.attnopt.bs_fwd, (q, k, v, bias, 0.5, toeplitz, True))
+    det = [t.detach() for t in (q, k, v, bias)]
+    for need_grad in (True, False):
+        out, p, mx, rinv, qs = torch.ops.attnopt.bs_fwd(*det, 0.5, toeplitz, need_grad)
+        assert (p.numel() > 0) == need_grad
+        for need in (True, False):
+            args = (torch.randn_like(out), qs, det[1], det[2], p, out, det[3], mx, rinv, 0.5, toeplitz, need)
+            torch.library.opcheck(torch.ops.attnopt.bs_bwd, args)
+
+
+@pytest.mark.parametrize("toeplitz", [False, True])
+def test_chunked_op_equals_the_function(toeplitz: bool) -> None:
+    q, k, v, bias = _bs_case(toeplitz)
+    want = cpu._NativeBiasedSoftmax.apply(q, k, v, bias, 0.5, toeplitz)
+    got = torch.ops.attnopt.bs_fwd(q, k, v, bias, 0.5, toeplitz, True)[0]
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    dout = torch.randn_like(want)
+    ins = (q, k, v, bias)
+    for a, b in zip(torch.autograd.grad(got, ins, dout), torch.autograd.grad(want, ins, dout), strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)

@@ -30,6 +30,16 @@ PyTorch path of :mod:`.scaling` to float32 rounding. A chunk holds about
 are split over ``torch.get_num_threads()`` threads (:func:`attnopt._native.parallel_rows`).
 Underflow of a row normalizer of an admissible row returns ``None`` (the caller recomputes in
 the log domain), as in :mod:`.scaling`.
+The same passes are ``torch.library`` ops (issue 30 item 2), so that dynamo, ``torch.export`` and
+the profiler see one op each way: ``attnopt::dn_fwd(q, k, v, w, mask, causal, scale) -> (out, m,
+β, u, α, 1/β', ok)`` (:func:`dn_forward`; ``ok`` a 0-d bool, False on an underflowing admissible
+row, so the output shapes follow from the input shapes for the fake implementation) and
+``attnopt::dn_bwd`` (:func:`dn_backward`), connected by ``register_autograd``. Plain eager code
+(the router, :func:`native_sinkhorn`) calls the same two functions through the autograd Function
+:class:`_NativeSinkhorn`: PyTorch's Python ``custom_op`` path costs a fixed few tens of µs more
+per call, several per cent of a forward+backward at the smallest sizes (figures in the commit
+that added the ops and in the issue-30 note). Both agree bitwise
+(``tests/functional/test_dnas_ops.py``).
 """
 from __future__ import annotations
 

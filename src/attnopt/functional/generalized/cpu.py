@@ -48,10 +48,14 @@ The whole-call kernels are also ``torch.library`` ops (issue 30 item 2), so that
 * ``attnopt::bsf_fwd(q, k, v, src, buckets, kind, scale) -> (out, E, 1/r)``
   (:func:`fused_forward`; fake implementation: the shapes alone);
 * ``attnopt::bsf_bwd(dout, q, k, v, E, out, 1/r, src, buckets, kind, scale, need_bias) -> (dQ, dK,
-  dV, d src)`` (:func:`fused_backward`), the forward op's registered autograd.
+  dV, d src)`` (:func:`fused_backward`), the forward op's registered autograd;
+* the chunked passes likewise: ``attnopt::bs_fwd(q, k, v, bias, scale, toeplitz, need_grad) ->
+  (out, E or empty, m, 1/r, scale·Q)`` (:func:`biased_forward`) and ``attnopt::bs_bwd``
+  (:func:`biased_backward`).
 
-Plain eager code (the router, :func:`fused_attention`) calls the same two functions through the
-autograd Function :class:`_FusedBiasedSoftmax` instead: PyTorch's Python ``custom_op`` path
+Plain eager code (the router, :func:`fused_attention`, :func:`native_biased_softmax`) calls the
+same functions through the autograd Functions :class:`_FusedBiasedSoftmax`,
+:class:`_NativeBiasedSoftmax` instead: PyTorch's Python ``custom_op`` path
 (dispatcher → Python kernel, and a second Python autograd node around it) costs a fixed few tens
 of µs per call, which at B·H = 8, N = 64 is several per cent of the whole forward+backward (the
 figures are in the commit that added the ops and in the issue-30 note). Both run the same C calls
@@ -156,197 +160,233 @@ def _run(call: Any, rows: int, row_len: int, threads: int) -> None:
         _native.parallel_rows(call, rows, row_len)
 
 
+@_native.untraced
+def biased_forward(
+    q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float, toeplitz: bool, need_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(out, E or empty, m, 1/r, scale·Q)``: the chunked forward C passes (``bs_fwd``).
+
+    q, k, v: (B, H, N, ·) of any strides; bias: 4-D (B|1, H|1, Nq|1, Nk) with unit key stride,
+    or (``toeplitz``) contiguous per-offset values (H|1, Nq + Nk − 1) of a bias (1, H|1, Nq, Nk).
+    ``E`` is returned (for the backward) when ``need_grad`` and it fits
+    ``THRESHOLDS.generalized_save_bytes``, else recomputed there. The body of ``attnopt::bs_fwd``.
+
+    Raises:
+        ValueError: NaN or ``+inf`` in the bias, or overflowing scores.
+    """
+    lib = _native.library("biased_softmax")
+    assert lib is not None
+    b, h, nq, d = q.shape
+    nk, dv = k.shape[-2], v.shape[-1]
+    g = b * h
+    qs = torch.mul(q, scale, out=q.new_empty(b, h, nq, d))  # scaled and made contiguous at once
+    k, v = k.contiguous(), v.contiguous()
+    block = nq * nk * q.element_size()
+    # E is recomputed above generalized_save_bytes at any head dimension (the PyTorch path saves P at
+    # d >= 64):
+    # learned T5 bias, d = 64, fwd+bwd vs SDPA: B·H = 64, N = 512 1.14x saved -> 1.01x recomputed;
+    # B·H = 8, N = 1024 1.46x -> 1.36x
+    # no backward: the chunk buffer only
+    save = g * block <= THRESHOLDS.generalized_save_bytes and need_grad
+    parts = _chunks(g, block)
+    step = parts[0][1] - parts[0][0]
+    p = q.new_empty(g if save else step, nq, nk)
+    mx, rinv = q.new_empty(g, nq), q.new_empty(g, nq)
+    out = q.new_empty(g, nq, dv)
+    q3, k3, v3 = qs.view(g, nq, d), k.view(g, nk, d), v.view(g, nk, dv)
+    fwd, _ = _functions(lib, q.dtype)
+    base, (sb, sh, si) = _layout(bias, toeplitz, nq)
+    pmx, prinv, threads = mx.data_ptr(), rinv.data_ptr(), torch.get_num_threads()
+    bad: list[int] = []  # rows with NaN / +inf per call (list.append is atomic across threads)
+    rstep = _row_step(nq, nk, q.element_size())
+    with flush_denormal():
+        if rstep:  # one head at a time, in blocks of query rows whose scores fit the cache
+            for gi in range(g):
+                for r0 in range(0, nq, rstep):
+                    r1 = min(nq, r0 + rstep)
+                    s = torch.mm(q3[gi, r0:r1], k3[gi].t(), out=p[gi, r0:r1] if save else p[0, : r1 - r0])
+                    _check_bs("bs_fwd", s, None, (r1 - r0) * nk, bias, toeplitz, g, h, nq, nk, mx, rinv,
+                              None,
+                              (base, (sb, sh, si)))
+                    ps = s.data_ptr()
+
+                    def piece(a: int, e: int, ps: int = ps, gi: int = gi, r0: int = r0, r1: int = r1
+                              ) -> None:
+                        bad.append(fwd(ps, base, sb, sh, si, pmx, prinv, gi, gi + 1, h, r0, r1 - r0,
+                                       r0 + a, r0 + e, nq, nk))
+
+                    _run(piece, r1 - r0, nk, threads)
+                    torch.mm(s, v3[gi], out=out[gi, r0:r1])
+        for (h0, h1), qc, kc, vc, oc in zip(parts, _pieces(q3, step), _pieces(k3.transpose(1, 2), step),
+                                            _pieces(v3, step), _pieces(out, step)):
+            if rstep:
+                break
+            s = torch.bmm(qc, kc, out=p[h0:h1] if save else p[: h1 - h0])
+            _check_bs("bs_fwd", s, None, (h1 - h0) * nq * nk, bias, toeplitz, g, h, nq, nk, mx, rinv,
+                      None,
+                              (base, (sb, sh, si)))
+            ps = s.data_ptr()
+
+            def rows(i0: int, i1: int, ps: int = ps, h0: int = h0, h1: int = h1) -> None:
+                bad.append(fwd(ps, base, sb, sh, si, pmx, prinv, h0, h1, h, 0, nq, i0, i1, nq, nk))
+
+            _run(rows, nq, (h1 - h0) * nk, threads)
+            torch.bmm(s, vc, out=oc)
+    out.mul_(rinv.unsqueeze(-1))
+    if any(bad):  # q and k are finite (validated): NaN or +inf came from the bias
+        if not bool(bias.amax(-1).max() < float("inf")):
+            raise ValueError("log_preference must not contain NaN or +inf (-inf masks a key)")
+        raise ValueError("the biased scores overflowed to +inf")
+    return out.view(b, h, nq, dv), p if save else q.new_empty(0), mx, rinv, qs
+
+
+
+@_native.untraced
+def biased_backward(
+    dout: Tensor, qs: Tensor, k: Tensor, v: Tensor, p: Tensor, out: Tensor, bias: Tensor, mx: Tensor,
+    rinv: Tensor, scale: float, toeplitz: bool, need_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dQ, dK, dV, d bias)`` of :func:`biased_forward` (``bs_bwd``; ``p`` empty: ``E`` recomputed;
+    ``d bias`` empty unless ``need_bias``). The body of ``attnopt::bs_bwd``."""
+    lib = _native.library("biased_softmax")
+    assert lib is not None
+    k, v = k.contiguous(), v.contiguous()
+    b, h, nq, d = qs.shape
+    nk, dv = k.shape[-2], v.shape[-1]
+    g = b * h
+    out = out.reshape(g, nq, dv)
+    # dO' = r dO, contiguous (dO of any strides, e.g. the transposed view of merged heads)
+    do3 = torch.mul(dout.to(v.dtype), rinv.view(b, h, nq, 1), out=qs.new_empty(b, h, nq, dv))
+    do3 = do3.view(g, nq, dv)
+    delta = (do3 * out).sum(-1)  # r δ, (g, nq)
+    q3, k3, v3 = qs.view(g, nq, d), k.view(g, nk, d), v.view(g, nk, dv)
+    dq, dk, dvv = torch.empty_like(q3), torch.empty_like(k3), torch.empty_like(v3)
+    toeplitz = toeplitz
+    # the bias gradient: in place of the bias (threads write disjoint rows), or for a Toeplitz
+    # bias one (H, Nq + Nk − 1) buffer of diagonal sums per thread (rows share offsets)
+    gb = bias.new_zeros(bias.shape) if need_bias and not toeplitz else None
+    parts_t: dict[int, Tensor] = {}
+    need_t = need_bias and toeplitz
+    block = nq * nk * qs.element_size()
+    parts = _chunks(g, block)
+    step = parts[0][1] - parts[0][0]
+    recompute = int(p.numel() == 0)
+    s_buf = qs.new_empty(step, nq, nk) if recompute else None
+    dp_buf = qs.new_empty(step, nq, nk)
+    _, bwd = _functions(lib, qs.dtype)
+    base, (sb, sh, si) = _layout(bias, toeplitz, nq)
+    gbase, (gsb, gsh, gsi) = (0, (0, 0, 0)) if gb is None else _layout(gb, False, nq)
+    if gb is not None:
+        _check_bias("bs_bwd", "gb", gb, False, g, h, nq, nk, bias.dtype)
+    if need_t:
+        gsb, gsh, gsi = sb, sh, si
+    pmx, prinv, pdelta = mx.data_ptr(), rinv.data_ptr(), delta.data_ptr()
+    # a bias broadcast over query rows: every row adds into the same gradient row (one thread)
+    threads = 1 if gb is not None and gb.shape[2] == 1 else torch.get_num_threads()
+    def grad_buffer(i0: int) -> int:
+        """The bias-gradient address for the call whose rows start at ``i0``: for a Toeplitz
+        bias that range's own buffer (the same range in every chunk; threads never share one)."""
+        if not need_t:
+            return gbase
+        buf = parts_t.get(i0)
+        if buf is None:
+            buf = parts_t.setdefault(i0, bias.new_zeros(bias.shape))
+            _check_bias("bs_bwd", "gb", buf, True, g, h, nq, nk, bias.dtype)
+        return _layout(buf, True, nq)[0]
+
+    rstep = _row_step(nq, nk, qs.element_size())
+    with flush_denormal():
+        if rstep:  # one head at a time, in blocks of query rows (dK and dV accumulate)
+            for gi in range(g):
+                for r0 in range(0, nq, rstep):
+                    r1 = min(nq, r0 + rstep)
+                    qr, dr = q3[gi, r0:r1], do3[gi, r0:r1]
+                    if s_buf is not None:
+                        s = torch.mm(qr, k3[gi].t(), out=s_buf[0, : r1 - r0])
+                    else:
+                        s = p[gi, r0:r1]
+                    dp = torch.mm(dr, v3[gi].t(), out=dp_buf[0, : r1 - r0])
+                    _check_bs("bs_bwd", s, dp, (r1 - r0) * nk, bias, toeplitz, g, h, nq, nk, mx, rinv,
+                              delta,
+                              (base, (sb, sh, si)))
+                    ps, pdp = s.data_ptr(), dp.data_ptr()
+
+                    def piece(a: int, e: int, ps: int = ps, pdp: int = pdp, gi: int = gi, r0: int = r0,
+                              r1: int = r1) -> None:
+                        bwd(ps, pdp, recompute, base, sb, sh, si, pmx, prinv, pdelta, grad_buffer(r0 + a),
+                            gsb, gsh, gsi, gi, gi + 1, h, r0, r1 - r0, r0 + a, r0 + e, nq, nk)
+
+                    _run(piece, r1 - r0, nk, threads)
+                    if r0 == 0:
+                        torch.mm(s.t(), dr, out=dvv[gi])
+                        torch.mm(dp.t(), qr, out=dk[gi])
+                    else:
+                        dvv[gi].addmm_(s.t(), dr)
+                        dk[gi].addmm_(dp.t(), qr)
+                    dqr = dq[gi, r0:r1]  # dQ = scale·dS K: the scale applied inside the GEMM (alpha)
+                    torch.addmm(dqr, dp, k3[gi], beta=0, alpha=scale, out=dqr)
+        for (h0, h1), qc, kt, vt, dc, dqc, dkc, dvc in zip(
+            parts, _pieces(q3, step), _pieces(k3.transpose(1, 2), step),
+            _pieces(v3.transpose(1, 2), step), _pieces(do3, step), _pieces(dq, step), _pieces(dk, step),
+            _pieces(dvv, step),
+        ):
+            if rstep:
+                break
+            if s_buf is not None:
+                s = torch.bmm(qc, kt, out=s_buf[: h1 - h0])
+            else:
+                s = p[h0:h1]
+            dp = torch.bmm(dc, vt, out=dp_buf[: h1 - h0])
+            _check_bs("bs_bwd", s, dp, (h1 - h0) * nq * nk, bias, toeplitz, g, h, nq, nk, mx, rinv, delta,
+                              (base, (sb, sh, si)))
+            ps, pdp = s.data_ptr(), dp.data_ptr()
+
+            def rows(i0: int, i1: int, ps: int = ps, pdp: int = pdp, h0: int = h0, h1: int = h1
+                     ) -> None:
+                bwd(ps, pdp, recompute, base, sb, sh, si, pmx, prinv, pdelta, grad_buffer(i0), gsb, gsh,
+                    gsi, h0, h1, h, 0, nq, i0, i1, nq, nk)
+
+            _run(rows, nq, (h1 - h0) * nk, threads)
+            torch.bmm(s.transpose(1, 2), dc, out=dvc)
+            # dQ = scale·dS K, the scale inside the GEMM (beta = 0: dqc is not read)
+            torch.baddbmm(dqc, dp, kt.transpose(1, 2), beta=0, alpha=scale, out=dqc)
+            torch.bmm(dp.transpose(1, 2), qc, out=dkc)
+    if need_t:
+        sums = list(parts_t.values())
+        if len(sums) == 1:  # one thread: its buffer (Python's sum would add it to 0: a copy)
+            gb = sums[0]
+        else:
+            gb = sum(sums) if sums else bias.new_zeros(bias.shape)
+    return (dq.view(b, h, nq, d), dk.view(b, h, nk, d), dvv.view(b, h, nk, dv),
+            bias.new_empty(0) if gb is None else gb)
+
+
+
+
 class _NativeBiasedSoftmax(torch.autograd.Function):
-    """q, k, v: (B, H, N, ·) of any strides; bias: 4-D (B|1, H|1, Nq|1, Nk) with unit key stride,
-    or (``toeplitz``) contiguous per-offset values (H|1, Nq + Nk − 1) of a bias (1, H|1, Nq, Nk)."""
+    """:func:`biased_forward` / :func:`biased_backward` as one autograd node (plain eager calls)."""
 
     @staticmethod
     @_native.untraced
     def forward(
-        ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float, lib: ctypes.CDLL,
-        toeplitz: bool,
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float, toeplitz: bool,
     ) -> Tensor:
-        b, h, nq, d = q.shape
-        nk, dv = k.shape[-2], v.shape[-1]
-        g = b * h
-        qs = torch.mul(q, scale, out=q.new_empty(b, h, nq, d))  # scaled and made contiguous at once
-        k, v = k.contiguous(), v.contiguous()
-        block = nq * nk * q.element_size()
-        # E is recomputed above generalized_save_bytes at any head dimension (the PyTorch path saves P at
-        # d >= 64):
-        # learned T5 bias, d = 64, fwd+bwd vs SDPA: B·H = 64, N = 512 1.14x saved -> 1.01x recomputed;
-        # B·H = 8, N = 1024 1.46x -> 1.36x
-        # no backward: the chunk buffer only
-        save = g * block <= THRESHOLDS.generalized_save_bytes and any(ctx.needs_input_grad[:4])
-        parts = _chunks(g, block)
-        step = parts[0][1] - parts[0][0]
-        p = q.new_empty(g if save else step, nq, nk)
-        mx, rinv = q.new_empty(g, nq), q.new_empty(g, nq)
-        out = q.new_empty(g, nq, dv)
-        q3, k3, v3 = qs.view(g, nq, d), k.view(g, nk, d), v.view(g, nk, dv)
-        fwd, _ = _functions(lib, q.dtype)
-        base, (sb, sh, si) = _layout(bias, toeplitz, nq)
-        pmx, prinv, threads = mx.data_ptr(), rinv.data_ptr(), torch.get_num_threads()
-        bad: list[int] = []  # rows with NaN / +inf per call (list.append is atomic across threads)
-        rstep = _row_step(nq, nk, q.element_size())
-        with flush_denormal():
-            if rstep:  # one head at a time, in blocks of query rows whose scores fit the cache
-                for gi in range(g):
-                    for r0 in range(0, nq, rstep):
-                        r1 = min(nq, r0 + rstep)
-                        s = torch.mm(q3[gi, r0:r1], k3[gi].t(), out=p[gi, r0:r1] if save else p[0, : r1 - r0])
-                        _check_bs("bs_fwd", s, None, (r1 - r0) * nk, bias, toeplitz, g, h, nq, nk, mx, rinv,
-                                  None,
-                                  (base, (sb, sh, si)))
-                        ps = s.data_ptr()
-
-                        def piece(a: int, e: int, ps: int = ps, gi: int = gi, r0: int = r0, r1: int = r1
-                                  ) -> None:
-                            bad.append(fwd(ps, base, sb, sh, si, pmx, prinv, gi, gi + 1, h, r0, r1 - r0,
-                                           r0 + a, r0 + e, nq, nk))
-
-                        _run(piece, r1 - r0, nk, threads)
-                        torch.mm(s, v3[gi], out=out[gi, r0:r1])
-            for (h0, h1), qc, kc, vc, oc in zip(parts, _pieces(q3, step), _pieces(k3.transpose(1, 2), step),
-                                                _pieces(v3, step), _pieces(out, step)):
-                if rstep:
-                    break
-                s = torch.bmm(qc, kc, out=p[h0:h1] if save else p[: h1 - h0])
-                _check_bs("bs_fwd", s, None, (h1 - h0) * nq * nk, bias, toeplitz, g, h, nq, nk, mx, rinv,
-                          None,
-                                  (base, (sb, sh, si)))
-                ps = s.data_ptr()
-
-                def rows(i0: int, i1: int, ps: int = ps, h0: int = h0, h1: int = h1) -> None:
-                    bad.append(fwd(ps, base, sb, sh, si, pmx, prinv, h0, h1, h, 0, nq, i0, i1, nq, nk))
-
-                _run(rows, nq, (h1 - h0) * nk, threads)
-                torch.bmm(s, vc, out=oc)
-        out.mul_(rinv.unsqueeze(-1))
-        if any(bad):  # q and k are finite (validated): NaN or +inf came from the bias
-            if not bool(bias.amax(-1).max() < float("inf")):
-                raise ValueError("log_preference must not contain NaN or +inf (-inf masks a key)")
-            raise ValueError("the biased scores overflowed to +inf")
-        ctx.scale = scale
-        ctx.lib, ctx.toeplitz = lib, toeplitz
-        ctx.save_for_backward(qs, k, v, p if save else None, out, bias, mx, rinv)
-        return out.view(b, h, nq, dv)
+        out, p, mx, rinv, qs = biased_forward(q, k, v, bias, scale, toeplitz, any(ctx.needs_input_grad[:4]))
+        ctx.scale, ctx.toeplitz = scale, toeplitz
+        ctx.save_for_backward(qs, k, v, p, out, bias, mx, rinv)
+        return out
 
     @staticmethod
     @_native.untraced
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         refuse_double_backward(ctx, "generalized_attention (fused bias)", "use generalized_weights(...) @ v")
-        qs, k, v, p, out, bias, mx, rinv = ctx.saved_tensors
-        b, h, nq, d = qs.shape
-        nk, dv = k.shape[-2], v.shape[-1]
-        g = b * h
-        # dO' = r dO, contiguous (dO of any strides, e.g. the transposed view of merged heads)
-        do3 = torch.mul(dout.to(v.dtype), rinv.view(b, h, nq, 1), out=qs.new_empty(b, h, nq, dv))
-        do3 = do3.view(g, nq, dv)
-        delta = (do3 * out).sum(-1)  # r δ, (g, nq)
-        q3, k3, v3 = qs.view(g, nq, d), k.view(g, nk, d), v.view(g, nk, dv)
-        dq, dk, dvv = torch.empty_like(q3), torch.empty_like(k3), torch.empty_like(v3)
-        toeplitz = ctx.toeplitz
-        # the bias gradient: in place of the bias (threads write disjoint rows), or for a Toeplitz
-        # bias one (H, Nq + Nk − 1) buffer of diagonal sums per thread (rows share offsets)
-        gb = bias.new_zeros(bias.shape) if ctx.needs_input_grad[3] and not toeplitz else None
-        parts_t: dict[int, Tensor] = {}
-        need_t = ctx.needs_input_grad[3] and toeplitz
-        block = nq * nk * qs.element_size()
-        parts = _chunks(g, block)
-        step = parts[0][1] - parts[0][0]
-        recompute = int(p is None)
-        s_buf = qs.new_empty(step, nq, nk) if recompute else None
-        dp_buf = qs.new_empty(step, nq, nk)
-        _, bwd = _functions(ctx.lib, qs.dtype)
-        base, (sb, sh, si) = _layout(bias, toeplitz, nq)
-        gbase, (gsb, gsh, gsi) = (0, (0, 0, 0)) if gb is None else _layout(gb, False, nq)
-        if gb is not None:
-            _check_bias("bs_bwd", "gb", gb, False, g, h, nq, nk, bias.dtype)
-        if need_t:
-            gsb, gsh, gsi = sb, sh, si
-        pmx, prinv, pdelta = mx.data_ptr(), rinv.data_ptr(), delta.data_ptr()
-        # a bias broadcast over query rows: every row adds into the same gradient row (one thread)
-        threads = 1 if gb is not None and gb.shape[2] == 1 else torch.get_num_threads()
-        def grad_buffer(i0: int) -> int:
-            """The bias-gradient address for the call whose rows start at ``i0``: for a Toeplitz
-            bias that range's own buffer (the same range in every chunk; threads never share one)."""
-            if not need_t:
-                return gbase
-            buf = parts_t.get(i0)
-            if buf is None:
-                buf = parts_t.setdefault(i0, bias.new_zeros(bias.shape))
-                _check_bias("bs_bwd", "gb", buf, True, g, h, nq, nk, bias.dtype)
-            return _layout(buf, True, nq)[0]
-
-        rstep = _row_step(nq, nk, qs.element_size())
-        with flush_denormal():
-            if rstep:  # one head at a time, in blocks of query rows (dK and dV accumulate)
-                for gi in range(g):
-                    for r0 in range(0, nq, rstep):
-                        r1 = min(nq, r0 + rstep)
-                        qr, dr = q3[gi, r0:r1], do3[gi, r0:r1]
-                        if s_buf is not None:
-                            s = torch.mm(qr, k3[gi].t(), out=s_buf[0, : r1 - r0])
-                        else:
-                            s = p[gi, r0:r1]
-                        dp = torch.mm(dr, v3[gi].t(), out=dp_buf[0, : r1 - r0])
-                        _check_bs("bs_bwd", s, dp, (r1 - r0) * nk, bias, toeplitz, g, h, nq, nk, mx, rinv,
-                                  delta,
-                                  (base, (sb, sh, si)))
-                        ps, pdp = s.data_ptr(), dp.data_ptr()
-
-                        def piece(a: int, e: int, ps: int = ps, pdp: int = pdp, gi: int = gi, r0: int = r0,
-                                  r1: int = r1) -> None:
-                            bwd(ps, pdp, recompute, base, sb, sh, si, pmx, prinv, pdelta, grad_buffer(r0 + a),
-                                gsb, gsh, gsi, gi, gi + 1, h, r0, r1 - r0, r0 + a, r0 + e, nq, nk)
-
-                        _run(piece, r1 - r0, nk, threads)
-                        if r0 == 0:
-                            torch.mm(s.t(), dr, out=dvv[gi])
-                            torch.mm(dp.t(), qr, out=dk[gi])
-                        else:
-                            dvv[gi].addmm_(s.t(), dr)
-                            dk[gi].addmm_(dp.t(), qr)
-                        dqr = dq[gi, r0:r1]  # dQ = scale·dS K: the scale applied inside the GEMM (alpha)
-                        torch.addmm(dqr, dp, k3[gi], beta=0, alpha=ctx.scale, out=dqr)
-            for (h0, h1), qc, kt, vt, dc, dqc, dkc, dvc in zip(
-                parts, _pieces(q3, step), _pieces(k3.transpose(1, 2), step),
-                _pieces(v3.transpose(1, 2), step), _pieces(do3, step), _pieces(dq, step), _pieces(dk, step),
-                _pieces(dvv, step),
-            ):
-                if rstep:
-                    break
-                if s_buf is not None:
-                    s = torch.bmm(qc, kt, out=s_buf[: h1 - h0])
-                else:
-                    s = p[h0:h1]
-                dp = torch.bmm(dc, vt, out=dp_buf[: h1 - h0])
-                _check_bs("bs_bwd", s, dp, (h1 - h0) * nq * nk, bias, toeplitz, g, h, nq, nk, mx, rinv, delta,
-                                  (base, (sb, sh, si)))
-                ps, pdp = s.data_ptr(), dp.data_ptr()
-
-                def rows(i0: int, i1: int, ps: int = ps, pdp: int = pdp, h0: int = h0, h1: int = h1
-                         ) -> None:
-                    bwd(ps, pdp, recompute, base, sb, sh, si, pmx, prinv, pdelta, grad_buffer(i0), gsb, gsh,
-                        gsi, h0, h1, h, 0, nq, i0, i1, nq, nk)
-
-                _run(rows, nq, (h1 - h0) * nk, threads)
-                torch.bmm(s.transpose(1, 2), dc, out=dvc)
-                # dQ = scale·dS K, the scale inside the GEMM (beta = 0: dqc is not read)
-                torch.baddbmm(dqc, dp, kt.transpose(1, 2), beta=0, alpha=ctx.scale, out=dqc)
-                torch.bmm(dp.transpose(1, 2), qc, out=dkc)
-        if need_t:
-            sums = list(parts_t.values())
-            if len(sums) == 1:  # one thread: its buffer (Python's sum would add it to 0: a copy)
-                gb = sums[0]
-            else:
-                gb = sum(sums) if sums else bias.new_zeros(bias.shape)
-        return (dq.view(b, h, nq, d), dk.view(b, h, nk, d), dvv.view(b, h, nk, dv), gb, None, None, None)
+        need = ctx.needs_input_grad[3]
+        dq, dk, dv, gb = biased_backward(dout, *ctx.saved_tensors, ctx.scale, ctx.toeplitz, need)
+        return dq, dk, dv, gb if need else None, None, None
 
 
 def native_biased_softmax(
-    lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float,
+    _lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float,
     offsets: Tensor | None = None,
 ) -> Tensor:
     """``softmax(scale·QKᵀ + bias) V`` on contiguous ``(B, H, N, ·)`` q, k, v and a 4-D bias
@@ -359,13 +399,13 @@ def native_biased_softmax(
     if (offsets is not None and bias.shape[0] == 1 and bias.shape[1] in (1, q.shape[1])
             and offsets.shape == (bias.shape[1], nq + nk - 1) and offsets.device == q.device):
         values = offsets.to(q.dtype).contiguous()
-        out_t: Tensor = _NativeBiasedSoftmax.apply(q, k, v, values, scale, lib, True)
+        out_t: Tensor = _NativeBiasedSoftmax.apply(q, k, v, values, scale, True)
         return out_t
     if bias.shape[-1] != nk:  # constant along keys: broadcast it (rare; it cancels in the softmax)
         bias = bias.expand(*bias.shape[:-1], nk)
     if bias.stride(-1) != 1 and nk > 1:
         bias = bias.contiguous()
-    out: Tensor = _NativeBiasedSoftmax.apply(q, k, v, bias, scale, lib, False)
+    out: Tensor = _NativeBiasedSoftmax.apply(q, k, v, bias, scale, False)
     return out
 
 
@@ -794,3 +834,56 @@ def _bsf_backward(ctx: Any, dout: Tensor, *_unused: Tensor | None) -> tuple[Tens
 
 
 bsf_fwd.register_autograd(_bsf_backward, setup_context=_bsf_setup)
+
+
+@torch.library.custom_op("attnopt::bs_fwd", mutates_args=(), device_types="cpu")
+def bs_fwd(
+    q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float, toeplitz: bool, need_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(out, E or empty, m, 1/r, scale·Q)`` of ``softmax(scale·QKᵀ + bias) V`` by the chunked C
+    passes (:func:`biased_forward`)."""
+    return biased_forward(q, k, v, bias, scale, toeplitz, need_grad)
+
+
+@bs_fwd.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float, toeplitz: bool,  # noqa: ARG001
+      need_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    b, h, nq, d = q.shape
+    nk, dv = k.shape[-2], v.shape[-1]
+    g = b * h
+    save = need_grad and g * nq * nk * q.element_size() <= THRESHOLDS.generalized_save_bytes
+    return (q.new_empty(b, h, nq, dv), q.new_empty(g, nq, nk) if save else q.new_empty(0), q.new_empty(g, nq),
+            q.new_empty(g, nq), q.new_empty(b, h, nq, d))
+
+
+@torch.library.custom_op("attnopt::bs_bwd", mutates_args=(), device_types="cpu")
+def bs_bwd(
+    dout: Tensor, qs: Tensor, k: Tensor, v: Tensor, p: Tensor, out: Tensor, bias: Tensor, mx: Tensor,
+    rinv: Tensor, scale: float, toeplitz: bool, need_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dQ, dK, dV, d bias)`` of :func:`bs_fwd` (:func:`biased_backward`)."""
+    return biased_backward(dout, qs, k, v, p, out, bias, mx, rinv, scale, toeplitz, need_bias)
+
+
+@bs_bwd.register_fake
+def _(dout: Tensor, qs: Tensor, k: Tensor, v: Tensor, p: Tensor, out: Tensor, bias: Tensor,  # noqa: ARG001
+      mx: Tensor, rinv: Tensor, scale: float, toeplitz: bool,  # noqa: ARG001
+      need_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return (qs.new_empty(qs.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            bias.new_empty(bias.shape if need_bias else (0,)))
+
+
+def _bs_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    _, k, v, bias, scale, toeplitz, _ = inputs
+    out, p, mx, rinv, qs = output
+    ctx.scale, ctx.toeplitz = scale, toeplitz
+    ctx.save_for_backward(qs, k, v, p, out, bias, mx, rinv)
+
+
+def _bs_backward(ctx: Any, dout: Tensor, *_unused: Tensor | None) -> tuple[Tensor | None, ...]:
+    need = ctx.needs_input_grad[3]
+    dq, dk, dv, gb = torch.ops.attnopt.bs_bwd(dout, *ctx.saved_tensors, ctx.scale, ctx.toeplitz, need)
+    return dq, dk, dv, gb if need else None, None, None, None
+
+
+bs_fwd.register_autograd(_bs_backward, setup_context=_bs_setup)
