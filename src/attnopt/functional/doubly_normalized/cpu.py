@@ -30,6 +30,7 @@ PyTorch path of :mod:`.scaling` to float32 rounding. A chunk holds about
 are split over ``torch.get_num_threads()`` threads (:func:`attnopt._native.parallel_rows`).
 Underflow of a row normalizer of an admissible row returns ``None`` (the caller recomputes in
 the log domain), as in :mod:`.scaling`.
+
 The same passes are ``torch.library`` ops (issue 30 item 2), so that dynamo, ``torch.export`` and
 the profiler see one op each way: ``attnopt::dn_fwd(q, k, v, w, mask, causal, scale) -> (out, m,
 β, u, α, 1/β', ok)`` (:func:`dn_forward`; ``ok`` a 0-d bool, False on an underflowing admissible
