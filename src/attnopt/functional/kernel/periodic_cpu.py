@@ -29,6 +29,13 @@ Measured: see :mod:`.periodic`. At N = 64 the six matmuls are about half the tim
 passes a sixth (float32 about 1.2–1.7 ns per score in the forward and 1.6 ns in a recomputing
 backward: a square root, a sine/cosine pair, an exponential and in the backward a division);
 float64 fwd+bwd 1.6 → 1.1 ms (B·H = 8, N = 64) against the PyTorch node.
+
+The passes are also ``torch.library`` ops (issue 30 item 2): ``attnopt::px_fwd(q, k, v, e, mask,
+rep, ω², c, s, save, step) -> (out (BH, Nq, dv), aux, state, P or empty, sin θ/θ or empty)``
+(:func:`periodic_forward`) and ``attnopt::px_bwd`` (:func:`periodic_backward`), connected by
+``register_autograd``. Plain eager code (:func:`native_periodic_attention`) calls the same
+functions through the autograd Function :class:`_NativePeriodic`: the Python ``custom_op`` path
+costs a fixed few tens of µs more per call (figures in the issue-30 note).
 """
 from __future__ import annotations
 
@@ -145,124 +152,157 @@ def _check_px_fin(gq: Tensor | None, q: Tensor, rs: Tensor, gk: Tensor | None, k
             require("px_fin", name, t, dtype=q.dtype, numel=n)
 
 
-class _NativePeriodic(torch.autograd.Function):
-    """q (…, Nq, d), k (…, Nk, d), v (…, Nk, dv) contiguous, the leading dims of each holding BH
+@_native.untraced
+def periodic_forward(
+    q: Tensor, k: Tensor, v: Tensor, e: Tensor | None, mask: Tensor | None, rep: int, om2: float, c: float,
+    s: float, save: bool, step: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(out (BH, Nq, dv), aux, state, P or empty, sin θ/θ or empty)``: the forward C passes
+    (``px_fwd``). The body of ``attnopt::px_fwd``.
+
+    q (…, Nq, d), k (…, Nk, d), v (…, Nk, dv) contiguous, the leading dims of each holding BH
     rows (flattened here, not by a tracked view: each view is one more autograd node, ~7 µs in
     the backward at N = 64); ``e`` (BH, 1, Nk) contiguous or None; mask (G, Nq, Nk) with unit
     key stride, constant, or None (row ``i`` of the batch reads ``mask[i // rep]``);
     ``om2 = ω²``, ``c``, ``s`` (0: no L2 magnitude); ``save``: keep ``P`` and ``sin θ/θ`` for the
     backward (else the backward recomputes them from ``S``); ``step``: heads per chunk; ``lead``:
-    the output's batch dims. Gradients come back in the inputs' shapes."""
+    the output's batch dims. Gradients come back in the inputs' shapes.
+    """
+    lib = _native.library("periodic")
+    assert lib is not None
+    nq, d, nk, dv = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
+    q, k, v = q.view(-1, nq, d), k.view(-1, nk, d), v.view(-1, nk, dv)
+    bh = q.shape[0]
+    fwd = _functions(lib, q.dtype)[0]
+    threads = torch.get_num_threads()
+    p = q.new_empty(bh if save else min(step, bh), nq, nk)
+    sc = q.new_empty(bh, nq, nk) if save else None
+    aux, state = q.new_empty(bh, 2, nk), q.new_empty(2, bh, nq)  # (‖k‖², b); (shift, r)
+    out = q.new_empty(bh, nq, dv)
+    pq, pk, pe, paux = q.data_ptr(), k.data_ptr(), _address(e), aux.data_ptr()
+    pshift, prinv = state.data_ptr(), _address(state, bh * nq)
+    pm, msg, msi = (None, 0, 0) if mask is None else (mask.data_ptr(), mask.stride(0), mask.stride(1))
+    kt = k.transpose(1, 2)
+    for h0 in range(0, bh, step):
+        h1 = min(bh, h0 + step)
+        whole = h0 == 0 and h1 == bh
+        buf = p if whole and p.shape[0] == bh else (p[h0:h1] if save else p[: h1 - h0])
+        torch.bmm(q if whole else q[h0:h1], kt if whole else kt[h0:h1], out=buf)
+        _check_px("px_fwd", buf, sc, None, q, k, e, mask, rep, aux, state, h0, h1)
+        ps, psc = buf.data_ptr(), _address(sc, h0 * nq * nk)
+
+        def rows(a: int, b: int, ps: int = ps, psc: int | None = psc, h0: int = h0) -> None:
+            fwd(ps, psc, pq, pk, pe, pm, msg, msi, rep, paux, pshift, prinv, h0, h0 + a, h0 + b,
+                nq, nk, d, om2, c, 0.5 * s)
+
+        _run(rows, h1 - h0, nq * nk, threads)
+        torch.bmm(buf, v if whole else v[h0:h1], out=out if whole else out[h0:h1])
+    return out, aux, state, p if save else q.new_empty(0), q.new_empty(0) if sc is None else sc
+
+
+
+@_native.untraced
+def periodic_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, aux: Tensor, state: Tensor,
+    out: Tensor, p_all: Tensor, sc_all: Tensor, rep: int, om2: float, c: float, s: float, step: int,
+    need_q: bool, need_k: bool, need_e: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dQ, dK, dV, d e)`` of :func:`periodic_forward` in the inputs' shapes (``px_bwd``, ``px_fin``;
+    ``p_all`` empty: ``P`` recomputed; ``d e`` empty unless ``need_e``). The body of ``attnopt::px_bwd``."""
+    lib = _native.library("periodic")
+    assert lib is not None
+    sq, sk, sv = q.shape, k.shape, v.shape
+    nq, d, nk, dv = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
+    q, k, v = q.reshape(-1, nq, d), k.reshape(-1, nk, d), v.reshape(-1, nk, dv)
+    p_all = p_all if p_all.numel() else None
+    bh = q.shape[0]
+    _, bwd, fin = _functions(lib, q.dtype)
+    threads = torch.get_num_threads()
+    do = dout.to(q.dtype).contiguous().view(bh, nq, dv)
+    gq, gk, gv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    rs, colsums = q.new_empty(bh, nq), q.new_empty(2, bh, nk)  # Σ_j E; (Σ_i E, Σ_i dL)
+    recompute = int(p_all is None)
+    per = min(step, bh)
+    s_buf = q.new_empty(per, nq, nk) if recompute else None  # sin θ/θ is used at once, not stored
+    dp_buf = q.new_empty(per, nq, nk)
+    pq, pdo, pout, paux = q.data_ptr(), do.data_ptr(), out.data_ptr(), aux.data_ptr()
+    pshift, prinv = state.data_ptr(), _address(state, bh * nq)
+    prs, pcs, pdls = rs.data_ptr(), colsums.data_ptr(), _address(colsums, bh * nk)
+    pm, msg, msi = (None, 0, 0) if mask is None else (mask.data_ptr(), mask.stride(0), mask.stride(1))
+    kt, vt = k.transpose(1, 2), v.transpose(1, 2)
+    for h0 in range(0, bh, step):
+        h1 = min(bh, h0 + step)
+        f = slice(h0, h1)
+        whole = h0 == 0 and h1 == bh
+        qf, kf, dof = (q, k, do) if whole else (q[f], k[f], do[f])
+        if recompute:
+            assert s_buf is not None
+            pw = torch.bmm(qf, kt if whole else kt[f], out=s_buf[: h1 - h0])
+            psc = None
+        else:
+            pw = p_all if whole else p_all[f]
+            psc = sc_all.data_ptr() + h0 * nq * nk * sc_all.element_size()
+        dp = torch.bmm(dof, vt if whole else vt[f], out=dp_buf[: h1 - h0])
+        _check_px("px_bwd", pw, None if recompute else sc_all, dp, q, k, None, mask, rep, aux,
+                  state, h0, h1,
+                  do, out, rs, colsums)
+        ps, pdp = pw.data_ptr(), dp.data_ptr()
+
+        def rows(a: int, b: int, ps: int = ps, psc: int | None = psc, pdp: int = pdp, h0: int = h0
+                 ) -> None:
+            bwd(ps, psc, pdp, recompute, pq, pdo, pout, dv, pm, msg, msi, rep, paux, pshift, prinv,
+                prs, pcs, pdls, h0, h0 + a, h0 + b, nq, nk, d, om2, c)
+
+        _run(rows, h1 - h0, nq * nk, threads)
+        torch.bmm(pw.transpose(1, 2), dof, out=gv if whole else gv[f])
+        if need_q:
+            torch.bmm(dp, kf, out=gq if whole else gq[f])
+        if need_k:
+            torch.bmm(dp.transpose(1, 2), qf, out=gk if whole else gk[f])
+    if need_q or need_k:
+        pgq, pgk = (gq.data_ptr() if need_q else None), (gk.data_ptr() if need_k else None)
+        pk = k.data_ptr()
+        _check_px_fin(gq if need_q else None, q, rs, gk if need_k else None, k, colsums)
+
+        def finish(a: int, b: int) -> None:
+            fin(pgq, pq, prs, pgk, pk, pcs, pdls, a, b, nq, nk, d, c * om2, s)
+
+        _run(finish, bh, (nq + nk) * d, threads)
+    ge = colsums[1].unsqueeze(1) if need_e else q.new_empty(0)
+    return (gq.view(sq) if need_q else q.new_empty(0), gk.view(sk) if need_k else k.new_empty(0), gv.view(sv),
+            ge)  # (a gradient not needed: empty, never unwritten memory)
+
+
+
+
+class _NativePeriodic(torch.autograd.Function):
+    """:func:`periodic_forward` / :func:`periodic_backward` as one autograd node (plain eager calls);
+    ``lead``: the output's batch dims."""
 
     @staticmethod
     @_native.untraced
     def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, e: Tensor | None, mask: Tensor | None,
-        rep: int, om2: float, c: float, s: float, save: bool, step: int, lib: ctypes.CDLL,
-        lead: tuple[int, ...],
+        rep: int, om2: float, c: float, s: float, save: bool, step: int, lead: tuple[int, ...],
     ) -> Tensor:
-        ctx.shapes = q.shape, k.shape, v.shape
-        nq, d, nk, dv = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
-        q, k, v = q.view(-1, nq, d), k.view(-1, nk, d), v.view(-1, nk, dv)
-        bh = q.shape[0]
-        fwd = _functions(lib, q.dtype)[0]
-        threads = torch.get_num_threads()
-        p = q.new_empty(bh if save else min(step, bh), nq, nk)
-        sc = q.new_empty(bh, nq, nk) if save else None
-        aux, state = q.new_empty(bh, 2, nk), q.new_empty(2, bh, nq)  # (‖k‖², b); (shift, r)
-        out = q.new_empty(bh, nq, dv)
-        pq, pk, pe, paux = q.data_ptr(), k.data_ptr(), _address(e), aux.data_ptr()
-        pshift, prinv = state.data_ptr(), _address(state, bh * nq)
-        pm, msg, msi = (None, 0, 0) if mask is None else (mask.data_ptr(), mask.stride(0), mask.stride(1))
-        kt = k.transpose(1, 2)
-        for h0 in range(0, bh, step):
-            h1 = min(bh, h0 + step)
-            whole = h0 == 0 and h1 == bh
-            buf = p if whole and p.shape[0] == bh else (p[h0:h1] if save else p[: h1 - h0])
-            torch.bmm(q if whole else q[h0:h1], kt if whole else kt[h0:h1], out=buf)
-            _check_px("px_fwd", buf, sc, None, q, k, e, mask, rep, aux, state, h0, h1)
-            ps, psc = buf.data_ptr(), _address(sc, h0 * nq * nk)
-
-            def rows(a: int, b: int, ps: int = ps, psc: int | None = psc, h0: int = h0) -> None:
-                fwd(ps, psc, pq, pk, pe, pm, msg, msi, rep, paux, pshift, prinv, h0, h0 + a, h0 + b,
-                    nq, nk, d, om2, c, 0.5 * s)
-
-            _run(rows, h1 - h0, nq * nk, threads)
-            torch.bmm(buf, v if whole else v[h0:h1], out=out if whole else out[h0:h1])
-        ctx.om2, ctx.c, ctx.s, ctx.rep, ctx.step, ctx.lib = om2, c, s, rep, step, lib
-        ctx.save_for_backward(q, k, v, mask, aux, state, out, p if save else None, sc)
-        return out.view(*lead, nq, dv)
+        out, aux, state, p, sc = periodic_forward(q, k, v, e, mask, rep, om2, c, s, save, step)
+        ctx.args = rep, om2, c, s, step
+        ctx.save_for_backward(q, k, v, mask, aux, state, out, p, sc)
+        return out.view(*lead, *out.shape[-2:])
 
     @staticmethod
     @_native.untraced
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         refuse_double_backward(ctx, "kernel_attention (fused Expsin)",
                                "use kernel_weights(q, k, kernel=...) @ v")
-        q, k, v, mask, aux, state, out, p_all, sc_all = ctx.saved_tensors
-        bh, nq, d = q.shape
-        nk, dv = k.shape[1], v.shape[-1]
-        _, bwd, fin = _functions(ctx.lib, q.dtype)
-        threads, step = torch.get_num_threads(), ctx.step
-        do = dout.to(q.dtype).contiguous().view(bh, nq, dv)
         need_q, need_k, need_v, need_e = ctx.needs_input_grad[:4]
-        gq, gk, gv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        rs, colsums = q.new_empty(bh, nq), q.new_empty(2, bh, nk)  # Σ_j E; (Σ_i E, Σ_i dL)
-        recompute = int(p_all is None)
-        per = min(step, bh)
-        s_buf = q.new_empty(per, nq, nk) if recompute else None  # sin θ/θ is used at once, not stored
-        dp_buf = q.new_empty(per, nq, nk)
-        pq, pdo, pout, paux = q.data_ptr(), do.data_ptr(), out.data_ptr(), aux.data_ptr()
-        pshift, prinv = state.data_ptr(), _address(state, bh * nq)
-        prs, pcs, pdls = rs.data_ptr(), colsums.data_ptr(), _address(colsums, bh * nk)
-        pm, msg, msi = (None, 0, 0) if mask is None else (mask.data_ptr(), mask.stride(0), mask.stride(1))
-        kt, vt = k.transpose(1, 2), v.transpose(1, 2)
-        om2, c = ctx.om2, ctx.c
-        for h0 in range(0, bh, step):
-            h1 = min(bh, h0 + step)
-            f = slice(h0, h1)
-            whole = h0 == 0 and h1 == bh
-            qf, kf, dof = (q, k, do) if whole else (q[f], k[f], do[f])
-            if recompute:
-                assert s_buf is not None
-                pw = torch.bmm(qf, kt if whole else kt[f], out=s_buf[: h1 - h0])
-                psc = None
-            else:
-                pw = p_all if whole else p_all[f]
-                psc = sc_all.data_ptr() + h0 * nq * nk * sc_all.element_size()
-            dp = torch.bmm(dof, vt if whole else vt[f], out=dp_buf[: h1 - h0])
-            _check_px("px_bwd", pw, None if recompute else sc_all, dp, q, k, None, mask, ctx.rep, aux,
-                      state, h0, h1,
-                      do, out, rs, colsums)
-            ps, pdp = pw.data_ptr(), dp.data_ptr()
-
-            def rows(a: int, b: int, ps: int = ps, psc: int | None = psc, pdp: int = pdp, h0: int = h0
-                     ) -> None:
-                bwd(ps, psc, pdp, recompute, pq, pdo, pout, dv, pm, msg, msi, ctx.rep, paux, pshift, prinv,
-                    prs, pcs, pdls, h0, h0 + a, h0 + b, nq, nk, d, om2, c)
-
-            _run(rows, h1 - h0, nq * nk, threads)
-            torch.bmm(pw.transpose(1, 2), dof, out=gv if whole else gv[f])
-            if need_q:
-                torch.bmm(dp, kf, out=gq if whole else gq[f])
-            if need_k:
-                torch.bmm(dp.transpose(1, 2), qf, out=gk if whole else gk[f])
-        if need_q or need_k:
-            pgq, pgk = (gq.data_ptr() if need_q else None), (gk.data_ptr() if need_k else None)
-            pk = k.data_ptr()
-            _check_px_fin(gq if need_q else None, q, rs, gk if need_k else None, k, colsums)
-
-            def finish(a: int, b: int) -> None:
-                fin(pgq, pq, prs, pgk, pk, pcs, pdls, a, b, nq, nk, d, c * om2, ctx.s)
-
-            _run(finish, bh, (nq + nk) * d, threads)
-        ge = colsums[1].unsqueeze(1) if need_e else None
-        sq, sk, sv = ctx.shapes
-        return (gq.view(sq) if need_q else None, gk.view(sk) if need_k else None,
-                gv.view(sv) if need_v else None, ge, None, None, None, None, None, None, None, None, None)
+        gq, gk, gv, ge = periodic_backward(dout, *ctx.saved_tensors, *ctx.args, need_q, need_k, need_e)
+        return (gq if need_q else None, gk if need_k else None, gv if need_v else None,
+                ge if need_e else None, None, None, None, None, None, None, None, None)
 
 
 def native_periodic_attention(
-    lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, e: Tensor | None, mask: Tensor | None, rep: int,
+    _lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, e: Tensor | None, mask: Tensor | None, rep: int,
     om2: float, c: float, s: float, save: bool, chunk_bytes: int, batch: tuple[int, ...],
 ) -> Tensor:
     """:class:`.periodic._FusedPeriodic`'s arguments, through the C passes of ``lib``
@@ -272,5 +312,70 @@ def native_periodic_attention(
         mask = mask.contiguous()
     block = q.shape[-2] * k.shape[-2] * q.element_size()
     step = max(1, chunk_bytes * max(1, torch.get_num_threads()) // max(block, 1))
-    out: Tensor = _NativePeriodic.apply(q, k, v, e, mask, rep, om2, c, s, save, step, lib, batch)
+    out: Tensor = _NativePeriodic.apply(q, k, v, e, mask, rep, om2, c, s, save, step, batch)
     return out
+
+
+# --- the passes as torch.library ops (issue 30 item 2) ---------------------------------------------
+
+
+@torch.library.custom_op("attnopt::px_fwd", mutates_args=(), device_types="cpu")
+def px_fwd(
+    q: Tensor, k: Tensor, v: Tensor, e: Tensor | None, mask: Tensor | None, rep: int, om2: float, c: float,
+    s: float, save: bool, step: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(out (BH, Nq, dv), aux, state, P or empty, sin θ/θ or empty)`` (:func:`periodic_forward`)."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    return periodic_forward(q, k, v, e, mask, rep, om2, c, s, save, step)
+
+
+@px_fwd.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, e: Tensor | None, mask: Tensor | None, rep: int,  # noqa: ARG001
+      om2: float, c: float, s: float, save: bool, step: int,  # noqa: ARG001
+      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    nq, nk, dv = q.shape[-2], k.shape[-2], v.shape[-1]
+    bh = q.numel() // max(nq * q.shape[-1], 1)
+    big = (bh, nq, nk) if save else (0,)
+    return (q.new_empty(bh, nq, dv), q.new_empty(bh, 2, nk), q.new_empty(2, bh, nq), q.new_empty(big),
+            q.new_empty(big))
+
+
+@torch.library.custom_op("attnopt::px_bwd", mutates_args=(), device_types="cpu")
+def px_bwd(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, aux: Tensor, state: Tensor,
+    out: Tensor, p_all: Tensor, sc_all: Tensor, rep: int, om2: float, c: float, s: float, step: int,
+    need_q: bool, need_k: bool, need_e: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dQ, dK, dV, d e)`` of :func:`px_fwd` (:func:`periodic_backward`)."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    gq, gk, gv, ge = periodic_backward(dout, q, k, v, mask, aux, state, out, p_all, sc_all, rep, om2, c, s,
+                                       step, need_q, need_k, need_e)
+    return gq, gk, gv, ge.clone()  # (ge: a view into a scratch buffer; an op's output owns its storage)
+
+
+@px_bwd.register_fake
+def _(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, aux: Tensor,  # noqa: ARG001
+      state: Tensor, out: Tensor, p_all: Tensor, sc_all: Tensor, rep: int, om2: float,  # noqa: ARG001
+      c: float, s: float, step: int, need_q: bool, need_k: bool,  # noqa: ARG001
+      need_e: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    bh, nk = aux.shape[0], k.shape[-2]
+    return (q.new_empty(q.shape if need_q else (0,)), k.new_empty(k.shape if need_k else (0,)),
+            v.new_empty(v.shape), q.new_empty((bh, 1, nk) if need_e else (0,)))
+
+
+def _px_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, _, mask, rep, om2, c, s, _, step = inputs
+    out, aux, state, p, sc = output
+    ctx.args = rep, om2, c, s, step
+    ctx.save_for_backward(q, k, v, mask, aux, state, out, p, sc)
+
+
+def _px_backward(ctx: Any, dout: Tensor, *_unused: Tensor | None) -> tuple[Tensor | None, ...]:
+    need_q, need_k, need_v, need_e = ctx.needs_input_grad[:4]
+    saved = ctx.saved_tensors
+    gq, gk, gv, ge = torch.ops.attnopt.px_bwd(dout, *saved, *ctx.args, need_q, need_k, need_e)
+    return (gq if need_q else None, gk if need_k else None, gv if need_v else None, ge if need_e else None,
+            None, None, None, None, None, None, None)
+
+
+px_fwd.register_autograd(_px_backward, setup_context=_px_setup)
