@@ -220,6 +220,50 @@ class _T5Bias(torch.autograd.Function):
         return table, None, None, None, None
 
 
+@torch.library.custom_op("attnopt::t5_toeplitz", mutates_args=(), device_types="cpu")
+def t5_toeplitz(table: Tensor, buckets: Tensor, index: Tensor | None, nq: int,  # noqa: ARG001
+                nk: int) -> Tensor:
+    """``(1, H, Nq, Nk)``, entry ``(h, i, j)`` = ``table[buckets[j − i + Nq − 1], h]``: the C fill
+    (``bsf_toeplitz_*``) as one op (issue 30 item 2), for graphs; plain eager code calls
+    :class:`_T5Bias` directly (the Python ``custom_op`` path costs a fixed few tens of µs per call).
+    The registered backward is :class:`_T5Bias`'s (diagonal sums into the buckets, plain ops:
+    differentiable again); ``index`` selects its route (:func:`_diagonal_sums`)."""
+    return _t5_fill(table, buckets, nq, nk)
+
+
+@_native.untraced
+def _t5_fill(table: Tensor, buckets: Tensor, nq: int, nk: int) -> Tensor:
+    lib = _native.library("biased_softmax") if table.dtype in (torch.float32, torch.float64) else None
+    if lib is None:
+        return _t5_plain(table, buckets, nq, nk)
+    out = table.new_empty(1, table.shape[1], nq, nk)
+    _check_t5_toeplitz(table, buckets, out, nq, nk)
+    if _fill(lib, table.dtype)(table.data_ptr(), table.stride(0), table.stride(1), buckets.data_ptr(),
+                               table.shape[1], nq, nk, out.data_ptr()) != 0:
+        raise MemoryError("T5RelativePreference: out of memory")
+    return out
+
+
+@t5_toeplitz.register_fake
+def _(table: Tensor, buckets: Tensor, index: Tensor | None, nq: int, nk: int) -> Tensor:  # noqa: ARG001
+    return table.new_empty(1, table.shape[1], nq, nk)
+
+
+def _t5_setup(ctx: Any, inputs: tuple, output: Tensor) -> None:  # noqa: ARG001
+    table, buckets, index, _, _ = inputs
+    ctx.rows = table.shape[0]
+    ctx.save_for_backward(buckets, index)
+
+
+def _t5_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+    buckets, index = ctx.saved_tensors
+    sums = _diagonal_sums(grad, index)  # (H, Nq + Nk − 1)
+    return sums.new_zeros(ctx.rows, sums.shape[0]).index_add_(0, buckets, sums.t()), None, None, None, None
+
+
+t5_toeplitz.register_autograd(_t5_backward, setup_context=_t5_setup)
+
+
 def _check_t5_toeplitz(table: Tensor, buckets: Tensor, out: Tensor, nq: int, nk: int) -> None:
     """What ``bsf_toeplitz_*`` reads and writes: ``table`` (rows, H) with its strides, ``Nq + Nk − 1``
     dense int64 ``buckets`` (values in ``[0, rows)``: :func:`relative_position_bucket` clamps them to

@@ -83,6 +83,30 @@ def noise_from_seed(seed: Tensor, shape: tuple[int, ...], dtype: torch.dtype = t
     return _mirror(seed, shape).to(dtype)
 
 
+@torch.library.custom_op("attnopt::normal_fill", mutates_args=(), device_types="cpu")
+def normal_fill(seed: Tensor, shape: list[int], dtype: torch.dtype) -> Tensor:
+    """The draw of ``seed`` as a new CPU tensor of ``shape`` (``normal_fill_at_*``, issue 30 item 2:
+    the C fill as one op for graphs; plain eager code calls :func:`noise_from_seed` directly, which
+    saves the ``custom_op`` path's fixed per-call cost). Not differentiable (noise)."""
+    fill = seeded_fill(dtype)
+    if fill is None:  # no compiler / ATTNOPT_NATIVE=0: the PyTorch mirror, the same values
+        return _mirror(seed, tuple(shape)).to(dtype)
+    return _filled(fill, seed, tuple(shape), dtype)
+
+
+@normal_fill.register_fake
+def _(seed: Tensor, shape: list[int], dtype: torch.dtype) -> Tensor:
+    return seed.new_empty(shape, dtype=dtype)
+
+
+@_native.untraced
+def _filled(fill: Any, seed: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    out = torch.empty(shape, dtype=dtype)
+    _check_normal_fill(seed, out, dtype)
+    fill(seed.data_ptr(), out.data_ptr(), out.numel())
+    return out
+
+
 def _check_normal_fill(seed: Tensor, out: Tensor, dtype: torch.dtype) -> None:
     """What ``normal_fill_at_*`` reads and writes: one int64 seed, ``out.numel()`` dense ``dtype`` entries."""
     require("normal_fill_at", "seed", seed, dtype=torch.int64, numel=1)
