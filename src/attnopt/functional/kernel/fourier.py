@@ -48,6 +48,14 @@ or BLAS (``blas()`` None) and for q, k, v of different batch shapes. Measured (f
 IKAN R = 16, p = 1.5 B·H = 8, N = 64 2.10× → 1.42×; IKA_S R = 8 1.79× → 1.15×; the sampled IKAN /
 MIKAN module core 3.75× → 3.0×; B·H = 64, N = 64 IKAN 1.04×, IKA_S 0.84×; B·H = 8, N = 128
 IKAN 1.03×.
+
+The whole call is also a pair of ``torch.library`` ops (issue 30 item 2): ``attnopt::ffw_fwd(q, k, v,
+points, mask, eps, coef, nsets, p, scale, need_k) -> (out, saved)`` (:func:`whole_forward`) and
+``attnopt::ffw_bwd`` (:func:`whole_backward`), connected by ``register_autograd``; its fake
+implementation writes out ``ffw_save_size``. Plain eager code (:func:`fused_fourier_magnitude_attention`)
+calls the same functions through :class:`_WholeFourier`: the Python ``custom_op`` path costs a
+fixed few tens of µs per call, a large share of this path's ~0.4 ms at N = 64 (figures in the
+issue-30 note). The per-pass entries of :class:`_FusedFourier` (``ff_*``) are not ops yet.
 """
 from __future__ import annotations
 
@@ -796,6 +804,137 @@ def check_whole(
 Dense = Tensor | tuple[Tensor, int] | tuple[Tensor, int, int]
 
 
+@_native.untraced
+def whole_forward(
+    q: Tensor, k: Tensor, v: Tensor, points: Tensor, mask: Tensor | None, eps: float, coef: float, nsets: int,
+    p: float | None, scale: float, need_k: bool, cfg: _WholeConfig | None = None, zeroed: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """``(out (*lead, Nq, dv), saved)``: the forward C call(s) (``ffw_fwd``) of :class:`_WholeFourier`
+    on contiguous ``q, k, v``; ``need_k``: keep what the magnitude's key gradient needs. ``cfg``: the C
+    functions and BLAS addresses (:func:`_whole_call`; looked up when None). ``zeroed``: the saved
+    buffer starts at zeros (the op's output: entries a configuration does not use are then defined).
+    The body of ``attnopt::ffw_fwd``."""
+    fwd, _, save_size, work_size, gemm, set_threads = _whole_config(q.dtype) if cfg is None else cfg
+    lead = q.shape[:-2] or (1,)
+    nq, nk, d, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+    sr = points.shape[-2]
+    r = sr // nsets
+    g = math.prod(lead)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    w, wsb, wsh, hi = _points_layout(points, lead)
+    mk = None if mask is None else mask.expand(*lead, nk).contiguous()
+    sizes = (nq, nk, d, dv, r, nsets)
+    save = (q.new_zeros if zeroed else q.new_empty)(g, _size(save_size, sizes))
+    out = q.new_empty(*lead, nq, dv)
+    threads = _heads_split(g, nq * nk)
+    work = q.new_empty(threads, _size(work_size, sizes))
+    mode = -1 if p is None else _LP_MODES.get(p, 0)
+    cap = _CAP[q.dtype]
+    grad = int(p is not None and need_k)
+    c4 = coef**4
+    args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), w.data_ptr(), wsb, wsh, hi, _base(mk))
+    tail = (nq, nk, d, dv, r, nsets, mode, 1.0 if p is None else p, scale, cap, c4, eps, grad,
+            save.data_ptr(), out.data_ptr())
+    pw, step = work.data_ptr(), work.shape[1] * work.element_size()
+    check_whole("ffw_fwd", (save_size, work_size), sizes, g, q, k, v, w, wsb, wsh, hi, save, out, work,
+                threads, mask=mk)
+
+    if threads == 1:
+        fwd(gemm, set_threads, *args, 0, g, *tail, pw)
+    else:
+
+        def heads(t: int, g0: int, g1: int) -> None:
+            fwd(gemm, set_threads, *args, g0, g1, *tail, pw + t * step)
+
+        _each(threads, g, heads)
+    return out, save
+
+
+
+@_native.untraced
+def whole_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, points: Tensor, save: Tensor, out: Tensor, eps: float,
+    coef: float, nsets: int, magnitude: bool, need_q: bool, need_k: bool, need_v: bool, need_w: bool,
+    cfg: _WholeConfig | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dQ, dK, dV, d points)`` of :func:`whole_forward` (``ffw_bwd``; a gradient not asked for is
+    empty). The body of ``attnopt::ffw_bwd``."""
+    cfg = _whole_config(q.dtype) if cfg is None else cfg
+    _, bwd, save_size, work_size, gemm, set_threads = cfg
+    lead = q.shape[:-2] or (1,)
+    w, wsb, wsh, hi = _points_layout(points, lead)
+    r = points.shape[-2] // nsets
+    c4 = coef**4
+    nq, nk, d, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+    sr = w.shape[-2]
+    g = math.prod(lead)
+    if dout.dtype != out.dtype:
+        dout = dout.to(out.dtype)
+    # as (g, nq, dv) with its strides (an expanded scalar stays a view with strides 0)
+    d3 = dout.reshape(g, nq, dv) if not dout.is_contiguous() else dout
+    dstrides = (nq * dv, dv, 1) if d3 is dout else (d3.stride(0), d3.stride(1), d3.stride(2))
+    dq = torch.empty_like(q) if need_q else None
+    dk = torch.empty_like(k) if need_k else None
+    dvv = torch.empty_like(v) if need_v else None
+    threads = _heads_split(g, nq * nk)
+    work = q.new_empty(threads, _size(work_size, (nq, nk, d, dv, r, nsets)))
+    shared = wsb == 0 and wsh == 0
+    dwb: list[Tensor] = []
+    dsb = dsh = 0
+    if need_w:
+        if shared:
+            dwb = [q.new_zeros(sr, d) for _ in range(threads)]
+        else:
+            dwb = [q.new_empty(g, sr, d)]
+            dsb, dsh = (hi * sr * d, sr * d) if hi > 1 or wsb != sr * d else (sr * d, 0)
+    args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), w.data_ptr(), wsb, wsh, hi, d3.data_ptr(),
+            *dstrides, out.data_ptr())
+    tail = (nq, nk, d, dv, r, nsets, int(magnitude), c4, eps, save.data_ptr())
+    outs = (_base(dq), _base(dk), _base(dvv))
+    pw, step = work.data_ptr(), work.shape[1] * work.element_size()
+    check_whole("ffw_bwd", (save_size, work_size), (nq, nk, d, dv, r, nsets), g, q, k, v, w, wsb, wsh, hi,
+                save,
+                out, work,
+                threads, dout=d3, dstrides=dstrides, grads=(dq, dk, dvv), dw=dwb, dsb=dsb, dsh=dsh,
+                shared=shared)
+
+    if threads == 1:
+        pdw = None if not dwb else dwb[0].data_ptr()
+        bwd(gemm, set_threads, *args, 0, g, *tail, pw, *outs, pdw, dsb, dsh, int(shared))
+    else:
+
+        def heads(t: int, g0: int, g1: int) -> None:
+            pdw = None if not dwb else dwb[t if shared else 0].data_ptr()
+            bwd(gemm, set_threads, *args, g0, g1, *tail, pw + t * step, *outs, pdw, dsb, dsh, int(shared))
+
+        _each(threads, g, heads)
+    dw = None
+    if need_w:
+        if shared:
+            dw = dwb[0]
+            for extra in dwb[1:]:
+                dw += extra
+            dw = dw.view(points.shape)
+        else:
+            dw = dwb[0].view(*lead, sr, d)
+            if dw.shape != points.shape:
+                dw = dw.sum_to_size(points.shape)
+    return (q.new_empty(0) if dq is None else dq, k.new_empty(0) if dk is None else dk,
+            v.new_empty(0) if dvv is None else dvv,
+            q.new_empty(0) if dw is None else dw)
+
+
+
+
+def _whole_config(dtype: torch.dtype) -> _WholeConfig:
+    """The C functions and BLAS addresses of the whole call for ``dtype`` (the op bodies' lookup)."""
+    found = _native.blas()
+    lib = _native.library("fourier_features")
+    assert found is not None and lib is not None
+    f32 = dtype == torch.float32
+    return (*_whole_fns(lib, f32), found.sgemm if f32 else found.dgemm, found.set_threads)
+
+
 class _WholeFourier(torch.autograd.Function):
     r""":class:`_FusedFourier` with the key magnitude / mask computed inside (no given key weight),
     forward and backward each one C call per thread (``ffw_*`` in ``_native/fourier_features.c``:
@@ -809,43 +948,12 @@ class _WholeFourier(torch.autograd.Function):
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, points: Tensor, mask: Tensor | None, eps: float,
         coef: float, nsets: int, p: float | None, scale: float, cfg: _WholeConfig,
     ) -> Tensor:
-        fwd, _, save_size, work_size, gemm, set_threads = cfg
-        lead = q.shape[:-2] or (1,)
-        nq, nk, d, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
-        sr = points.shape[-2]
-        r = sr // nsets
-        g = math.prod(lead)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        w, wsb, wsh, hi = _points_layout(points, lead)
-        mk = None if mask is None else mask.expand(*lead, nk).contiguous()
-        sizes = (nq, nk, d, dv, r, nsets)
-        save = q.new_empty(g, _size(save_size, sizes))
-        out = q.new_empty(*lead, nq, dv)
-        threads = _heads_split(g, nq * nk)
-        work = q.new_empty(threads, _size(work_size, sizes))
-        mode = -1 if p is None else _LP_MODES.get(p, 0)
-        cap = _CAP[q.dtype]
-        grad = int(p is not None and ctx.needs_input_grad[1])
-        c4 = coef**4
-        args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), w.data_ptr(), wsb, wsh, hi, _base(mk))
-        tail = (nq, nk, d, dv, r, nsets, mode, 1.0 if p is None else p, scale, cap, c4, eps, grad,
-                save.data_ptr(), out.data_ptr())
-        pw, step = work.data_ptr(), work.shape[1] * work.element_size()
-        check_whole("ffw_fwd", (save_size, work_size), sizes, g, q, k, v, w, wsb, wsh, hi, save, out, work,
-                    threads, mask=mk)
-
-        if threads == 1:
-            fwd(gemm, set_threads, *args, 0, g, *tail, pw)
-        else:
-
-            def heads(t: int, g0: int, g1: int) -> None:
-                fwd(gemm, set_threads, *args, g0, g1, *tail, pw + t * step)
-
-            _each(threads, g, heads)
-        ctx.cfg, ctx.geom, ctx.mag = cfg, (wsb, wsh, hi, nsets, r, c4, eps), p is not None
-        ctx.points_shape = points.shape
-        ctx.save_for_backward(q, k, v, w, save, out)
-        return out if q.shape[:-2] else out.view(nq, dv)
+        need_k = ctx.needs_input_grad[1]
+        out, save = whole_forward(q, k, v, points, mask, eps, coef, nsets, p, scale, need_k, cfg)
+        ctx.cfg, ctx.args = cfg, (eps, coef, nsets, p is not None)
+        ctx.save_for_backward(q, k, v, points, save, out)
+        return out if q.shape[:-2] else out.view(*out.shape[-2:])
 
     @staticmethod
     @_native.untraced
@@ -855,65 +963,10 @@ class _WholeFourier(torch.autograd.Function):
                 "kernel_attention's whole-call Fourier-feature node has no double backward "
                 "(create_graph=True)"
             )
-        _, bwd, _, work_size, gemm, set_threads = ctx.cfg
-        wsb, wsh, hi, nsets, r, c4, eps = ctx.geom
-        q, k, v, w, save, out = ctx.saved_tensors
-        need_q, need_k, need_v, need_w = ctx.needs_input_grad[:4]
-        lead = out.shape[:-2]
-        nq, nk, d, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
-        sr = w.shape[-2]
-        g = math.prod(lead)
-        if dout.dtype != out.dtype:
-            dout = dout.to(out.dtype)
-        # as (g, nq, dv) with its strides (an expanded scalar stays a view with strides 0)
-        d3 = dout.reshape(g, nq, dv) if not dout.is_contiguous() else dout
-        dstrides = (nq * dv, dv, 1) if d3 is dout else (d3.stride(0), d3.stride(1), d3.stride(2))
-        dq = torch.empty_like(q) if need_q else None
-        dk = torch.empty_like(k) if need_k else None
-        dvv = torch.empty_like(v) if need_v else None
-        threads = _heads_split(g, nq * nk)
-        work = q.new_empty(threads, _size(work_size, (nq, nk, d, dv, r, nsets)))
-        shared = wsb == 0 and wsh == 0
-        dwb: list[Tensor] = []
-        dsb = dsh = 0
-        if need_w:
-            if shared:
-                dwb = [q.new_zeros(sr, d) for _ in range(threads)]
-            else:
-                dwb = [q.new_empty(g, sr, d)]
-                dsb, dsh = (hi * sr * d, sr * d) if hi > 1 or wsb != sr * d else (sr * d, 0)
-        args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), w.data_ptr(), wsb, wsh, hi, d3.data_ptr(),
-                *dstrides, out.data_ptr())
-        tail = (nq, nk, d, dv, r, nsets, int(ctx.mag), c4, eps, save.data_ptr())
-        outs = (_base(dq), _base(dk), _base(dvv))
-        pw, step = work.data_ptr(), work.shape[1] * work.element_size()
-        check_whole("ffw_bwd", ctx.cfg[2:4], (nq, nk, d, dv, r, nsets), g, q, k, v, w, wsb, wsh, hi, save,
-                    out, work,
-                    threads, dout=d3, dstrides=dstrides, grads=(dq, dk, dvv), dw=dwb, dsb=dsb, dsh=dsh,
-                    shared=shared)
-
-        if threads == 1:
-            pdw = None if not dwb else dwb[0].data_ptr()
-            bwd(gemm, set_threads, *args, 0, g, *tail, pw, *outs, pdw, dsb, dsh, int(shared))
-        else:
-
-            def heads(t: int, g0: int, g1: int) -> None:
-                pdw = None if not dwb else dwb[t if shared else 0].data_ptr()
-                bwd(gemm, set_threads, *args, g0, g1, *tail, pw + t * step, *outs, pdw, dsb, dsh, int(shared))
-
-            _each(threads, g, heads)
-        dw = None
-        if need_w:
-            if shared:
-                dw = dwb[0]
-                for extra in dwb[1:]:
-                    dw += extra
-                dw = dw.view(ctx.points_shape)
-            else:
-                dw = dwb[0].view(*lead, sr, d)
-                if dw.shape != ctx.points_shape:
-                    dw = dw.sum_to_size(ctx.points_shape)
-        return dq, dk, dvv, dw, None, None, None, None, None, None, None
+        need = ctx.needs_input_grad[:4]
+        dq, dk, dv, dw = whole_backward(dout, *ctx.saved_tensors, *ctx.args, *need, cfg=ctx.cfg)
+        return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
+                dw if need[3] else None, None, None, None, None, None, None, None)
 
 
 def _whole_call(
@@ -1010,3 +1063,65 @@ def fused_fourier_magnitude_attention(
     out: Tensor = _FusedFourier.apply(q, k, v, points, None, key_mask, float(eps), float(coef),
                                       nsets, pp, float(scale))
     return out
+
+
+# --- the whole call as torch.library ops (issue 30 item 2) ------------------------------------------
+
+
+@torch.library.custom_op("attnopt::ffw_fwd", mutates_args=(), device_types="cpu")
+def ffw_fwd(
+    q: Tensor, k: Tensor, v: Tensor, points: Tensor, mask: Tensor | None, eps: float, coef: float, nsets: int,
+    p: float | None, scale: float, need_k: bool,
+) -> tuple[Tensor, Tensor]:
+    """``(out (*lead, Nq, dv), saved)`` of Fourier-feature kernel attention, one C call per thread
+    (:func:`whole_forward`)."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    return whole_forward(q, k, v, points, mask, eps, coef, nsets, p, scale, need_k, zeroed=True)
+
+
+@ffw_fwd.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, points: Tensor, mask: Tensor | None, eps: float,  # noqa: ARG001
+      coef: float, nsets: int, p: float | None, scale: float, need_k: bool) -> tuple[Tensor, Tensor]:  # noqa: ARG001
+    lead = q.shape[:-2] or (1,)
+    nq, nk, d, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+    # ffw_save_size of fourier_features.c, written out (symbolic sizes; opcheck compares it with the C)
+    sr = points.shape[-2]
+    r = sr // nsets
+    save = nq * nk + (nq + nk) * 2 * r + 2 * (nq + nk) * sr + nk + nk * d + nk + nq
+    return q.new_empty(*lead, nq, dv), q.new_empty(math.prod(lead), save)
+
+
+@torch.library.custom_op("attnopt::ffw_bwd", mutates_args=(), device_types="cpu")
+def ffw_bwd(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, points: Tensor, save: Tensor, out: Tensor, eps: float,
+    coef: float, nsets: int, magnitude: bool, need_q: bool, need_k: bool, need_v: bool, need_w: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dQ, dK, dV, d points)`` of :func:`ffw_fwd` (:func:`whole_backward`)."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    return whole_backward(dout, q, k, v, points, save, out, eps, coef, nsets, magnitude, need_q, need_k,
+                          need_v, need_w)
+
+
+@ffw_bwd.register_fake
+def _(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, points: Tensor, save: Tensor, out: Tensor,  # noqa: ARG001
+      eps: float, coef: float, nsets: int, magnitude: bool, need_q: bool, need_k: bool,  # noqa: ARG001
+      need_v: bool, need_w: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return (q.new_empty(q.shape if need_q else (0,)), k.new_empty(k.shape if need_k else (0,)),
+            v.new_empty(v.shape if need_v else (0,)), points.new_empty(points.shape if need_w else (0,)))
+
+
+def _ffw_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, points, _, eps, coef, nsets, p, _, _ = inputs
+    out, save = output
+    ctx.args = eps, coef, nsets, p is not None
+    ctx.save_for_backward(q, k, v, points, save, out)
+
+
+def _ffw_backward(ctx: Any, dout: Tensor, *_unused: Tensor | None) -> tuple[Tensor | None, ...]:
+    need = ctx.needs_input_grad[:4]
+    dq, dk, dv, dw = torch.ops.attnopt.ffw_bwd(dout, *ctx.saved_tensors, *ctx.args, *need)
+    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
+            dw if need[3] else None, None, None, None, None, None, None, None)
+
+
+ffw_fwd.register_autograd(_ffw_backward, setup_context=_ffw_setup)
