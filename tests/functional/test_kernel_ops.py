@@ -77,3 +77,21 @@ def test_one_node_under_compile_and_in_the_profiler() -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn(q, k, v, pts).backward()
     assert {"attnopt::ffw_fwd", "attnopt::ffw_bwd"} <= {ev.name for ev in prof.events()}
+
+
+@pytest.mark.parametrize("p", [1.0, 1.5, 2.0, 1.3])
+@pytest.mark.parametrize("grad", [False, True])
+def test_lp_magnitude_op(p: float, grad: bool) -> None:
+    """``attnopt::lp_magnitude``: op checks, and the eager helper's values (no autograd: factors)."""
+    k = torch.randn(2, 3, 5, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    torch.library.opcheck(torch.ops.attnopt.lp_magnitude, (k, p, 0.7, grad))
+    a, u, c = torch.ops.attnopt.lp_magnitude(k, p, 0.7, grad)
+    want = kf._magnitude(k, p, 0.7, grad)
+    torch.testing.assert_close(a, want[0], atol=0, rtol=0)
+    total = k.abs().pow(p).sum(-1)
+    torch.testing.assert_close(a, 0.35 * total.pow(2 / p))
+    if grad:
+        torch.testing.assert_close(u, want[1], atol=0, rtol=0)
+        torch.testing.assert_close(c, want[2], atol=0, rtol=0)
+    else:
+        assert u.numel() == 0 and c.numel() == 0

@@ -114,6 +114,25 @@ def _magnitude_native(
     return a, u, c
 
 
+@torch.library.custom_op("attnopt::lp_magnitude", mutates_args=(), device_types="cpu")
+def lp_magnitude(k: Tensor, p: float, scale: float, grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``(a, u, c)`` of :func:`_magnitude` by ``lp_magnitude_*`` as one op (issue 30 item 2; ``u``,
+    ``c`` empty unless ``grad``): the gradient *factors*, no autograd of its own (its consumers apply
+    the chain rule). Eager code calls :func:`_magnitude_native` directly."""
+    k = k.contiguous()
+    out = _magnitude_native(k, p, scale, grad, torch.finfo(k.dtype).max / 8) if k.numel() else None
+    if out is None:
+        out = _magnitude(k, p, scale, grad)
+    a, u, c = out
+    return a, k.new_empty(0) if u is None else u.clone() if u is k else u, k.new_empty(0) if c is None else c
+
+
+@lp_magnitude.register_fake
+def _(k: Tensor, p: float, scale: float, grad: bool) -> tuple[Tensor, Tensor, Tensor]:  # noqa: ARG001
+    return (k.new_empty(k.shape[:-1]), k.new_empty(k.shape if grad else (0,)),
+            k.new_empty(k.shape[:-1] if grad else (0,)))
+
+
 def _magnitude(k: Tensor, p: float, scale: float, grad: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """``a = s·(Σ|k|^p)^{2/p}/2`` (clamped below the dtype's max/8) and, with ``grad``, its gradient
     factors: ``∂a_j/∂k_j = c_j·u_j`` with ``u = |k|^{p−1}·sign(k)`` and ``c = s·T^{2/p−1}``
