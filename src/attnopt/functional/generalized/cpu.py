@@ -356,7 +356,7 @@ def biased_backward(
         if len(sums) == 1:  # one thread: its buffer (Python's sum would add it to 0: a copy)
             gb = sums[0]
         else:
-            gb = sum(sums) if sums else bias.new_zeros(bias.shape)
+            gb = sum(sums[1:], sums[0]) if sums else bias.new_zeros(bias.shape)
     return (dq.view(b, h, nq, d), dk.view(b, h, nk, d), dvv.view(b, h, nk, dv),
             bias.new_empty(0) if gb is None else gb)
 
@@ -381,7 +381,9 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         refuse_double_backward(ctx, "generalized_attention (fused bias)", "use generalized_weights(...) @ v")
         need = ctx.needs_input_grad[3]
-        dq, dk, dv, gb = biased_backward(dout, *ctx.saved_tensors, ctx.scale, ctx.toeplitz, need)
+        qs, k, v, p, out, bias, mx, rinv = ctx.saved_tensors
+        dq, dk, dv, gb = biased_backward(dout, qs, k, v, p, out, bias, mx, rinv, ctx.scale, ctx.toeplitz,
+                                         need)
         return dq, dk, dv, gb if need else None, None, None
 
 

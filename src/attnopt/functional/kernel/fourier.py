@@ -983,7 +983,10 @@ class _WholeFourier(torch.autograd.Function):
                 "(create_graph=True)"
             )
         need = ctx.needs_input_grad[:4]
-        dq, dk, dv, dw = whole_backward(dout, *ctx.saved_tensors, *ctx.args, *need, cfg=ctx.cfg)
+        q, k, v, points, save, out = ctx.saved_tensors
+        eps, coef, nsets, mag = ctx.args
+        dq, dk, dv, dw = whole_backward(dout, q, k, v, points, save, out, eps, coef, nsets, mag, need[0],
+                                        need[1], need[2], need[3], cfg=ctx.cfg)
         return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
                 dw if need[3] else None, None, None, None, None, None, None, None)
 

@@ -214,14 +214,13 @@ def periodic_backward(
     sq, sk, sv = q.shape, k.shape, v.shape
     nq, d, nk, dv = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
     q, k, v = q.reshape(-1, nq, d), k.reshape(-1, nk, d), v.reshape(-1, nk, dv)
-    p_all = p_all if p_all.numel() else None
+    recompute = int(p_all.numel() == 0)
     bh = q.shape[0]
     _, bwd, fin = _functions(lib, q.dtype)
     threads = torch.get_num_threads()
     do = dout.to(q.dtype).contiguous().view(bh, nq, dv)
     gq, gk, gv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     rs, colsums = q.new_empty(bh, nq), q.new_empty(2, bh, nk)  # Σ_j E; (Σ_i E, Σ_i dL)
-    recompute = int(p_all is None)
     per = min(step, bh)
     s_buf = q.new_empty(per, nq, nk) if recompute else None  # sin θ/θ is used at once, not stored
     dp_buf = q.new_empty(per, nq, nk)
@@ -296,7 +295,10 @@ class _NativePeriodic(torch.autograd.Function):
         refuse_double_backward(ctx, "kernel_attention (fused Expsin)",
                                "use kernel_weights(q, k, kernel=...) @ v")
         need_q, need_k, need_v, need_e = ctx.needs_input_grad[:4]
-        gq, gk, gv, ge = periodic_backward(dout, *ctx.saved_tensors, *ctx.args, need_q, need_k, need_e)
+        q, k, v, mask, aux, state, out, p, sc = ctx.saved_tensors
+        rep, om2, c, s, step = ctx.args
+        gq, gk, gv, ge = periodic_backward(dout, q, k, v, mask, aux, state, out, p, sc, rep, om2, c, s, step,
+                                           need_q, need_k, need_e)
         return (gq if need_q else None, gk if need_k else None, gv if need_v else None,
                 ge if need_e else None, None, None, None, None, None, None, None, None)
 
