@@ -311,6 +311,27 @@ def _native_nonfinite(x: Tensor, fns: dict) -> bool | None:
     return bool(strided(x.data_ptr(), *sizes, *strides))
 
 
+@torch.library.custom_op("attnopt::any_nonfinite", mutates_args=(), device_types="cpu")
+def any_nonfinite_op(x: Tensor) -> Tensor:
+    """A 0-d bool tensor: whether ``x`` holds NaN or ±inf, by ``nonfinite_*`` of ``_native/finite.c``
+    where it applies (else ``~isfinite(x).all()``) — the C check as one op (issue 30 item 2). The
+    library's own checks call :func:`check_finite` / :func:`any_nonfinite` directly (a host
+    answer, and no ``custom_op`` per-call cost)."""
+    fns = _finite_fns()
+    bad = None if fns is None or not x.is_floating_point() else _native_nonfinite_untraced(x, fns)
+    if bad is None:
+        return ~torch.isfinite(x).all() if x.is_floating_point() else torch.tensor(False)
+    return torch.tensor(bad)
+
+
+@any_nonfinite_op.register_fake
+def _(x: Tensor) -> Tensor:
+    return x.new_empty((), dtype=torch.bool)
+
+
+_native_nonfinite_untraced = _native.untraced(_native_nonfinite)  # (the op body takes an address)
+
+
 def _check_finite(x: Tensor, sizes: tuple[int, ...] | None, strides: tuple[int, ...] | None) -> None:
     """What ``nonfinite_dense_*`` (``sizes`` None: ``x.numel()`` dense entries) or
     ``nonfinite_strided_*`` (four sizes and strides, in elements) reads of ``x``."""
