@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from attnopt.experiments._atomic import atomic_write_text
 from attnopt.experiments._stats import mean_ci
 from attnopt.experiments._task import Task
 
@@ -91,7 +92,6 @@ def _scale_name(scale: set[bool]) -> str:
 
 def write_results_md(task: Task, records: Sequence[Mapping[str, Any]], path: Path) -> Path:
     """Write the Markdown results table (atomically) and return its path."""
-    from attnopt.experiments._engine import atomic_write_text
 
     scale = {bool(r.get("config", {}).get("quick")) for r in records}
     epochs = sorted({r.get("config", {}).get("epochs") for r in records})
