@@ -49,8 +49,11 @@ def _check(sets, p, padding, key_scale=1.0):
     assert_close(out, ref, 1e-11, what="out")
     if padding == "keys":  # row 0 of batch 0 sees only the padded key 0: zeros, as the reference
         assert out[0, :, 0].abs().max() == 0
+    # p < 1: nearly one-hot rows, whose exact dk is ~0 and is returned as rounding times the
+    # magnitude's large derivative (kernel_attention's docstring): 2e-9 where the reference has 0
+    tol = 1e-9 if p is None or p >= 1 else 1e-7
     for i, (got, want) in enumerate(zip(grads(out, (q, k, v, w)), grads(ref, (q, k, v, w)))):
-        assert_close(got, want, 1e-9, rtol=1e-9, what="dq dk dv dW".split()[i])
+        assert_close(got, want, tol, rtol=1e-9, what="dq dk dv dW".split()[i])
 
 
 def test_causal_scan_matches_float64_reference():
