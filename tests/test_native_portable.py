@@ -16,10 +16,10 @@ from attnopt.functional import (
     kernel_attention,
     regularized_attention,
 )
-from attnopt.functional.regularizers import SquaredL2, Tsallis
+from attnopt.functional.kernel.gaussian_noise import noise_from_seed
+from attnopt.functional.regularized.regularizers import SquaredL2, Tsallis
 from attnopt.kernels import NonStationaryFourier, Periodic, RandomFourier
 from attnopt.nn import ImplicitKernelAttention, T5RelativePreference
-from attnopt.nn._gaussian_noise import noise_from_seed
 
 pytestmark = pytest.mark.skipif(
     _native.compiler() is None or platform.machine() not in ("x86_64", "AMD64")

@@ -27,6 +27,7 @@ def _env() -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow  # ~10–25 s: run with `pytest -m slow`
 def test_kill_then_resume_equals_uninterrupted(tmp_path: Path) -> None:
     out = tmp_path / "killed"
     cmd = [sys.executable, "-m", "tests.experiments._tiny", str(out), json.dumps(OPTS)]

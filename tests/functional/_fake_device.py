@@ -155,10 +155,10 @@ def direct_checkpoint() -> Iterator[None]:
 
     ``torch.utils.checkpoint``'s backward aborts the process on a Python-defined PrivateUse1
     device (its device guard has no stream / event support), so the streaming passes of
-    :mod:`attnopt.functional._sinkhorn_chunked` store their blocks here instead of recomputing
+    :mod:`attnopt.functional.doubly_normalized.streaming` store their blocks here instead of recomputing
     them: the same ops and values, more memory.
     """
-    from attnopt.functional import _sinkhorn_chunked
+    from attnopt.functional.doubly_normalized import streaming as _sinkhorn_chunked
 
     saved = _sinkhorn_chunked.checkpoint
     _sinkhorn_chunked.checkpoint = _direct  # type: ignore[assignment]

@@ -15,7 +15,7 @@ import attnopt
 import attnopt.functional as F
 from attnopt import _native
 from attnopt.functional import dispatch
-from attnopt.functional.regularizers import Shannon, SquaredL2, Tsallis
+from attnopt.functional.regularized.regularizers import Shannon, SquaredL2, Tsallis
 from attnopt.kernels import RBF, Linear, Periodic
 from attnopt.nn.registry import make_attention
 

@@ -23,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnopt.functional as F
-from attnopt.functional.regularizers import Shannon, SquaredL2, Tsallis
+from attnopt.functional.regularized.regularizers import Shannon, SquaredL2, Tsallis
 from attnopt.kernels import RBF, Linear, Periodic
 from attnopt.nn.registry import attention_names, make_attention
 from tests.functional import _fake_device as fd

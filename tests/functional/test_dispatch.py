@@ -7,10 +7,12 @@ import entmax as entmax_pkg
 import pytest
 import torch
 
-from attnopt.functional import _sparse_attention_fused, dispatch
+from attnopt.functional import dispatch
+from attnopt.functional._thresholds import THRESHOLDS
 from attnopt.functional.doubly_normalized import doubly_normalized_attention, hybrid_normalized_attention
+from attnopt.functional.regularized import materialized as _sparse_attention_fused
 from attnopt.functional.regularized import regularized_attention
-from attnopt.functional.regularizers import SquaredL2, Tsallis
+from attnopt.functional.regularized.regularizers import SquaredL2, Tsallis
 from tests.reference.doubly_normalized import attention_ref, hybrid_ref
 from tests.reference.regularized import attention_reference, entmax_bisect_ref, sparsemax_sort
 
@@ -190,7 +192,7 @@ def test_sparse_auto_dispatch_both_sides_match_reference(reg):
 def test_sparse_materialized_row_blocks_match_reference(reg, spread, monkeypatch):
     """The in-place threshold search of the fused path over several row blocks (block shrunk to
     64 entries: 5 blocks of 8 rows), at score spreads where the support is every key, a few, or one."""
-    monkeypatch.setattr(_sparse_attention_fused, "_ROW_BLOCK", 64)
+    monkeypatch.setattr(THRESHOLDS, "sparse_row_block_entries", 64)
     q, k, v = _qkv(20, 8, b=1, h=2, d=4, dv=3, seed=11)
     with torch.no_grad():
         q.mul_(spread)
@@ -212,12 +214,12 @@ def test_sparse_explicit_block_size_keeps_blocked_path_and_gradcheck():
 
 
 def test_generalized_biased_paths_match_reference_and_dispatch(monkeypatch):
-    from attnopt.functional import generalized
     from attnopt.functional.generalized import generalized_attention, generalized_weights
 
-    monkeypatch.setattr(generalized, "SDPA_BELOW", 0)  # these tiny sizes would go to SDPA itself
-    monkeypatch.setattr(generalized, "SDPA_BELOW_LEARNED_NATIVE", 0)
-    monkeypatch.setattr(generalized, "NATIVE_CROSSOVER", 0)  # the crossover below decides, C path or not
+    monkeypatch.setattr(THRESHOLDS, "generalized_sdpa_below", 0)  # these tiny sizes would go to SDPA itself
+    monkeypatch.setattr(THRESHOLDS, "generalized_sdpa_below_learned_native", 0)
+    # the crossover below decides, C path or not
+    monkeypatch.setattr(THRESHOLDS, "generalized_native_crossover", 0)
 
     q, k, v = _qkv(5, 7, seed=6)
     bias = torch.randn(1, 3, 5, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
@@ -295,14 +297,14 @@ def test_kernel_fused_both_sides_match_log_domain_weights(nonstationary):
 @pytest.mark.parametrize("reg", [SquaredL2(), Tsallis(1.5)], ids=["sparsemax", "1.5"])
 @pytest.mark.parametrize("native", [True, False], ids=["c-map", "torch-search"])
 def test_sparse_materialized_native_map_route_matches_reference(reg, native, monkeypatch):
-    """Above NATIVE_MIN_ENTRIES the fused path runs the C map on the scores (threshold lowered to 0
+    """Above sparse_native_min_entries the fused path runs the C map on the scores (threshold lowered to 0
     here): values and gradients (q, k, v, β) equal the oracles, masks, a fully masked row, causal;
     the in-place search below it (threshold raised) gives the same."""
-    from attnopt.functional import _sparse_native
+    from attnopt.functional.regularized import cpu as _sparse_native
 
     if native and not _sparse_native.library_available():
         pytest.skip("no C compiler: the native map cannot be built")
-    monkeypatch.setattr(_sparse_attention_fused, "NATIVE_MIN_ENTRIES", 0 if native else 1 << 62)
+    monkeypatch.setattr(THRESHOLDS, "sparse_native_min_entries", 0 if native else 1 << 62)
     q, k, v = _qkv(9, 7, b=1, h=2, d=4, dv=3, seed=12)
     mask = torch.ones(9, 7, dtype=torch.bool)
     mask[4] = False  # a fully masked row

@@ -1,4 +1,4 @@
-"""The autoregressive ``causal="prefix"`` DNAS / Sinkhorn-K / HNAS (functional/_dn_prefix.py).
+"""The autoregressive ``causal="prefix"`` DNAS / Sinkhorn-K / HNAS (functional/doubly_normalized/prefix.py).
 
 Float64 loop oracle (:mod:`tests.reference.dn_prefix`), gradcheck, bitwise independence of every
 row from the later positions, the defaults (``is_causal=True`` runs the prefix variant, the fast
@@ -10,13 +10,14 @@ import pytest
 import torch
 
 import attnopt
-from attnopt.functional import _dn_prefix as prefix
 from attnopt.functional import dispatch
+from attnopt.functional._thresholds import THRESHOLDS
 from attnopt.functional.doubly_normalized import (
     doubly_normalized_attention,
     doubly_normalized_weights,
     hybrid_normalized_attention,
     hybrid_normalized_weights,
+    prefix,
 )
 from tests.reference.dn_prefix import prefix_attention_ref, prefix_hybrid_ref, prefix_weights_ref
 from tests.reference.doubly_normalized import attention_ref, scores_ref
@@ -189,7 +190,7 @@ def test_sinkhorn_rows_at_k1_equal_the_cumulative_formula_and_chunks_do_not_matt
     torch.testing.assert_close(prefix._sinkhorn_rows(scores_ref(q, k, 0.5, is_causal=True), 1, 0), cumulative,
                                rtol=1e-12, atol=1e-14)
     full = prefix._sinkhorn_rows(s, 3, 0)
-    monkeypatch.setattr(prefix, "CHUNK_ELEMENTS", 1)  # one row per chunk
+    monkeypatch.setattr(THRESHOLDS, "dn_prefix_chunk_elements", 1)  # one row per chunk
     torch.testing.assert_close(prefix._sinkhorn_rows(s, 3, 0), full, rtol=1e-13, atol=1e-15)
 
 
@@ -237,7 +238,7 @@ def test_public_namespace_exposes_the_option():
 
 def test_checkpointed_chunks_give_the_oracle_gradients(monkeypatch):
     """Several chunks, each recomputed in the backward: same values and gradients as the oracle."""
-    monkeypatch.setattr(prefix, "CHUNK_ELEMENTS", 2 * 3 * 6 * 6 * 2)  # two rows per chunk
+    monkeypatch.setattr(THRESHOLDS, "dn_prefix_chunk_elements", 2 * 3 * 6 * 6 * 2)  # two rows per chunk
     q, k, v = _qkv(6, 6, seed=11)
     out = doubly_normalized_attention(q, k, v, iterations=3, is_causal=True)
     ref = prefix_attention_ref(q, k, v, 3)

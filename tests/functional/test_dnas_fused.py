@@ -1,11 +1,12 @@
-"""The fused materialized DNAS / Sinkhorn-K / HNAS path (``_dnas_fused``): chunking, fallbacks, float64."""
+"""The scaling-form DNAS / Sinkhorn-K / HNAS kernel (``doubly_normalized/scaling.py``): chunks, fallbacks."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-import attnopt.functional._dnas_fused as fused
+import attnopt.functional.doubly_normalized.scaling as fused
 from attnopt.functional import dispatch
+from attnopt.functional._thresholds import THRESHOLDS
 from attnopt.functional.doubly_normalized import doubly_normalized_attention, hybrid_normalized_attention
 from tests.reference.doubly_normalized import attention_ref, hybrid_ref
 
@@ -13,7 +14,7 @@ from tests.reference.doubly_normalized import attention_ref, hybrid_ref
 @pytest.fixture
 def tiny_chunks(monkeypatch):
     """Chunks of one or two (batch, head) slices: every split of ``_chunks`` is exercised."""
-    monkeypatch.setattr(fused, "CHUNK_ENTRIES", 60)
+    monkeypatch.setattr(THRESHOLDS, "dnas_scaling_chunk_entries", 60)
 
 
 def _qkv(shape, nq, nk, d=3, dv=2, seed=0):
@@ -66,11 +67,11 @@ def test_chunked_matches_float64_reference(tiny_chunks, shape, kind, iterations)
 def test_chunks_cover_every_slice_once():
     for b, h, per in ((7, 3, 10), (2, 9, 25), (1, 1, 10**9), (4, 4, 1)):
         for limit in (1, 30, 64, 1000):
-            fused.CHUNK_ENTRIES, saved = limit, fused.CHUNK_ENTRIES
+            THRESHOLDS.dnas_scaling_chunk_entries, saved = limit, THRESHOLDS.dnas_scaling_chunk_entries
             try:
                 parts = fused._chunks(b, h, per)
             finally:
-                fused.CHUNK_ENTRIES = saved
+                THRESHOLDS.dnas_scaling_chunk_entries = saved
             seen = torch.zeros(b, h, dtype=torch.long)
             for bs, hs in parts:
                 seen[bs, hs] += 1

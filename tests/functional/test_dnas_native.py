@@ -1,4 +1,4 @@
-"""The native (C) DNAS / HNAS path (``_dnas_native``, ``_native/dnas.c``) and its PyTorch fallback.
+"""The native (C) DNAS / HNAS path (``doubly_normalized/cpu.py``, ``_native/dnas.c``) and its fallback.
 
 The C passes are float32 only: values and gradients are checked against the float64 reference
 (``tests/reference``) at float32 tolerances, and against the PyTorch fused path they replace.
@@ -10,10 +10,10 @@ import ctypes
 import pytest
 import torch
 
-import attnopt.functional._dnas_fused as fused
-import attnopt.functional._dnas_materialized as materialized
-import attnopt.functional._dnas_native as native
+import attnopt.functional.doubly_normalized.cpu as native
+import attnopt.functional.doubly_normalized.scaling as fused
 from attnopt import _native
+from attnopt.functional._thresholds import THRESHOLDS
 from attnopt.functional.doubly_normalized import doubly_normalized_attention, hybrid_normalized_attention
 from tests._marks import needs_native
 from tests.reference.doubly_normalized import attention_ref, hybrid_ref
@@ -22,8 +22,9 @@ from tests.reference.doubly_normalized import attention_ref, hybrid_ref
 @pytest.fixture
 def small(monkeypatch):
     """Every float32 call takes the fused kernel; native chunks of a few heads (splits across batches)."""
-    monkeypatch.setattr(materialized, "FUSED_MIN_ENTRIES", 0)
-    monkeypatch.setattr(native, "CHUNK_ENTRIES", 100)
+    monkeypatch.setattr(THRESHOLDS, "dnas_scaling_chunk_entries", 0)
+    monkeypatch.setattr(THRESHOLDS, "dnas_native_min_entries", 0)
+    monkeypatch.setattr(THRESHOLDS, "dnas_cpu_chunk_entries", 100)
 
 
 @pytest.fixture
@@ -112,20 +113,24 @@ def test_native_path_taken_and_agrees_with_the_pytorch_fused_path(monkeypatch):
     w = torch.tensor([0.2, 0.5, 0.9]).view(1, 3, 1, 1).requires_grad_()
     mask = torch.zeros(2, 1, 1, 40)
     mask[1, ..., 30:] = float("-inf")
+    monkeypatch.setattr(THRESHOLDS, "dnas_native_min_entries", 0)
+    monkeypatch.setattr(THRESHOLDS, "dnas_scaling_chunk_entries", 0)
     results = []
     for env in ("1", "0"):
-        monkeypatch.setenv("ATTNOPT_NATIVE", env)
-        out = fused.fused_sinkhorn(q, k, v, w, mask, False, 0.3, 1)
-        assert out is not None
+        monkeypatch.setenv("ATTNOPT_NATIVE", env)  # the router runs the C passes, then the scaling form
+        out = hybrid_normalized_attention(q, k, v, w.view(3), attn_mask=mask, scale=0.3, impl="materialized")
         results.append([out, *torch.autograd.grad(out.square().sum(), (q, k, v, w))])
-    assert calls == [1]  # ATTNOPT_NATIVE=0 ran the PyTorch fused kernel
+    assert calls == [1]  # ATTNOPT_NATIVE=0 ran the PyTorch scaling-form kernel
+    direct = fused.fused_sinkhorn(q, k, v, w, mask, False, 0.3, 1)
+    assert direct is not None
+    torch.testing.assert_close(direct, results[1][0], rtol=1e-6, atol=1e-7)
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)
 
 
 @needs_native
 def test_threads_split_heads_and_match_one_thread(monkeypatch):
-    monkeypatch.setattr(native, "CHUNK_ENTRIES", 1 << 12)
+    monkeypatch.setattr(THRESHOLDS, "dnas_cpu_chunk_entries", 1 << 12)
     monkeypatch.setattr(_native, "_MIN_PARALLEL", 1)
     q, k, v = (x.requires_grad_() for x in _inputs((2, 5), 33, 33, d=8, dv=4, seed=7))
     lib = native.library(q, 1)

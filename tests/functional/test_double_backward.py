@@ -21,7 +21,7 @@ import attnopt
 from attnopt import kernels
 from attnopt import nn as ann
 from attnopt.functional import SquaredL2, Tsallis
-from attnopt.functional import _dnas_materialized as dm
+from attnopt.functional._thresholds import THRESHOLDS
 from tests.test_sample_inputs import OPS, OpInfo
 
 F64 = torch.float64
@@ -143,7 +143,7 @@ def test_internal_path_second_derivative_is_exact_or_refused(path):
 @pytest.mark.parametrize("iterations", [1, 2])
 def test_scaling_form_dnas_kernel_refuses(monkeypatch, iterations):
     """The chunked scaling-form kernel (large sizes only): forced by lowering its threshold."""
-    monkeypatch.setattr(dm, "FUSED_MIN_ENTRIES", 0)
+    monkeypatch.setattr(THRESHOLDS, "dnas_scaling_chunk_entries", 0)
     q, k, v = _leaves(*QKV)
     out = DN(q, k, v, iterations=iterations, impl="materialized")
     with pytest.raises(RuntimeError, match="double backward"):
@@ -153,10 +153,10 @@ def test_scaling_form_dnas_kernel_refuses(monkeypatch, iterations):
 @pytest.mark.parametrize("hybrid", [False, True])
 def test_native_dnas_kernel_refuses(monkeypatch, hybrid):
     """The native C path (float32 CPU, large sizes only): forced by lowering its thresholds."""
-    from attnopt.functional import _dnas_native as native
+    from attnopt.functional.doubly_normalized import cpu as native
 
-    monkeypatch.setattr(dm, "FUSED_MIN_ENTRIES", 0)
-    monkeypatch.setattr(native, "CHUNK_ENTRIES", 100)
+    monkeypatch.setattr(THRESHOLDS, "dnas_native_min_entries", 0)
+    monkeypatch.setattr(THRESHOLDS, "dnas_cpu_chunk_entries", 100)
     q, k, v = (x.detach().float().requires_grad_() for x in _leaves(*QKV))
     if native.library(q, 1) is None:
         pytest.skip("no native library (no compiler or ATTNOPT_NATIVE=0)")

@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 
 import attnopt
 from attnopt.analysis import column_mass
-from attnopt.functional import _flash_cpu as fc
 from attnopt.functional import (
     dispatch,
     doubly_normalized_attention,
@@ -20,6 +19,7 @@ from attnopt.functional import (
     hybrid_normalized_attention,
     hybrid_normalized_weights,
 )
+from attnopt.functional.doubly_normalized import flash_cpu as fc
 from tests.reference.doubly_normalized import attention_ref, hybrid_ref, scores_ref, sinkhorn_weights_ref
 
 BACKENDS = ["flash_cpu", "chunked", "materialized"]

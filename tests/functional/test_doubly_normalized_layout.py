@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnopt.functional import _flash_cpu as fc
 from attnopt.functional import (
     doubly_normalized_attention,
     doubly_normalized_weights,
     hybrid_normalized_attention,
 )
+from attnopt.functional.doubly_normalized import flash_cpu as fc
 
 
 def _strided(x: torch.Tensor, kind: str) -> torch.Tensor:

@@ -10,10 +10,12 @@ import importlib
 import pytest
 import torch
 
-from attnopt.functional import _entmax15_passes, _sparse_groups, entmax, sparsemax
+from attnopt.functional import entmax, sparsemax
+from attnopt.functional.regularized import entmax15_passes as _entmax15_passes
+from attnopt.functional.regularized import groups as _sparse_groups
 from tests.reference.regularized import entmax15_sort
 
-entmax_mod = importlib.import_module("attnopt.functional.entmax")  # the module, not the function
+entmax_mod = importlib.import_module("attnopt.functional.regularized.maps")  # the module, not the function
 
 
 @pytest.fixture(autouse=True)

@@ -16,7 +16,7 @@ from attnopt.functional import (
     hybrid_normalized_attention,
     regularized_attention,
 )
-from attnopt.functional.regularizers import SquaredL2, Tsallis
+from attnopt.functional.regularized.regularizers import SquaredL2, Tsallis
 from attnopt.nn import make_attention
 
 TOL = {"rtol": 1e-9, "atol": 1e-11}

@@ -8,7 +8,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import attnopt
-from attnopt.functional import generalized as gen_module
 from tests.reference.generalized import generalized_attention_ref, generalized_weights_ref
 
 SHAPES = [(1, 1, 4, 4, 3, 5), (2, 3, 5, 7, 4, 2), (1, 2, 9, 3, 8, 8)]  # B, H, Nq, Nk, d, dv
@@ -94,7 +93,7 @@ def test_fully_masked_rows_are_zero_with_finite_gradients():
 
 def test_key_only_preference_not_materialized(monkeypatch):
     """The (B, H, 1, Nk) preference reaches the kernel as is (CPU flash kernel or SDPA)."""
-    from attnopt.functional import _generalized_fused as fused
+    from attnopt.functional.generalized import streaming as fused
 
     q, k, v, g = make(2, 3, 6, 7, 4, 4)
     u = torch.rand(2, 3, 1, 7, generator=g, dtype=torch.float64)
@@ -109,7 +108,7 @@ def test_key_only_preference_not_materialized(monkeypatch):
         seen.append(tuple(kwargs["attn_mask"].shape))
         return real_flash(*args, **kwargs)
 
-    monkeypatch.setattr(gen_module.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     monkeypatch.setattr(fused, "_fwd", spy_flash)
     attnopt.generalized_attention(q, k, v, preference=u)
     assert seen == [(2, 3, 1, 7)]

@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnopt.functional import _generalized_fused as fused
-from attnopt.functional import _generalized_native as native
-from attnopt.functional import dispatch, generalized
+from attnopt.functional import dispatch
 from attnopt.functional._denormal import flush_denormal, flush_denormal_on
+from attnopt.functional._thresholds import THRESHOLDS
 from attnopt.functional.generalized import generalized_attention
 from attnopt.nn.preference import ALiBiPreference
 from tests.reference.generalized import generalized_attention_ref
@@ -32,11 +31,12 @@ def _ref(q, k, v, bias, is_causal=False):
 def test_materialized_chunks_match_reference_with_bias_gradient(
     monkeypatch, native_or_torch, bias_shape, chunk_bytes, save_bytes
 ):
-    monkeypatch.setattr(fused, "CHUNK_BYTES", chunk_bytes)
-    monkeypatch.setattr(native, "CHUNK_BYTES", chunk_bytes)
-    monkeypatch.setattr(fused, "SAVE_BYTES", save_bytes)
-    monkeypatch.setattr(generalized, "SDPA_BELOW", 0)  # auto: SDPA itself at these tiny sizes otherwise
-    monkeypatch.setattr(generalized, "SDPA_BELOW_LEARNED_NATIVE", 0)
+    monkeypatch.setattr(THRESHOLDS, "generalized_chunk_bytes", chunk_bytes)
+    monkeypatch.setattr(THRESHOLDS, "generalized_cpu_chunk_bytes", chunk_bytes)
+    monkeypatch.setattr(THRESHOLDS, "generalized_save_bytes", save_bytes)
+    # auto: SDPA itself at these tiny sizes otherwise
+    monkeypatch.setattr(THRESHOLDS, "generalized_sdpa_below", 0)
+    monkeypatch.setattr(THRESHOLDS, "generalized_sdpa_below_learned_native", 0)
     q, k, v = _qkv(2, 3, 5, 7)
     bias = torch.randn(bias_shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     if bias_shape[-2] > 1:
@@ -55,9 +55,9 @@ def test_materialized_chunks_match_reference_with_bias_gradient(
 
 @pytest.mark.parametrize("save_bytes", [1 << 40, 0], ids=["P-saved", "P-recomputed"])
 def test_materialized_chunks_gradcheck(monkeypatch, native_or_torch, save_bytes):
-    monkeypatch.setattr(fused, "CHUNK_BYTES", 1)
-    monkeypatch.setattr(native, "CHUNK_BYTES", 1)
-    monkeypatch.setattr(fused, "SAVE_BYTES", save_bytes)
+    monkeypatch.setattr(THRESHOLDS, "generalized_chunk_bytes", 1)
+    monkeypatch.setattr(THRESHOLDS, "generalized_cpu_chunk_bytes", 1)
+    monkeypatch.setattr(THRESHOLDS, "generalized_save_bytes", save_bytes)
     q, k, v = _qkv(2, 2, 3, 4, seed=2)
     bias = torch.randn(1, 2, 3, 4, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from attnopt import _native
-from attnopt.functional import _generalized_fused as fused
-from attnopt.functional import _generalized_native as native
-from attnopt.functional._toeplitz import mark_toeplitz, toeplitz_offsets
+from attnopt.functional import generalized
+from attnopt.functional._thresholds import THRESHOLDS
+from attnopt.functional.generalized import cpu as native
 from attnopt.functional.generalized import generalized_attention
+from attnopt.functional.generalized.toeplitz import mark_toeplitz, toeplitz_offsets
 from attnopt.nn.preference import T5RelativePreference
 from tests._marks import needs_native
 from tests.reference.generalized import generalized_attention_ref
@@ -46,7 +47,8 @@ def test_t5_bias_through_its_offsets_matches_reference(
     monkeypatch, native_or_torch, calls, nq, nk, threads, causal, chunk
 ):
     # chunks of a few heads across batches, or blocks of 7 query rows of one head
-    monkeypatch.setattr(native, "CHUNK_BYTES", nq * nk * 8 * 3 if chunk == "heads" else nk * 8 * 7 // threads)
+    chunk_bytes = nq * nk * 8 * 3 if chunk == "heads" else nk * 8 * 7 // threads
+    monkeypatch.setattr(THRESHOLDS, "generalized_cpu_chunk_bytes", chunk_bytes)
     monkeypatch.setattr(_native, "_MIN_PARALLEL", 0)  # split rows over threads even at this size
     t5 = T5RelativePreference(3, num_buckets=8, max_distance=16).double()
     q, k, v = _qkv(2, 3, nq, nk, seed=1)
@@ -111,7 +113,7 @@ def test_bias_gradient_split_over_threads(monkeypatch, native_or_torch, bias_sha
     bias.requires_grad_()
     torch.set_num_threads(2)
     try:
-        out = fused.biased_softmax_attention(q, k, v, bias, 0.5)
+        out = generalized.biased_softmax_attention(q, k, v, bias, 0.5)
         go = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v, bias), go)
     finally:
@@ -124,13 +126,13 @@ def test_bias_gradient_split_over_threads(monkeypatch, native_or_torch, bias_sha
 
 @pytest.mark.parametrize("save_bytes", [1 << 40, 0], ids=["E-saved", "E-recomputed"])
 def test_float32_matches_float64_reference(monkeypatch, native_or_torch, save_bytes):
-    monkeypatch.setattr(fused, "SAVE_BYTES", save_bytes)
+    monkeypatch.setattr(THRESHOLDS, "generalized_save_bytes", save_bytes)
     q, k, v = _qkv(2, 3, 33, 40, d=8, dv=8, seed=6)
     bias = torch.randn(1, 3, 33, 40, dtype=torch.float64, generator=torch.Generator().manual_seed(7)) * 3
     bias[0, 1, 5] = float("-inf")  # a row with no admissible key: zeros, zero gradients
     bias.requires_grad_()
     leaves = [t.detach().float().requires_grad_() for t in (q, k, v, bias)]
-    out = fused.biased_softmax_attention(*leaves, 0.35)
+    out = generalized.biased_softmax_attention(*leaves, 0.35)
     ref = generalized_attention_ref(q, k, v, attn_mask=bias, scale=0.35)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
     assert torch.equal(out[:, 1, 5], torch.zeros_like(out[:, 1, 5]))
@@ -192,32 +194,33 @@ def test_alibi_bias_through_its_offsets_matches_reference(native_or_torch, calls
 
 
 def test_constant_bias_takes_the_node_up_to_the_native_crossover(monkeypatch, native_or_torch):
-    from attnopt.functional import dispatch, generalized
+    from attnopt.functional import dispatch
 
-    monkeypatch.setattr(generalized, "SDPA_BELOW", 0)
-    monkeypatch.setattr(generalized, "NATIVE_MIN_HEAD_SCORES", 36)
+    monkeypatch.setattr(THRESHOLDS, "generalized_sdpa_below", 0)
+    monkeypatch.setattr(THRESHOLDS, "generalized_native_min_head_scores", 36)
     monkeypatch.setitem(dispatch.CROSSOVERS, "generalized", {"float32": 1, "float64": 1, "half": 1})
     q, k, v = _qkv(1, 2, 6, 6)
     bias = torch.randn(1, 2, 6, 6, dtype=torch.float64)
     for limit, on_c in ((72, "materialized"), (71, "streaming")):
-        monkeypatch.setattr(generalized, "NATIVE_CROSSOVER", limit)
+        monkeypatch.setattr(THRESHOLDS, "generalized_native_crossover", limit)
         out = generalized_attention(q, k, v, log_preference=bias)
         out.sum().backward()
         assert dispatch.last_dispatch["generalized"] == (on_c if native_or_torch == "native" else "streaming")
         torch.testing.assert_close(out, generalized_attention_ref(q, k, v, attn_mask=bias))
-    monkeypatch.setattr(generalized, "NATIVE_MIN_HEAD_SCORES", 37)  # heads too small: the flash kernel
+    # heads too small: the flash kernel
+    monkeypatch.setattr(THRESHOLDS, "generalized_native_min_head_scores", 37)
     generalized_attention(q, k, v, log_preference=bias).sum().backward()
     assert dispatch.last_dispatch["generalized"] == "streaming"
 
 
 def test_forward_only_calls_take_the_node_from_the_native_head_size(monkeypatch, native_or_torch, calls):
-    from attnopt.functional import dispatch, generalized
+    from attnopt.functional import dispatch
 
     q, k, v = (x.detach() for x in _qkv(2, 2, 6, 7))
     bias = torch.randn(1, 2, 6, 7, dtype=torch.float64)
     bias[0, 1, 2] = float("-inf")  # a row with no key
     for limit, on_c in ((42, "materialized"), (43, "streaming")):
-        monkeypatch.setattr(generalized, "NATIVE_FORWARD_MIN_HEAD_SCORES", limit)
+        monkeypatch.setattr(THRESHOLDS, "generalized_native_forward_min_head_scores", limit)
         with torch.no_grad():
             out = generalized_attention(q, k, v, log_preference=bias)
         assert dispatch.last_dispatch["generalized"] == (on_c if native_or_torch == "native" else "streaming")

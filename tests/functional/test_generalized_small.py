@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnopt.functional import _generalized_fused as fused
 from attnopt.functional import dispatch, generalized
+from attnopt.functional._thresholds import THRESHOLDS
 from attnopt.functional.generalized import check_log_preference_values, generalized_attention
 from attnopt.nn.preference import ALiBiPreference, T5RelativePreference
 from tests.reference.generalized import generalized_attention_ref
@@ -32,8 +32,8 @@ def test_learned_bias_goes_to_sdpa_below_the_threshold_and_to_the_node_above(mon
     t5 = T5RelativePreference(2, num_buckets=8, max_distance=16).double()
     size = b * 2 * 6 * 6
     for limit, expected in ((size, "streaming"), (size - 1, "materialized")):
-        monkeypatch.setattr(generalized, "SDPA_BELOW", limit)
-        monkeypatch.setattr(generalized, "SDPA_BELOW_LEARNED_NATIVE", limit)
+        monkeypatch.setattr(THRESHOLDS, "generalized_sdpa_below", limit)
+        monkeypatch.setattr(THRESHOLDS, "generalized_sdpa_below_learned_native", limit)
         # a copy: the C node reads a T5 bias through its offsets (no gradient for the tensor itself;
         # tests/functional/test_generalized_native.py checks that route via the bucket table)
         bias = t5(6, 6).clone()
@@ -43,10 +43,10 @@ def test_learned_bias_goes_to_sdpa_below_the_threshold_and_to_the_node_above(mon
 
 
 def test_narrow_constant_bias_calls_sdpa_itself_and_a_wide_one_the_flushing_kernel(monkeypatch):
-    monkeypatch.setattr(generalized, "SDPA_BELOW", 0)
-    monkeypatch.setattr(generalized, "SDPA_BELOW_LEARNED_NATIVE", 0)
+    monkeypatch.setattr(THRESHOLDS, "generalized_sdpa_below", 0)
+    monkeypatch.setattr(THRESHOLDS, "generalized_sdpa_below_learned_native", 0)
     calls: list[float] = []
-    real = fused.biased_flash_attention
+    real = generalized.biased_flash_attention
 
     def spy(q, k, v, bias, scale):  # type: ignore[no-untyped-def]
         calls.append(float(bias.amin()))

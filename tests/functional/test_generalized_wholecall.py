@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from attnopt import _native
-from attnopt.functional import dispatch, generalized
-from attnopt.functional._toeplitz import mark_toeplitz_table
+from attnopt.functional import dispatch
+from attnopt.functional._thresholds import THRESHOLDS
 from attnopt.functional.generalized import generalized_attention
+from attnopt.functional.generalized.toeplitz import mark_toeplitz_table
 from attnopt.nn.preference import ALiBiPreference, T5RelativePreference, _T5Bias
 from tests.reference.generalized import generalized_attention_ref
 
@@ -112,9 +113,9 @@ def test_crossover_both_sides(monkeypatch):
     t5 = _module("t5")
     size = 2 * 3 * 6 * 6
     for limit, head_limit, expected in ((size, 36, "fused"), (size - 1, 36, "node"), (size, 35, "node")):
-        monkeypatch.setattr(generalized, "FUSED_BELOW", limit)
-        monkeypatch.setattr(generalized, "FUSED_MAX_HEAD_SCORES", head_limit)
-        monkeypatch.setattr(generalized, "SDPA_BELOW_LEARNED_NATIVE", 0)
+        monkeypatch.setattr(THRESHOLDS, "generalized_wholecall_below", limit)
+        monkeypatch.setattr(THRESHOLDS, "generalized_wholecall_max_head_scores", head_limit)
+        monkeypatch.setattr(THRESHOLDS, "generalized_sdpa_below_learned_native", 0)
         out = generalized_attention(q, k, v, log_preference=t5(6, 6))
         assert dispatch.last_dispatch["generalized_kernel"] == expected
         torch.testing.assert_close(out, generalized_attention_ref(q, k, v, attn_mask=t5(6, 6).detach()))

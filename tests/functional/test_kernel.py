@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
+from attnopt.functional._thresholds import THRESHOLDS
 from attnopt.functional.kernel import kernel_attention, kernel_weights
 from attnopt.kernels import RBF, Linear, NonStationaryFourier, Periodic, RandomFourier
 from tests.reference import kernel as ref
@@ -182,13 +183,12 @@ def test_bad_inputs():
 
 
 def test_exp_free_path_chunked_equals_log_domain(monkeypatch):
-    import attnopt.functional.kernel as fk
 
     q, k, v = _qkv(11, nq=9, nk=7)
     keep = torch.tensor([True, True, False, True, True, True, False]).view(1, 1, 1, 7)
     kern = KERNELS["nsf"][0]()
     full = kernel_attention(q, k, v, kernel=kern, magnitude_p=0.9, attn_mask=keep)
-    monkeypatch.setattr(fk, "_DIRECT_CHUNK_ELEMS", 7)  # one query row per chunk
+    monkeypatch.setattr(THRESHOLDS, "kernel_direct_chunk_elements", 7)  # one query row per chunk
     with torch.no_grad():  # in-place branch
         chunked = kernel_attention(q, k, v, kernel=kern, magnitude_p=0.9, attn_mask=keep)
     # the log-domain path, forced by a query-dependent (but equivalent) mask

@@ -2,10 +2,11 @@
 import pytest
 import torch
 
-import attnopt.functional._kernel_chunked as kc
+import attnopt.functional.kernel.chunked as kc
 from attnopt.functional import dispatch
-from attnopt.functional._kernel_chunked import chunked_feature_kernel_attention
+from attnopt.functional._thresholds import THRESHOLDS
 from attnopt.functional.kernel import kernel_attention
+from attnopt.functional.kernel.chunked import chunked_feature_kernel_attention
 from attnopt.kernels import Linear, NonStationaryFourier, RandomFourier
 from tests.reference import kernel as ref
 
@@ -35,7 +36,7 @@ BLOCKS = [1 << 18, 30, 12, 6, 1]
 
 @pytest.mark.parametrize("block", BLOCKS)
 def test_values_and_gradients_match_the_materialized_oracle(block, monkeypatch):
-    monkeypatch.setattr(kc, "BLOCK_ELEMS", block)
+    monkeypatch.setattr(THRESHOLDS, "kernel_block_elements", block)
     pq, pk, m, v = (x.requires_grad_() for x in _inputs(block))
     out = chunked_feature_kernel_attention(pq, pk, m, v, EPS)
     expect = _oracle(pq, pk, m, v)
@@ -48,7 +49,7 @@ def test_values_and_gradients_match_the_materialized_oracle(block, monkeypatch):
 
 
 def test_gradcheck_and_partial_gradients(monkeypatch):
-    monkeypatch.setattr(kc, "BLOCK_ELEMS", 8)  # row blocks of one head
+    monkeypatch.setattr(THRESHOLDS, "kernel_block_elements", 8)  # row blocks of one head
     pq, pk, m, v = _inputs(1, g=2, nq=4, nk=5)
     args = [x.clone().requires_grad_() for x in (pq, pk, m, v)]
     assert torch.autograd.gradcheck(lambda *a: chunked_feature_kernel_attention(*a, EPS), args)
@@ -63,13 +64,13 @@ def test_gradcheck_and_partial_gradients(monkeypatch):
 
 
 def test_double_backward_is_exact(monkeypatch):
-    monkeypatch.setattr(kc, "BLOCK_ELEMS", 10)
+    monkeypatch.setattr(THRESHOLDS, "kernel_block_elements", 10)
     args = [x.requires_grad_() for x in _inputs(2, g=2, nq=3, nk=4, d=2)]
     assert torch.autograd.gradgradcheck(lambda *a: chunked_feature_kernel_attention(*a, EPS), args)
 
 
 def test_no_key_weight_broadcast_batch_and_dead_rows_float32(monkeypatch):
-    monkeypatch.setattr(kc, "BLOCK_ELEMS", 9)
+    monkeypatch.setattr(THRESHOLDS, "kernel_block_elements", 9)
     pq, pk, m, v = _inputs(3, g=4, dtype=torch.float32)
     pq4 = pq.view(2, 2, 5, 3)
     pk_shared = pk[:1].view(1, 1, 6, 3)  # keys broadcast over the batch dimensions
@@ -89,7 +90,7 @@ def test_no_key_weight_broadcast_batch_and_dead_rows_float32(monkeypatch):
 def test_kernel_attention_streaming_path_matches_the_reference(name, monkeypatch):
     """Sizes above the crossover (forced to 0) take the blocked node: oracle and gradcheck."""
     monkeypatch.setitem(dispatch.CROSSOVERS, "kernel", dict.fromkeys(("float32", "float64", "half"), 0))
-    monkeypatch.setattr(kc, "BLOCK_ELEMS", 7)
+    monkeypatch.setattr(THRESHOLDS, "kernel_block_elements", 7)
     gen = torch.Generator().manual_seed(5)
     d = 4
     w1, w2 = (torch.randn(6, d, generator=gen, dtype=torch.float64) * 0.6 for _ in range(2))
@@ -122,7 +123,8 @@ def test_blocks_cover_every_score_once(device, g, nq, nk):
     for h0, h1, r0, r1 in blocks:
         seen[h0:h1, r0:r1] += 1
     assert torch.equal(seen, torch.ones_like(seen))
-    whole, size = (kc.WHOLE_ELEMS, kc.BLOCK_ELEMS) if device == "cpu" else (kc.DEVICE_BLOCK_ELEMS,) * 2
+    whole, size = (THRESHOLDS.kernel_whole_elements, THRESHOLDS.kernel_block_elements) if device == "cpu" \
+        else (THRESHOLDS.kernel_device_block_elements,) * 2
     if g * nq * nk <= whole:
         assert blocks == [(0, g, 0, nq)]
     else:

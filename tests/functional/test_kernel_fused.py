@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-import attnopt.functional._kernel_chunked as kc
 from attnopt import _native
-from attnopt.functional._kernel_fused import fused_fourier_attention
+from attnopt.functional._thresholds import THRESHOLDS
+from attnopt.functional.kernel.fourier import fused_fourier_attention
 from tests._marks import needs_native
 from tests.reference import kernel as ref
 
@@ -17,8 +17,8 @@ from tests.reference import kernel as ref
 def blocks(request, monkeypatch):
     """The node's Nq × Nk passes at once (F kept), by blocks of heads, by blocks of query rows."""
     if request.param != "whole":
-        monkeypatch.setattr(kc, "WHOLE_ELEMS", 0)
-        monkeypatch.setattr(kc, "BLOCK_ELEMS", 45 if request.param == "heads" else 7)
+        monkeypatch.setattr(THRESHOLDS, "kernel_whole_elements", 0)
+        monkeypatch.setattr(THRESHOLDS, "kernel_block_elements", 45 if request.param == "heads" else 7)
     return request.param
 
 
@@ -114,7 +114,7 @@ def test_lp_magnitude_node_values_and_gradcheck(p):
 def test_magnitude_node_matches_loop_oracle_and_gradcheck(p, n_sets, nq, blocks):
     """Features, L^p key magnitude and key mask in one node vs eq. 9 + 11 with loops (Nq = Nk = 5:
     the layout with [Q; K] stacked on a leading axis)."""
-    from attnopt.functional._kernel_fused import fused_fourier_magnitude_attention
+    from attnopt.functional.kernel.fourier import fused_fourier_magnitude_attention
 
     q, k, v, ws, _ = _setup(n_sets, (2, 1), seed=7 + n_sets, nq=nq)
     with torch.no_grad():
@@ -196,7 +196,7 @@ def test_stacked_kernel_equals_two_sets():
 def test_native_lp_magnitude_matches_torch_path(dtype, monkeypatch):
     """``_native/lp_magnitude.c`` and the PyTorch ops of ``_magnitude``: a, u, c to rounding
     (exact zeros, an all-zero row, a row past the clamp), and the node's output and gradients."""
-    from attnopt.functional import _kernel_fused as kf
+    from attnopt.functional.kernel import fourier as kf
 
     g = torch.Generator().manual_seed(5)
     k = torch.randn(2, 3, 6, 7, generator=g, dtype=dtype)
@@ -237,7 +237,7 @@ def test_native_lp_magnitude_matches_torch_path(dtype, monkeypatch):
 @needs_native
 def test_native_lp_magnitude_split_over_threads(monkeypatch):
     """Rows split over threads (``parallel_rows``) give the one-call result."""
-    from attnopt.functional import _kernel_fused as kf
+    from attnopt.functional.kernel import fourier as kf
 
     k = torch.randn(3, 41, 16, generator=torch.Generator().manual_seed(2))
     one = kf._magnitude(k, 1.5, 0.25, True)
@@ -264,7 +264,7 @@ def _node_case(dtype, points_batch, nq, p, masked, seed=11):
 
 
 def _node_run(q, k, v, pts, key_mask, p):
-    from attnopt.functional._kernel_fused import fused_fourier_magnitude_attention
+    from attnopt.functional.kernel.fourier import fused_fourier_magnitude_attention
 
     out = fused_fourier_magnitude_attention(q, k, v, pts, 2, 1 / (2 * math.sqrt(3)), 1e-3, p, 0.6, key_mask)
     dout = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape)
@@ -297,7 +297,7 @@ def test_native_passes_match_torch_path(dtype, points_batch, nq, p, masked, monk
 def test_native_node_per_example_points_gradcheck():
     """The native path with per-example points (B, H, S·R, d), a mask and the L^1.5 magnitude, float64."""
     q, k, v, pts, key_mask = _node_case(torch.float64, (2, 3), 6, 1.5, True)
-    from attnopt.functional._kernel_fused import fused_fourier_magnitude_attention
+    from attnopt.functional.kernel.fourier import fused_fourier_magnitude_attention
 
     def fn(q, k, v, pts):
         return fused_fourier_magnitude_attention(q, k, v, pts, 2, 0.3, 1e-3, 1.5, 0.6, key_mask)
@@ -320,7 +320,7 @@ def test_native_passes_split_over_threads(monkeypatch):
 @needs_native
 def test_native_sincos_large_and_exact_arguments():
     """float32 sin/cos of the C pass: ~1e-7 of libm in double on [-8192, 8192], libm beyond."""
-    from attnopt.functional import _kernel_fused as kf
+    from attnopt.functional.kernel import fourier as kf
 
     x = torch.cat([torch.linspace(-8192, 8192, 40001), torch.tensor([0.0, -0.0, 1e4, -3e5, 1e30, 1e-30])])
     x = x[: x.numel() // 2 * 2].view(-1, 2)  # rows of one set of R = 2 points

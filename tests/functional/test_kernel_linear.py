@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-import attnopt.functional.kernel_linear as kl
+from attnopt.functional._thresholds import THRESHOLDS
 from attnopt.functional.kernel import kernel_attention, split_key_query_mask
 from attnopt.kernels import RBF, Linear, NonStationaryFourier, Periodic, RandomFourier
 from tests.reference import kernel as ref
@@ -33,9 +33,9 @@ KERNELS = {
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    monkeypatch.setattr(kl, "_CAUSAL_CHUNK", 4)
-    monkeypatch.setattr(kl, "_KEY_CHUNK", 5)
-    monkeypatch.setattr(kl, "_CHUNK_ELEMS", 1)  # chunks of _KEY_CHUNK rows
+    monkeypatch.setattr(THRESHOLDS, "kernel_linear_causal_chunk", 4)
+    monkeypatch.setattr(THRESHOLDS, "kernel_linear_key_chunk", 5)
+    monkeypatch.setattr(THRESHOLDS, "kernel_linear_chunk_elements", 1)  # chunks of _KEY_CHUNK rows
 
 
 @pytest.mark.parametrize("name", list(KERNELS))

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from attnopt.functional import dispatch
+from attnopt.functional._thresholds import THRESHOLDS
 from attnopt.functional.kernel import kernel_attention
 from attnopt.kernels import RBF, Kernel, RandomFourier
 from tests.reference import kernel as ref
@@ -89,7 +90,7 @@ def _fused(q, k, v, kern, **kw):
 @pytest.mark.parametrize("p", [2.0, 1.0, None])
 @pytest.mark.parametrize("masked", [False, True])
 def test_values_match_the_oracle_and_the_streaming_path(name, p, masked, monkeypatch):
-    import attnopt.functional._kernel_chunked as kc
+    import attnopt.functional.kernel.chunked as kc
 
     make, sim = KERNELS[name]
     q, k, v = _qkv(0)
@@ -102,8 +103,9 @@ def test_values_match_the_oracle_and_the_streaming_path(name, p, masked, monkeyp
     assert calls, "the generic fused feature node did not run"
     torch.testing.assert_close(out, _oracle(q, k, v, sim, p=p, eps=1e-3, keep=keep), rtol=1e-10, atol=1e-12)
     monkeypatch.setitem(dispatch.CROSSOVERS, "kernel", dict.fromkeys(("float32", "float64", "half"), 0))
-    monkeypatch.setattr(kc, "WHOLE_ELEMS", 0)
-    monkeypatch.setattr(kc, "BLOCK_ELEMS", 7)  # blocks of query rows, F recomputed in the backward
+    monkeypatch.setattr(THRESHOLDS, "kernel_whole_elements", 0)
+    # blocks of query rows, F recomputed in the backward
+    monkeypatch.setattr(THRESHOLDS, "kernel_block_elements", 7)
     streamed = kernel_attention(q, k, v, kernel=make(), magnitude_p=p, attn_mask=mask, eps=1e-3)
     assert dispatch.last_dispatch["kernel"] == "streaming"
     torch.testing.assert_close(out, streamed, rtol=1e-10, atol=1e-12)

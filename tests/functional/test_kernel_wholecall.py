@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-import attnopt.functional._kernel_fused as kf
+import attnopt.functional.kernel.fourier as kf
 from attnopt import _native
+from attnopt.functional._thresholds import THRESHOLDS
 
 pytestmark = pytest.mark.skipif(_native.compiler() is None or _native.blas() is None,
                                 reason="no C compiler or no BLAS in PyTorch's library")
@@ -62,7 +63,7 @@ def test_whole_call_matches_node_and_torch_path(points_batch, nq, p, masked, spy
     assert spy == [1]
     if masked:
         assert torch.equal(got[0][-1, -1], torch.zeros_like(got[0][-1, -1]))
-    monkeypatch.setattr(kf, "WHOLE_CALL_BELOW", 0)  # the node with its C passes
+    monkeypatch.setattr(THRESHOLDS, "kernel_wholecall_below", 0)  # the node with its C passes
     node = _run(*case, p)
     monkeypatch.setenv("ATTNOPT_NATIVE", "0")
     monkeypatch.setattr(_native, "_LIBS", {})
@@ -100,12 +101,12 @@ def test_crossover_and_no_blas_take_the_node(spy, monkeypatch):
     assert spy == [1]
     b, h, nq, nk = 2, 3, 6, 6
     for total, head in ((b * h * nq * nk - 1, 1 << 30), (1 << 30, nq * nk - 1)):
-        monkeypatch.setattr(kf, "WHOLE_CALL_BELOW", total)
-        monkeypatch.setattr(kf, "WHOLE_CALL_MAX_HEAD_SCORES", head)
+        monkeypatch.setattr(THRESHOLDS, "kernel_wholecall_below", total)
+        monkeypatch.setattr(THRESHOLDS, "kernel_wholecall_max_head_scores", head)
         for a, c in zip(_run(*case, 1.5), want, strict=True):
             torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-13)
-    monkeypatch.setattr(kf, "WHOLE_CALL_BELOW", b * h * nq * nk)
-    monkeypatch.setattr(kf, "WHOLE_CALL_MAX_HEAD_SCORES", nq * nk)
+    monkeypatch.setattr(THRESHOLDS, "kernel_wholecall_below", b * h * nq * nk)
+    monkeypatch.setattr(THRESHOLDS, "kernel_wholecall_max_head_scores", nq * nk)
     _run(*case, 1.5)
     assert spy == [1, 1]  # at both limits: the whole call
     monkeypatch.setattr(_native, "blas", lambda: None)
@@ -223,7 +224,7 @@ def test_whole_call_float32_large_projections_take_libm(spy, monkeypatch):
     q, k, v, pts = (t.requires_grad_() for t in (q, k, v, pts))
     got = _run(q, k, v, pts, None, None)[0]
     assert spy == [1]
-    monkeypatch.setattr(kf, "WHOLE_CALL_BELOW", 0)
+    monkeypatch.setattr(THRESHOLDS, "kernel_wholecall_below", 0)
     want = _run(q, k, v, pts, None, None)[0]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 

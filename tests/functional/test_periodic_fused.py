@@ -5,9 +5,10 @@ import math
 import pytest
 import torch
 
-import attnopt.functional._periodic_fused as pf
+import attnopt.functional.kernel.periodic as pf
 from attnopt.functional import dispatch
 from attnopt.functional._softmax import safe_softmax
+from attnopt.functional._thresholds import THRESHOLDS
 from attnopt.functional.kernel import kernel_attention
 from attnopt.kernels import Periodic
 from tests.reference import kernel as ref
@@ -19,8 +20,8 @@ LAYOUTS = [(1 << 18, 1 << 40), (256, 0)]
 @pytest.fixture(params=LAYOUTS, ids=["one-chunk-saved", "chunks-recomputed"])
 def layout(request, monkeypatch):
     chunk, save = request.param
-    monkeypatch.setattr(pf, "CHUNK_BYTES", chunk)
-    monkeypatch.setattr(pf, "SAVE_BYTES", save)
+    monkeypatch.setattr(THRESHOLDS, "periodic_chunk_bytes", chunk)
+    monkeypatch.setattr(THRESHOLDS, "periodic_save_bytes", save)
     return request.param
 
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from attnopt import _native
-from attnopt.functional import _periodic_fused as pf
-from attnopt.functional import _periodic_native as native
+from attnopt.functional._thresholds import THRESHOLDS
 from attnopt.functional.kernel import kernel_attention
+from attnopt.functional.kernel import periodic_cpu as native
 from attnopt.kernels import Periodic
 from tests._marks import needs_native
 
@@ -55,8 +55,8 @@ def test_float32_c_passes_match_the_pytorch_node(monkeypatch, calls, mask_kind, 
     """Values and q, k, v gradients of the C path against the PyTorch node at float32 rounding
     (polynomial exp / sin / cos), across masks, the L^p magnitude's bias, and both layouts."""
     if chunk != "saved":  # one head per chunk; weights saved, or recomputed in the backward
-        monkeypatch.setattr(pf, "SAVE_BYTES", 1 << 30 if chunk == "saved-chunks" else 0)
-        monkeypatch.setattr(pf, "CHUNK_BYTES", 1)
+        monkeypatch.setattr(THRESHOLDS, "periodic_save_bytes", 1 << 30 if chunk == "saved-chunks" else 0)
+        monkeypatch.setattr(THRESHOLDS, "periodic_chunk_bytes", 1)
     q, k, v = _qkv(2, 3, 24, 40, d=16, seed=1)
     g = torch.Generator().manual_seed(2)
     mask = None

@@ -6,11 +6,12 @@ import importlib
 import pytest
 import torch
 
-from attnopt.functional import _sparse_native, entmax, sparsemax
+from attnopt.functional import entmax, sparsemax
+from attnopt.functional.regularized import cpu as _sparse_native
 from tests._marks import needs_native
 from tests.reference.regularized import entmax15_sort, sparsemax_sort
 
-entmax_mod = importlib.import_module("attnopt.functional.entmax")  # the module, not the function
+entmax_mod = importlib.import_module("attnopt.functional.regularized.maps")  # the module, not the function
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The no-grad forward of fused sparsemax / 1.5-entmax attention (``_sparse_attention_fused``).
+"""The no-grad forward of fused sparsemax / 1.5-entmax attention (``regularized/materialized.py``).
 
 Inference (``torch.no_grad()`` or inputs that do not require grad) runs the C map of
 ``_sparse_native`` in place on the scores at every size and saves nothing; without the C kernel
@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import attnopt.functional._sparse_attention_fused as sf
-from attnopt.functional import _sparse_native
+import attnopt.functional.regularized.materialized as sf
+from attnopt.functional.regularized import cpu as _sparse_native
 from attnopt.functional.regularized import locality_bias, regularized_attention
-from attnopt.functional.regularizers import SquaredL2, Tsallis
+from attnopt.functional.regularized.regularizers import SquaredL2, Tsallis
 from tests.reference.regularized import attention_reference, entmax15_sort, sparsemax_sort
 
 REGS = {2.0: (SquaredL2(), sparsemax_sort), 1.5: (Tsallis(1.5), entmax15_sort)}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnopt.functional import _sparse_ops
-from attnopt.functional.entmax import entmax, sparsemax
+from attnopt.functional.regularized import cpu as _sparse_ops
+from attnopt.functional.regularized.maps import entmax, sparsemax
 from tests._marks import needs_native
 
 pytestmark = needs_native

@@ -1,4 +1,4 @@
-"""The sort-based sparsemax / 1.5-entmax (the device path, :mod:`attnopt.functional._sparse_sort`)
+"""The sort-based sparsemax / 1.5-entmax (the device path, :mod:`attnopt.functional.regularized.sort`)
 equal the host searches (float64) exactly to rounding, with masks, ties and empty rows."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnopt.functional._sparse_sort import entmax15_sort, sparsemax_sort
+from attnopt.functional.regularized.sort import entmax15_sort, sparsemax_sort
 
-em = importlib.import_module("attnopt.functional.entmax")  # the module (the package exports a function)
+em = importlib.import_module("attnopt.functional.regularized.maps")  # the module
 
 
 def _rows(seed: int, n: int = 33) -> torch.Tensor:

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from attnopt.functional import _denormal, doubly_normalized_attention, regularized_attention
-from attnopt.functional import _flash_cpu as fc
 from attnopt.functional import regularized as reg_mod
 from attnopt.functional._denormal import flush_denormal_on, flushed_sdpa
+from attnopt.functional.doubly_normalized import flash_cpu as fc
 from attnopt.functional.regularized import locality_bias
 
 TINY = torch.finfo(torch.float32).tiny
@@ -95,7 +95,7 @@ def test_dnas_flash_restores_the_mode_when_the_kernel_raises(monkeypatch: pytest
 
 @pytest.mark.parametrize("learn", [False, True])
 def test_regularized_locality_flushes_and_matches_sdpa(learn: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    from attnopt.functional import _generalized_fused as gf
+    from attnopt.functional.generalized import streaming as gf
 
     seen: list[bool] = []
     real_bmm = torch.bmm
@@ -110,7 +110,7 @@ def test_regularized_locality_flushes_and_matches_sdpa(learn: bool, monkeypatch:
 
     real_fwd = gf._fwd
     monkeypatch.setattr(gf, "_fwd", spy_fwd)
-    monkeypatch.setattr(gf.torch, "bmm", spy_bmm)
+    monkeypatch.setattr(torch, "bmm", spy_bmm)
     n = 160
     q, k, v = _qkv(n, 1.0)
     beta = torch.tensor([0.6, 0.9], requires_grad=learn)
@@ -129,7 +129,7 @@ def test_regularized_locality_flushes_and_matches_sdpa(learn: bool, monkeypatch:
 
 
 def test_regularized_locality_restores_the_mode_on_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    from attnopt.functional import _generalized_fused as gf
+    from attnopt.functional.generalized import streaming as gf
 
     def boom(*_a, **_kw):  # type: ignore[no-untyped-def]
         assert flush_denormal_on()

@@ -20,6 +20,7 @@ import torch
 import attnopt
 import attnopt.nn as ann
 from attnopt._native.checks import NativeArgumentError, require, require_dense, require_size, require_view
+from attnopt.functional._thresholds import THRESHOLDS
 from tests._marks import needs_native
 
 F32, F64 = torch.float32, torch.float64
@@ -86,7 +87,7 @@ def test_require_dense_region_and_require_size():
 
 
 def test_normal_fill_check():
-    from attnopt.nn._gaussian_noise import _check_normal_fill
+    from attnopt.functional.kernel.gaussian_noise import _check_normal_fill
 
     seed, out = torch.tensor(3), torch.empty(5)
     _check_normal_fill(seed, out, F32)
@@ -122,7 +123,7 @@ def test_t5_toeplitz_check():
 
 
 def test_sparse_map_check():
-    from attnopt.functional._sparse_native import _check_sparse_map
+    from attnopt.functional.regularized.cpu import _check_sparse_map
 
     x, p, theta = torch.zeros(6, 5), torch.zeros(6, 5), torch.zeros(6, 1)
     status, counter = torch.zeros(6, dtype=torch.int8), torch.zeros(1, dtype=torch.int64)
@@ -136,7 +137,7 @@ def test_sparse_map_check():
 
 
 def test_dnas_check():
-    from attnopt.functional._dnas_native import _check_dn
+    from attnopt.functional.doubly_normalized.cpu import _check_dn
 
     g, nq, nk = 4, 3, 5
     s = torch.zeros(2, nq, nk)
@@ -160,7 +161,7 @@ def test_dnas_check():
 
 
 def test_biased_softmax_checks():
-    from attnopt.functional import _generalized_native as gn
+    from attnopt.functional.generalized import cpu as gn
 
     b, h, nq, nk = 2, 3, 4, 5
     g = b * h
@@ -198,7 +199,7 @@ def test_biased_softmax_checks():
 
 
 def test_periodic_checks():
-    from attnopt.functional import _periodic_native as pn
+    from attnopt.functional.kernel import periodic_cpu as pn
 
     bh, nq, nk, d = 4, 3, 5, 2
     q, k = torch.zeros(bh, nq, d), torch.zeros(bh, nk, d)
@@ -220,7 +221,7 @@ def test_periodic_checks():
 
 def _sample_args(n_sets: int = 2, b: int = 2, heads: int = 3, half: int = 4, d: int = 5, hid: int = 6,
                  cop: bool = True) -> dict[str, Any]:
-    from attnopt.nn._spectral_native import _set_stride, _shapes
+    from attnopt.functional.kernel.spectral_cpu import _set_stride, _shapes
 
     m = b * heads
     params = [torch.zeros(s) for s in _shapes(n_sets, d, hid)]
@@ -232,7 +233,7 @@ def _sample_args(n_sets: int = 2, b: int = 2, heads: int = 3, half: int = 4, d: 
 
 
 def test_spectral_sampler_check():
-    from attnopt.nn._spectral_native import check_sample
+    from attnopt.functional.kernel.spectral_cpu import check_sample
 
     a = _sample_args()
 
@@ -255,8 +256,8 @@ def test_spectral_sampler_check():
 
 
 def test_whole_fourier_check():
-    from attnopt.functional import _kernel_fused as kf
-    from attnopt.functional._kernel_fused import check_whole
+    from attnopt.functional.kernel import fourier as kf
+    from attnopt.functional.kernel.fourier import check_whole
 
     fns = kf._whole_fns(attnopt._native.library("fourier_features"),
                         True) if attnopt._native.enabled() else None
@@ -303,7 +304,7 @@ def test_whole_fourier_check():
 
 
 def test_per_pass_fourier_check():
-    from attnopt.functional._kernel_fused import _check_rows
+    from attnopt.functional.kernel.fourier import _check_rows
 
     _check_rows("ff_finish", 4, (("num", torch.zeros(4, 3), 3), ("out", torch.zeros(4, 2), 2), ("inv", None,
                                                                                                 1)))
@@ -320,13 +321,10 @@ def test_per_pass_fourier_check():
 def small_native(monkeypatch: pytest.MonkeyPatch) -> None:
     """The native kernels on, one thread, the size thresholds at 0 (small shapes reach C)."""
     monkeypatch.delenv("ATTNOPT_NATIVE", raising=False)
-    for module, name in [("attnopt.functional._dnas_materialized", "NATIVE_MIN_ENTRIES"),
-                         ("attnopt.functional._sparse_attention_fused", "NATIVE_MIN_ENTRIES"),
-                         ("attnopt.functional.generalized", "NATIVE_MIN_HEAD_SCORES"),
-                         ("attnopt.functional.generalized", "NATIVE_FORWARD_MIN_HEAD_SCORES")]:
-        mod = __import__(module, fromlist=[name])
-        if hasattr(mod, name):
-            monkeypatch.setattr(mod, name, 0)
+    monkeypatch.setattr(THRESHOLDS, "dnas_native_min_entries", 0)
+    monkeypatch.setattr(THRESHOLDS, "sparse_native_min_entries", 0)
+    monkeypatch.setattr(THRESHOLDS, "generalized_native_min_head_scores", 0)
+    monkeypatch.setattr(THRESHOLDS, "generalized_native_forward_min_head_scores", 0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -341,7 +339,7 @@ def _shim(module: Any, **overrides: Any) -> Any:
 
 @needs_native
 def test_e2e_normal_fill_wrong_seed_dtype(small_native):
-    from attnopt.nn._gaussian_noise import noise_from_seed
+    from attnopt.functional.kernel.gaussian_noise import noise_from_seed
 
     with _raises("'normal_fill_at', argument 'seed'"):
         noise_from_seed(torch.tensor(7.0), (3, 4))
@@ -349,7 +347,7 @@ def test_e2e_normal_fill_wrong_seed_dtype(small_native):
 
 @needs_native
 def test_e2e_sparse_map_counter(small_native, monkeypatch):
-    from attnopt.functional import _sparse_native
+    from attnopt.functional.regularized import cpu as _sparse_native
 
     monkeypatch.setattr(_sparse_native, "torch", _shim(
         torch, zeros=lambda *a, **k: torch.zeros(*a, **{**k, "dtype": torch.int32})))
@@ -368,7 +366,7 @@ def test_e2e_t5_buckets(small_native, monkeypatch):
 
 @needs_native
 def test_e2e_dnas_weight(small_native, monkeypatch):
-    from attnopt.functional import _dnas_native
+    from attnopt.functional.doubly_normalized import cpu as _dnas_native
 
     real = _dnas_native._flat
     monkeypatch.setattr(_dnas_native, "_flat", lambda x, b, h, tail: None if x is None else real(x, b, h,
@@ -380,7 +378,7 @@ def test_e2e_dnas_weight(small_native, monkeypatch):
 
 @needs_native
 def test_e2e_biased_softmax_row_stride(small_native, monkeypatch):
-    from attnopt.functional import _generalized_native
+    from attnopt.functional.generalized import cpu as _generalized_native
 
     real = _generalized_native._strides
     monkeypatch.setattr(_generalized_native, "_strides", lambda t: (*real(t)[:2], 2 * real(t)[2] + 1))
@@ -392,7 +390,7 @@ def test_e2e_biased_softmax_row_stride(small_native, monkeypatch):
 
 @needs_native
 def test_e2e_fused_biased_softmax_strides(small_native, monkeypatch):
-    from attnopt.functional import _generalized_native
+    from attnopt.functional.generalized import cpu as _generalized_native
 
     if attnopt._native.blas() is None:
         pytest.skip("no BLAS found in torch's library")
@@ -405,7 +403,7 @@ def test_e2e_fused_biased_softmax_strides(small_native, monkeypatch):
 
 @needs_native
 def test_e2e_periodic_mask_rows(small_native, monkeypatch):
-    from attnopt.functional import _periodic_fused
+    from attnopt.functional.kernel import periodic as _periodic_fused
 
     real = _periodic_fused.native_periodic_attention
     monkeypatch.setattr(_periodic_fused, "native_periodic_attention",
@@ -419,7 +417,7 @@ def test_e2e_periodic_mask_rows(small_native, monkeypatch):
 
 @needs_native
 def test_e2e_whole_fourier_save_size(small_native, monkeypatch):
-    from attnopt.functional import _kernel_fused
+    from attnopt.functional.kernel import fourier as _kernel_fused
 
     if attnopt._native.blas() is None:
         pytest.skip("no BLAS found in torch's library")
@@ -433,9 +431,9 @@ def test_e2e_whole_fourier_save_size(small_native, monkeypatch):
 
 @needs_native
 def test_e2e_per_pass_fourier_buffer(small_native, monkeypatch):
-    from attnopt.functional import _kernel_fused
+    from attnopt.functional.kernel import fourier as _kernel_fused
 
-    monkeypatch.setattr(_kernel_fused, "WHOLE_CALL_BELOW", 0)
+    monkeypatch.setattr(THRESHOLDS, "kernel_wholecall_below", 0)
     monkeypatch.setattr(_kernel_fused, "torch", _shim(
         torch, empty_like=lambda t, **k: torch.empty(t.numel() - 1, dtype=t.dtype)))
     q, k, v = (torch.randn(2, 2, 6, 4, requires_grad=True) for _ in range(3))
@@ -446,10 +444,9 @@ def test_e2e_per_pass_fourier_buffer(small_native, monkeypatch):
 
 @needs_native
 def test_e2e_spectral_sampler_noise(small_native, monkeypatch):
-    from attnopt.functional import _kernel_fused
-    from attnopt.nn import _spectral_native
+    from attnopt.functional.kernel import spectral_cpu as _spectral_native
 
-    monkeypatch.setattr(_kernel_fused, "WHOLE_CALL_BELOW", 0)  # the sampler node, then the attention
+    monkeypatch.setattr(THRESHOLDS, "kernel_wholecall_below", 0)  # the sampler node, then the attention
 
     calls = []
     real = _spectral_native._noise_layout
@@ -472,7 +469,7 @@ def test_e2e_spectral_sampler_noise(small_native, monkeypatch):
 
 @needs_native
 def test_e2e_sampled_fourier_workspace(small_native, monkeypatch):
-    from attnopt.nn import _sampled_fourier
+    from attnopt.functional.kernel import sampled_fourier as _sampled_fourier
 
     if attnopt._native.blas() is None:
         pytest.skip("no BLAS found in torch's library")
@@ -518,7 +515,7 @@ def test_alibi_under_vmap_of_functional_call():
 
 def test_sampled_fourier_plans_hold_no_tensor_address():
     """A plan holds sizes, offsets, C functions and constants: no tensor, nor a tensor's address."""
-    from attnopt.nn import _sampled_fourier
+    from attnopt.functional.kernel import sampled_fourier as _sampled_fourier
 
     if os.environ.get("ATTNOPT_NATIVE") == "0" or attnopt._native.blas() is None:
         pytest.skip("no native kernels")

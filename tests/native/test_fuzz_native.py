@@ -50,12 +50,12 @@ def _threads(n: int) -> Iterator[None]:
 
 
 #: size thresholds below which the C kernels step aside: the fuzz sets them to their extreme
-#: so that its small shapes reach C (``(module, attribute, value)``)
+#: so that its small shapes reach C (``(module[:object], attribute, value)``)
 _THRESHOLDS = [
-    ("attnopt.functional._dnas_materialized", "NATIVE_MIN_ENTRIES", 0),
-    ("attnopt.functional._sparse_attention_fused", "NATIVE_MIN_ENTRIES", 0),
-    ("attnopt.functional.generalized", "NATIVE_MIN_HEAD_SCORES", 0),
-    ("attnopt.functional.generalized", "NATIVE_FORWARD_MIN_HEAD_SCORES", 0),
+    ("attnopt.functional._thresholds:THRESHOLDS", "dnas_native_min_entries", 0),
+    ("attnopt.functional._thresholds:THRESHOLDS", "sparse_native_min_entries", 0),
+    ("attnopt.functional._thresholds:THRESHOLDS", "generalized_native_min_head_scores", 0),
+    ("attnopt.functional._thresholds:THRESHOLDS", "generalized_native_forward_min_head_scores", 0),
 ]
 
 
@@ -65,7 +65,9 @@ def _c_at_every_size() -> Iterator[None]:
 
     saved = []
     for mod_name, attr, value in _THRESHOLDS:
+        mod_name, _, obj = mod_name.partition(":")
         mod = importlib.import_module(mod_name)
+        mod = getattr(mod, obj) if obj else mod
         saved.append((mod, attr, getattr(mod, attr)))
         setattr(mod, attr, value)
     try:

@@ -1,4 +1,4 @@
-"""The sampled spectral points' base noise (:mod:`attnopt.nn._gaussian_noise`): standard normal,
+"""The sampled spectral points' base noise (:mod:`attnopt.functional.kernel.gaussian_noise`): standard normal,
 reproducible from the generator's state, the C kernel and its PyTorch mirror bit for bit."""
 from __future__ import annotations
 
@@ -9,8 +9,14 @@ from scipy import stats
 from torch import func
 
 from attnopt import _native
+from attnopt.functional.kernel.gaussian_noise import (
+    _mirror,
+    draw_seed,
+    gaussian_noise,
+    noise_from_seed,
+    seeded_fill,
+)
 from attnopt.nn import ImplicitKernelAttention
-from attnopt.nn._gaussian_noise import _mirror, draw_seed, gaussian_noise, noise_from_seed, seeded_fill
 
 needs_c = pytest.mark.skipif(_native.compiler() is None, reason="needs a C compiler")
 

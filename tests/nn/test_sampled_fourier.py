@@ -8,7 +8,7 @@ import torch
 
 import attnopt.nn.implicit_kernel as ik
 from attnopt import _native
-from attnopt.nn import _sampled_fourier
+from attnopt.functional.kernel import sampled_fourier as _sampled_fourier
 from attnopt.nn.implicit_kernel import ImplicitKernelAttention
 
 pytestmark = pytest.mark.skipif(

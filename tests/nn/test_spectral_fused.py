@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-import attnopt.nn._spectral_fused as sf
+import attnopt.functional.kernel.spectral as sf
 from attnopt.nn.implicit_kernel import ImplicitKernelAttention
 from attnopt.nn.spectral import ImplicitSpectralDensity
 

@@ -8,9 +8,10 @@ import ctypes
 import pytest
 import torch
 
-import attnopt.nn._spectral_fused as sf
+import attnopt.functional.kernel.spectral as sf
 from attnopt import _native
-from attnopt.nn import _spectral_native as sn
+from attnopt.functional._thresholds import THRESHOLDS
+from attnopt.functional.kernel import spectral_cpu as sn
 from attnopt.nn.implicit_kernel import ImplicitKernelAttention
 from tests.nn.test_spectral_fused import _copula_reference, _densities, _reference
 
@@ -190,9 +191,9 @@ def test_fallback_conditions(monkeypatch):
     threads = torch.get_num_threads()
     try:  # more threads: the C path only up to THREADED_MAX_POINTS base points (here 2·2·3·2 = 24)
         torch.set_num_threads(2)
-        monkeypatch.setattr(sn, "THREADED_MAX_POINTS", 24)
+        monkeypatch.setattr(THRESHOLDS, "spectral_threaded_max_points", 24)
         assert sn.library(h, noise, None, params) is not None
-        monkeypatch.setattr(sn, "THREADED_MAX_POINTS", 23)
+        monkeypatch.setattr(THRESHOLDS, "spectral_threaded_max_points", 23)
         assert sn.library(h, noise, None, params) is None
         torch.set_num_threads(1)
         assert sn.library(h, noise, None, params) is not None

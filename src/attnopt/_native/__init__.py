@@ -42,6 +42,7 @@ from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 import torch.autograd.forward_ad as _fwad
+from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_callback
 
 from attnopt._backend import BACKEND as _BACKEND
 
@@ -151,12 +152,19 @@ def untraced(fn: _F) -> _F:
     calls are not traced either). Under ``torch.compile`` such a call is a graph break; the
     kernels reach compiled graphs as ``torch.library`` ops instead.
     """
-    # torch.compiler.disable imports dynamo (and its optional dependencies): done at the first call,
-    # not when attnopt is imported (a plain install imports nothing but torch and numpy)
+    # torch.compiler.disable imports dynamo (and its optional dependencies): done at the first call
+    # that needs it, not when attnopt is imported (a plain install imports nothing but torch and numpy).
+    # Eager code with no torch.compile active anywhere (no eval-frame callback: nothing would trace
+    # fn's frame or its callees) calls fn directly, without the wrapper's per-call frame switching.
+    # While dynamo traces ``call``, is_compiling() is the constant True, so the callback lookup (a C
+    # builtin dynamo would break on) is never traced; resume frames of a compiled function run with
+    # dynamo's callback set, and take the disabled path.
     disabled: list[Callable[..., Any]] = []
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling() and _eval_frame_callback() is None:
+            return fn(*args, **kwargs)
         if not disabled:
             disabled.append(torch.compiler.disable(fn, reason="attnopt: hands tensor addresses to C"))
         return disabled[0](*args, **kwargs)

@@ -84,8 +84,11 @@ def require_view(
         raise fail(kernel, name, f"on {t.device}, expected the CPU")
     if len(sizes) != len(strides):
         raise fail(kernel, name, f"{len(sizes)} sizes and {len(strides)} strides")
-    if offset == 0 and limit is None and len(sizes) == t.dim() and _inside(t, sizes, strides):
-        return  # every element reached is one of t's own (no storage lookup: ~1 µs)
+    if offset == 0 and limit is None:
+        if sizes == t.shape and strides == t.stride():
+            return  # t itself: every element reached is one of its own
+        if len(sizes) == t.dim() and _inside(t, sizes, strides):
+            return  # a sub-view or broadcast of t's own elements (no storage lookup)
     low = high = offset
     for size, stride in zip(sizes, strides):
         if size <= 0:
@@ -94,6 +97,8 @@ def require_view(
             low += (size - 1) * stride
         else:
             high += (size - 1) * stride
+    if limit is None and low >= 0 and high < t.numel() and t.is_contiguous():
+        return  # inside t's own (dense) elements: no storage lookup
     start = t.storage_offset()
     room = t.untyped_storage().nbytes() // t.element_size() - start
     if limit is not None:

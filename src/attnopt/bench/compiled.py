@@ -18,7 +18,7 @@ from attnopt.functional._compiled import compiled, inductor_available
 from attnopt.functional.doubly_normalized import hybrid_normalized_attention
 from attnopt.functional.generalized import generalized_attention
 from attnopt.functional.regularized import regularized_attention
-from attnopt.functional.regularizers import SquaredL2
+from attnopt.functional.regularized.regularizers import SquaredL2
 from attnopt.nn.preference import T5RelativePreference
 
 SUITE = "compiled"

@@ -2,7 +2,7 @@
 
 Rows per case (N, fwd or fwd+bwd, H = 8, d = 64, float32, causal self-attention): SDPA with
 ``is_causal=True`` (baseline), ``doubly_normalized_attention(is_causal=True)`` — the prefix
-variant, materialized (:mod:`attnopt.functional._dn_prefix`) — with K = 1 and K = 3,
+variant, materialized (:mod:`attnopt.functional.doubly_normalized.prefix`) — with K = 1 and K = 3,
 ``hybrid_normalized_attention`` (w = 0.5, K = 1), and the masked plan
 (``causal="plan"``, the O(N)-memory fast paths; it leaks later queries) as the price of the old
 behaviour. Sinkhorn-K prefix solves one problem per row (``O(K N³)`` time): its row is skipped

@@ -11,7 +11,7 @@
   The package's ``entmax.sparsemax`` / ``entmax.entmax15`` run once each in the same setting;
   the attnopt rows note both ratios (``extra``: ``vs_softmax``, ``package_speedup``; target ≥ 5x
   at 2048). Process CPU time is recorded beside wall time. The attnopt rows say which path ran
-  (``C kernel``: :mod:`attnopt.functional._sparse_native`; ``PyTorch ops``: no compiler or
+  (``C kernel``: :mod:`attnopt.functional.regularized.cpu`; ``PyTorch ops``: no compiler or
   ``ATTNOPT_NATIVE=0``). Measured with the C kernels (2-core machine shared with other jobs,
   load 4-8, so wall ≈ 2x CPU time): 0.98-1.24x softmax wall, 1.03-1.23x CPU, at 1024 and 2048,
   one and two threads, 12-16x faster than the package; the PyTorch ops in the same conditions:
@@ -27,10 +27,10 @@ from collections.abc import Callable, Iterator
 import torch
 
 from attnopt.bench._harness import BenchContext, Measurement, bench_suite, peak_memory_mb, time_call
-from attnopt.functional import _sparse_native
-from attnopt.functional.entmax import entmax, sparsemax
+from attnopt.functional.regularized import cpu as _sparse_native
 from attnopt.functional.regularized import regularized_attention, regularized_attention_weights
-from attnopt.functional.regularizers import SquaredL2, Tsallis
+from attnopt.functional.regularized.maps import entmax, sparsemax
+from attnopt.functional.regularized.regularizers import SquaredL2, Tsallis
 
 H, D = 8, 64
 QUICK_MAP = (8, 256)  # (batch, N) of the map rows in quick mode
@@ -53,7 +53,7 @@ def _map_impls(kind: str) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
 
 def _path(impl: str, x: torch.Tensor) -> str:
     """Which forward/backward an attnopt sparsemax / entmax(1.5) row ran: the C kernels of
-    :mod:`attnopt.functional._sparse_native`, or the PyTorch ops (no compiler, ``ATTNOPT_NATIVE=0``,
+    :mod:`attnopt.functional.regularized.cpu`, or the PyTorch ops (no compiler, ``ATTNOPT_NATIVE=0``,
     a GPU tensor); empty for other rows."""
     if not impl.startswith(("attnopt.sparsemax", "attnopt.entmax(1.5)")):
         return ""

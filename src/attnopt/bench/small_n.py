@@ -50,11 +50,12 @@ from attnopt import _native
 from attnopt.bench._harness import BenchContext, Measurement, bench_suite, time_call
 from attnopt.bench.doubly_normalized import materialized_sinkhorn_peer
 from attnopt.functional import dispatch, generalized
+from attnopt.functional._thresholds import THRESHOLDS
 from attnopt.functional.doubly_normalized import doubly_normalized_attention, hybrid_normalized_attention
 from attnopt.functional.generalized import generalized_attention
 from attnopt.functional.kernel import kernel_attention
 from attnopt.functional.regularized import regularized_attention
-from attnopt.functional.regularizers import SquaredL2, Tsallis
+from attnopt.functional.regularized.regularizers import SquaredL2, Tsallis
 from attnopt.kernels import NonStationaryFourier, Periodic, RandomFourier
 from attnopt.nn.implicit_kernel import ImplicitKernelAttention
 from attnopt.nn.preference import ALiBiPreference, T5RelativePreference
@@ -317,17 +318,19 @@ def _rule(name: str, key: str, qkv: tuple[torch.Tensor, ...]) -> str:
     rule = "a learned bias: always" if "learned" in name else f"crossover B*H*N^2 <= {limit}"
     if key != "generalized":
         return rule
-    native = generalized._generalized_native.library(*qkv) is not None
+    native = generalized.cpu.library(*qkv) is not None
+    t = THRESHOLDS
     if native and "learned" not in name:
-        rule += (f" (C passes, Nq*Nk >= {generalized.NATIVE_MIN_HEAD_SCORES}: "
-                 f"<= {generalized.NATIVE_CROSSOVER})")
-    below = (generalized.SDPA_BELOW_LEARNED_NATIVE if "learned" in name and native
-             else generalized.SDPA_BELOW)
+        rule += (f" (C passes, Nq*Nk >= {t.generalized_native_min_head_scores}: "
+                 f"<= {t.generalized_native_crossover})")
+    below = (t.generalized_sdpa_below_learned_native if "learned" in name and native
+             else t.generalized_sdpa_below)
     rule = f"SDPA itself at B*H*N^2 <= {below}; above, {rule}"
     if native and _native.blas() is not None:  # T5 / ALiBi: the whole-call C path first
         kernel = dispatch.last_dispatch.get("generalized_kernel", "?")
         rule = (f"kernel {kernel}; whole-call C path under autograd at B*H*N^2 <= "
-                f"{generalized.FUSED_BELOW}, Nq*Nk <= {generalized.FUSED_MAX_HEAD_SCORES}; else {rule}")
+                f"{t.generalized_wholecall_below}, Nq*Nk <= {t.generalized_wholecall_max_head_scores}; "
+                f"else {rule}")
     return rule
 
 

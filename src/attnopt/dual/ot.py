@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attnopt.functional._ot_cost import (
+from attnopt.functional.ot.cost import (
     CostSpec,
     check_ot_inputs,
     check_positive,

@@ -1,9 +1,15 @@
-"""Pure tensor functions: one mechanism per module, no ``nn.Module`` here.
+"""Pure tensor functions, one folder per mechanism family, no ``nn.Module`` here.
+
+Each family folder (``doubly_normalized/``, ``regularized/``, ...) holds its public ops and the one
+router that picks an implementation in its ``__init__.py``, a plain-PyTorch ``reference.py`` and one
+file per fast implementation; every size threshold is in :mod:`._thresholds`.
 
 Conventions: ``q (B,H,Nq,d)``, ``k (B,H,Nk,d)``, ``v (B,H,Nk,dv)``, weights ``(B,H,Nq,Nk)``;
 scores ``<q_i,k_j>*scale`` with ``scale = 1/sqrt(d)`` by default; boolean masks use SDPA's
 convention (``True`` = take part), float masks are added to the scores.
 """
+import sys
+
 from attnopt.functional._compiled import compiled, cpu_compiler, inductor_available
 from attnopt.functional.doubly_normalized import (
     doubly_normalized_attention,
@@ -11,19 +17,32 @@ from attnopt.functional.doubly_normalized import (
     hybrid_normalized_attention,
     hybrid_normalized_weights,
 )
-from attnopt.functional.entmax import entmax, entmax15, entmax_bisect, sparsemax
 from attnopt.functional.generalized import generalized_attention, generalized_weights
 from attnopt.functional.kernel import kernel_attention, kernel_weights
-from attnopt.functional.losses import entmax_loss, sparsemax_loss, tsallis_negentropy
+from attnopt.functional.kernel import linear as kernel_linear
 from attnopt.functional.ot import ot_attention, ot_weights
 from attnopt.functional.regularized import (
     locality_bias,
+    losses,
     regularized_attention,
     regularized_attention_weights,
     regularized_weights,
+    regularizers,
     softmax_weights,
 )
-from attnopt.functional.regularizers import Regularizer, Shannon, SquaredL2, Tsallis
+from attnopt.functional.regularized import maps as _maps
+from attnopt.functional.regularized.losses import entmax_loss, sparsemax_loss, tsallis_negentropy
+from attnopt.functional.regularized.maps import entmax, entmax15, entmax_bisect, sparsemax
+from attnopt.functional.regularized.regularizers import Regularizer, Shannon, SquaredL2, Tsallis
+
+# the flat modules of earlier versions stay importable under their old names (the same module
+# objects): ``attnopt.functional.entmax`` (the attribute stays the function ``entmax``),
+# ``attnopt.functional.losses``, ``attnopt.functional.regularizers`` and
+# ``attnopt.functional.kernel_linear``
+sys.modules[f"{__name__}.entmax"] = _maps
+sys.modules[f"{__name__}.kernel_linear"] = kernel_linear
+sys.modules[f"{__name__}.losses"] = losses
+sys.modules[f"{__name__}.regularizers"] = regularizers
 
 __all__ = [
     "compiled",

@@ -32,8 +32,18 @@ from torch import Tensor
 
 from attnopt._func import under_transform
 
-__all__ = ["double_backward", "first_order_only", "records_graph", "refuse_double_backward", "tracked_vjp",
-           "under_transform"]
+__all__ = ["double_backward", "first_order_only", "records_graph", "reduce_to", "refuse_double_backward",
+           "tracked_vjp", "under_transform"]
+
+
+def reduce_to(g: Tensor, shape: torch.Size) -> Tensor:
+    """Sum a broadcast gradient ``g`` back to ``shape`` (leading dims dropped, size-1 dims kept)."""
+    while g.dim() > len(shape):
+        g = g.sum(0)
+    for i, n in enumerate(shape):
+        if n == 1 and g.shape[i] != 1:
+            g = g.sum(i, keepdim=True)
+    return g
 
 
 def records_graph(*xs: torch.Tensor | None) -> bool:

@@ -9,27 +9,18 @@ Every mechanism with two implementations takes ``impl="auto" | "materialized" | 
 * ``"auto"`` picks ``"materialized"`` when :func:`choose_impl` says so:
   ``B·H·Nq·Nk <= CROSSOVERS[mechanism][dtype]`` (the size of one score matrix).
 
-The crossover is a number of score entries, not a length. DNAS / Sinkhorn / HNAS (the fused
-kernel of :mod:`._dnas_fused`: chunked over batch × heads, ``E`` recomputed in the backward,
-O(N) saved state) measured forward+backward against the O(N) streaming path (d = 64, float32,
-one CPU thread, ``attnopt bench --only small_n``, loaded 2-core machine): fused 1.27× / 1.26×
-SDPA vs streaming 1.92× / 1.96× (DNAS, B·H = 64 and 8 at N = 512), and still 1.39× vs 1.80× at
-B·H·N² = 2^26 (B·H = 64, N = 1024); at d = 16 (B·H = 128, N = 513) 1.8× vs 2.2×. Its memory is
-one chunk's workspace plus O(N) per head, so the default 2^26 is where measuring stopped:
-larger problems stream. With the native C passes (:mod:`._dnas_native`: K = 1, float32, CPU) the
-fused kernel runs from B·H·N² = 2^18 and measured 1.08× (DNAS) / 1.10× (HNAS) SDPA at B·H = 8,
-N = 512 and 0.8× at N = 256 (PyTorch path: 1.57× / 2.25×, 1.62× / 1.86×). Sparse / generalized:
-the materialized path stopped winning at the same ``B·H·N²``
-for B·H = 8 and 64 (faster at 8·512² and 64·256², slower at 8·1024² and 64·512²). Same values on
-every device (no GPU was measured). Both paths compute the same function up to float
-rounding; both are tested against the float64 reference.
+The crossover is a number of score entries, not a length; the crossovers are the
+``crossovers`` field of the one threshold table :mod:`attnopt.functional._thresholds` (with every
+other size rule of the families' routers: overridable in code, in tests and by the environment).
+They were measured forward+backward at d = 64, float32, one CPU thread
+(``attnopt bench --only small_n``, which times both paths of every dispatched row: re-measure
+there). Both paths compute the same function up to float rounding; both are tested against the
+float64 reference.
 
 Inference (grad mode off, or no input that requires grad) runs a no-grad forward on the
-materialized side, which saves nothing: DNAS / Sinkhorn / HNAS without a mask up to
-``B·H·Nq·Nk = 2^20`` (:data:`._dnas_materialized.NO_GRAD_MAX_ENTRIES`: in-place PyTorch ops, or one
-C pass for K = 1 in float32), sparsemax / 1.5-entmax with the C map in place on the scores at
-every size (:data:`._sparse_attention_fused.NO_GRAD_MIN_ENTRIES`). ``last_dispatch`` still says
-``"materialized"`` for them.
+materialized side, which saves nothing (DNAS / Sinkhorn / HNAS without a mask up to one
+``dnas_scaling_chunk_entries`` chunk; sparsemax / 1.5-entmax with the C map in place on the
+scores). ``last_dispatch`` still says ``"materialized"`` for them.
 
 The choice of the last call is observable: :data:`last_dispatch` maps a mechanism name to
 ``"materialized"`` or ``"streaming"`` — or, inside :func:`backend`, to ``"reference"`` (the plain
@@ -50,6 +41,7 @@ from typing import Literal
 import torch
 
 from attnopt import _backend as _backend_cell
+from attnopt.functional._thresholds import THRESHOLDS
 
 __all__ = [
     "BACKENDS", "Backend", "Impl", "CROSSOVERS", "backend", "check_impl", "choose_impl",
@@ -99,27 +91,10 @@ def backend(name: str) -> Iterator[None]:
         _BACKEND[0] = previous
 
 #: Largest ``B·H·Nq·Nk`` at which ``auto`` materializes, per mechanism and dtype
-#: (``"half"`` = float16/bfloat16, computed in float32 by the materialized path).
-CROSSOVERS: dict[str, dict[str, int]] = {
-    "doubly_normalized": {"float32": 1 << 26, "float64": 1 << 25, "half": 1 << 25},
-    "sinkhorn": {"float32": 1 << 26, "float64": 1 << 25, "half": 1 << 25},
-    "hybrid_normalized": {"float32": 1 << 26, "float64": 1 << 25, "half": 1 << 25},
-    "sparse": {"float32": 1 << 24, "float64": 1 << 24, "half": 1 << 23},
-    "generalized": {"float32": 1 << 20, "float64": 1 << 20, "half": 1 << 20},
-    # kernel: the fused Fourier node beat the chunked path fwd+bwd at every size measured up to
-    # B·H·N² = 64·1024² (ikan R=16: 1.70× vs 2.88× SDPA there); 2^24 keeps the N = 64–512 range.
-    # Re-measured (attention fwd+bwd incl. the kernel sampling, float32, 1 thread, loaded 2-core
-    # machine, fused vs chunked ms, extra peak RSS): ika-s / ikan B·H = 128, N = 512, d = 16
-    # (2^25, the train step's size) 345–348 vs 343–361 / 373 vs 352, +0.55 vs +0.53 GiB; B·H = 8,
-    # d = 64: N = 1024 111 vs 105, N = 2048 410 vs 327 / 424 vs 329; B·H = 64, N = 1024, d = 64
-    # (2^26) 866 vs 1193 / 1130 vs 2010, +1.15 vs +1.02 GiB. Train step (E = 64, H = 4, B = 32,
-    # N = 512) with 2^26: ika-s 2.55–2.60× -> 2.54–2.64× softmax, ikan 2.61–2.68× -> 2.55–2.65×,
-    # linear 2.82–2.90× -> 3.5–3.6×: no gain at the train step's size, so 2^24 stays. Since both
-    # paths run the Nq×Nk passes by cache-sized blocks (._kernel_chunked) the train step at
-    # N = 512 is the same either way (2^24 vs 2^30: ika-s 1.35× vs 1.30×, ikan 1.38× vs 1.36×,
-    # mikan 1.36× vs 1.36× softmax): the crossover now only picks where the features are computed
-    "kernel": {"float32": 1 << 24, "float64": 1 << 24, "half": 1 << 23},
-}
+#: (``"half"`` = float16/bfloat16, computed in float32 by the materialized path): the
+#: ``crossovers`` field of the one threshold table, :mod:`attnopt.functional._thresholds`
+#: (the same dict object; its measurements are in the bench, ``attnopt bench --only small_n``).
+CROSSOVERS: dict[str, dict[str, int]] = THRESHOLDS.crossovers
 
 #: The path taken by the last call of each mechanism (``"materialized"`` or ``"streaming"``).
 last_dispatch: dict[str, str] = {}

@@ -1,7 +1,7 @@
 """The autoregressive (``causal="prefix"``) DNAS / Sinkhorn / HNAS in Hugging Face decoders (internal).
 
 In a causal self-attention module (``module.is_causal``, not cross-attention) ``attnopt_dnas``,
-``attnopt_sinkhorn`` and ``attnopt_hnas`` run :mod:`attnopt.functional._dn_prefix` by default:
+``attnopt_sinkhorn`` and ``attnopt_hnas`` run :mod:`attnopt.functional.doubly_normalized.prefix` by default:
 query ``i`` normalizes the columns over the queries ``≤ i`` only, so no position reads a later
 token (the masked plan, ``attnopt_causal="plan"``, does: see
 :func:`attnopt.doubly_normalized_attention`).
@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnopt.functional import _dn_prefix as prefix
 from attnopt.functional._dropout import dropout_attention
+from attnopt.functional.doubly_normalized import prefix
 
 __all__ = ["STATE", "PrefixState", "causal_mode", "prefix_call"]
 

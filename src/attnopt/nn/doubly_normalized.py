@@ -21,13 +21,13 @@ import math
 import torch
 from torch import Tensor, nn
 
-from attnopt.functional._dn_prefix import Causal, resolve_causal
 from attnopt.functional.doubly_normalized import (
     doubly_normalized_attention,
     doubly_normalized_weights,
     hybrid_normalized_attention,
     hybrid_normalized_weights,
 )
+from attnopt.functional.doubly_normalized.prefix import Causal, resolve_causal
 from attnopt.nn._multihead import MultiheadBase
 
 __all__ = ["DoublyNormalizedMultiheadAttention", "HybridNormalizedMultiheadAttention"]

@@ -35,11 +35,11 @@ from torch import Tensor, nn
 
 from attnopt import _func
 from attnopt.functional.kernel import kernel_attention, kernel_weights
+from attnopt.functional.kernel.gaussian_noise import draw_seed, gaussian_noise, noise_from_seed
+from attnopt.functional.kernel.sampled_fourier import sampled_fourier_attention
+from attnopt.functional.kernel.spectral import fusable, sample_spectral_points
 from attnopt.kernels import Kernel, NonStationaryFourier, RandomFourier
-from attnopt.nn._gaussian_noise import draw_seed, gaussian_noise, noise_from_seed
 from attnopt.nn._multihead import MultiheadBase
-from attnopt.nn._sampled_fourier import sampled_fourier_attention
-from attnopt.nn._spectral_fused import fusable, sample_spectral_points
 from attnopt.nn.spectral import GaussianCopula, ImplicitSpectralDensity
 
 __all__ = ["ImplicitKernelAttention"]

@@ -6,13 +6,13 @@ import math
 import torch
 from torch import Tensor, nn
 
-from attnopt.functional.losses import Reduction, entmax_loss, sparsemax_loss
+from attnopt.functional.regularized.losses import Reduction, entmax_loss, sparsemax_loss
 
 __all__ = ["EntmaxLoss", "SparsemaxLoss"]
 
 
 class SparsemaxLoss(nn.Module):
-    """:func:`attnopt.functional.losses.sparsemax_loss` as a module (``cross_entropy``-like).
+    """:func:`attnopt.functional.regularized.losses.sparsemax_loss` as a module (``cross_entropy``-like).
 
     Args:
         reduction: ``"none"`` | ``"mean"`` | ``"sum"``.
@@ -31,7 +31,7 @@ class SparsemaxLoss(nn.Module):
 
 
 class EntmaxLoss(nn.Module):
-    """:func:`attnopt.functional.losses.entmax_loss` as a module.
+    """:func:`attnopt.functional.regularized.losses.entmax_loss` as a module.
 
     Args:
         alpha: a float > 0 (``1`` = cross-entropy, ``1.5`` default, ``2`` = sparsemax loss), or a

@@ -143,14 +143,14 @@ def _hnas(
 
 
 def _sparsemax(e: int, h: int, **mha: Any) -> nn.Module:
-    from attnopt.functional.regularizers import SquaredL2
+    from attnopt.functional.regularized.regularizers import SquaredL2
     from attnopt.nn.regularized import RegularizedMultiheadAttention
 
     return RegularizedMultiheadAttention(e, h, SquaredL2(), **mha)
 
 
 def _entmax(e: int, h: int, *, alpha: float, **mha: Any) -> nn.Module:
-    from attnopt.functional.regularizers import Tsallis
+    from attnopt.functional.regularized.regularizers import Tsallis
     from attnopt.nn.regularized import RegularizedMultiheadAttention
 
     return RegularizedMultiheadAttention(e, h, Tsallis(alpha), **mha)

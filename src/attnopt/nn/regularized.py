@@ -5,7 +5,7 @@ import torch
 from torch import Tensor, nn
 
 from attnopt.functional.regularized import regularized_attention, regularized_attention_weights
-from attnopt.functional.regularizers import Regularizer, Shannon
+from attnopt.functional.regularized.regularizers import Regularizer, Shannon
 from attnopt.nn._multihead import MultiheadBase
 
 __all__ = ["RegularizedMultiheadAttention"]

@@ -22,8 +22,8 @@ import math
 import torch
 from torch import Tensor, nn
 
-from attnopt.nn._gaussian_noise import gaussian_noise
-from attnopt.nn._spectral_fused import copula_factor, fusable, sample_spectral_points
+from attnopt.functional.kernel.gaussian_noise import gaussian_noise
+from attnopt.functional.kernel.spectral import copula_factor, fusable, sample_spectral_points
 
 __all__ = ["ImplicitSpectralDensity", "ImplicitSpectralPoints", "GaussianCopula"]
 

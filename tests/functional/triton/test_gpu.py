@@ -22,7 +22,7 @@ from attnopt.functional.doubly_normalized import (
 )
 from attnopt.functional.kernel import kernel_attention, kernel_weights
 from attnopt.functional.regularized import regularized_attention, regularized_attention_weights
-from attnopt.functional.regularizers import SquaredL2, Tsallis
+from attnopt.functional.regularized.regularizers import SquaredL2, Tsallis
 from attnopt.kernels import NonStationaryFourier, RandomFourier
 from tests.functional.triton._helpers import needs_cuda
 

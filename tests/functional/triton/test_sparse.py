@@ -11,7 +11,7 @@ import torch
 import attnopt
 from attnopt.functional import dispatch
 from attnopt.functional.regularized import regularized_attention, regularized_attention_weights
-from attnopt.functional.regularizers import SquaredL2, Tsallis
+from attnopt.functional.regularized.regularizers import SquaredL2, Tsallis
 from tests.functional.triton._helpers import DEVICE, assert_close, blocks, grads, rand
 
 B, H, NQ, NK, D, DV = 1, 2, 21, 27, 10, 6

@@ -1,0 +1,281 @@
+r"""Native (C) DNAS / HNAS, one Sinkhorn step, float32 on CPU (internal; ``_native/dnas.c``).
+
+Same math as :mod:`.scaling` (scaling form ``E = e^{S − m}`` with column maxima ``m``,
+doubly-normalized-attention eq. (6)–(8) and Sec. 6), with all ``Nq × Nk`` elementwise work of
+each direction in one C call per chunk of heads, so that every matmul has the inner width of
+the head (``d`` or ``dv``) instead of ``2·dv + 2`` and no elementwise pass leaves the cache:
+
+* forward: ``S = (scale·Q) Kᵀ``; in C, per head: column maxima; ``E`` and its column sums ``z``
+  (``β = 1/z``); per row ``r_i = Σ_j E_ij β_j`` (and ``ρ_i = Σ_j E_ij u_j``), then ``E`` is
+  overwritten by the weights ``P = E ⊙ (w α_i β_j + (1 − w) u_j / ρ_i)`` (``α = 1/r``;
+  DNAS: ``w = 1``); ``out = P V``. Saved: O(N) per head (``m, β, u, α, 1/ρ``).
+* backward: ``S`` again and ``dP = dO Vᵀ``; in C, pass A rebuilds ``E`` (bitwise as in the
+  forward) with the row terms ``δ^D_i = <dO_i, out^D_i> = α_i Σ_j E_ij β_j dP_ij``,
+  ``δ^L_i = <dO_i, out^L_i>`` and the column sums ``γ_j = Σ_i E_ij (w α_i dP_ij + c_i)``,
+  ``c_i = −w α_i δ^D_i``; pass B writes
+  ``dS_ij = E_ij [dP_ij f_ij + c_i β_j − β_j² γ_j − (1 − w) δ^L_i u_j / ρ_i]``,
+  ``f_ij = w α_i β_j + (1 − w) u_j / ρ_i``, and ``P = E ⊙ f``; then ``dV = Pᵀ dO``,
+  ``dQ = scale·dS K``, ``dK = dSᵀ (scale·Q)``, ``∂L/∂w = Σ_i (δ^D_i − δ^L_i)``.
+
+That is the closed form of :mod:`.scaling` for K = 1 with its rank-one terms applied
+elementwise. Masks: a key-only mask ``(…, 1, Nk)`` is never added to ``S`` — a finite key bias
+cancels in ``E`` (it shifts ``S_·j`` and ``m_j`` alike) and enters only the LNAS factor
+``u_j = e^{m_j + b_j − μ}``; a dropped key gets ``m_j = +∞`` (``E_·j = 0``). ``is_causal`` is
+applied inside the passes (no mask tensor, the hidden half is skipped); a full
+``(…, Nq, Nk)`` mask is added to ``S``.
+
+The C exponential is a polynomial (about 1.4 ulp; 0 below ``e^{−87}``); results agree with the
+PyTorch path of :mod:`.scaling` to float32 rounding. A chunk holds about
+``THRESHOLDS.dnas_cpu_chunk_entries`` scores per thread (``S`` and ``dP`` stay in a 2 MiB L2 cache); its heads
+are split over ``torch.get_num_threads()`` threads (:func:`attnopt._native.parallel_rows`).
+Underflow of a row normalizer of an admissible row returns ``None`` (the caller recomputes in
+the log domain), as in :mod:`.scaling`.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnopt import _native
+from attnopt._native.checks import fail, require, require_size
+from attnopt.functional._autograd import reduce_to, refuse_double_backward
+from attnopt.functional._thresholds import THRESHOLDS
+
+__all__ = ["library", "native_sinkhorn", "no_grad_small"]
+
+_I64, _INT = ctypes.c_int64, ctypes.c_int
+
+
+def library(q: Tensor, iterations: int) -> ctypes.CDLL | None:
+    """The compiled ``dnas.c`` when the native path applies (K = 1, float32, CPU), else ``None``."""
+    if iterations != 1 or q.dtype != torch.float32 or q.device.type != "cpu" or not _native.has_storage(q):
+        return None
+    return _native.library("dnas")
+
+
+_p = _native.pointer
+
+
+def _chunks(g: int, per_head: int) -> list[tuple[int, int]]:
+    """Head ranges ``[h0, h1)`` of about ``THRESHOLDS.dnas_cpu_chunk_entries`` scores per thread."""
+    step = max(1, THRESHOLDS.dnas_cpu_chunk_entries * max(1, torch.get_num_threads()) // max(per_head, 1))
+    return [(h, min(h + step, g)) for h in range(0, g, step)]
+
+
+def _heads(call: Any, h0: int, h1: int, per_head: int) -> None:
+    """``call(a, b)`` over the absolute heads ``[h0, h1)``, split over threads."""
+    _native.parallel_rows(lambda a, b: call(h0 + a, h0 + b), h1 - h0, per_head)
+
+
+def _flat(x: Tensor | None, b: int, h: int, tail: tuple[int, ...]) -> Tensor | None:
+    """``x`` broadcast to ``(b, h, *tail)`` as a contiguous ``(b·h, *tail)`` float32 tensor."""
+    if x is None:
+        return None
+    return x.expand(b, h, *tail).reshape(b * h, *tail).contiguous()
+
+
+def _add_mask(s: Tensor, full: Tensor, h: int, h0: int, h1: int) -> None:
+    """``s += mask`` for the flat heads ``[h0, h1)`` (``mask`` 4-D, batch / head dims 1 or full):
+    the whole batches of the range in one broadcast add, a partial batch at either end by itself."""
+    b0, b1 = -(-h0 // h), h1 // h  # the whole batches [b0, b1)
+    if b0 < b1:
+        mb = full[b0:b1] if full.shape[0] > 1 else full
+        s[b0 * h - h0 : b1 * h - h0].view(-1, h, *s.shape[1:]).add_(mb)
+        parts = [(h0, b0 * h), (b1 * h, h1)]
+    else:  # no whole batch: the range lies in at most two batches
+        mid = (h0 // h + 1) * h
+        parts = [(h0, min(h1, mid)), (mid, h1)]
+    for lo, hi in parts:
+        if lo < hi:
+            bi = lo // h
+            mb = full[bi if full.shape[0] > 1 else 0]
+            s[lo - h0 : hi - h0].add_(mb[lo - bi * h : hi - bi * h] if mb.shape[0] > 1 else mb)
+
+
+def _admissible_rows(full: Tensor | None, kbias: Tensor | None, causal: bool, b: int, h: int, nq: int,
+                     nk: int) -> Tensor:
+    """``(B·H, Nq)``: the rows with an admissible key (the others get zeros, whatever their sums).
+
+    A full mask alone is reduced before it is broadcast over the batch / heads it omits (query
+    padding: ``(B, 1, Nq, Nk)``, one pass over it, not over ``B·H·Nq·Nk`` entries); masks are
+    finite or ``-inf`` (validated), so ``> -inf`` is ``isfinite``.
+    """
+    if full is not None and kbias is None and not causal:
+        return (full > float("-inf")).any(-1).expand(b, h, nq).reshape(b * h, nq)
+    fin = torch.ones(b * h, nq, nk, dtype=torch.bool)
+    if full is not None:
+        fin = fin & torch.isfinite(full).expand(b, h, nq, nk).reshape(b * h, nq, nk)
+    if kbias is not None:
+        fin = fin & torch.isfinite(kbias)
+    if causal:
+        fin = fin & torch.ones(nq, nk, dtype=torch.bool).tril_()
+    return fin.any(-1)
+
+
+def _check_dn(
+    s: Tensor, dp: Tensor | None, h0: int, h1: int, g: int, nq: int, nk: int, kbias: Tensor | None,
+    w: Tensor | None, m: Tensor, beta: Tensor, u: Tensor | None, alpha: Tensor, binv: Tensor | None,
+    rs: Tensor | None, rho: Tensor | None, drow: Tensor | None,
+) -> None:
+    """What ``dn_fwd`` (``dp`` None) / ``dn_bwd`` read and write for the heads ``[h0, h1)`` of ``G``: the
+    chunk's dense ``(h1 − h0, Nq, Nk)`` scores ``s`` (and ``dp``), per absolute head ``Nk`` entries of
+    ``kbias``, ``m``, ``beta``, ``u``, ``Nq`` of ``alpha``, ``binv``, ``rs``, ``rho``, ``drow``, one of ``w``;
+    HNAS (``w`` given) needs ``u``, ``binv`` (and ``rho`` in the forward)."""
+    kernel = "dn_fwd" if dp is None else "dn_bwd"
+    f32 = torch.float32
+    if not 0 <= h0 <= h1 <= g:
+        require_size(kernel, "h1", h1, at_least=h0, at_most=g)
+        require_size(kernel, "h0", h0, at_most=h1)
+    require(kernel, "s", s, dtype=f32, numel=(h1 - h0) * nq * nk)
+    if dp is not None:
+        require(kernel, "dp", dp, dtype=f32, numel=(h1 - h0) * nq * nk)
+    for name, t, n in (("kbias", kbias, nk), ("w", w, 1), ("m", m, nk), ("beta", beta, nk), ("u", u, nk),
+                       ("alpha", alpha, nq), ("binv", binv, nq), ("rs", rs, nq), ("rho", rho, nq),
+                       ("drow", drow, nq)):
+        if t is not None:
+            require(kernel, name, t, dtype=f32, numel=g * n)
+    if w is not None and (u is None or binv is None or (dp is None and rho is None)):
+        raise fail(kernel, None, "HNAS (w given) without u / binv / rho")
+    if dp is None and rs is None:
+        raise fail(kernel, "rs", "missing")
+
+
+class _NativeSinkhorn(torch.autograd.Function):
+    """DNAS (``w is None``) or HNAS, K = 1, on contiguous 4-D ``(B, H, N, ·)`` float32 inputs."""
+
+    @staticmethod
+    @_native.untraced
+    def forward(
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, causal: bool,
+        scale: float, lib: ctypes.CDLL, info: list[bool],
+    ) -> Tensor:
+        b, h, nq, _ = q.shape
+        nk, dv = k.shape[-2], v.shape[-1]
+        g = b * h
+        qs = (q * scale).reshape(g, nq, -1)
+        k3, v3 = k.reshape(g, nk, -1), v.reshape(g, nk, dv)
+        key_only = mask is not None and mask.shape[-2] == 1
+        kbias = _flat(mask, b, h, (1, nk)) if key_only else None
+        full = mask if mask is not None and not key_only else None
+        wv = _flat(w, b, h, (1, 1))
+        m, beta = q.new_empty(g, nk), q.new_empty(g, nk)
+        u = q.new_empty(g, nk) if w is not None else None
+        alpha, rs = q.new_empty(g, nq), q.new_empty(g, nq)
+        binv, rho = (q.new_empty(g, nq), q.new_empty(g, nq)) if w is not None else (None, None)
+        out = q.new_empty(g, nq, dv)
+        parts = _chunks(g, nq * nk)
+        work = q.new_empty((parts[0][1] - parts[0][0]) * nq * nk)
+        c = _INT(int(causal))
+        for h0, h1 in parts:
+            ws = work[: (h1 - h0) * nq * nk].view(-1, nq, nk)
+            s = torch.bmm(qs[h0:h1], k3[h0:h1].transpose(-2, -1), out=ws)
+            if full is not None:
+                _add_mask(s, full, h, h0, h1)
+            _check_dn(s, None, h0, h1, g, nq, nk, kbias, wv, m, beta, u, alpha, binv, rs, rho, None)
+            _heads(lambda a, e, s=s, h0=h0: lib.dn_fwd(
+                _p(s), _I64(h0), _p(kbias), _p(wv), _p(m), _p(beta), _p(u), _p(alpha), _p(binv), _p(rs),
+                _p(rho), _I64(a), _I64(e), _I64(nq), _I64(nk), c), h0, h1, nq * nk)
+            torch.bmm(s, v3[h0:h1], out=out[h0:h1])
+        thr = torch.finfo(torch.float32).tiny * 2.0**40
+        dens = rs if rho is None else torch.minimum(rs, rho)
+        low = dens < thr
+        if bool(low.any()) and bool((low & _admissible_rows(full, kbias, causal, b, h, nq, nk)).any()):
+            info[0] = False
+            return q.new_empty(0)
+        ctx.save_for_backward(qs, k3, v3, wv, full, m, beta, u, alpha, binv)
+        ctx.shape = (b, h, nq, nk, causal, scale, lib, w is not None and w.requires_grad)
+        ctx.w_shape = None if w is None else w.shape
+        return out.view(b, h, nq, dv)
+
+    @staticmethod
+    @_native.untraced
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
+        refuse_double_backward(ctx, "DNAS/HNAS (native C path)", "use *_normalized_weights(...) @ v")
+        qs, k3, v3, wv, full, m, beta, u, alpha, binv = ctx.saved_tensors
+        b, h, nq, nk, causal, scale, lib, _ = ctx.shape
+        g, dv_ = b * h, v3.shape[-1]
+        need_w = ctx.w_shape is not None and ctx.needs_input_grad[3]
+        d3 = dout.reshape(g, nq, dv_).contiguous()
+        dq, dk, dvv = torch.empty_like(qs), torch.empty_like(k3), torch.empty_like(v3)
+        drow = qs.new_empty(g, nq) if need_w else None
+        parts = _chunks(g, nq * nk)
+        n = (parts[0][1] - parts[0][0]) * nq * nk
+        work, work2 = qs.new_empty(n), qs.new_empty(n)
+        c = _INT(int(causal))
+        for h0, h1 in parts:
+            size = (h1 - h0) * nq * nk
+            s = torch.bmm(qs[h0:h1], k3[h0:h1].transpose(-2, -1), out=work[:size].view(-1, nq, nk))
+            if full is not None:
+                _add_mask(s, full, h, h0, h1)
+            dp = torch.bmm(d3[h0:h1], v3[h0:h1].transpose(-2, -1), out=work2[:size].view(-1, nq, nk))
+            _check_dn(s, dp, h0, h1, g, nq, nk, None, wv, m, beta, u, alpha, binv, None, None, drow)
+            _heads(lambda a, e, s=s, dp=dp, h0=h0: lib.dn_bwd(
+                _p(s), _p(dp), _I64(h0), _p(wv), _p(m), _p(beta), _p(u), _p(alpha), _p(binv), _p(drow),
+                _I64(a), _I64(e), _I64(nq), _I64(nk), c), h0, h1, nq * nk)
+            torch.bmm(s.transpose(-2, -1), d3[h0:h1], out=dvv[h0:h1])
+            torch.bmm(dp, k3[h0:h1], out=dq[h0:h1])
+            torch.bmm(dp.transpose(-2, -1), qs[h0:h1], out=dk[h0:h1])
+        dq.mul_(scale)
+        dw = None
+        if drow is not None:
+            dw = reduce_to(drow.view(b, h, nq, 1), ctx.w_shape)
+        return (dq.view(b, h, nq, -1), dk.view(b, h, nk, -1), dvv.view(b, h, nk, dv_), dw,
+                None, None, None, None, None)
+
+
+@_native.untraced
+def no_grad_small(
+    lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, causal: bool, scale: float,
+) -> Tensor | None:
+    """DNAS / HNAS (K = 1) forward without autograd on 3-D ``(G, N, ·)`` float32, no mask (and
+    ``is_causal`` only with ``Nk <= Nq``: every row and key admissible); ``None`` on underflow.
+
+    One C call over all heads (up to ``THRESHOLDS.dnas_scaling_chunk_entries``
+    scores, split over threads by heads) on scores scaled in the GEMM, then ``P V``: no autograd
+    Function, no chunking, one flat buffer for the per-head vectors. ``w``: ``None``
+    (DNAS) or a float32 tensor of ``G`` contiguous entries.
+    """
+    g, nq, _ = q.shape
+    nk = k.shape[-2]
+    s = torch.baddbmm(q.new_empty(1, 1, 1), q, k.transpose(-2, -1), beta=0.0, alpha=scale)
+    hyb = w is not None
+    per_k, per_q = (3 if hyb else 2) * g * nk, (4 if hyb else 2) * g * nq
+    buf = q.new_empty(per_k + per_q)
+    base, f = buf.data_ptr(), 4  # float32: m, beta, [u] | rs, [rho], alpha, [binv]
+    m, beta = base, base + g * nk * f
+    u = base + 2 * g * nk * f if hyb else None
+    rs = base + per_k * f
+    rho = rs + g * nq * f if hyb else None
+    alpha = rs + (2 if hyb else 1) * g * nq * f
+    binv = alpha + g * nq * f if hyb else None
+    ptr = ctypes.c_void_p
+    c = _INT(int(causal))
+    require("dn_fwd", "s", s, dtype=torch.float32, numel=g * nq * nk)
+    require("dn_fwd", "buf", buf, dtype=torch.float32, numel=per_k + per_q)
+    if w is not None:
+        require("dn_fwd", "w", w, dtype=torch.float32, numel=g)
+    _native.parallel_rows(lambda a, e: lib.dn_fwd(
+        ptr(s.data_ptr()), _I64(0), None, _p(w), ptr(m), ptr(beta), None if u is None else ptr(u), ptr(alpha),
+        None if binv is None else ptr(binv), ptr(rs), None if rho is None else ptr(rho), _I64(a), _I64(e),
+        _I64(nq), _I64(nk), c), g, nq * nk)
+    dens = buf[per_k : per_k + (2 if hyb else 1) * g * nq]  # rs (and rho): every row is admissible
+    if float(dens.min()) < torch.finfo(torch.float32).tiny * 2.0**40:
+        return None
+    return torch.bmm(s, v)
+
+
+def native_sinkhorn(
+    lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, causal: bool,
+    scale: float,
+) -> Tensor | None:
+    """DNAS (``w=None``) or HNAS (K = 1) on contiguous ``(B, H, N, ·)`` float32; ``None`` on underflow.
+
+    Arguments as :func:`attnopt.functional.doubly_normalized.scaling.fused_sinkhorn`.
+    """
+    info = [True]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out: Tensor = _NativeSinkhorn.apply(q, k, v, w, mask, causal, scale, lib, info)
+    return out if info[0] else None

@@ -1,0 +1,319 @@
+r"""The implicit spectral densities' sampler in C (internal; ``_native/spectral_sample.c``).
+
+The same function as :class:`.spectral._SpectralSample` (implicit-kernel-attention
+eq. 5–8 for ``S`` point sets, the MIKAN copula ``e = L̃ε`` and the analytic KL): the whole
+forward in one C call, the whole closed-form backward (``dh``, ``dε``, the copula's ``d raw``
+and every network parameter's gradient) in another. At the sizes models train at the PyTorch
+node is ~15 ops forward and ~30 backward on tensors of a few kB (B·H = 8: ~0.5–0.7 ms of per-op
+overhead, more than SDPA's whole forward and backward); the C calls do the same arithmetic in
+register-blocked loops, one thread.
+
+Used for CPU float32/float64 tensors with storage (not ``torch.func`` / fake tensors), all of
+one dtype, and the stock network shapes, on one torch thread or up to
+``THRESHOLDS.spectral_threaded_max_points`` base points; elsewhere (and with ``ATTNOPT_NATIVE=0`` or no
+compiler) the PyTorch node runs. Measured (one thread, loaded 2-core machine; IKAN's two sets,
+R = 16, d = 64): forward + backward of the sampler alone 0.58 → 0.26 ms at B·H = 8 (the C
+calls ~30 µs each, the rest Python and autograd), 1.1 → 0.7 ms at B·H = 64. float32's
+``tanh`` is a rational approximation (max error ~6 ulp); float64 uses libm's. Double backward
+differentiates the plain PyTorch form of the function (exact second derivatives).
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnopt import _func, _native
+from attnopt._native.checks import fail, require, require_dense, require_view
+from attnopt.functional._autograd import double_backward
+from attnopt.functional._thresholds import THRESHOLDS
+from attnopt.functional.kernel.spectral_reference import sample_plain
+
+__all__ = ["library", "native_sample"]
+
+_I64, _VP = ctypes.c_int64, ctypes.c_void_p
+_PF64 = ctypes.POINTER(ctypes.c_double)
+
+
+def library(
+    h: Tensor, noise: Tensor, raw: Tensor | None, params: list[Tensor], keys: bool = False,
+    half: int | None = None,
+) -> ctypes.CDLL | None:
+    """The compiled ``spectral_sample.c`` when the native path applies, else ``None``: CPU
+    float32/64 tensors with storage (not ``torch.func`` / fake tensors), one dtype, contiguous
+    parameters shaped as the stock networks' (``W₁ₐ (hid, d)``, ``b₁ₐ (hid)``, ``W₁ᵦ (2d, hid)``,
+    ``b₁ᵦ (2d)``, ``W₂ₐ (hid, d)``, ``b₂ₐ (hid)``, ``W₂ᵦ (d, hid)``, ``b₂ᵦ (d)`` per set); with
+    more than one torch thread, at most ``THRESHOLDS.spectral_threaded_max_points`` base points.
+    ``keys``: ``h`` is the keys ``(..., H, N, d)`` whose mean over ``N`` is the summary
+    (:func:`native_sample`);
+    ``half``: the base points per set and head, where ``noise`` is a stand-in (else its ``shape[-2]``)."""
+    if torch.compiler.is_compiling():  # fake tensors: no memory for the C kernel
+        return None
+    dt = h.dtype
+    # inside a torch.func transform (its tensors are wrapped: no storage to read) the PyTorch node
+    # runs; outside one no tensor is wrapped, and subclasses (fake tensors) fail the type test
+    if (dt not in _DTYPES or not h.is_cpu or h.dim() < 2 or not params or len(params) % 8
+            or type(h) not in _PLAIN or type(noise) not in _PLAIN or noise.dtype != dt or not noise.is_cpu
+            or (raw is not None and (type(raw) not in _PLAIN or raw.dtype != dt or not raw.is_cpu))
+            or _func.under_transform()):
+        return None
+    if _WRAPPED(h) or _WRAPPED(noise) or (raw is not None and _WRAPPED(raw)):  # dead torch.func wrappers
+        return None
+    half = noise.shape[-2] if half is None else half
+    points = h.numel() // max(h.shape[-1], 1) * half * (len(params) // 8)
+    if keys:
+        points //= max(h.shape[-2], 1)
+    if points > THRESHOLDS.spectral_threaded_max_points and torch.get_num_threads() > 1:
+        return None  # the C kernel runs on one thread: large samples go to the multithreaded matmuls
+    shapes = _shapes(len(params) // 8, h.shape[-1], params[0].shape[0])
+    for p, shape in zip(params, shapes, strict=True):  # one pass: ~0.4 µs a parameter
+        if (p.shape != shape or p.dtype is not dt or type(p) not in _PLAIN or not p.is_contiguous()
+                or not p.is_cpu or _WRAPPED(p)):
+            return None
+    return _native.library("spectral_sample")
+
+
+_DTYPES = (torch.float32, torch.float64)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_WRAPPED = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+_SHAPES: dict[tuple[int, int, int], tuple[torch.Size, ...]] = {}
+
+
+def _shapes(n_sets: int, d: int, hid: int) -> tuple[torch.Size, ...]:
+    key = (n_sets, d, hid)
+    hit = _SHAPES.get(key)
+    if hit is None:
+        one = [(hid, d), (hid,), (2 * d, hid), (2 * d,), (hid, d), (hid,), (d, hid), (d,)]
+        hit = _SHAPES[key] = tuple(torch.Size(s) for s in one * n_sets)
+    return hit
+
+
+def _functions(lib: ctypes.CDLL, dtype: torch.dtype) -> tuple[Any, Any]:
+    """The forward and backward C functions for ``dtype``, argument types declared once per library object."""
+    suffix = "f64" if dtype == torch.float64 else "f32"
+    done: dict[str, tuple[Any, Any]] = lib.__dict__.setdefault("_attnopt_declared", {})
+    hit = done.get(suffix)
+    if hit is not None:
+        return hit
+    fwd, bwd = getattr(lib, f"ss_fwd_{suffix}"), getattr(lib, f"ss_bwd_{suffix}")
+    fwd.restype = bwd.restype = ctypes.c_int
+    dims = [_I64] * 6
+    # noise, its strides, raw, the parameters' addresses (an int64 array: a ctypes array or an
+    # address), scales
+    rest = [_VP, _I64, _I64, _I64, _VP, _VP, _PF64]
+    fwd.argtypes = [*dims, _VP, _I64, _VP, *rest, _VP, _VP, _VP, _VP]
+    bwd.argtypes = [*dims, _VP, *rest, _VP, _VP, _VP, _I64, _I64, _VP, _I64, _VP, ctypes.c_int,
+                    _VP, _VP, _VP]
+    done[suffix] = (fwd, bwd)
+    return fwd, bwd
+
+
+def _noise_layout(noise: Tensor, n_sets: int, lead: tuple[int, ...], half: int, d: int) -> Tensor:
+    """The noise as ``(S, B, H, half, d)`` with unit strides inside each ``(half, d)`` block
+    (broadcast dims keep stride 0: the eval buffer is not copied per example)."""
+    if len(lead) == 2 and noise.shape[1:3] == lead and noise.dim() == 5 and noise.is_contiguous():
+        return noise  # a fresh draw per example: as it is
+    ne = noise.expand(n_sets, *lead, half, d)
+    if len(lead) == 1:
+        ne = ne.unsqueeze(1)
+    elif len(lead) > 2:
+        ne = ne.reshape(n_sets, -1, lead[-1], half, d)
+    if ne.stride(-1) != 1 or ne.stride(-2) != d:
+        ne = ne.contiguous()
+    return ne
+
+
+#: a dense buffer handed to C: a tensor, or ``(scratch, offset)`` (a region of a plan's scratch)
+Dense = Tensor | tuple[Tensor, int] | tuple[Tensor, int, int]
+
+
+def check_sample(
+    kernel: str, dims: tuple[int, ...], h: Dense, n: int, hbuf: Dense | None, noise: Dense,
+    strides: tuple[int, ...], raw: Tensor | None, params: list[Tensor] | tuple[Tensor, ...],
+    scales: tuple[float, ...] | int, ws: Dense, *, pts: Dense | None = None, kl: Dense | None = None,
+    klm: Tensor | None = None, gpts: Dense | None = None, gkl: Tensor | None = None, gks: int = 0,
+    dh: Tensor | None = None, nkeys: int = 0, dkeys: Tensor | None = None, dnoise: Tensor | None = None,
+    draw: Tensor | None = None, grads: list[Tensor] | None = None,
+) -> None:
+    """What ``ss_fwd`` / ``ss_bwd`` of ``spectral_sample.c`` read and write, ``dims = (S, B, H, half,
+    d, hid)``, ``M = B·H``, ``R = M·half``: ``h`` dense ``(M, d)``, or with ``n > 0`` keys ``(M, n, d)`` and
+    ``hbuf (M, d)``; the noise element ``(s, b, m, i, k)`` at ``s·ns + b·nb + m·nh + i·d + k``; ``raw (H, H)``
+    dense; 8 ``S`` dense parameters of the stock shapes; ``S`` scales; the workspace ``S·set_stride + 2H²``
+    (copula); ``pts (M, S, 2, half, d)``, ``kl (B)``, ``klm ()``. The backward's ``gpts`` like ``pts``,
+    ``gkl[b·gks]``, ``dh (M, d)``, ``dkeys (M, nkeys, d)``, ``dnoise (S, R, d)``, ``draw (H, H)`` and
+    gradients shaped as the parameters. A dense buffer is a tensor or ``(scratch, offset)``
+    (:func:`attnopt._native.checks.require_dense`)."""
+    n_sets, b, heads, half, d, hid = dims
+    m = b * heads
+    dtype = (h[0] if isinstance(h, tuple) else h).dtype
+    require_dense(kernel, "h", h, dtype=dtype, numel=m * (n if n > 0 else 1) * d)
+    if n > 0:
+        if hbuf is None:
+            raise fail(kernel, "hbuf", "missing")
+        require_dense(kernel, "hbuf", hbuf, dtype=dtype, numel=m * d)
+    ns, nb, nh = strides
+    nt, at, end = (noise[0], noise[1], noise[2] if len(noise) > 2 else None) if isinstance(noise,
+                                                                                           tuple) else (
+        noise, 0, None)
+    require_view(kernel, "noise", nt, dtype=dtype, sizes=(n_sets, b, heads, half, d), strides=(ns, nb, nh,
+                                                                                               d, 1),
+                 offset=at, limit=end)
+    cop = raw is not None
+    if raw is not None:
+        require(kernel, "raw", raw, dtype=dtype, numel=heads * heads)
+    n_scales = scales if isinstance(scales, int) else len(scales)
+    if len(params) != 8 * n_sets or n_scales != n_sets:
+        raise fail(kernel, None, f"{len(params)} parameters and "
+                   f"{n_scales} scales for {n_sets} sets")
+    shapes = _shapes(n_sets, d, hid)
+    for i, p in enumerate(params):  # (inline tests, no call per tensor: 16 to 48 tensors a call)
+        if p.shape != shapes[i] or p.dtype is not dtype or not p.is_contiguous() or not p.is_cpu:
+            raise fail(kernel, f"parameter {i}", f"shape "
+                       f"{tuple(p.shape)}, {p.dtype}, expected a contiguous CPU {tuple(shapes[i])}, {dtype}")
+    for i, gr in enumerate(grads or ()):
+        if gr.shape != shapes[i] or gr.dtype is not dtype or not gr.is_contiguous() or not gr.is_cpu:
+            raise fail(kernel, f"grad {i}", f"shape {tuple(gr.shape)}, {gr.dtype}, expected a contiguous CPU "
+                       f"{tuple(shapes[i])}, {dtype}")
+    need = n_sets * _set_stride(m, half, d, hid, cop) + (2 * heads * heads if cop else 0)
+    require_dense(kernel, "ws", ws, dtype=dtype, numel=need)
+    per = m * n_sets * 2 * half * d
+    for name, x, size in (("pts", pts, per), ("kl", kl, b), ("kl_mean", klm, 1), ("gpts", gpts, per),
+                          ("dh", dh, m * d), ("dkeys", dkeys, m * nkeys * d), ("dnoise", dnoise,
+                                                                               n_sets * m * half * d),
+                          ("draw", draw, heads * heads)):
+        if x is not None:
+            require_dense(kernel, name, x, dtype=dtype, numel=size)
+    if gkl is not None:
+        require_view(kernel, "gkl", gkl, dtype=dtype, sizes=(b,), strides=(gks,))
+
+
+def _ptr(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _set_stride(m: int, half: int, d: int, hid: int, cop: bool) -> int:
+    """Workspace entries per set (``set_stride`` of the C file)."""
+    r = m * half
+    return m * hid + 3 * m * d + r * d + r * hid + (r * d if cop else 0)
+
+
+class _NativeSpectralSample(torch.autograd.Function):
+    """Inputs as :class:`.spectral._SpectralSample`, plus the library."""
+
+    @staticmethod
+    @_native.untraced
+    def forward(
+        ctx: Any, src: Tensor, noise: Tensor, raw: Tensor | None, scales: tuple[float, ...], lib: ctypes.CDLL,
+        kl_mean: bool, keys: bool, *params: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        # keys: src is (..., H, N, d) and h its mean over N (ImplicitKernelAttention._head_summary),
+        # taken in the C call (no nodes of its own)
+        n_sets = len(scales)
+        half, d = noise.shape[-2], noise.shape[-1]
+        lead = src.shape[:-2] if keys else src.shape[:-1]
+        heads = lead[-1]
+        batch = math.prod(lead[:-1])
+        hid = params[0].shape[0]
+        m = batch * heads
+        nkeys = src.shape[-2] if keys else 0
+        hc = src.contiguous()
+        h = src.new_empty(*lead, d) if keys else src
+        ne = _noise_layout(noise, n_sets, lead, half, d)
+        cop = raw is not None
+        rc = raw.contiguous() if raw is not None else None
+        pts = h.new_empty(*lead, n_sets * 2 * half, d)
+        kl = h.new_empty(lead[:-1])
+        klm = h.new_empty(()) if kl_mean else None
+        ws = h.new_empty(n_sets * _set_stride(m, half, d, hid, cop) + (2 * heads * heads if cop else 0))
+        addrs = (ctypes.c_int64 * len(params))(*[p.data_ptr() for p in params])
+        sc = (ctypes.c_double * n_sets)(*scales)
+        fwd, _ = _functions(lib, h.dtype)
+        dims = (n_sets, batch, heads, half, d, hid)
+        strides = (ne.stride(0), ne.stride(1), ne.stride(2))
+        check_sample("ss_fwd", dims, hc, nkeys, h, ne, strides, rc, params, scales, ws, pts=pts, kl=kl,
+                     klm=klm)
+        if fwd(*dims, hc.data_ptr(), nkeys, h.data_ptr(), ne.data_ptr(), *strides, _ptr(rc), addrs, sc,
+               pts.data_ptr(), kl.data_ptr(), _ptr(klm), ws.data_ptr()):
+            raise MemoryError("spectral sampler (native): out of memory for its scratch")
+        ctx.dims, ctx.strides, ctx.scales, ctx.lib, ctx.sc = dims, strides, scales, lib, sc
+        ctx.kl_mean, ctx.keys = kl_mean, (src.shape if keys else None)
+        ctx.save_for_backward(src, h if keys else None, noise, raw, ws, ne, *params)
+        return pts, (kl if klm is None else klm)  # the mean in C: no autograd node (nor aten op) of its own
+
+    @staticmethod
+    @_native.untraced
+    def backward(ctx: Any, gpts: Tensor, gkl: Tensor) -> tuple[Tensor | None, ...]:
+        src, h, noise, raw, ws, ne, *params = ctx.saved_tensors
+        if h is None:
+            h = src
+        need = ctx.needs_input_grad
+        if double_backward(ctx):  # create_graph=True: differentiate the plain ops (exact double backward)
+            return _plain_backward(ctx, src, noise, raw, params, gpts, gkl)
+        n_sets, batch, heads, half, d, hid = ctx.dims
+        m = batch * heads
+        gp = gpts.contiguous()
+        # the KL's gradient per example: the mean's backward hands an expanded (B,) tensor (stride 0);
+        # of the mean taken here, gkl / B for every example (divided in C, read with stride 0)
+        gk = gkl if gkl.dim() == 1 or ctx.kl_mean else gkl.contiguous()
+        gdiv = batch if ctx.kl_mean else 1
+        # keys: the mean's backward (dh / N on every key) in C, written to a new tensor
+        dkeys = h.new_empty(ctx.keys) if ctx.keys is not None and need[0] else None
+        dh = h.new_empty(m, d) if need[0] and ctx.keys is None else None
+        dn = h.new_empty(n_sets, m, half, d) if need[1] else None
+        draw = h.new_empty(heads, heads) if raw is not None and need[2] else None
+        grads = [torch.empty_like(p) for p in params]
+        # the addresses again from the saved parameters (``p.data = ...`` between forward and
+        # backward swaps their storage without a version bump: never read a stale address)
+        addrs = (ctypes.c_int64 * len(params))(*[p.data_ptr() for p in params])
+        gaddrs = (ctypes.c_int64 * len(grads))(*[g.data_ptr() for g in grads])
+        _, bwd = _functions(ctx.lib, h.dtype)
+        rc = raw.contiguous() if raw is not None else None
+        gks = 0 if ctx.kl_mean else gk.stride(0) if gk.dim() == 1 else 1
+        nkeys = 0 if ctx.keys is None else ctx.keys[-2]
+        # held by a name through the call (a temporary's memory is freed as soon as its address is taken)
+        hc = h.contiguous()
+        check_sample("ss_bwd", ctx.dims, hc, 0, None, ne, ctx.strides, rc, params, ctx.scales, ws, gpts=gp,
+                     gkl=gk,
+                     gks=gks, dh=dh, nkeys=nkeys, dkeys=dkeys, dnoise=dn, draw=draw, grads=grads)
+        if bwd(*ctx.dims, hc.data_ptr(), ne.data_ptr(), *ctx.strides, _ptr(rc), addrs, ctx.sc,
+               ws.data_ptr(), gp.data_ptr(), gk.data_ptr(), gks, gdiv, _ptr(dh), nkeys, _ptr(dkeys), 0,
+               _ptr(dn), _ptr(draw), gaddrs):
+            raise MemoryError("spectral sampler (native): out of memory for its scratch")
+        dnoise = None
+        if dn is not None:
+            dnoise = dn.view(n_sets, *h.shape[:-1], half, d).sum_to_size(noise.shape)
+        dsrc = dkeys if ctx.keys is not None else None if dh is None else dh.view_as(h)
+        return (dsrc, dnoise, draw, None, None, None, None,
+                *(g if n else None for g, n in zip(grads, need[7:], strict=True)))
+
+
+def _plain_backward(
+    ctx: Any, src: Tensor, noise: Tensor, raw: Tensor | None, params: list[Tensor], gpts: Tensor, gkl: Tensor
+) -> tuple[Tensor | None, ...]:
+    inputs = [src, noise, raw, None, None, None, None, *params]
+    need = [x for x, n in zip(inputs, ctx.needs_input_grad, strict=True) if n and x is not None]
+    with torch.enable_grad():
+        h = torch.div(src.sum(dim=-2), src.shape[-2]) if ctx.keys is not None else src
+        pts, kl = sample_plain(h, noise, raw, ctx.scales, params)
+        if ctx.kl_mean:
+            kl = kl.mean()
+    grads = iter(torch.autograd.grad((pts, kl), need, (gpts, gkl), create_graph=True, allow_unused=True))
+    return tuple(next(grads) if n and x is not None else None
+                 for x, n in zip(inputs, ctx.needs_input_grad, strict=True))
+
+
+def native_sample(
+    h: Tensor, noise: Tensor, raw: Tensor | None, scales: tuple[float, ...], params: list[Tensor],
+    lib: ctypes.CDLL, kl_mean: bool = False, keys: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """``(points, kl)`` of :func:`.spectral.sample_spectral_points` in C (``lib``: :func:`library`);
+    ``kl_mean``: the KL's batch mean (0-d) in place of the per-example KL; ``keys``: ``h`` is the
+    keys ``(..., H, N ≥ 1, d)``, the summary their mean over ``N`` (taken inside the node)."""
+    out: tuple[Tensor, Tensor] = _NativeSpectralSample.apply(
+        h, noise, raw, scales, lib, kl_mean, keys, *params)
+    return out
