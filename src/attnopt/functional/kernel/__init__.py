@@ -15,7 +15,9 @@ exactly SDPA (Prop. 1) and is computed by SDPA. ``magnitude_p=None`` drops the m
 ``mode="linear"`` (kernels with a feature map) computes the same output in O(N) time and
 memory (see :mod:`attnopt.functional.kernel.linear`). On a CUDA tensor with Triton installed (or
 under ``attnopt.backend("triton")``) the quadratic mode with a squared feature kernel or RBF runs
-the Triton kernels of :mod:`attnopt.functional.triton.kernel` (``last_dispatch["kernel"] == "triton"``).
+the Triton kernels of :mod:`attnopt.functional.triton.kernel` (``last_dispatch["kernel"] == "triton"``;
+random Fourier kernels with features and magnitude fused in the kernel), and so does the causal
+linear mode with a random Fourier kernel (a chunked scan).
 """
 from __future__ import annotations
 
