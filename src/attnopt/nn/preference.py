@@ -118,7 +118,7 @@ class T5RelativePreference(PreferenceModule):
             return weight.new_zeros(1, self.num_heads, query_len, key_len)
         # the bias depends on j − i only: one autograd node lays the bucket values out as a Toeplitz
         # matrix (in C where the native kernels run); its backward sums the gradient over diagonals
-        # and adds the sums into the buckets. The table rides along (see _toeplitz): the C paths of
+        # and adds the sums into the buckets. The table rides along (see its toeplitz.py): the C paths of
         # generalized attention read it (or the per-offset values gathered from it) instead of the
         # bias and send the gradient to it directly (no (H, Nq, Nk) gradient)
         buckets, index = self._buckets(query_len, key_len, weight.device)
@@ -328,7 +328,7 @@ class ALiBiPreference(PreferenceModule):
         bias = self._build(query_len, key_len, per_offset).to(dtype).contiguous()
         if len(cache) >= 8:
             cache.clear()
-        if per_offset is not None:  # the C path of generalized attention reads these (see _toeplitz)
+        if per_offset is not None:  # the C path of generalized attention reads these (its toeplitz.py)
             mark_toeplitz(bias, per_offset.to(dtype))
         # the slopes' memory is named by a weak reference to its storage object (PyTorch keeps one
         # Python object per storage while it lives), not by its address: a freed storage's address

@@ -109,10 +109,6 @@ def _check_options(kernel: object, magnitude_p: float | None, eps: float, mode: 
         raise ValueError(f"mode must be 'quadratic' or 'linear', got {mode!r}")
 
 
-#: (the name the Triton kernels of :mod:`attnopt.functional.triton.kernel` import)
-_key_bias = key_bias
-
-
 def _log_similarity(kernel: Kernel, q: Tensor, k: Tensor, eps: float) -> Tensor:
     if kernel.squared:
         return torch.log(kernel(q, k).square() + eps)
