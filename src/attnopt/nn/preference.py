@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from attnopt import _func, _native
 from attnopt._native.checks import fail, require, require_view
+from attnopt.functional._thresholds import THRESHOLDS
 from attnopt.functional.generalized.toeplitz import mark_toeplitz, mark_toeplitz_table
 
 __all__ = [
@@ -128,7 +129,7 @@ class T5RelativePreference(PreferenceModule):
         return mark_toeplitz_table(bias, weight, buckets)
 
     def _buckets(self, query_len: int, key_len: int, device: torch.device) -> tuple[Tensor, Tensor | None]:
-        """Bucket of each offset ``j − i = −(Nq−1) … Nk−1`` and, up to :data:`GATHER_LIMIT`
+        """Bucket of each offset ``j − i = −(Nq−1) … Nk−1`` and, up to ``THRESHOLDS.t5_gather_limit``
         entries, the flat offset index of the ``(Nq, Nk)`` grid; cached per (Nq, Nk, device)."""
         key = (query_len, key_len, device)
         cache: dict[tuple[int, int, torch.device], tuple[Tensor, Tensor | None]] = self.__dict__.setdefault(
@@ -141,7 +142,7 @@ class T5RelativePreference(PreferenceModule):
                 max_distance=self.max_distance,
             )
             index = None
-            if query_len * key_len <= GATHER_LIMIT:
+            if query_len * key_len <= THRESHOLDS.t5_gather_limit:
                 i = torch.arange(query_len, device=device)
                 j = torch.arange(key_len, device=device)
                 index = (j[None, :] - i[:, None] + (query_len - 1)).flatten()
@@ -167,11 +168,6 @@ def _toeplitz_view(buf: Tensor, nq: int, nk: int) -> Tensor:
     return buf.as_strided((h, nq, nk), (nq * c, c - 1, 1), buf.storage_offset() + nq - 1)
 
 
-#: Largest ``Nq·Nk`` for which T5RelativePreference caches a flat ``(Nq·Nk,)`` offset index and
-#: index-adds the backward through it (3–4x faster than the strided Toeplitz copy at N = 512; the
-#: forward lays the rows out by ``unfold``, faster than either);
-#: above it, the O(Nq + Nk) strided route keeps the cache small.
-GATHER_LIMIT = 1 << 20
 
 
 def _t5_plain(table: Tensor, buckets: Tensor, nq: int, nk: int) -> Tensor:
