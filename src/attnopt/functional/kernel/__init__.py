@@ -49,6 +49,7 @@ from attnopt.functional._denormal import sdpa
 from attnopt.functional._dropout import check_dropout_p, dropout_attention
 from attnopt.functional._softmax import safe_softmax
 from attnopt.functional._thresholds import THRESHOLDS
+from attnopt.functional.kernel import periodic, periodic_cpu
 from attnopt.functional.kernel.chunked import chunked_feature_kernel_attention
 from attnopt.functional.kernel.fourier import (
     fused_fourier_attention,
@@ -56,7 +57,6 @@ from attnopt.functional.kernel.fourier import (
 )
 from attnopt.functional.kernel.linear import linear_kernel_attention
 from attnopt.functional.kernel.magnitude import key_bias, log_magnitude
-from attnopt.functional.kernel.periodic import fused_periodic_attention, periodic_fused_ok
 from attnopt.kernels import RBF, Kernel, Periodic
 from attnopt.kernels._base import check_dim
 
@@ -330,7 +330,7 @@ def _periodic(
     gradient, or ``torch.func``'s wrapped tensors, which the plain ops of the general path take)."""
     compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     c = kernel.inv_sq_lengthscale(q.shape[-1])
-    if not (periodic_fused_ok(c, compute, attn_mask) and has_storage(q, k, v, attn_mask)):
+    if not (periodic.periodic_fused_ok(c, compute, attn_mask) and has_storage(q, k, v, attn_mask)):
         return None
     _check_options(kernel, magnitude_p, eps, "quadratic")
     s = resolve_scale(scale, q.shape[-1])
@@ -338,10 +338,20 @@ def _periodic(
     bias = None if l2 else key_bias(k, magnitude_p, s, compute)
     mask = None if attn_mask is None and not is_causal else _full_mask(q, k, attn_mask, is_causal, compute)
     dispatch.record("kernel", "materialized")
-    out = fused_periodic_attention(
-        q.to(compute), k.to(compute), v.to(compute), omega=2.0 * math.pi / kernel.period, c=c,
-        magnitude_scale=s if l2 else None, key_bias=bias, mask=mask,
-    )
+    qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)
+    omega = 2.0 * math.pi / kernel.period
+    prep = periodic.prepare(qc, kc, vc, magnitude_scale=s if l2 else None, key_bias=bias, mask=mask)
+    lib = periodic_cpu.library(qc, kc, vc, prep.e3, prep.m3)
+    if lib is None:
+        out = periodic.periodic_node(qc, kc, vc, prep, omega=omega, c=c)
+    else:  # the same node with its elementwise passes in C
+        def rows(x: Tensor) -> Tensor:  # no tracked view where the node can flatten x itself
+            same = tuple(x.shape[:-2]) == prep.batch and x.is_contiguous()
+            return x if same else periodic.flat(x, prep.batch)
+
+        out = periodic_cpu.native_periodic_attention(
+            lib, rows(qc), rows(kc), rows(vc), prep.e3, prep.m3, prep.rep, omega * omega, float(c), prep.s,
+            prep.save, THRESHOLDS.periodic_chunk_bytes, prep.batch)
     return out.to(q.dtype)
 
 
