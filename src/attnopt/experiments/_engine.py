@@ -43,8 +43,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Sampler
 
 from attnopt.experiments import get_task
-from attnopt.experiments._atomic import atomic_write_text
-from attnopt.experiments._results import write_figures, write_results_md
+from attnopt.experiments._results import atomic_write_text, write_figures, write_results_md
 from attnopt.experiments._task import DataBundle, RunConfig, Task, dataset_len
 from attnopt.models import auxiliary_loss
 
