@@ -123,7 +123,10 @@ class T5RelativePreference(PreferenceModule):
         # generalized attention read it (or the per-offset values gathered from it) instead of the
         # bias and send the gradient to it directly (no (H, Nq, Nk) gradient)
         buckets, index = self._buckets(query_len, key_len, weight.device)
-        if _func.under_transform():  # torch.func (vmap, grad, ...), forward AD: plain ops, no custom node
+        if _func.under_transform() or torch.compiler.is_compiling():
+            # torch.func (vmap, grad, ...), forward AD, or traced by torch.compile / export: plain ops,
+            # no custom node (the node's C forward is untraced: inside an autograd.Function that dynamo
+            # traces as a higher-order op, an untraced frame cannot graph-break: fullgraph fails)
             return _t5_plain(weight, buckets, query_len, key_len)
         bias: Tensor = _T5Bias.apply(weight, buckets, index, query_len, key_len)
         return mark_toeplitz_table(bias, weight, buckets)
