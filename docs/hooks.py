@@ -33,7 +33,19 @@ INTERNAL = ("attnopt.cli", "attnopt.cli_analyze", "attnopt.cli_train", "attnopt.
             "attnopt.bench.", "attnopt.experiments.", "attnopt.analysis.analyze_report")
 
 
+#: the mechanism families of ``attnopt.functional``: each a package whose ``__init__`` holds the public
+#: ops (documented on the package, with its members); its other files are implementations, not API ...
+FAMILIES = ("attnopt.functional.doubly_normalized", "attnopt.functional.generalized",
+            "attnopt.functional.kernel", "attnopt.functional.ot", "attnopt.functional.regularized")
+#: ... but for these, which are API of their own (the sparse maps, the Fenchel-Young losses, the
+#: regularizers, the linear mode of kernel attention)
+FAMILY_API = ("attnopt.functional.regularized.maps", "attnopt.functional.regularized.losses",
+              "attnopt.functional.regularized.regularizers", "attnopt.functional.kernel.linear")
+
+
 def _internal(mod: str) -> bool:
+    if mod.rpartition(".")[0] in FAMILIES and mod not in FAMILY_API:
+        return True
     return any(mod.startswith(p) if p.endswith(".") else mod == p or mod.startswith(p + ".")
                for p in INTERNAL)
 
@@ -71,7 +83,9 @@ def api_pages(modules: list[str]) -> dict[str, str]:
         for mod in mods:
             is_pkg = (PACKAGE.parent / Path(*mod.split(".")) / "__init__.py").exists()
             lines.append(f"::: {mod}")
-            if is_pkg:  # the package's docstring only; its members are documented in their modules
+            # a package: its docstring only, its members are documented in their modules (a family
+            # package holds its public ops itself)
+            if is_pkg and mod not in FAMILIES:
                 lines += ["    options:", "      members: false"]
             lines.append("")
         pages[_page(key)] = "\n".join(lines)

@@ -11,7 +11,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from attnopt.dual import (
-    _mem_core,
     approx_lambda,
     gaussian_mem,
     mem_dual_objective,
@@ -19,6 +18,7 @@ from attnopt.dual import (
     solve_mem,
 )
 from attnopt.dual._mem_batch import canonicalize
+from attnopt.functional._thresholds import THRESHOLDS
 from tests.reference.mem import dual_oracle, primal_objective, primal_oracle
 
 F64 = torch.float64
@@ -69,7 +69,7 @@ def test_theorem1_primal_equals_dual(n, d, alpha):
 @pytest.mark.parametrize("force_cg", [False, True])
 def test_lowrank_equals_dense(n, d, force_cg, monkeypatch):
     if force_cg:  # route every low-rank solve through conjugate gradients
-        monkeypatch.setattr(_mem_core, "_DIRECT_MAX_ENTRIES", 0)
+        monkeypatch.setattr(THRESHOLDS, "mem_direct_max_entries", 0)
     T, z, u = _instance(n, d, seed=3, batch=(2, 3))
     a = solve_mem(T, z, preference=u, alpha=1.5, method="lowrank", tol=1e-11)
     b = solve_mem(T, z, preference=u, alpha=1.5, method="dense", tol=1e-11)

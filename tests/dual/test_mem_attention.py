@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from attnopt import generalized_attention, generalized_weights, mem_attention, mem_weights, solve_mem
-from attnopt.dual import _mem_core, mem_estimate
+from attnopt.dual import mem_estimate
+from attnopt.functional._thresholds import THRESHOLDS
 
 F64 = torch.float64
 
@@ -30,7 +31,7 @@ def test_gradcheck_mem_estimate(n, d, alpha):
 
 
 def test_gradcheck_cg_backward(monkeypatch):
-    monkeypatch.setattr(_mem_core, "_DIRECT_MAX_ENTRIES", 0)  # Woodbury solves through CG
+    monkeypatch.setattr(THRESHOLDS, "mem_direct_max_entries", 0)  # Woodbury solves through CG
     g = torch.Generator().manual_seed(1)
     T = torch.randn(1, 2, 1, 3, 5, generator=g, dtype=F64, requires_grad=True)
     z = torch.randn(1, 2, 2, 5, generator=g, dtype=F64, requires_grad=True)

@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch import func
 
-from attnopt.dual import _mem_core, mem_attention
+from attnopt.dual import mem_attention
 from attnopt.functional import dispatch, generalized_attention, kernel_attention
+from attnopt.functional._thresholds import THRESHOLDS
 from attnopt.kernels import Linear
 
 # PyTorch warns where it batches an op by a loop (no batching rule): correct, only slower
@@ -82,7 +83,7 @@ def test_mem_conjugate_gradient_backward_under_vmap_of_grad(monkeypatch):
         a, b = q[e : e + 1].clone().requires_grad_(), k[e : e + 1].clone().requires_grad_()
         loss(a, b).backward()
         want.append((a.grad[0], b.grad[0]))
-    monkeypatch.setattr(_mem_core, "_DIRECT_MAX_ENTRIES", 0)
+    monkeypatch.setattr(THRESHOLDS, "mem_direct_max_entries", 0)
     got = func.vmap(func.grad(lambda a, b: loss(a[None], b[None]), argnums=(0, 1)))(q, k)
     for e in range(2):
         torch.testing.assert_close(got[0][e], want[e][0], rtol=1e-8, atol=1e-10)

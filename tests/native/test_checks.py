@@ -403,10 +403,10 @@ def test_e2e_fused_biased_softmax_strides(small_native, monkeypatch):
 
 @needs_native
 def test_e2e_periodic_mask_rows(small_native, monkeypatch):
-    from attnopt.functional.kernel import periodic as _periodic_fused
+    from attnopt.functional.kernel import periodic_cpu
 
-    real = _periodic_fused.native_periodic_attention
-    monkeypatch.setattr(_periodic_fused, "native_periodic_attention",
+    real = periodic_cpu.native_periodic_attention
+    monkeypatch.setattr(periodic_cpu, "native_periodic_attention",
                         lambda lib, q, k, v, e, m, rep, *rest: real(lib, q, k, v, e, m, 1, *rest))
     q, k, v = (torch.randn(2, 3, 5, 4, requires_grad=True) for _ in range(3))
     mask = torch.zeros(2, 1, 5, 5)  # per example and query (a key-only mask joins the key bias)

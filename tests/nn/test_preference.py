@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from attnopt.functional._thresholds import THRESHOLDS
 from attnopt.nn import ALiBiPreference, KeyPreference, T5RelativePreference
 from attnopt.nn.preference import alibi_slopes, relative_position_bucket
 
@@ -77,7 +78,7 @@ def test_t5_bias_and_bucket_gradient_match_elementwise_lookup(monkeypatch, gathe
     from attnopt.nn import preference as pref
 
     monkeypatch.setenv("ATTNOPT_NATIVE", native)
-    monkeypatch.setattr(pref, "GATHER_LIMIT", gather_limit)
+    monkeypatch.setattr(THRESHOLDS, "t5_gather_limit", gather_limit)
     nq, nk = shape
     t5 = pref.T5RelativePreference(3, num_buckets=8, max_distance=16).double()
     rel = torch.arange(nk)[None, :] - torch.arange(nq)[:, None]

@@ -11,6 +11,7 @@ import torch
 import attnopt.functional.kernel.spectral as sf
 from attnopt import _native
 from attnopt.functional._thresholds import THRESHOLDS
+from attnopt.functional.kernel import sample_spectral_points
 from attnopt.functional.kernel import spectral_cpu as sn
 from attnopt.nn.implicit_kernel import ImplicitKernelAttention
 from tests.nn.test_spectral_fused import _copula_reference, _densities, _reference
@@ -49,7 +50,7 @@ def test_native_matches_the_written_out_math(n_sets, lead, d, hidden, half, copu
     raw = torch.randn(heads, heads, generator=g, dtype=F64).requires_grad_() if copula else None
     params = sf.fusable(dens)
     assert sn.library(h, noise, raw, params) is not None
-    pts, kl = sf.sample_spectral_points(h, noise, dens, params, raw)
+    pts, kl = sample_spectral_points(h, noise, dens, params, raw)
     assert _node(pts) == "_NativeSpectralSampleBackward"
     ref_pts, ref_kl = _copula_reference(h, noise, dens, raw) if copula else _reference(h, noise, dens)
     torch.testing.assert_close(pts, ref_pts, rtol=1e-12, atol=1e-12)
@@ -71,7 +72,7 @@ def test_native_gradcheck_with_copula_and_broadcast_noise():
     raw = torch.randn(3, 3, generator=g, dtype=F64).requires_grad_()
 
     def fn(h, noise, raw, *ps):
-        return sf.sample_spectral_points(h, noise, dens, list(ps), raw)
+        return sample_spectral_points(h, noise, dens, list(ps), raw)
 
     assert _node(fn(h, noise, raw, *params)[0]) == "_NativeSpectralSampleBackward"
     assert torch.autograd.gradcheck(fn, (h, noise, raw, *params))
@@ -90,7 +91,7 @@ def test_native_double_backward_is_exact():
     def fn(h, noise, raw, w1a, w2b):
         ps = list(params)
         ps[0], ps[6] = w1a, w2b
-        return sf.sample_spectral_points(h, noise, dens, ps, raw)
+        return sample_spectral_points(h, noise, dens, ps, raw)
 
     assert _node(fn(h, noise, raw, params[0], params[6])[0]) == "_NativeSpectralSampleBackward"
     assert torch.autograd.gradgradcheck(fn, (h, noise, raw, params[0], params[6]))
@@ -115,7 +116,7 @@ def test_native_float32_agrees_with_the_pytorch_node(variant, monkeypatch):
     gp, gk = torch.randn(3, 8, 32, 64, generator=g), torch.randn(3, generator=g)
 
     def run():
-        pts, kl = sf.sample_spectral_points(h, noise, mod.densities, params, raw)
+        pts, kl = sample_spectral_points(h, noise, mod.densities, params, raw)
         return _node(pts), (pts, kl, *torch.autograd.grad((pts, kl), leaves, (gp, gk)))
 
     node, got = run()
@@ -152,9 +153,9 @@ def test_non_finite_inputs_give_the_same_nans(monkeypatch):
     h[0, 1, 2] = float("nan")
     h[1, 0, 0] = float("inf")
     noise = torch.randn(2, 2, 3, 2, 3, generator=g, dtype=F64)
-    got = sf.sample_spectral_points(h, noise, dens, params)
+    got = sample_spectral_points(h, noise, dens, params)
     _plain_path(monkeypatch)
-    want = sf.sample_spectral_points(h, noise, dens, params)
+    want = sample_spectral_points(h, noise, dens, params)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, equal_nan=True)
     assert got[0].isnan().any() and got[0][1, 1:].isfinite().all()
@@ -177,7 +178,7 @@ def test_fallback_conditions(monkeypatch):
     assert sn.library(h, noise, None, odd) is None
     odd[2] = params[2].t().contiguous().t()  # non-contiguous
     assert sn.library(h, noise, None, odd) is None
-    native = sf.sample_spectral_points(h, noise, dens, params)[0]
+    native = sample_spectral_points(h, noise, dens, params)[0]
 
     seen = []
 
@@ -201,7 +202,7 @@ def test_fallback_conditions(monkeypatch):
         torch.set_num_threads(threads)
     _plain_path(monkeypatch)
     assert sn.library(h, noise, None, params) is None
-    plain = sf.sample_spectral_points(h, noise, dens, params)[0]
+    plain = sample_spectral_points(h, noise, dens, params)[0]
     torch.testing.assert_close(plain, native, rtol=1e-12, atol=1e-12)
 
 
@@ -247,8 +248,8 @@ def test_kl_mean_inside_the_node_is_the_mean_of_the_per_example_kl(native, monke
     h = torch.randn(3, 2, 3, generator=g, dtype=F64).requires_grad_()
     noise = torch.randn(2, 3, 2, 2, 3, generator=g, dtype=F64)
     raw = torch.randn(2, 2, generator=g, dtype=F64).requires_grad_()
-    pts, kl = sf.sample_spectral_points(h, noise, dens, params, raw)
-    pts_m, kl_m = sf.sample_spectral_points(h, noise, dens, params, raw, kl_mean=True)
+    pts, kl = sample_spectral_points(h, noise, dens, params, raw)
+    pts_m, kl_m = sample_spectral_points(h, noise, dens, params, raw, kl_mean=True)
     assert (_node(pts_m) == "_NativeSpectralSampleBackward") == native
     assert kl_m.shape == () and torch.equal(kl_m, kl.mean()) and torch.equal(pts_m, pts)
     gp = torch.randn(pts.shape, generator=g, dtype=F64)
@@ -261,7 +262,7 @@ def test_kl_mean_inside_the_node_is_the_mean_of_the_per_example_kl(native, monke
     if native:  # (the PyTorch path's mean is a plain autograd op)
         def fn(h, raw, p0, p7):  # the first layer's weight and the last bias stand for the parameters
             ps = [p0, *params[1:7], p7, *params[8:]]
-            return sf.sample_spectral_points(h, noise, dens, ps, raw, kl_mean=True)
+            return sample_spectral_points(h, noise, dens, ps, raw, kl_mean=True)
 
         assert torch.autograd.gradcheck(fn, (h, raw, params[0], params[7]))
 
@@ -275,9 +276,9 @@ def test_head_summary_inside_the_node_matches_the_mean_then_the_sampler():
     params = sf.fusable(dens)
     k = torch.randn(2, 2, 5, 3, generator=g, dtype=F64).requires_grad_()
     noise = torch.randn(2, 2, 2, 1, 3, generator=g, dtype=F64)
-    pts, kl = sf.sample_spectral_points(k, noise, dens, params, keys=True, kl_mean=True)
+    pts, kl = sample_spectral_points(k, noise, dens, params, keys=True, kl_mean=True)
     assert _node(pts) == "_NativeSpectralSampleBackward"
-    ref_pts, ref_kl = sf.sample_spectral_points(k.mean(-2), noise, dens, params, kl_mean=True)
+    ref_pts, ref_kl = sample_spectral_points(k.mean(-2), noise, dens, params, kl_mean=True)
     torch.testing.assert_close(pts, ref_pts, rtol=1e-13, atol=1e-13)
     torch.testing.assert_close(kl, ref_kl, rtol=1e-13, atol=1e-13)
     gp = torch.randn(pts.shape, generator=g, dtype=F64)
@@ -287,8 +288,8 @@ def test_head_summary_inside_the_node_matches_the_mean_then_the_sampler():
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
     def fn(x):
-        return sf.sample_spectral_points(x, noise, dens, params, keys=True)
+        return sample_spectral_points(x, noise, dens, params, keys=True)
 
     assert torch.autograd.gradcheck(fn, (k,))
     assert torch.autograd.gradgradcheck(  # the double backward of both: the keys' mean and the KL's
-        lambda x: sf.sample_spectral_points(x, noise, dens, params, keys=True, kl_mean=True)[1], (k,))
+        lambda x: sample_spectral_points(x, noise, dens, params, keys=True, kl_mean=True)[1], (k,))

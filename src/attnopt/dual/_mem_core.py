@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from attnopt.functional._thresholds import THRESHOLDS
+
 __all__ = ["newton_mem", "apply_inverse_hessian", "gram", "tol_floor"]
 
 _ARMIJO = 1e-4
@@ -121,13 +123,10 @@ def _cg_lowrank(G: Tensor, p: Tensor, alpha: float, y: Tensor, rtol: Tensor, max
     return x
 
 
-_DIRECT_MAX_ENTRIES = 1 << 21
-
-
 def lowrank_solve(G: Tensor, p: Tensor, alpha: float, y: Tensor, rtol: Tensor | float) -> Tensor:
     """``(I/α + W G)^{-1} y`` for ``y (K,Q,n)``: direct LU when small, else CG to ``rtol``."""
     K, Q, n = y.shape[0], max(y.shape[1], p.shape[1]), y.shape[-1]
-    if K * Q * n * n <= _DIRECT_MAX_ENTRIES:
+    if K * Q * n * n <= THRESHOLDS.mem_direct_max_entries:
         return torch.linalg.solve(_lowrank_matrix(G, p, alpha), y.expand(K, Q, n).unsqueeze(-1)).squeeze(-1)
     rt = torch.as_tensor(rtol, dtype=y.dtype, device=y.device).expand(K, Q)
     return _cg_lowrank(G, p.expand(K, Q, n), alpha, y.expand(K, Q, n), rt, max_cg=max(4 * n, 50))

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Sampler
 
 from attnopt.experiments import get_task
-from attnopt.experiments._results import write_figures, write_results_md
+from attnopt.experiments._results import atomic_write_text, write_figures, write_results_md
 from attnopt.experiments._task import DataBundle, RunConfig, Task, dataset_len
 from attnopt.models import auxiliary_loss
 
@@ -117,17 +117,6 @@ def _quiet_lightning() -> Iterator[None]:
 
 
 # --------------------------------------------------------------------------- files
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temp file in the same folder and ``os.replace``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``torch.save`` to a temp file, ``fsync``, then ``os.replace``: a checkpoint is whole or absent."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -11,7 +12,19 @@ from typing import Any
 from attnopt.experiments._stats import mean_ci
 from attnopt.experiments._task import Task
 
-__all__ = ["summarize", "write_results_md", "write_figures", "paper_value", "mean_ci_text"]
+__all__ = ["atomic_write_text", "summarize", "write_results_md", "write_figures", "paper_value",
+           "mean_ci_text"]
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temp file in the same folder and ``os.replace``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
 
 
 def paper_value(task: Task, dataset: str | None, arm: str, lr: float | None = None) -> float | None:
@@ -91,8 +104,6 @@ def _scale_name(scale: set[bool]) -> str:
 
 def write_results_md(task: Task, records: Sequence[Mapping[str, Any]], path: Path) -> Path:
     """Write the Markdown results table (atomically) and return its path."""
-    from attnopt.experiments._engine import atomic_write_text
-
     scale = {bool(r.get("config", {}).get("quick")) for r in records}
     epochs = sorted({r.get("config", {}).get("epochs") for r in records})
     head = [

@@ -172,6 +172,15 @@ class Thresholds:
     #: batched matmuls split over the threads catch up
     spectral_threaded_max_points: int = 1024
 
+    # -- outside functional/ ------------------------------------------------------------------------
+    #: largest ``Nq·Nk`` for which ``attnopt.nn.T5RelativePreference`` caches a flat offset index and
+    #: index-adds the backward through it (3–4× faster than the strided Toeplitz copy at N = 512);
+    #: above, the O(Nq + Nk) strided route keeps the cache small
+    t5_gather_limit: int = 1 << 20
+    #: MEM solver (``attnopt.dual``): largest ``K·Q·n²`` solved by a direct LU; above, conjugate
+    #: gradients to the tolerance
+    mem_direct_max_entries: int = 1 << 21
+
 
 #: The live table every router reads.
 THRESHOLDS = Thresholds()

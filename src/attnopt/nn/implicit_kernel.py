@@ -34,10 +34,10 @@ import torch
 from torch import Tensor, nn
 
 from attnopt import _func
-from attnopt.functional.kernel import kernel_attention, kernel_weights
+from attnopt.functional.kernel import kernel_attention, kernel_weights, sample_spectral_points
 from attnopt.functional.kernel.gaussian_noise import draw_seed, gaussian_noise, noise_from_seed
 from attnopt.functional.kernel.sampled_fourier import sampled_fourier_attention
-from attnopt.functional.kernel.spectral import fusable, sample_spectral_points
+from attnopt.functional.kernel.spectral import fusable
 from attnopt.kernels import Kernel, NonStationaryFourier, RandomFourier
 from attnopt.nn._multihead import MultiheadBase
 from attnopt.nn.spectral import GaussianCopula, ImplicitSpectralDensity
@@ -142,7 +142,8 @@ class ImplicitKernelAttention(MultiheadBase):
 
     def _base_noise(self, k: Tensor, seed: Tensor | None = None) -> Tensor:
         """Every set's base noise ``(S, B, H, R/2, d)`` in one draw (training: float32 values from one
-        seed of the module's generator, :mod:`._gaussian_noise`; eval: the fixed buffer).
+        seed of the module's generator, :mod:`~attnopt.functional.kernel.gaussian_noise`; eval: the
+        fixed buffer).
 
         ``seed``: the training draw's seed when the caller drew it already (:meth:`_attend_whole`).
         """
@@ -278,7 +279,8 @@ class ImplicitKernelAttention(MultiheadBase):
         return out, None
 
     def _attend_whole(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor | None, Tensor | None]:
-        """``(base noise or None, O or None)``: the one-node path of :mod:`._sampled_fourier` where it
+        """``(base noise or None, O or None)``: the one-node path of
+        :mod:`~attnopt.functional.kernel.sampled_fourier` where it
         applies (stock networks and copula, quadratic mode). In training it takes the draw's seed
         (the node makes the values); where it does not apply the noise of that seed is handed on
         to the two-node path (one draw either way: the same random stream)."""

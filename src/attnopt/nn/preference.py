@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from attnopt import _func, _native
 from attnopt._native.checks import fail, require, require_view
+from attnopt.functional._thresholds import THRESHOLDS
 from attnopt.functional.generalized.toeplitz import mark_toeplitz, mark_toeplitz_table
 
 __all__ = [
@@ -118,17 +119,20 @@ class T5RelativePreference(PreferenceModule):
             return weight.new_zeros(1, self.num_heads, query_len, key_len)
         # the bias depends on j − i only: one autograd node lays the bucket values out as a Toeplitz
         # matrix (in C where the native kernels run); its backward sums the gradient over diagonals
-        # and adds the sums into the buckets. The table rides along (see _toeplitz): the C paths of
+        # and adds the sums into the buckets. The table rides along (see its toeplitz.py): the C paths of
         # generalized attention read it (or the per-offset values gathered from it) instead of the
         # bias and send the gradient to it directly (no (H, Nq, Nk) gradient)
         buckets, index = self._buckets(query_len, key_len, weight.device)
-        if _func.under_transform():  # torch.func (vmap, grad, ...), forward AD: plain ops, no custom node
+        if _func.under_transform() or torch.compiler.is_compiling():
+            # torch.func (vmap, grad, ...), forward AD, or traced by torch.compile / export: plain ops,
+            # no custom node (the node's C forward is untraced: inside an autograd.Function that dynamo
+            # traces as a higher-order op, an untraced frame cannot graph-break: fullgraph fails)
             return _t5_plain(weight, buckets, query_len, key_len)
         bias: Tensor = _T5Bias.apply(weight, buckets, index, query_len, key_len)
         return mark_toeplitz_table(bias, weight, buckets)
 
     def _buckets(self, query_len: int, key_len: int, device: torch.device) -> tuple[Tensor, Tensor | None]:
-        """Bucket of each offset ``j − i = −(Nq−1) … Nk−1`` and, up to :data:`GATHER_LIMIT`
+        """Bucket of each offset ``j − i = −(Nq−1) … Nk−1`` and, up to ``THRESHOLDS.t5_gather_limit``
         entries, the flat offset index of the ``(Nq, Nk)`` grid; cached per (Nq, Nk, device)."""
         key = (query_len, key_len, device)
         cache: dict[tuple[int, int, torch.device], tuple[Tensor, Tensor | None]] = self.__dict__.setdefault(
@@ -141,7 +145,7 @@ class T5RelativePreference(PreferenceModule):
                 max_distance=self.max_distance,
             )
             index = None
-            if query_len * key_len <= GATHER_LIMIT:
+            if query_len * key_len <= THRESHOLDS.t5_gather_limit:
                 i = torch.arange(query_len, device=device)
                 j = torch.arange(key_len, device=device)
                 index = (j[None, :] - i[:, None] + (query_len - 1)).flatten()
@@ -167,11 +171,6 @@ def _toeplitz_view(buf: Tensor, nq: int, nk: int) -> Tensor:
     return buf.as_strided((h, nq, nk), (nq * c, c - 1, 1), buf.storage_offset() + nq - 1)
 
 
-#: Largest ``Nq·Nk`` for which T5RelativePreference caches a flat ``(Nq·Nk,)`` offset index and
-#: index-adds the backward through it (3–4x faster than the strided Toeplitz copy at N = 512; the
-#: forward lays the rows out by ``unfold``, faster than either);
-#: above it, the O(Nq + Nk) strided route keeps the cache small.
-GATHER_LIMIT = 1 << 20
 
 
 def _t5_plain(table: Tensor, buckets: Tensor, nq: int, nk: int) -> Tensor:
@@ -372,7 +371,7 @@ class ALiBiPreference(PreferenceModule):
         bias = self._build(query_len, key_len, per_offset).to(dtype).contiguous()
         if len(cache) >= 8:
             cache.clear()
-        if per_offset is not None:  # the C path of generalized attention reads these (see _toeplitz)
+        if per_offset is not None:  # the C path of generalized attention reads these (its toeplitz.py)
             mark_toeplitz(bias, per_offset.to(dtype))
         # the slopes' memory is named by a weak reference to its storage object (PyTorch keeps one
         # Python object per storage while it lives), not by its address: a freed storage's address

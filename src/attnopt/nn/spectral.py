@@ -22,8 +22,9 @@ import math
 import torch
 from torch import Tensor, nn
 
+from attnopt.functional.kernel import sample_spectral_points
 from attnopt.functional.kernel.gaussian_noise import gaussian_noise
-from attnopt.functional.kernel.spectral import copula_factor, fusable, sample_spectral_points
+from attnopt.functional.kernel.spectral import copula_factor, fusable
 
 __all__ = ["ImplicitSpectralDensity", "ImplicitSpectralPoints", "GaussianCopula"]
 
@@ -188,7 +189,8 @@ class ImplicitSpectralPoints(nn.Module):
         params = fusable(self.densities)
         if params is not None:  # the same draws, per set, then every set's math in one node
             n_sets = len(self.densities)
-            if self.training:  # one draw per set (a seed each, :mod:`._gaussian_noise`), stacked
+            # one draw per set (a seed each, functional/kernel/gaussian_noise.py), stacked
+            if self.training:
                 shape = (*batch, self.num_heads, half, self.dim)
                 stacked = torch.stack([gaussian_noise(shape, self._generator) for _ in range(n_sets)])
                 stacked = stacked.to(device=h.device, dtype=h.dtype)

@@ -60,7 +60,7 @@ def main() -> int:
     # implicit-kernel attention: the fused random-Fourier pass and the causal linear-mode scan (R = 32)
     ika = {name: "bf16" for name in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV_")}
     ika.update({name: "fp32" for name in ("W", "CB", "M", "L", "SC", "DELTA", "DCB", "DW", "CR", "DEN",
-                                          "ST")})
+                                          "ST", "ZT")})
     fused = dict(HAS_MASK=False, D=64, DV=64, RP=32, BLOCK_M=128, BLOCK_N=64, ACC=tl.float32, PREC="tf32")
     for causal, mag, sets in ((0, 1, 2), (1, 3, 1)):
         for fn in (_fourier._fwd_kernel, _fourier._bwd_keys_kernel, _fourier._bwd_queries_kernel):

@@ -49,8 +49,11 @@ def _check(sets, p, padding, key_scale=1.0):
     assert_close(out, ref, 1e-11, what="out")
     if padding == "keys":  # row 0 of batch 0 sees only the padded key 0: zeros, as the reference
         assert out[0, :, 0].abs().max() == 0
+    # p < 1: nearly one-hot rows, whose exact dk is ~0 and is returned as rounding times the
+    # magnitude's large derivative (kernel_attention's docstring): 2e-9 where the reference has 0
+    tol = 1e-9 if p is None or p >= 1 else 1e-7
     for i, (got, want) in enumerate(zip(grads(out, (q, k, v, w)), grads(ref, (q, k, v, w)))):
-        assert_close(got, want, 1e-9, rtol=1e-9, what="dq dk dv dW".split()[i])
+        assert_close(got, want, tol, rtol=1e-9, what="dq dk dv dW".split()[i])
 
 
 def test_causal_scan_matches_float64_reference():
@@ -113,3 +116,22 @@ def test_causal_scan_any_shape(n, d, dv, r, sets, p, seed):
     assert_close(out, ref, 1e-10, what="out")
     for i, (got, want) in enumerate(zip(grads(out, (q, k, v, w)), grads(ref, (q, k, v, w)))):
         assert_close(got, want, 1e-8, rtol=1e-8, what="dq dk dv dW".split()[i])
+
+
+@pytest.mark.slow
+def test_causal_scan_gradcheck():
+    """torch.autograd.gradcheck of the scan op itself (float64, 20 rows = one full and one partial
+    chunk, in-kernel L^1.5 magnitude, a differentiable key log-weight with one excluded key); fast
+    mode (random projections: the full Jacobian took ~6 min in the interpreter)."""
+    from attnopt.functional.triton._fourier_scan import ika_causal_scan
+
+    q, k, v = rand(1, 1, 20, 3, seed=7), rand(1, 1, 20, 3, seed=8), rand(1, 1, 20, 2, seed=9)
+    w = rand(1, 1, 4, 3, seed=10)
+    cb = 0.3 * torch.randn(1, 1, 20, dtype=torch.float64, generator=torch.Generator().manual_seed(11))
+    cb[..., 5] = float("-inf")
+    cb = cb.to(DEVICE).requires_grad_()
+
+    def fn(q, k, v, w, cb):
+        return ika_causal_scan(q, k, v, w, cb, magnitude_p=1.5, scale=0.4, eps=1e-3, coef=0.5, sets=2)
+    with blocks():
+        assert torch.autograd.gradcheck(fn, (q, k, v, w, cb), atol=1e-7, fast_mode=True)

@@ -144,10 +144,10 @@ def _materialized(
     compute = torch.float32 if orig in _HALF else orig
     nq, nk = q.shape[-2], k.shape[-2]
     mask = additive_mask(attn_mask, (*batch, nq, nk), compute)
-    qkv = []
-    for x in (q, k, v):
-        x = x if x.dtype == compute else x.to(compute)
-        qkv.append(x if tuple(x.shape[:-2]) == batch else x.expand(*batch, *x.shape[-2:]))
+    qc, kc, vc = (x if x.dtype == compute else x.to(compute) for x in (q, k, v))
+    qc, kc, vc = (x if tuple(x.shape[:-2]) == batch else x.expand(*batch, *x.shape[-2:])
+                  for x in (qc, kc, vc))
+    qkv = [qc, kc, vc]
     m = None if mask is None else mask.detach()
     w = None if weight is None else weight.to(compute)
     entries = nq * nk
@@ -165,7 +165,7 @@ def _materialized(
             out = cpu.no_grad_small(lib, q3, k3, v3, wf, is_causal, scale)
             out = None if out is None else out.view(*g, nq, v.shape[-1])
         else:
-            out = materialized.no_grad_forward(*qkv, w, is_causal, scale, iterations)
+            out = materialized.no_grad_forward(qc, kc, vc, w, is_causal, scale, iterations)
     elif lib is not None and entries >= t.dnas_native_min_entries:
         (q4, k4, v4), w4, m4 = _as_4d(qkv, w, m, batch)
         out = cpu.native_sinkhorn(lib, q4, k4, v4, w4, m4, is_causal, scale)
@@ -175,7 +175,7 @@ def _materialized(
         out = scaling.fused_sinkhorn(q4, k4, v4, w4, m4, is_causal, scale, iterations)
         out = None if out is None else out.reshape(*batch, nq, v.shape[-1])
     else:
-        out = materialized.materialized_sinkhorn(*qkv, w, m, is_causal, scale, iterations)
+        out = materialized.materialized_sinkhorn(qc, kc, vc, w, m, is_causal, scale, iterations)
     if out is None:  # an underflowing normalizer (a dominated row): the log domain, exact
         return reference.attention(q, k, v, iterations, weight, attn_mask, scale, is_causal)
     return out.to(orig)

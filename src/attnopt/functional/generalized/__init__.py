@@ -182,7 +182,7 @@ def generalized_attention(
     if bias is not None and _func.under_transform():  # torch.func, forward AD: plain differentiable ops
         return _transformed(q, k, v, bias, log_preference, alpha, dropout_p)
     if is_causal and log_preference is not None and attn_mask is None and bias is not None:
-        bias = causal_toeplitz(log_preference, bias)  # a relative-position bias stays one (see _toeplitz)
+        bias = causal_toeplitz(log_preference, bias)  # a relative-position bias stays one (see .toeplitz)
     path = _path(q, k, v, bias, dropout_p, impl)
     if path == "materialized":
         dispatch.record("generalized_kernel", "node")

@@ -15,7 +15,9 @@ exactly SDPA (Prop. 1) and is computed by SDPA. ``magnitude_p=None`` drops the m
 ``mode="linear"`` (kernels with a feature map) computes the same output in O(N) time and
 memory (see :mod:`attnopt.functional.kernel.linear`). On a CUDA tensor with Triton installed (or
 under ``attnopt.backend("triton")``) the quadratic mode with a squared feature kernel or RBF runs
-the Triton kernels of :mod:`attnopt.functional.triton.kernel` (``last_dispatch["kernel"] == "triton"``).
+the Triton kernels of :mod:`attnopt.functional.triton.kernel` (``last_dispatch["kernel"] == "triton"``;
+random Fourier kernels with features and magnitude fused in the kernel), and so does the causal
+linear mode with a random Fourier kernel (a chunked scan).
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ from attnopt.functional._denormal import sdpa
 from attnopt.functional._dropout import check_dropout_p, dropout_attention
 from attnopt.functional._softmax import safe_softmax
 from attnopt.functional._thresholds import THRESHOLDS
+from attnopt.functional.kernel import periodic, periodic_cpu, spectral, spectral_cpu
 from attnopt.functional.kernel.chunked import chunked_feature_kernel_attention
 from attnopt.functional.kernel.fourier import (
     fused_fourier_attention,
@@ -56,11 +59,11 @@ from attnopt.functional.kernel.fourier import (
 )
 from attnopt.functional.kernel.linear import linear_kernel_attention
 from attnopt.functional.kernel.magnitude import key_bias, log_magnitude
-from attnopt.functional.kernel.periodic import fused_periodic_attention, periodic_fused_ok
 from attnopt.kernels import RBF, Kernel, Periodic
 from attnopt.kernels._base import check_dim
 
-__all__ = ["kernel_attention", "kernel_weights", "log_magnitude", "split_key_query_mask"]
+__all__ = ["kernel_attention", "kernel_weights", "log_magnitude", "sample_spectral_points",
+           "split_key_query_mask"]
 
 Mode = Literal["quadratic", "linear"]
 
@@ -107,10 +110,6 @@ def _check_options(kernel: object, magnitude_p: float | None, eps: float, mode: 
         raise ValueError(f"eps must be a finite number >= 0, got {eps}")
     if mode not in ("quadratic", "linear"):
         raise ValueError(f"mode must be 'quadratic' or 'linear', got {mode!r}")
-
-
-#: (the name the Triton kernels of :mod:`attnopt.functional.triton.kernel` import)
-_key_bias = key_bias
 
 
 def _log_similarity(kernel: Kernel, q: Tensor, k: Tensor, eps: float) -> Tensor:
@@ -334,7 +333,7 @@ def _periodic(
     gradient, or ``torch.func``'s wrapped tensors, which the plain ops of the general path take)."""
     compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     c = kernel.inv_sq_lengthscale(q.shape[-1])
-    if not (periodic_fused_ok(c, compute, attn_mask) and has_storage(q, k, v, attn_mask)):
+    if not (periodic.periodic_fused_ok(c, compute, attn_mask) and has_storage(q, k, v, attn_mask)):
         return None
     _check_options(kernel, magnitude_p, eps, "quadratic")
     s = resolve_scale(scale, q.shape[-1])
@@ -342,10 +341,20 @@ def _periodic(
     bias = None if l2 else key_bias(k, magnitude_p, s, compute)
     mask = None if attn_mask is None and not is_causal else _full_mask(q, k, attn_mask, is_causal, compute)
     dispatch.record("kernel", "materialized")
-    out = fused_periodic_attention(
-        q.to(compute), k.to(compute), v.to(compute), omega=2.0 * math.pi / kernel.period, c=c,
-        magnitude_scale=s if l2 else None, key_bias=bias, mask=mask,
-    )
+    qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)
+    omega = 2.0 * math.pi / kernel.period
+    prep = periodic.prepare(qc, kc, vc, magnitude_scale=s if l2 else None, key_bias=bias, mask=mask)
+    lib = periodic_cpu.library(qc, kc, vc, prep.e3, prep.m3)
+    if lib is None:
+        out = periodic.periodic_node(qc, kc, vc, prep, omega=omega, c=c)
+    else:  # the same node with its elementwise passes in C
+        def rows(x: Tensor) -> Tensor:  # no tracked view where the node can flatten x itself
+            same = tuple(x.shape[:-2]) == prep.batch and x.is_contiguous()
+            return x if same else periodic.flat(x, prep.batch)
+
+        out = periodic_cpu.native_periodic_attention(
+            lib, rows(qc), rows(kc), rows(vc), prep.e3, prep.m3, prep.rep, omega * omega, float(c), prep.s,
+            prep.save, THRESHOLDS.periodic_chunk_bytes, prep.batch)
     return out.to(q.dtype)
 
 
@@ -579,3 +588,38 @@ def kernel_attention(
             out = _rbf_key_bias_sdpa(qc, kc, vc, inv_l2, bias, mask)
         return out.to(q.dtype)
     return _quadratic(qc, kc, vc, kernel, bias, mask, eps).to(q.dtype)
+
+
+def sample_spectral_points(
+    h: Tensor, noise: Tensor, densities: torch.nn.ModuleList, params: list[Tensor],
+    copula_raw: Tensor | None = None, kl_mean: bool = False, keys: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """All sets' spectral points and the KL, one node.
+
+    Args:
+        h: (..., H, d) head summaries.
+        noise: (S, ..., H, R/2, d) standard-normal base noise, broadcastable.
+        densities: the ``S`` :class:`~attnopt.nn.spectral.ImplicitSpectralDensity` modules.
+        params: :func:`.spectral.fusable` of ``densities``.
+        copula_raw: the :class:`~attnopt.nn.spectral.GaussianCopula`'s ``raw`` (H, H) parameter, or
+            None: the noise is correlated across the heads by its factor ``L̃`` inside the node.
+        kl_mean: return the KL's mean over the examples (0-d; taken inside the C node, no
+            autograd node of its own) in place of the per-example KL.
+        keys: ``h`` is given as the keys ``(..., H, N ≥ 1, d)``, and the summary is their mean over
+            ``N`` (``sum / N``, bitwise ``mean``), taken inside the C node (no nodes of its own).
+    The C sampler of :mod:`.spectral_cpu` runs where it applies (CPU float32/64, stock
+    networks), else the node of :mod:`.spectral`.
+
+    Returns:
+        ``(points (..., H, S·R, d), kl (...))``: set ``s`` is rows ``[sR, (s+1)R)``, each
+        ``[w⁺ ‖ −w⁺]``; ``kl = (R/2) Σ_s [Σ_{m,j} KL(N(μ, σ²) ‖ N(0, 1)) − (d/2)·log det C]``
+        (the copula term with ``copula_raw`` only).
+    """
+    scales = tuple(float(getattr(dens, "base_scale")) for dens in densities)  # noqa: B009
+    lib = spectral_cpu.library(h, noise, copula_raw, params, keys)
+    if lib is not None:  # the whole forward and backward in C (CPU float32/64)
+        return spectral_cpu.native_sample(h, noise, copula_raw, scales, params, lib, kl_mean, keys)
+    if keys:
+        h = torch.div(h.sum(dim=-2), h.shape[-2])
+    pts, kl = spectral.spectral_sample_node(h, noise, copula_raw, scales, params)
+    return pts, (kl.mean() if kl_mean else kl)

@@ -69,18 +69,28 @@ def draw_seed(generator: torch.Generator | None) -> Tensor:
     return torch.randint(-(1 << 63), (1 << 63) - 1, (), dtype=torch.int64, generator=generator)
 
 
-@_native.untraced
 def noise_from_seed(seed: Tensor, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> Tensor:
     """The draw of ``seed`` (:func:`draw_seed`) as a CPU tensor of ``shape``: float32 values, stored as
-    ``dtype`` (float32 or float64)."""
+    ``dtype`` (float32 or float64). The C fill where it runs (a plain CPU seed, eager), else the
+    PyTorch mirror (same bits): traced code never reaches the untraced C frame, so
+    ``torch.compile(fullgraph=True)`` has no graph break here."""
     if not torch.compiler.is_compiling() and seed.is_cpu and not _WRAPPED(seed):
-        fill = seeded_fill(dtype)
-        if fill is not None:
-            out = torch.empty(shape, dtype=dtype)
-            _check_normal_fill(seed, out, dtype)
-            fill(seed.data_ptr(), out.data_ptr(), out.numel())
+        out = _native_noise(seed, shape, dtype)
+        if out is not None:
             return out
     return _mirror(seed, shape).to(dtype)
+
+
+@_native.untraced
+def _native_noise(seed: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor | None:
+    """:func:`noise_from_seed` by ``normal_fill_at`` in C, or None where the library is not built."""
+    fill = seeded_fill(dtype)
+    if fill is None:
+        return None
+    out = torch.empty(shape, dtype=dtype)
+    _check_normal_fill(seed, out, dtype)
+    fill(seed.data_ptr(), out.data_ptr(), out.numel())
+    return out
 
 
 @torch.library.custom_op("attnopt::normal_fill", mutates_args=(), device_types="cpu")
@@ -88,23 +98,15 @@ def normal_fill(seed: Tensor, shape: list[int], dtype: torch.dtype) -> Tensor:
     """The draw of ``seed`` as a new CPU tensor of ``shape`` (``normal_fill_at_*``, issue 30 item 2:
     the C fill as one op for graphs; plain eager code calls :func:`noise_from_seed` directly, which
     saves the ``custom_op`` path's fixed per-call cost). Not differentiable (noise)."""
-    fill = seeded_fill(dtype)
-    if fill is None:  # no compiler / ATTNOPT_NATIVE=0: the PyTorch mirror, the same values
+    out = _native_noise(seed, tuple(shape), dtype)
+    if out is None:  # no compiler / ATTNOPT_NATIVE=0: the PyTorch mirror, the same values
         return _mirror(seed, tuple(shape)).to(dtype)
-    return _filled(fill, seed, tuple(shape), dtype)
+    return out
 
 
 @normal_fill.register_fake
 def _(seed: Tensor, shape: list[int], dtype: torch.dtype) -> Tensor:
     return seed.new_empty(shape, dtype=dtype)
-
-
-@_native.untraced
-def _filled(fill: Any, seed: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-    out = torch.empty(shape, dtype=dtype)
-    _check_normal_fill(seed, out, dtype)
-    fill(seed.data_ptr(), out.data_ptr(), out.numel())
-    return out
 
 
 def _check_normal_fill(seed: Tensor, out: Tensor, dtype: torch.dtype) -> None:

@@ -23,16 +23,16 @@ whose ``Nq × Nk`` blocks stay in cache. Forward per chunk: one matmul gives ``�
                  + s\,\textstyle\sum_i dL_{ij}\, k_j,\quad
           dv = W^\top g,\quad de_j = \textstyle\sum_i dL_{ij}.
 
-``θ`` and ``W`` are saved for the backward when they are small (``THRESHOLDS.periodic_save_bytes``) and
-recomputed chunk by chunk otherwise (as a flash kernel does: writing and re-reading large
-fresh buffers cost more than the recompute). ``sin θ/θ`` is smooth at ``θ = 0`` (``θ²`` is
-clamped at 1e-30, where it is 1), so the gradient at ``q_i = k_j`` is the kernel's, 0. A row
-with no admissible key gives zeros (and zero gradients). Subnormal weights are flushed to
-zero while the node runs (:mod:`.._denormal`).
+``θ`` and ``W`` are saved for the backward when they are small
+(``THRESHOLDS.periodic_save_bytes``) and recomputed chunk by chunk otherwise (as a flash kernel
+does: writing and re-reading large fresh buffers cost more than the recompute). ``sin θ/θ`` is
+smooth at ``θ = 0`` (``θ²`` is clamped at 1e-30, where it is 1), so the gradient at
+``q_i = k_j`` is the kernel's, 0. A row with no admissible key gives zeros (and zero
+gradients). Subnormal weights are flushed to zero while the node runs (:mod:`.._denormal`).
 
-On CPU float32/float64 tensors with storage the same node runs its elementwise passes in C
-(:mod:`.periodic_cpu`, ``_native/periodic.c``: one row pass in the forward, one in the
-backward, matmuls in torch); this PyTorch node is the fallback (no C compiler,
+On CPU float32/float64 tensors with storage the router runs the same node with its elementwise
+passes in C (:mod:`.periodic_cpu`, ``_native/periodic.c``: one row pass in the forward, one in
+the backward, matmuls in torch); this PyTorch node is the fallback (no C compiler,
 ``ATTNOPT_NATIVE=0``, CUDA). Measured fwd+bwd vs SDPA in the same run (one thread, loaded
 2-core machine, d = 64, float32), this node → the C passes: B·H = 8, N = 64 2.4× → 1.4×;
 B·H = 64, N = 64 1.3–1.5× → 1.0×; B·H = 8, N = 128 1.7× → 1.1–1.2×, N = 256 1.4–1.5× →
@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -53,9 +53,8 @@ from attnopt._validation import broadcast_shapes, host_readable
 from attnopt.functional._autograd import refuse_double_backward
 from attnopt.functional._denormal import flush_denormal
 from attnopt.functional._thresholds import THRESHOLDS
-from attnopt.functional.kernel.periodic_cpu import library, native_periodic_attention
 
-__all__ = ["fused_periodic_attention", "periodic_fused_ok", "MAX_C"]
+__all__ = ["MAX_C", "Prepared", "flat", "periodic_fused_ok", "periodic_node", "prepare"]
 #: Largest ``c = 1/l²`` per dtype: the weights ``exp(c cos θ + …)`` neither overflow nor all
 #: underflow (the largest logit of a row is within ``2c`` of its shift). Larger ``c`` (a tiny
 #: length-scale) takes the log-domain path of :func:`attnopt.functional.kernel_attention`.
@@ -65,8 +64,8 @@ _DEN_TINY = {torch.float32: 1e-30, torch.float64: 1e-300}  # below any row's lar
 
 
 def periodic_fused_ok(c: float, dtype: torch.dtype, attn_mask: Tensor | None) -> bool:
-    """Whether :func:`fused_periodic_attention` takes ``c`` in ``dtype`` (the compute dtype)
-    and ``attn_mask`` (it gives no gradient to a float mask)."""
+    """Whether the periodic node (:func:`periodic_node`, or its C passes) takes ``c`` in ``dtype``
+    (the compute dtype) and ``attn_mask`` (it gives no gradient to a float mask)."""
     return c <= MAX_C.get(dtype, 0.0) and (attn_mask is None or not attn_mask.requires_grad)
 
 
@@ -216,17 +215,30 @@ def _mask_groups(mask: Tensor, batch: tuple[int, ...], nq: int, nk: int) -> tupl
     return m.expand(*batch, nq, nk).reshape(-1, nq, nk), 1
 
 
-def fused_periodic_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, omega: float, c: float, magnitude_scale: float | None,
-    key_bias: Tensor | None, mask: Tensor | None,
-) -> Tensor:
-    """``O`` above for validated ``q (…, Nq, d)``, ``k (…, Nk, d)``, ``v (…, Nk, dv)`` of one dtype.
+class Prepared(NamedTuple):
+    """The flattened operands of one call (see :func:`prepare`)."""
+
+    batch: tuple[int, ...]
+    bh: int
+    e3: Tensor | None  # (B·H, 1, Nk) key bias, or None
+    m3: Tensor | None  # (groups, Nq, Nk) full mask, or None
+    rep: int  # batch rows sharing one mask group
+    save: bool  # keep θ and W for the backward
+    s: float  # the L2 magnitude's scale (0: none)
+
+
+def prepare(
+    q: Tensor, k: Tensor, v: Tensor, *, magnitude_scale: float | None, key_bias: Tensor | None,
+    mask: Tensor | None,
+) -> Prepared:
+    """The operands of the node (PyTorch or C) for validated ``q (…, Nq, d)``, ``k (…, Nk, d)``,
+    ``v (…, Nk, dv)`` of one dtype.
 
     ``magnitude_scale``: ``s`` of the L2 magnitude ``s‖k_j‖²/2`` (None: none); ``key_bias``
     ``(…, 1, Nk)``: any other key bias (may require grad); ``mask``: an additive mask
     broadcastable to ``(…, Nq, Nk)`` (constant); a key-only one joins the key bias.
     """
-    nq, nk, dv = q.shape[-2], k.shape[-2], v.shape[-1]
+    nq, nk = q.shape[-2], k.shape[-2]
     if mask is not None and (mask.dim() < 2 or mask.shape[-2] == 1):
         key_bias = mask if key_bias is None else key_bias + mask
         mask = None
@@ -234,23 +246,25 @@ def fused_periodic_attention(
     shapes += [x.shape[:-2] for x in (key_bias, mask) if x is not None]
     batch = broadcast_shapes(*shapes)
     bh, dt = math.prod(batch), q.dtype
-
-    def flat(x: Tensor) -> Tensor:
-        if x.dim() == len(batch) + 2 and tuple(x.shape[:-2]) == batch and x.is_contiguous():
-            return x.view(bh, *x.shape[-2:])
-        return x.expand(*batch, *x.shape[-2:]).reshape(bh, *x.shape[-2:]).contiguous()
-
-    e3 = None if key_bias is None else flat(key_bias.to(dt).reshape(*key_bias.shape[:-2], 1, nk))
+    e3 = None if key_bias is None else flat(key_bias.to(dt).reshape(*key_bias.shape[:-2], 1, nk), batch)
     m3, rep = (None, 1) if mask is None else _mask_groups(mask.to(dt), batch, nq, nk)
     grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, key_bias))
     save = grad and bh * nq * nk * q.element_size() <= THRESHOLDS.periodic_save_bytes
     s = 0.0 if magnitude_scale is None else float(magnitude_scale)
-    lib = library(q, k, v, e3, m3)
-    if lib is not None:  # the same node with its elementwise passes in C (.periodic_cpu)
-        def rows(x: Tensor) -> Tensor:  # no tracked view where the node can flatten x itself
-            return x if tuple(x.shape[:-2]) == batch and x.is_contiguous() else flat(x)
+    return Prepared(batch, bh, e3, m3, rep, save, s)
 
-        return native_periodic_attention(lib, rows(q), rows(k), rows(v), e3, m3, rep, omega * omega,
-                                         float(c), s, save, THRESHOLDS.periodic_chunk_bytes, batch)
-    out = _FusedPeriodic.apply(flat(q), flat(k), flat(v), e3, m3, rep, omega * omega, float(c), s, save)
-    return out.view(*batch, nq, dv)
+
+def flat(x: Tensor, batch: tuple[int, ...]) -> Tensor:
+    """``x (…, N, ·)`` broadcast to ``batch`` as a contiguous ``(B·H, N, ·)``."""
+    bh = math.prod(batch)
+    if x.dim() == len(batch) + 2 and tuple(x.shape[:-2]) == batch and x.is_contiguous():
+        return x.view(bh, *x.shape[-2:])
+    return x.expand(*batch, *x.shape[-2:]).reshape(bh, *x.shape[-2:]).contiguous()
+
+
+def periodic_node(q: Tensor, k: Tensor, v: Tensor, prep: Prepared, *, omega: float, c: float) -> Tensor:
+    """``O`` above by the PyTorch node on the operands of :func:`prepare`; ``(*batch, Nq, dv)``."""
+    b = prep.batch
+    out = _FusedPeriodic.apply(flat(q, b), flat(k, b), flat(v, b), prep.e3, prep.m3, prep.rep, omega * omega,
+                               float(c), prep.s, prep.save)
+    return out.view(*b, q.shape[-2], v.shape[-1])

@@ -30,7 +30,6 @@ from torch import Tensor, nn
 from attnopt import _func
 from attnopt._validation import host_readable
 from attnopt.functional._autograd import double_backward
-from attnopt.functional.kernel import spectral_cpu as _spectral_native
 from attnopt.functional.kernel.spectral_reference import (
     _LS_MAX,
     _LS_MIN,
@@ -40,7 +39,7 @@ from attnopt.functional.kernel.spectral_reference import (
 )
 from attnopt.functional.kernel.spectral_reference import strictly_lower as _strictly_lower
 
-__all__ = ["copula_factor", "fusable", "sample_spectral_points"]
+__all__ = ["copula_factor", "fusable", "spectral_sample_node"]
 
 
 
@@ -212,40 +211,12 @@ def _plain_backward(
                  for x, n in zip(inputs, ctx.needs_input_grad, strict=True))
 
 
-def sample_spectral_points(
-    h: Tensor, noise: Tensor, densities: nn.ModuleList, params: list[Tensor],
-    copula_raw: Tensor | None = None, kl_mean: bool = False, keys: bool = False,
+def spectral_sample_node(
+    h: Tensor, noise: Tensor, copula_raw: Tensor | None, scales: tuple[float, ...], params: list[Tensor],
 ) -> tuple[Tensor, Tensor]:
-    """All sets' spectral points and the KL, one node.
-
-    Args:
-        h: (..., H, d) head summaries.
-        noise: (S, ..., H, R/2, d) standard-normal base noise, broadcastable.
-        densities: the ``S`` :class:`~attnopt.nn.spectral.ImplicitSpectralDensity` modules.
-        params: :func:`fusable` of ``densities``.
-        copula_raw: the :class:`~attnopt.nn.spectral.GaussianCopula`'s ``raw`` (H, H) parameter, or
-            None: the noise is correlated across the heads by its factor ``L̃`` inside the node.
-        kl_mean: return the KL's mean over the examples (0-d; taken inside the C node, no
-            autograd node of its own) in place of the per-example KL.
-        keys: ``h`` is given as the keys ``(..., H, N ≥ 1, d)``, and the summary is their mean over
-            ``N`` (``sum / N``, bitwise ``mean``), taken inside the C node (no nodes of its own).
-    The C sampler of :mod:`.spectral_cpu` runs where it applies (CPU float32/64, stock
-    networks), else :class:`_SpectralSample`.
-
-    Returns:
-        ``(points (..., H, S·R, d), kl (...))``: set ``s`` is rows ``[sR, (s+1)R)``, each
-        ``[w⁺ ‖ −w⁺]``; ``kl = (R/2) Σ_s [Σ_{m,j} KL(N(μ, σ²) ‖ N(0, 1)) − (d/2)·log det C]``
-        (the copula term with ``copula_raw`` only).
-    """
-    scales = tuple(float(getattr(dens, "base_scale")) for dens in densities)  # noqa: B009
-    lib = _spectral_native.library(h, noise, copula_raw, params, keys)
-    if lib is not None:  # the whole forward and backward in C (CPU float32/64)
-        return _spectral_native.native_sample(h, noise, copula_raw, scales, params, lib, kl_mean, keys)
-    if keys:
-        h = torch.div(h.sum(dim=-2), h.shape[-2])
+    """``(points, kl)`` by :class:`_SpectralSample` (inside ``torch.func`` transforms: the plain ops
+    of :mod:`.spectral_reference`, the node being ctx-style with no vmap or forward-mode rule)."""
     if not _func.under_transform():
-        pts, kl = _SpectralSample.apply(h, noise, copula_raw, scales, *params)
-    else:  # torch.func (vmap, grad, ...), forward AD: the plain ops (the node is ctx-style, no vmap
-        # or forward-mode rule)
-        pts, kl = sample_plain(h, noise, copula_raw, scales, params)
-    return pts, (kl.mean() if kl_mean else kl)
+        out: tuple[Tensor, Tensor] = _SpectralSample.apply(h, noise, copula_raw, scales, *params)
+        return out
+    return sample_plain(h, noise, copula_raw, scales, params)

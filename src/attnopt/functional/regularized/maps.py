@@ -53,7 +53,7 @@ import torch
 from torch import Tensor
 
 from attnopt._validation import check_tensor, device_assert, host_readable, host_values
-from attnopt.functional._autograd import double_backward, under_transform
+from attnopt.functional._autograd import double_backward, reduce_to, under_transform
 from attnopt.functional._thresholds import THRESHOLDS
 from attnopt.functional.dispatch import current_backend
 from attnopt.functional.regularized import cpu as _native_maps
@@ -471,16 +471,6 @@ def _alpha_derivative(p: Tensor, alpha: Tensor, dim: int) -> Tensor:
     return torch.where(am1.abs() < 1, stable, original)
 
 
-def _reduce_to(g: Tensor, shape: torch.Size) -> Tensor:
-    """Sum a broadcast gradient back to ``shape``."""
-    while g.dim() > len(shape):
-        g = g.sum(0)
-    for i, s in enumerate(shape):
-        if s == 1 and g.shape[i] != 1:
-            g = g.sum(i, keepdim=True)
-    return g
-
-
 def _rowwise_vmap(fn: Any, in_dims: tuple[Any, ...], x: Tensor, dim: int, *rest: Any) -> tuple[Tensor, int]:
     """``torch.func.vmap`` rule of a map along ``dim``: the vmapped dimension is one more batch dimension.
 
@@ -621,7 +611,7 @@ class _EntmaxAlpha(torch.autograd.Function):
             gx = _entmax_backward(pc, gc, ac, ctx.dim, double_backward(ctx)).to(p.dtype)
         ga = None
         if ctx.needs_input_grad[1]:
-            ga = _reduce_to(_alpha_backward(pc, gc, ac, ctx.dim), alpha.shape).to(alpha.dtype)
+            ga = reduce_to(_alpha_backward(pc, gc, ac, ctx.dim), alpha.shape).to(alpha.dtype)
         return gx, ga, None, None, None
 
 

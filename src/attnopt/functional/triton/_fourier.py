@@ -31,7 +31,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-from attnopt.functional.triton._flash import _blocks, _meta, _pow2
+from attnopt.functional.triton._flash import BLOCKS, _blocks, _meta, _pow2
 
 __all__ = ["ika_attention", "magnitude_mode"]
 
@@ -351,6 +351,8 @@ def _common(q: Tensor, v: Tensor, w: Tensor, sets: int) -> tuple[int, int, int, 
     acc, prec = _meta(q)
     bm, bn, warps, stages = _blocks(q.shape[3], q.dtype)
     r = w.shape[2] // sets
+    if _pow2(r) >= 64 and BLOCKS[0] is None:  # two (BLOCK_M, RP) feature tiles live in registers: keep them
+        bm, warps = min(bm, 64), min(warps, 4)  # at the size R = 32 has with BLOCK_M = 128 (an untuned guess)
     meta = dict(S=sets, D=_pow2(q.shape[3]), DV=_pow2(v.shape[3]), RP=_pow2(r), BLOCK_M=bm, BLOCK_N=bn,
                 ACC=acc, PREC=prec, num_warps=warps, num_stages=stages)
     return bm, bn, r, meta

@@ -16,8 +16,10 @@ with ``c_i = max_{j≤i} a_j`` the row's running max (no row underflows), exactl
           \qquad e = \sum_{j < \text{chunk}} e^{a_j - c_\text{prev}} V1_j
 
 (the per-chunk prefix sums of ``(φ(k)⊗φ(k))ᵀ V1``), read as ``e^{c_prev − c_i}(Σ_ab φ_ia φ_ib S_ab
-+ ε e)``. ``S`` (``2R × 2R × (dv+1)`` per head, ``R`` and ``dv + 1`` padded to powers of two) lives in
-a scratch buffer, one ``2R × (dv+1)`` slice per feature ``a`` read and written per chunk; the
++ ε e)``. ``S`` (``2R × 2R × (dv+1)`` per head) lives in a scratch buffer, its value columns
+(``dv`` padded to a power of two) and its denominator column (``V1``'s 1) kept apart so that a
+power-of-two ``dv`` is not padded to twice its width; one ``2R × (dv+1)`` slice per feature ``a``
+is read and written per chunk; the
 features are made from the ``q``/``k`` tiles in the kernel. Time O(N·R²·dv), memory O(N) plus the
 state. Saved for the backward: the output, ``c_i`` and the denominator ``n_{i,dv}`` (O(N)).
 
@@ -69,8 +71,8 @@ def _chunk(Q, K, V, W, CB, ob, oh, start, N, DA, DVA, R, sqb, sqh, sqn, sqd, skb
            svb, svh, svn, svd, swb, swh, swr, swd, scb, sch, scn, coef, half_s, p, cap,
            CH: tl.constexpr, D: tl.constexpr, EP: tl.constexpr, RP: tl.constexpr, MAG: tl.constexpr,
            S: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
-    """One chunk's tiles: ``(q, k, v1, a, φ_cos(q), φ_sin(q), u_q0, u_q1, φ_cos(k), φ_sin(k), u_k0,
-    u_k1)`` (``v1 = [v, 1]``, ``a`` the key log-weight)."""
+    """One chunk's tiles: ``(q, k, v, a, φ_cos(q), φ_sin(q), u_q0, u_q1, φ_cos(k), φ_sin(k), u_k0,
+    u_k1)`` (``v`` zero-padded to ``EP`` columns, ``a`` the key log-weight, ``-inf`` past ``N``)."""
     offs = start + tl.arange(0, CH)
     offs_d = tl.arange(0, D)
     offs_e = tl.arange(0, EP)
@@ -85,8 +87,7 @@ def _chunk(Q, K, V, W, CB, ob, oh, start, N, DA, DVA, R, sqb, sqh, sqn, sqd, skb
         MAG, S, ACC, PREC)
     v = tl.load(V + ob * svb + oh * svh + offs[:, None] * svn + offs_e[None, :] * svd,
                 mask=(offs[:, None] < N) & (offs_e[None, :] < DVA), other=0.0).to(ACC)
-    v1 = tl.where((offs_e == DVA)[None, :] & (offs[:, None] < N), 1.0, v)
-    return q, k, v1, a, cq, sq, uq0, uq1, ck, sk, uk0, uk1
+    return q, k, v, a, cq, sq, uq0, uq1, ck, sk, uk0, uk1
 
 
 @triton.jit
@@ -111,7 +112,7 @@ def _block(cq, sq, ck, sk, a, c_row, CH: tl.constexpr, ACC: tl.constexpr, PREC: 
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, W, CB, O, CR, DEN, ST, SC, H, N, DA, DVA, R,
+    Q, K, V, W, CB, O, CR, DEN, ST, ZT, SC, H, N, DA, DVA, R,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, swb, swh, swr, swd, scb, sch, scn,
     sob, soh, son, sod,
     CH: tl.constexpr, D: tl.constexpr, EP: tl.constexpr, RP: tl.constexpr, MAG: tl.constexpr, S: tl.constexpr,
@@ -125,12 +126,14 @@ def _fwd_kernel(
     offs_r = tl.arange(0, RP)
     loc = tl.arange(0, CH)
     st = ST + pid_g * (2 * R * 2 * RP * EP)
+    zt = ZT + pid_g * (2 * R * 2 * RP)
     s_ptrs = offs_r[:, None] * EP + offs_e[None, :]
     c_prev = tl.max(tl.full([CH], float("-inf"), ACC), 0)
     esum = tl.zeros([EP], ACC)
+    zsum = tl.sum(tl.zeros([CH], ACC), 0)
     for start in range(0, N, CH):
         offs = start + loc
-        _q, _k, v1, a, cq, sq, _a0, _a1, ck, sk, _b0, _b1 = _chunk(
+        _q, _k, v, a, cq, sq, _a0, _a1, ck, sk, _b0, _b1 = _chunk(
             Q, K, V, W, CB, ob, oh, start, N, DA, DVA, R, sqb, sqh, sqn, sqd, skb, skh, skn, skd,
             svb, svh, svn, svd, swb, swh, swr, swd, scb, sch, scn, coef, half_s, p, cap, CH, D, EP, RP, MAG,
             S, ACC, PREC)
@@ -138,32 +141,46 @@ def _fwd_kernel(
         c_row = tl.maximum(tl.max(tl.where(tri, a[None, :], float("-inf")), 1), c_prev)
         carry = _factor(c_prev, c_row, CH, ACC)
         x, e = _block(cq, sq, ck, sk, a, c_row, CH, ACC, PREC)
-        num = tl.dot((x * x + eps) * e, v1, out_dtype=ACC, input_precision=PREC)
+        w = (x * x + eps) * e
+        num = tl.dot(w, v, out_dtype=ACC, input_precision=PREC)
+        den = tl.sum(w, 1)
         c_end = tl.maximum(c_prev, tl.max(a, 0))
         end_ok = c_end > float("-inf")
         c_end_s = tl.where(end_ok, c_end, 0.0)
         decay = tl.where(end_ok, tl.where(c_prev > float("-inf"), tl.exp(c_prev - c_end_s), 0.0), 0.0)
         mk = tl.where(a > float("-inf"), tl.exp(a - c_end_s), 0.0)
-        vm = v1 * mk[:, None]
+        vm = v * mk[:, None]
         inter = tl.zeros([CH, EP], ACC) + eps * esum[None, :]
+        inter_d = tl.zeros([CH], ACC) + eps * zsum
         for f in range(0, 2 * R):
             colq = _column(cq, sq, offs_r, f, R)
             colk = _column(ck, sk, offs_r, f, R)
             base = st + f * (2 * RP * EP)
             s_c = tl.load(base + s_ptrs)
             s_s = tl.load(base + RP * EP + s_ptrs)
+            zb = zt + f * (2 * RP)
+            z_c = tl.load(zb + offs_r)
+            z_s = tl.load(zb + RP + offs_r)
             inter += colq[:, None] * (tl.dot(cq, s_c, out_dtype=ACC, input_precision=PREC)
                                       + tl.dot(sq, s_s, out_dtype=ACC, input_precision=PREC))
-            s_c = s_c * decay + tl.dot(tl.trans(ck * colk[:, None]), vm, out_dtype=ACC, input_precision=PREC)
-            s_s = s_s * decay + tl.dot(tl.trans(sk * colk[:, None]), vm, out_dtype=ACC, input_precision=PREC)
+            inter_d += colq * tl.sum(cq * z_c[None, :] + sq * z_s[None, :], 1)
+            ckm = ck * colk[:, None]
+            skm = sk * colk[:, None]
+            s_c = s_c * decay + tl.dot(tl.trans(ckm), vm, out_dtype=ACC, input_precision=PREC)
+            s_s = s_s * decay + tl.dot(tl.trans(skm), vm, out_dtype=ACC, input_precision=PREC)
+            z_c = z_c * decay + tl.sum(ckm * mk[:, None], 0)
+            z_s = z_s * decay + tl.sum(skm * mk[:, None], 0)
             tl.debug_barrier()  # every warp has read the slice before it is overwritten
             tl.store(base + s_ptrs, s_c)
             tl.store(base + RP * EP + s_ptrs, s_s)
+            tl.store(zb + offs_r, z_c)
+            tl.store(zb + RP + offs_r, z_s)
         tl.debug_barrier()
         num += carry[:, None] * inter
+        den += carry * inter_d
         esum = esum * decay + tl.sum(vm, 0)
+        zsum = zsum * decay + tl.sum(mk, 0)
         c_prev = c_end
-        den = tl.sum(tl.where((offs_e == DVA)[None, :], num, 0.0), 1)
         ok = den > 0
         out = tl.where(ok[:, None], num / tl.where(ok, den, 1.0)[:, None], 0.0)
         tl.store(O + ob * sob + oh * soh + offs[:, None] * son + offs_e[None, :] * sod,
@@ -175,21 +192,22 @@ def _fwd_kernel(
 @triton.jit
 def _row_grad(DO, O, DEN, ob, oh, pid_g, offs, N, DVA, sob, soh, son, sod, EP: tl.constexpr,
               ACC: tl.constexpr):
-    """``g_i = [do_i, −do_i·out_i] / den_i`` (0 for a row with no admissible key)."""
+    """``(g_v, g_d)``: ``g_i = [do_i, −do_i·out_i] / den_i`` split in its value and denominator
+    parts (0 for a row with no admissible key)."""
     offs_e = tl.arange(0, EP)
     msk = (offs[:, None] < N) & (offs_e[None, :] < DVA)
     do = tl.load(DO + ob * sob + oh * soh + offs[:, None] * son + offs_e[None, :] * sod, mask=msk, other=0.0)
     out = tl.load(O + ob * sob + oh * soh + offs[:, None] * son + offs_e[None, :] * sod, mask=msk, other=0.0)
     do = do.to(ACC)
     den = tl.load(DEN + pid_g * N + offs, mask=offs < N, other=0.0)
-    g = tl.where((offs_e == DVA)[None, :], -tl.sum(do * out.to(ACC), 1)[:, None], do)
     ok = den > 0
-    return tl.where(ok[:, None], g / tl.where(ok, den, 1.0)[:, None], 0.0)
+    inv = tl.where(ok, 1.0 / tl.where(ok, den, 1.0), 0.0)
+    return do * inv[:, None], -tl.sum(do * out.to(ACC), 1) * inv
 
 
 @triton.jit
 def _bwd_queries_kernel(
-    Q, K, V, W, CB, DO, O, CR, DEN, DQ, DW, ST, SC, H, N, DA, DVA, R,
+    Q, K, V, W, CB, DO, O, CR, DEN, DQ, DW, ST, ZT, SC, H, N, DA, DVA, R,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, swb, swh, swr, swd, scb, sch, scn,
     sob, soh, son, sod,
     CH: tl.constexpr, D: tl.constexpr, EP: tl.constexpr, RP: tl.constexpr, MAG: tl.constexpr, S: tl.constexpr,
@@ -205,21 +223,22 @@ def _bwd_queries_kernel(
     offs_d = tl.arange(0, D)
     loc = tl.arange(0, CH)
     st = ST + pid_g * (2 * R * 2 * RP * EP)
+    zt = ZT + pid_g * (2 * R * 2 * RP)
     s_ptrs = offs_r[:, None] * EP + offs_e[None, :]
     w_ptr = W + ob * swb + oh * swh
     dw_ptr = DW + pid_g * S * R * D
     c_prev = tl.max(tl.full([CH], float("-inf"), ACC), 0)
     for start in range(0, N, CH):
         offs = start + loc
-        q, _k, v1, a, cq, sq, uq0, uq1, ck, sk, _b0, _b1 = _chunk(
+        q, _k, v, a, cq, sq, uq0, uq1, ck, sk, _b0, _b1 = _chunk(
             Q, K, V, W, CB, ob, oh, start, N, DA, DVA, R, sqb, sqh, sqn, sqd, skb, skh, skn, skd,
             svb, svh, svn, svd, swb, swh, swr, swd, scb, sch, scn, coef, half_s, p, cap, CH, D, EP, RP, MAG,
             S, ACC, PREC)
         c_row = tl.load(CR + pid_g * N + offs, mask=offs < N, other=float("-inf"))
-        g = _row_grad(DO, O, DEN, ob, oh, pid_g, offs, N, DVA, sob, soh, son, sod, EP, ACC)
+        g, gd = _row_grad(DO, O, DEN, ob, oh, pid_g, offs, N, DVA, sob, soh, son, sod, EP, ACC)
         carry = _factor(c_prev, c_row, CH, ACC)
         x, e = _block(cq, sq, ck, sk, a, c_row, CH, ACC, PREC)
-        gg = tl.dot(g, tl.trans(v1), out_dtype=ACC, input_precision=PREC)
+        gg = tl.dot(g, tl.trans(v), out_dtype=ACC, input_precision=PREC) + gd[:, None]
         dx = 2.0 * gg * x * e
         dcq = tl.dot(dx, ck, out_dtype=ACC, input_precision=PREC)
         dsq = tl.dot(dx, sk, out_dtype=ACC, input_precision=PREC)
@@ -227,22 +246,32 @@ def _bwd_queries_kernel(
         end_ok = c_end > float("-inf")
         c_end_s = tl.where(end_ok, c_end, 0.0)
         decay = tl.where(end_ok, tl.where(c_prev > float("-inf"), tl.exp(c_prev - c_end_s), 0.0), 0.0)
-        vm = v1 * tl.where(a > float("-inf"), tl.exp(a - c_end_s), 0.0)[:, None]
+        mk = tl.where(a > float("-inf"), tl.exp(a - c_end_s), 0.0)
+        vm = v * mk[:, None]
         for f in range(0, 2 * R):
             colk = _column(ck, sk, offs_r, f, R)
             base = st + f * (2 * RP * EP)
             s_c = tl.load(base + s_ptrs)
             s_s = tl.load(base + RP * EP + s_ptrs)
-            hc = tl.dot(g, tl.trans(s_c), out_dtype=ACC, input_precision=PREC)
-            hs = tl.dot(g, tl.trans(s_s), out_dtype=ACC, input_precision=PREC)
+            zb = zt + f * (2 * RP)
+            z_c = tl.load(zb + offs_r)
+            z_s = tl.load(zb + RP + offs_r)
+            hc = tl.dot(g, tl.trans(s_c), out_dtype=ACC, input_precision=PREC) + gd[:, None] * z_c[None, :]
+            hs = tl.dot(g, tl.trans(s_s), out_dtype=ACC, input_precision=PREC) + gd[:, None] * z_s[None, :]
             col = 2.0 * carry * tl.sum(cq * hc + sq * hs, 1)
             dcq += tl.where((offs_r == f)[None, :], col[:, None], 0.0)
             dsq += tl.where((offs_r == f - R)[None, :], col[:, None], 0.0)
-            s_c = s_c * decay + tl.dot(tl.trans(ck * colk[:, None]), vm, out_dtype=ACC, input_precision=PREC)
-            s_s = s_s * decay + tl.dot(tl.trans(sk * colk[:, None]), vm, out_dtype=ACC, input_precision=PREC)
+            ckm = ck * colk[:, None]
+            skm = sk * colk[:, None]
+            s_c = s_c * decay + tl.dot(tl.trans(ckm), vm, out_dtype=ACC, input_precision=PREC)
+            s_s = s_s * decay + tl.dot(tl.trans(skm), vm, out_dtype=ACC, input_precision=PREC)
+            z_c = z_c * decay + tl.sum(ckm * mk[:, None], 0)
+            z_s = z_s * decay + tl.sum(skm * mk[:, None], 0)
             tl.debug_barrier()  # every warp has read the slice before it is overwritten
             tl.store(base + s_ptrs, s_c)
             tl.store(base + RP * EP + s_ptrs, s_s)
+            tl.store(zb + offs_r, z_c)
+            tl.store(zb + RP + offs_r, z_s)
         tl.debug_barrier()
         c_prev = c_end
         gq = _points_grad(q, dcq, dsq, uq0, uq1, w_ptr, swr, swd, offs_r, offs_d, R, DA, coef, dw_ptr, D, S,
@@ -254,7 +283,7 @@ def _bwd_queries_kernel(
 
 @triton.jit
 def _bwd_keys_kernel(
-    Q, K, V, W, CB, DO, O, CR, DEN, DK, DV_, DCB, DW, ST, SC, H, N, DA, DVA, R,
+    Q, K, V, W, CB, DO, O, CR, DEN, DK, DV_, DCB, DW, ST, ZT, SC, H, N, DA, DVA, R,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, swb, swh, swr, swd, scb, sch, scn,
     sob, soh, son, sod,
     CH: tl.constexpr, D: tl.constexpr, EP: tl.constexpr, RP: tl.constexpr, MAG: tl.constexpr, S: tl.constexpr,
@@ -270,22 +299,24 @@ def _bwd_keys_kernel(
     offs_d = tl.arange(0, D)
     loc = tl.arange(0, CH)
     st = ST + pid_g * (2 * R * 2 * RP * EP)
+    zt = ZT + pid_g * (2 * R * 2 * RP)
     s_ptrs = offs_r[:, None] * EP + offs_e[None, :]
     w_ptr = W + ob * swb + oh * swh
     dw_ptr = DW + pid_g * S * R * D
     pe = tl.zeros([EP], ACC)
+    pe_d = tl.sum(tl.zeros([CH], ACC), 0)
     chunks = tl.cdiv(N, CH)
     for it in range(0, chunks):
         start = (chunks - 1 - it) * CH
         offs = start + loc
-        _q, k, v1, a, cq, sq, _a0, _a1, ck, sk, uk0, uk1 = _chunk(
+        _q, k, v, a, cq, sq, _a0, _a1, ck, sk, uk0, uk1 = _chunk(
             Q, K, V, W, CB, ob, oh, start, N, DA, DVA, R, sqb, sqh, sqn, sqd, skb, skh, skn, skd,
             svb, svh, svn, svd, swb, swh, swr, swd, scb, sch, scn, coef, half_s, p, cap, CH, D, EP, RP, MAG,
             S, ACC, PREC)
         c_row = tl.load(CR + pid_g * N + offs, mask=offs < N, other=float("-inf"))
         first = (loc == 0) & (start > 0)  # the running max before the chunk: the previous row's
         c_prev = tl.max(tl.load(CR + pid_g * N + start - 1 + 0 * loc, mask=first, other=float("-inf")), 0)
-        g = _row_grad(DO, O, DEN, ob, oh, pid_g, offs, N, DVA, sob, soh, son, sod, EP, ACC)
+        g, gd = _row_grad(DO, O, DEN, ob, oh, pid_g, offs, N, DVA, sob, soh, son, sod, EP, ACC)
         c_end = tl.maximum(c_prev, tl.max(a, 0))
         end_ok = c_end > float("-inf")
         c_end_s = tl.where(end_ok, c_end, 0.0)
@@ -293,12 +324,13 @@ def _bwd_keys_kernel(
         decay = tl.where(end_ok, tl.where(c_prev > float("-inf"), tl.exp(c_prev - c_end_s), 0.0), 0.0)
         r = _factor(c_prev, c_row, CH, ACC)
         gr = g * r[:, None]
+        grd = gd * r
         # the chunk's block
         x, e = _block(cq, sq, ck, sk, a, c_row, CH, ACC, PREC)
         w = (x * x + eps) * e
-        gg = tl.dot(g, tl.trans(v1), out_dtype=ACC, input_precision=PREC)
-        dv1 = tl.dot(tl.trans(w), g, out_dtype=ACC, input_precision=PREC) + eps * m[:, None] * pe[None, :]
-        da = tl.sum(gg * w, 0) + eps * m * tl.sum(pe[None, :] * v1, 1)
+        gg = tl.dot(g, tl.trans(v), out_dtype=ACC, input_precision=PREC) + gd[:, None]
+        dv = tl.dot(tl.trans(w), g, out_dtype=ACC, input_precision=PREC) + eps * m[:, None] * pe[None, :]
+        da = tl.sum(gg * w, 0) + eps * m * (tl.sum(pe[None, :] * v, 1) + pe_d)
         dxt = tl.trans(2.0 * gg * x * e)
         dck = tl.dot(dxt, cq, out_dtype=ACC, input_precision=PREC)
         dsk = tl.dot(dxt, sq, out_dtype=ACC, input_precision=PREC)
@@ -309,21 +341,31 @@ def _bwd_keys_kernel(
             base = st + f * (2 * RP * EP)
             p_c = tl.load(base + s_ptrs)
             p_s = tl.load(base + RP * EP + s_ptrs)
+            zb = zt + f * (2 * RP)
+            pz_c = tl.load(zb + offs_r)
+            pz_s = tl.load(zb + RP + offs_r)
             y = tl.dot(ck, p_c, out_dtype=ACC, input_precision=PREC) + tl.dot(sk, p_s, out_dtype=ACC,
                                                                               input_precision=PREC)
-            yv = tl.sum(y * v1, 1)
-            dv1 += (m * colk)[:, None] * y
+            yv = tl.sum(y * v, 1) + tl.sum(ck * pz_c[None, :] + sk * pz_s[None, :], 1)
+            dv += (m * colk)[:, None] * y
             da += m * colk * yv
             col = 2.0 * m * yv
             dck += tl.where((offs_r == f)[None, :], col[:, None], 0.0)
             dsk += tl.where((offs_r == f - R)[None, :], col[:, None], 0.0)
-            p_c = p_c * decay + tl.dot(tl.trans(cq * colq[:, None]), gr, out_dtype=ACC, input_precision=PREC)
-            p_s = p_s * decay + tl.dot(tl.trans(sq * colq[:, None]), gr, out_dtype=ACC, input_precision=PREC)
+            cqm = cq * colq[:, None]
+            sqm = sq * colq[:, None]
+            p_c = p_c * decay + tl.dot(tl.trans(cqm), gr, out_dtype=ACC, input_precision=PREC)
+            p_s = p_s * decay + tl.dot(tl.trans(sqm), gr, out_dtype=ACC, input_precision=PREC)
+            pz_c = pz_c * decay + tl.sum(cqm * grd[:, None], 0)
+            pz_s = pz_s * decay + tl.sum(sqm * grd[:, None], 0)
             tl.debug_barrier()  # every warp has read the slice before it is overwritten
             tl.store(base + s_ptrs, p_c)
             tl.store(base + RP * EP + s_ptrs, p_s)
+            tl.store(zb + offs_r, pz_c)
+            tl.store(zb + RP + offs_r, pz_s)
         tl.debug_barrier()
         pe = pe * decay + tl.sum(gr, 0)
+        pe_d = pe_d * decay + tl.sum(grd, 0)
         gk = _points_grad(k, dck, dsk, uk0, uk1, w_ptr, swr, swd, offs_r, offs_d, R, DA, coef, dw_ptr, D, S,
                           ACC, PREC)
         if MAG > 0:
@@ -332,7 +374,7 @@ def _bwd_keys_kernel(
         rows = pid_g * N + offs
         tl.store(DK + rows[:, None] * D + offs_d[None, :], gk.to(DK.dtype.element_ty),
                  mask=(offs[:, None] < N) & (offs_d[None, :] < DA))
-        tl.store(DV_ + rows[:, None] * EP + offs_e[None, :], dv1.to(DV_.dtype.element_ty),
+        tl.store(DV_ + rows[:, None] * EP + offs_e[None, :], dv.to(DV_.dtype.element_ty),
                  mask=(offs[:, None] < N) & (offs_e[None, :] < DVA))
         tl.store(DCB + rows, da, mask=offs < N)
 
@@ -348,14 +390,16 @@ def _launch_meta(q: Tensor, v: Tensor, w: Tensor, sets: int) -> tuple[int, dict[
     # amplifies rounding (kernel_linear's docstring), so the scan never rounds its operands to 10 bits
     prec = "ieee"
     r = w.shape[2] // sets
-    return r, dict(CH=_chunk_rows(), D=_pow2(q.shape[3]), EP=_pow2(v.shape[3] + 1), RP=_pow2(r), S=sets,
+    return r, dict(CH=_chunk_rows(), D=_pow2(q.shape[3]), EP=_pow2(v.shape[3]), RP=_pow2(r), S=sets,
                    ACC=acc, PREC=prec, num_warps=4, num_stages=1)
 
 
-def _state(q: Tensor, r: int, meta: dict[str, Any], pot: torch.dtype) -> Tensor:
-    """The scan's scratch state: per (batch, head) ``2R`` slices of ``2 × RP × EP``."""
+def _state(q: Tensor, r: int, meta: dict[str, Any], pot: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The scan's scratch state: per (batch, head) ``2R`` slices of ``2 × RP × EP`` (values) and
+    of ``2 × RP`` (the denominator's)."""
     bh = q.shape[0] * q.shape[1]
-    return torch.zeros((bh, 2 * r, 2, meta["RP"], meta["EP"]), dtype=pot, device=q.device)
+    return (torch.zeros((bh, 2 * r, 2, meta["RP"], meta["EP"]), dtype=pot, device=q.device),
+            torch.zeros((bh, 2 * r, 2, meta["RP"]), dtype=pot, device=q.device))
 
 
 @triton_op("attnopt::triton_ika_scan", mutates_args=())
@@ -371,7 +415,7 @@ def _scan_fwd(
     c_row = torch.empty((batch, heads, n), dtype=pot, device=q.device)
     den = torch.empty((batch, heads, n), dtype=pot, device=q.device)
     wrap_triton(_fwd_kernel)[(batch * heads,)](
-        q, k, v, w, cb, out, c_row, den, _state(q, r, meta, pot),
+        q, k, v, w, cb, out, c_row, den, *_state(q, r, meta, pot),
         _scalars(pot, q.device, coef, eps, scale, p), heads, n, d, dv, r, *q.stride(), *k.stride(),
         *v.stride(), *w.stride(), *cb.stride(), *out.stride(),
         MAG=mag, **meta)
@@ -397,10 +441,10 @@ def _scan_bwd(
     sc = _scalars(pot, q.device, coef, eps, scale, p)
     strides = (*q.stride(), *k.stride(), *v.stride(), *w.stride(), *cb.stride(), *outc.stride())
     wrap_triton(_bwd_queries_kernel)[(batch * heads,)](
-        q, k, v, w, cb, do, outc, c_row, den, gq, gw, _state(q, r, meta, pot), sc, heads, n, d, dv, r,
+        q, k, v, w, cb, do, outc, c_row, den, gq, gw, *_state(q, r, meta, pot), sc, heads, n, d, dv, r,
         *strides, MAG=mag, **meta)
     wrap_triton(_bwd_keys_kernel)[(batch * heads,)](
-        q, k, v, w, cb, do, outc, c_row, den, gk, gv, gcb, gw, _state(q, r, meta, pot), sc, heads, n, d, dv,
+        q, k, v, w, cb, do, outc, c_row, den, gk, gv, gcb, gw, *_state(q, r, meta, pot), sc, heads, n, d, dv,
         r, *strides, MAG=mag, **meta)
     return gq[..., :d], gk[..., :d], gv[..., :dv], gw[..., :d].to(w.dtype), gcb
 

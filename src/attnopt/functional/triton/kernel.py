@@ -51,7 +51,7 @@ def triton_kernel_attention(
     Raises:
         RuntimeError: the kernels cannot run on this device.
     """
-    from attnopt.functional.kernel import _key_bias
+    from attnopt.functional.kernel.magnitude import key_bias as _key_bias
 
     check_device(q, INTERPRETED)
     s = resolve_scale(scale, q.shape[-1])
@@ -84,7 +84,7 @@ def _fourier(
     attn_mask: Tensor | None, scale: float, is_causal: bool, eps: float,
 ) -> Tensor:
     """The fused kernel of :mod:`._fourier` for ``stack = (W (…, S·R, d), S, c)``."""
-    from attnopt.functional.kernel import _key_bias
+    from attnopt.functional.kernel.magnitude import key_bias as _key_bias
 
     points, sets, coef = stack
     batch = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], points.shape[:-2])
@@ -120,7 +120,7 @@ def triton_linear_causal(
     Raises:
         RuntimeError: the kernels cannot run on this device.
     """
-    from attnopt.functional.kernel import _key_bias
+    from attnopt.functional.kernel.magnitude import key_bias as _key_bias
 
     check_device(q, INTERPRETED)
     stack = kernel.fourier_stack()
