@@ -73,6 +73,7 @@ def _results(dtype: torch.dtype) -> dict[str, list[torch.Tensor]]:
     return out
 
 
+@pytest.mark.slow  # builds a second (portable) copy of the libraries: ~13 s; `pytest -m slow`
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_a_build_without_avx_gives_the_native_results(dtype, monkeypatch, portable_cache):
     monkeypatch.delenv("ATTNOPT_NATIVE", raising=False)
