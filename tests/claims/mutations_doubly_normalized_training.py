@@ -71,10 +71,11 @@ def _logit_not_weight(module_name: str):  # noqa: ANN202
 
 def _dnas_is_sharp_lnas(mp: pytest.MonkeyPatch) -> None:
     """The 'dnas' fusion arm is softmax attention with 10x sharper scores (explains keys away)."""
+    from attnopt.claims import doubly_normalized_training as claims
     from attnopt.experiments import multiview_fusion as mv
     from attnopt.nn.registry import make_attention
 
-    _tiny_fusion(mp, ("lnas", "dnas"))
+    _plan(mp, claims._FIG1, arms=("lnas", "dnas"), epochs=2, seeds=_SEEDS)  # Fig. 1's own runs
 
     def make(name, embed_dim, num_heads, **options):  # noqa: ANN001, ANN202
         if name != "dnas":
