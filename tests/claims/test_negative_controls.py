@@ -43,7 +43,7 @@ MUTATIONS = _collect()
 
 
 def _param(m: Mutation):  # noqa: ANN202
-    return pytest.param(m, id=f"{m.claim}[{m.what}]")
+    return pytest.param(m, id=f"{m.claim}[{m.what}]", marks=(pytest.mark.slow,) if m.slow else ())
 
 
 @pytest.fixture
