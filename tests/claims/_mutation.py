@@ -23,12 +23,15 @@ class Mutation:
         what: what is wrong, in a few words (shown in the test id).
         patch: applies the mutation through ``monkeypatch`` (undone after the test).
         expect: the verdicts the mutated claim may give.
+        slow: the control trains long enough to be kept out of the default run (``pytest -m
+            slow``); every claim keeps at least one control that is not slow, where one is cheap.
     """
 
     claim: str
     what: str
     patch: Callable[[pytest.MonkeyPatch], None]
     expect: tuple[str, ...] = ("not reproduced", "partially reproduced")
+    slow: bool = False
 
 
 def gateless(mp: pytest.MonkeyPatch) -> None:

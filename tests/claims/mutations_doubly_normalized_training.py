@@ -71,10 +71,11 @@ def _logit_not_weight(module_name: str):  # noqa: ANN202
 
 def _dnas_is_sharp_lnas(mp: pytest.MonkeyPatch) -> None:
     """The 'dnas' fusion arm is softmax attention with 10x sharper scores (explains keys away)."""
+    from attnopt.claims import doubly_normalized_training as claims
     from attnopt.experiments import multiview_fusion as mv
     from attnopt.nn.registry import make_attention
 
-    _tiny_fusion(mp, ("lnas", "dnas"))
+    _plan(mp, claims._FIG1, arms=("lnas", "dnas"), epochs=2, seeds=_SEEDS)  # Fig. 1's own runs
 
     def make(name, embed_dim, num_heads, **options):  # noqa: ANN001, ANN202
         if name != "dnas":
@@ -126,16 +127,18 @@ def _hnas_classifier_guesses(mp: pytest.MonkeyPatch) -> None:
 
 
 MUTATIONS = [
+    # slow: 18 s of CPU each for Table 1 and 2, 11 s for Table 3 (measured here); their judges stay in
+    # the default run through test_training_judges_golden.py (paper-direction vs reversed records)
     Mutation(claim="doubly_normalized:table1", what="DNAS fusion reads another image's views",
-             patch=_dnas_reads_other_image, expect=("not reproduced",)),
+             patch=_dnas_reads_other_image, expect=("not reproduced",), slow=True),
     Mutation(claim="doubly_normalized:fig3", what="logs the HNAS logit instead of sigmoid",
              patch=_logit_not_weight("attnopt.experiments.multiview_fusion"), expect=("not reproduced",)),
     Mutation(claim="doubly_normalized:fig1_training", what="the DNAS arm is sharp softmax attention",
              patch=_dnas_is_sharp_lnas, expect=("not reproduced",)),
     Mutation(claim="doubly_normalized:table2", what="HNAS decodes empty headlines",
-             patch=_hnas_decodes_nothing, expect=("not reproduced",)),
+             patch=_hnas_decodes_nothing, expect=("not reproduced",), slow=True),
     Mutation(claim="doubly_normalized:table3", what="HNAS classifiers below chance",
-             patch=_hnas_classifier_guesses, expect=("not reproduced",)),
+             patch=_hnas_classifier_guesses, expect=("not reproduced",), slow=True),
     Mutation(claim="doubly_normalized:fig4", what="logs the HNAS logit instead of sigmoid",
              patch=_logit_not_weight("attnopt.experiments.pretrain_finetune"), expect=("not reproduced",)),
 ]

@@ -36,6 +36,7 @@ def _tiny(mp: pytest.MonkeyPatch, task_name: str, **plan) -> None:
     tiny = {"d_model": 8, "num_heads": 2, "num_layers": 1, "layers": 1, "num_samples": 4, "max_len": 8,
             "hidden": 4, "heads": 2, "high": 120, "folds": 2}
     new_plan = {**training.QUICK[task_name], **plan}
+    new_plan.pop("epochs", None)  # the tiny scale's one epoch
     seeds = 1 if new_plan.get("folds") else 2  # two folds or two seeds: a CI, at the least cost
     mp.setattr(task, "quick", replace(scale, epochs=1, seeds=seeds, sizes={**scale.sizes, **tiny}))
     new_plan["sizes"] = {**new_plan.get("sizes", {}), **tiny}

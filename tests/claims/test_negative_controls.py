@@ -4,7 +4,9 @@ The mutations live in ``tests/claims/mutations_*.py`` (each module exposes ``MUT
 list of :class:`tests.claims._mutation.Mutation`); this one generic test applies each with
 ``monkeypatch``, runs its claim in quick mode through the real runner and asserts the verdict
 is one of ``expect``. A second test asserts that every registered claim has at least one
-mutation: a claim whose verdict nothing can move checks nothing.
+mutation: a claim whose verdict nothing can move checks nothing. Controls marked ``slow``
+(OT-ViT Tables 1-2, doubly-normalized Tables 1-3: 11-23 s of CPU each) run with
+``pytest -m slow tests/claims/test_negative_controls.py``.
 
 The unmutated verdict of each claim (the baseline the mutation moves away from) is asserted by
 the per-paper claim tests (``test_*_claims.py``, ``test_ot_claims.py``, …); the few that had no
@@ -43,7 +45,7 @@ MUTATIONS = _collect()
 
 
 def _param(m: Mutation):  # noqa: ANN202
-    return pytest.param(m, id=f"{m.claim}[{m.what}]")
+    return pytest.param(m, id=f"{m.claim}[{m.what}]", marks=(pytest.mark.slow,) if m.slow else ())
 
 
 @pytest.fixture

@@ -40,7 +40,8 @@ def test_judges() -> None:
     # the same clear effect as `good`, but logistic regression on the pixels does better: undertrained
     gated = judge_table1(good, baseline=0.97)
     assert gated.verdict == "inconclusive" and gated.reason.startswith("undertrained: best arm ot-vit 0.85")
-    assert gated.training["baseline"] == {"name": "logistic regression", "value": 0.97, "passed": False}
+    assert gated.training["baseline"] == {"name": "logistic regression", "value": 0.97, "passed": False,
+                                          "margin": 0.01}
     assert judge_table2(good, baseline=0.5).verdict == "reproduced"
 
 

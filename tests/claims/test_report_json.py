@@ -45,7 +45,8 @@ def test_report_json_matches_its_schema_and_carries_each_claim(tmp_path: Path):
     t = by_id["demo:trained"]
     assert t["verdict"] == "inconclusive" and t["reason"].startswith("undertrained: best arm a 0.55")
     assert t["figures"]["x"] is None  # NaN is not JSON
-    assert t["training"]["baseline"] == {"name": "logistic regression", "value": 0.97, "passed": False}
+    assert t["training"]["baseline"] == {"name": "logistic regression", "value": 0.97, "passed": False,
+                                         "margin": 0.01}
     assert t["training"]["effect"]["paper"] == 0.03 and t["training"]["arms"]["b"]["ci95"] is None
     assert by_id["demo:skip"]["verdict"] == "skipped" and by_id["demo:boom"]["reason"] == "ValueError: bad"
 

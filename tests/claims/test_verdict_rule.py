@@ -97,7 +97,8 @@ def test_a_failed_gate_makes_even_a_clear_effect_inconclusive():
     assert not gate.passed
     j = judge_effect(effect_of([1.0, 1.1, 1.2], paper=0.5), gate=gate)
     assert j.verdict == "inconclusive"
-    assert j.reason == "undertrained: best arm vit 0.55 vs logistic regression 0.97"
+    assert j.reason == ("undertrained: best arm vit 0.55 vs logistic regression 0.97; a lead of more than "
+                        "0.01 needed (the stated margin 0.01)")
 
 
 def test_gate_at_chance_fails_even_when_the_baseline_need_not_be_beaten():
@@ -112,6 +113,26 @@ def test_gate_lower_is_better():
     assert beat.passed and beat.best_arm == "a"
     lose = sanity_gate({"a": 0.40}, name="ridge", value=0.35, higher=False, margin=0.01)
     assert not lose.passed
+
+
+def test_gate_needs_a_lead_beyond_the_best_arms_noise():
+    # a 2-point lead passes a 1-point margin, but not when the arm's own CI is ± 3 points
+    quiet = sanity_gate({"a": 72.0}, name="logistic regression", value=70.0, margin=1.0, noise={"a": 0.5})
+    noisy = sanity_gate({"a": 72.0}, name="logistic regression", value=70.0, margin=1.0, noise={"a": 3.0})
+    assert quiet.passed and quiet.needed == 1.0
+    assert not noisy.passed and noisy.needed == 3.0
+    assert "95 % CI ± 3" in noisy.reason
+    # the noise is the best arm's; another arm's noise and a non-finite one are ignored
+    other = sanity_gate({"a": 72.0, "b": 60.0}, name="lr", value=70.0, margin=1.0, noise={"b": 9.0})
+    assert other.passed and other.noise == 0.0
+    nan = sanity_gate({"a": 72.0}, name="lr", value=70.0, margin=1.0, noise={"a": math.nan})
+    assert nan.passed
+    # lower is better, and chance needs the same lead
+    low = sanity_gate({"a": 0.30}, name="ridge", value=0.35, higher=False, margin=0.01, noise={"a": 0.06})
+    assert not low.passed
+    ch = sanity_gate({"a": 12.0}, name="ridge", value=50.0, chance=10.0, margin=1.0, required=False,
+                     noise={"a": 2.5})
+    assert ch.at_chance and not ch.passed
 
 
 def test_combine_partially_only_with_some_part_reproduced():
@@ -138,5 +159,5 @@ def test_training_record_fields():
     rec = training_record(metric="accuracy", higher_is_better=True, arms={"a": [1.0, 2.0], "b": [3.0]},
                           gate=gate, effect=effect_of([1.0, 2.0], paper=0.5))
     assert rec["arms"]["a"]["n"] == 2 and rec["arms"]["b"]["ci95"] is None
-    assert rec["baseline"] == {"name": "logistic regression", "value": 70.0, "passed": True}
+    assert rec["baseline"] == {"name": "logistic regression", "value": 70.0, "passed": True, "margin": 1.0}
     assert rec["effect"]["paper"] == 0.5 and rec["effect"]["measured"] == pytest.approx(1.5)

@@ -95,6 +95,15 @@ def test_cached_tensor_rebuilds_when_corrupt(tmp_path) -> None:
     assert torch.equal(cached(p, build)["x"], torch.arange(5)) and len(calls) == 2
 
 
+def test_cached_loads_a_file_once_per_process_and_reloads_when_it_changes(tmp_path) -> None:
+    p = tmp_path / "d.pt"
+    first = cached(p, lambda: {"x": [1, 2, 3]})
+    assert cached(p, lambda: {"x": [9]}) is first  # loaded once: the same object, build not called
+    p.unlink()
+    changed = cached(p, lambda: {"x": [4]})  # a rebuilt file is read anew
+    assert changed == {"x": [4]} and cached(p, lambda: {"x": [9]}) == {"x": [4]}
+
+
 def test_wordpiece_round_trip(records: list[DocRecord]) -> None:
     pytest.importorskip("transformers")
     from attnopt.experiments._data.wordpiece import CompactVocab, minilm_tokenizer, wordpiece_ids

@@ -40,7 +40,8 @@ _TRAINING = {
         "baseline": {
             "type": ["object", "null"],
             "required": ["name", "value"],
-            "properties": {"name": {"type": "string"}, "value": _NUM, "passed": {"type": "boolean"}},
+            "properties": {"name": {"type": "string"}, "value": _NUM, "passed": {"type": "boolean"},
+                           "margin": _NUM},
         },
         "effect": {
             "type": ["object", "null"],

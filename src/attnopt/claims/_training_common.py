@@ -238,16 +238,18 @@ def gate_of(
 ) -> Any:
     """The sanity :class:`~attnopt.claims._verdict.Gate` of ``arms`` (their mean ``metric``)
     against ``task``'s baseline value ``baseline`` (:mod:`attnopt.claims._sanity`); ``None`` when
-    no baseline was computed (hand-made records without configs)."""
+    no baseline was computed (hand-made records without configs). The best arm must lead by more
+    than the task's stated margin and than its own seed/fold noise (its 95 % CI half-width)."""
     from attnopt.claims._sanity import BASELINES
     from attnopt.claims._verdict import sanity_gate
 
     if baseline is None or not math.isfinite(baseline):
         return None
     b = BASELINES[task]
-    means = {a: arm_stats(recs, a, metric)[0] for a in arms if arm_values(recs, a, metric)}
-    return sanity_gate(means, name=b.name, value=baseline, higher=higher, margin=b.margin,
-                       chance=b.chance, required=b.required)
+    stats = {a: arm_stats(recs, a, metric) for a in arms if arm_values(recs, a, metric)}
+    return sanity_gate({a: s[0] for a, s in stats.items()}, name=b.name, value=baseline, higher=higher,
+                       margin=b.margin, chance=b.chance, required=b.required,
+                       noise={a: s[1] for a, s in stats.items()})
 
 
 def gate_text(gate: Any) -> str:

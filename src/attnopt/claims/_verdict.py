@@ -164,6 +164,9 @@ class Gate:
         required: whether the arm must beat the baseline. ``False`` for tasks where the
             baseline is a strong reference that attention models are not expected to beat at
             the stand-in's scale (then only chance is checked and the baseline is reported).
+        noise: the best arm's seed/fold noise, the 95 % CI half-width of its mean over its
+            runs (0: one run or not known). The arm must beat the baseline (and chance) by more
+            than ``max(margin, noise)``: a lead within the arm's own run-to-run noise is no lead.
     """
 
     name: str
@@ -174,18 +177,24 @@ class Gate:
     margin: float = 0.0
     chance: float | None = None
     required: bool = True
+    noise: float = 0.0
+
+    @property
+    def needed(self) -> float:
+        """The lead the best arm needs over the baseline and chance: ``max(margin, noise)``."""
+        return max(self.margin, self.noise if math.isfinite(self.noise) else 0.0)
 
     @property
     def at_chance(self) -> bool:
         if self.chance is None:
             return False
         sign = 1.0 if self.higher else -1.0
-        return not sign * (self.best - self.chance) > self.margin
+        return not sign * (self.best - self.chance) > self.needed
 
     @property
     def beats_baseline(self) -> bool:
         sign = 1.0 if self.higher else -1.0
-        return sign * (self.best - self.value) > self.margin
+        return sign * (self.best - self.value) > self.needed
 
     @property
     def passed(self) -> bool:
@@ -200,9 +209,17 @@ class Gate:
             return ""
         if not math.isfinite(self.best):
             return "undertrained: no arm has a finite metric"
+        lead = f"; a lead of more than {self.needed:.3g} needed ({self._needed_why()})"
         if self.at_chance:
-            return f"undertrained: best arm {self.best_arm} {self.best:.4g} at chance ({self.chance:.4g})"
-        return f"undertrained: best arm {self.best_arm} {self.best:.4g} vs {self.name} {self.value:.4g}"
+            return (f"undertrained: best arm {self.best_arm} {self.best:.4g} at chance ({self.chance:.4g})"
+                    + lead)
+        return (f"undertrained: best arm {self.best_arm} {self.best:.4g} vs {self.name} {self.value:.4g}"
+                + lead)
+
+    def _needed_why(self) -> str:
+        if self.noise > self.margin:
+            return f"the best arm's 95 % CI ± {self.noise:.3g} over its runs"
+        return f"the stated margin {self.margin:.3g}"
 
 
 def sanity_gate(
@@ -214,14 +231,19 @@ def sanity_gate(
     margin: float = 0.0,
     chance: float | None = None,
     required: bool = True,
+    noise: Mapping[str, float] | None = None,
 ) -> Gate:
-    """The :class:`Gate` of the arms' mean metrics against the baseline ``name`` = ``value``."""
+    """The :class:`Gate` of the arms' mean metrics against the baseline ``name`` = ``value``;
+    ``noise`` (arm -> 95 % CI half-width of its mean over its runs) sets the best arm's
+    :attr:`Gate.noise` (missing or non-finite: 0)."""
     finite = {a: m for a, m in arm_means.items() if math.isfinite(m)}
     if not finite:
         return Gate(name, value, "-", math.nan, higher, margin, chance, required)
     pick = max if higher else min
     best_arm = pick(finite, key=lambda a: finite[a])
-    return Gate(name, value, best_arm, finite[best_arm], higher, margin, chance, required)
+    h = (noise or {}).get(best_arm, 0.0)
+    h = float(h) if h is not None and math.isfinite(h) else 0.0
+    return Gate(name, value, best_arm, finite[best_arm], higher, margin, chance, required, h)
 
 
 @dataclass(frozen=True)
@@ -324,7 +346,7 @@ def training_record(
         "higher_is_better": higher_is_better,
         "arms": {a: arm_summary(v) for a, v in arms.items() if v},
         "baseline": None if gate is None else {"name": gate.name, "value": gate.value,
-                                                "passed": gate.passed},
+                                                "passed": gate.passed, "margin": gate.needed},
         "effect": None if effect is None else {
             "paper": effect.paper,
             "measured": None if effect.n == 0 else effect.mean,

@@ -8,8 +8,9 @@ and cross-attention), with ``p = 4``: the paper tunes ``p`` per task and says tr
 wants the similarity rather than the magnitude; ``p > 2`` shrinks the magnitude term
 (``‖x‖_p ≤ ‖x‖_2``). ``p`` was picked from {1, 2, 4} in a one-seed quick pilot scored on the
 test numbers (there is no validation split), a mild optimism for the IKA arms; the size knob
-``p`` overrides it (``attnopt reproduce`` runs every arm at ``p = 2``, SDPA's own L2 magnitude,
-so that Fig. 3's magnitude comparison is like with like and no p is chosen on test). BLEU by
+``p`` overrides it (``attnopt reproduce`` runs every arm at ``p = 2`` at every scale, SDPA's own
+L2 magnitude, so that Fig. 3's magnitude comparison is like with like and no p chosen on test
+enters a verdict). BLEU by
 ``sacrebleu`` on greedy decodes (detokenized; plus the share of exactly right translations).
 
 Fig. 3: after every epoch, on a fixed batch of test sources, the first encoder

@@ -79,11 +79,13 @@ class QuickPlan(_PlanRequired, total=False):
         arms: the arms trained; dataset: the data set (``None``: the task's default); sizes: the
             task's size knobs (merged over the scale's: the task's quick sizes at quick scale,
             its full sizes at standard); folds: cross-validation folds (``None``: the task's own
-            split); epochs, seeds: override the scale's (standard only, by default).
+            split); epochs, seeds: override the scale's; quick_sizes: at standard scale, start
+            from the task's quick scale (widths, batch size) rather than its full one.
     """
 
     epochs: int
     seeds: int
+    quick_sizes: bool
 
 
 _TABLE2_ARMS = (
@@ -93,9 +95,14 @@ _REGRESSION_P_ARMS = ("transformer", "ikan-direct", "mikan", "mikan-p0.25", "mik
 
 # What each claim trains at quick scale (full: the task's own full scale and arms). Translation
 # runs every arm at p = 2 (Fig. 3 compares magnitudes like with like; no p chosen on test).
+# Quick is cut to fit the report's 5-minute budget (standard keeps every arm): Table 2 trains
+# SDPA and the two IKA arms with the paper's largest TREC effects (IKAN, MIKAN; chosen from the
+# paper's numbers, not ours; the fixed kernels are context rows, at standard scale); Fig. 4
+# sweeps p over {0.25, 1}; fewer epochs for translation, regression and graphs. Quick may
+# honestly answer "inconclusive".
 QUICK: dict[str, QuickPlan] = {
     "sentence-classification": {
-        "arms": _TABLE2_ARMS,
+        "arms": ("transformer", "ikan", "mikan"),
         "dataset": "docstring-module",
         "sizes": {"max_len": 16},
         "folds": None,
@@ -105,40 +112,54 @@ QUICK: dict[str, QuickPlan] = {
         "dataset": None,
         "sizes": {"p": 2.0},
         "folds": None,
+        "epochs": 3,
     },
     "regression": {
-        "arms": ("transformer", "ikan-direct", "mikan", "mikan-p0.25", "mikan-p2"),
+        "arms": ("transformer", "ikan-direct", "mikan", "mikan-p0.25"),
         "dataset": "co2",
         "sizes": {"folds": 3},
         "folds": 3,
+        "epochs": 6,
     },
     "node-classification": {
         "arms": ("gat", "ikan-direct", "mikan"),
         "dataset": "sbm",
         "sizes": {"folds": 3},
         "folds": 3,
+        "epochs": 15,
     },
 }
-# Standard scale: the task's full sizes, trained longer than quick with more seeds/folds, so
-# that the paired CIs can get below the paper's effects where this machine allows (the
-# report states the runs needed where they do not).
+# Standard scale: longer than quick with more seeds/folds, so that the paired CIs can get below
+# the paper's effects where this machine allows (the report states the runs needed where they
+# do not). Sized to fit the whole standard report in about an hour of CPU here (projection in
+# README: "Reproduction scales and their cost"): the quick widths (``quick_sizes``) trained for
+# more epochs, except node classification (the task's full sizes, 200 epochs: cheap).
 STANDARD: dict[str, QuickPlan] = {
     "sentence-classification": {
-        "arms": _TABLE2_ARMS, "dataset": "docstring-module", "sizes": {}, "folds": None,
-        "epochs": 20, "seeds": 5,
+        "arms": _TABLE2_ARMS, "dataset": "docstring-module", "sizes": {"max_len": 16}, "folds": None,
+        "epochs": 15, "seeds": 5, "quick_sizes": True,
     },
     "translation": {
         "arms": ("transformer", "ikan-direct", "mikan"), "dataset": None, "sizes": {"p": 2.0},
-        "folds": None, "epochs": 12, "seeds": 5,
+        "folds": None, "epochs": 15, "seeds": 8, "quick_sizes": True,
     },
     "regression": {
-        "arms": _REGRESSION_P_ARMS, "dataset": "co2", "sizes": {"folds": 10}, "folds": 10, "epochs": 50,
+        "arms": _REGRESSION_P_ARMS, "dataset": "co2", "sizes": {"folds": 10}, "folds": 10, "epochs": 20,
+        "quick_sizes": True,
     },
     "node-classification": {
         "arms": ("gat", "ikan-direct", "mikan"), "dataset": "sbm", "sizes": {"folds": 10}, "folds": 10,
     },
 }
 FULL_ARMS = {"regression": _REGRESSION_P_ARMS}
+#: Full scale's size overrides: translation at p = 2 as at quick and standard. The task's own
+#: default (p = 4) was picked in a pilot scored on the test numbers; no claim uses a p chosen on
+#: any data: p is fixed a priori (translation 2, SDPA's own L2; regression 1, the task's default
+#: set before any run) and Fig. 4 reports every p of its sweep without selecting one.
+FULL_SIZES = {"translation": {"p": 2.0}}
+#: the sentence of the scale notes that says how p was set
+P_NOTE = ("p is fixed a priori at every scale, never chosen on data (neither test nor validation): "
+          "translation p = 2 in every arm, regression MIKAN p = 1, Fig. 4 reports every p of its sweep")
 
 
 def _show(ctx: ClaimContext, task: str, *patterns: str) -> None:
@@ -155,9 +176,11 @@ def _run_args(ctx: ClaimContext, task: str) -> tuple[Any, dict[str, Any]]:
 
     the_task = get_task(task)
     kwargs: dict[str, Any] = {
-        "quick": ctx.scale == "quick",
+        "quick": ctx.scale == "quick"
+        or (ctx.scale == "standard" and bool(STANDARD[task].get("quick_sizes"))),
         "out_dir": Path(ctx.out_dir) / "train" / task,
         "resume": ctx.resume,
+        "threads": 1,  # tiny models: one thread each is fastest and leaves the other core free
     }
     if ctx.scale != "full":
         plan = (QUICK if ctx.scale == "quick" else STANDARD)[task]
@@ -174,8 +197,11 @@ def _run_args(ctx: ClaimContext, task: str) -> tuple[Any, dict[str, Any]]:
         kwargs.update(arms=list(plan["arms"]), sizes=sizes or None)
         if plan["dataset"]:
             kwargs["dataset"] = plan["dataset"]
-    elif task in FULL_ARMS:
-        kwargs["arms"] = list(FULL_ARMS[task])
+    else:
+        if task in FULL_ARMS:
+            kwargs["arms"] = list(FULL_ARMS[task])
+        if task in FULL_SIZES:
+            kwargs["sizes"] = dict(FULL_SIZES[task])
     return the_task, kwargs
 
 
@@ -457,7 +483,7 @@ def judge_table3(recs: list[dict], ctx: ClaimContext, *, baseline: float | None 
         "IKAN-direct and MIKAN above Transformer."
         + _scale_note(
             ctx, recs, "translation", "a Transformer encoder-decoder, German→English number words, greedy"
-            " decoding; every arm's L^p magnitude at p = sizes['p'] (2 at quick scale: SDPA's own)",
+            f" decoding; every arm's L^p magnitude at p = sizes['p'] (2: SDPA's own); {P_NOTE}",
         ),
     )
 
@@ -538,7 +564,7 @@ def judge_fig3(recs: list[dict], ctx: ClaimContext, *, baseline: float | None = 
         details=table
         + "\n\nMeans over seeds; magnitude as the mean log of exp((‖q‖_p²+‖k‖_p²)/(2√d)), every arm at "
         "the same p."
-        + _scale_note(ctx, recs, "translation", "the Table 3 runs"),
+        + _scale_note(ctx, recs, "translation", f"the Table 3 runs; {P_NOTE}"),
         reason=j.reason,
         training=training_record(
             metric="self-attention log-magnitude change, SDPA - max |IKA|", higher_is_better=True,
@@ -597,7 +623,7 @@ def judge_table4(
         )
         return f"**{ds}** (CV folds; RMSE of the standardized target; {source})\n\n{table}"
 
-    what = "a Transformer encoder regressor, cross-validated"
+    what = f"a Transformer encoder regressor, cross-validated; {P_NOTE}"
     return _by_dataset(ctx, recs, "regression", "co2", judge, detail, what)
 
 
@@ -674,7 +700,7 @@ def judge_fig4(recs: list[dict], ctx: ClaimContext, *, baseline: float | None = 
         figures={f"max_weight_p{p:g}": round(stats[p][0], 4) for p in ps}
         | {f"rmse_p{p:g}": round(rmse[p][0], 4) for p in ps},
         details=markdown_table(("p", "mean max weight", "RMSE", "share of weights > 0.99"), rows)
-        + _scale_note(ctx, recs, "regression", "the Table 4 runs"),
+        + _scale_note(ctx, recs, "regression", f"the Table 4 runs; {P_NOTE}"),
         reason=j.reason,
         training=training_record(
             metric="mean_max_weight", higher_is_better=True,

@@ -29,17 +29,31 @@ def _atomic_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+#: (path, the file's sha256) -> the object loaded from it, for the last few files: a run set
+#: calls ``build_data`` once per run, and unpickling a corpus of token lists with
+#: ``weights_only=True`` took seconds each time
+_LOADED: dict[tuple[str, str], Any] = {}
+_KEEP_LOADED = 4
+
+
 def cached(path: str | os.PathLike[str] | None, build: Callable[[], T]) -> T:
     """``build()``, cached at ``path`` (``None``: no cache). The object must be ``torch.save``-able
-    with plain containers, tensors, numbers and strings (it is reloaded with ``weights_only=True``)."""
+    with plain containers, tensors, numbers and strings (it is reloaded with ``weights_only=True``).
+
+    A file already loaded or written in this process (same path, same content) returns the same
+    object again, without unpickling: callers must not modify it in place."""
     if path is None:
         return build()
     path = Path(path)
     digest_path = path.with_name(path.name + ".sha256")
     try:
         data = path.read_bytes()
-        if hashlib.sha256(data).hexdigest() == digest_path.read_text().strip():
-            obj: Any = torch.load(io.BytesIO(data), weights_only=True)
+        digest = hashlib.sha256(data).hexdigest()
+        if digest == digest_path.read_text().strip():
+            key = (str(path.resolve()), digest)
+            if key not in _LOADED:
+                _remember(key, torch.load(io.BytesIO(data), weights_only=True))
+            obj: Any = _LOADED[key]
             return obj
     except (OSError, RuntimeError, ValueError, EOFError):
         pass
@@ -48,5 +62,13 @@ def cached(path: str | os.PathLike[str] | None, build: Callable[[], T]) -> T:
     torch.save(obj, buf)
     data = buf.getvalue()
     _atomic_write(path, data)
-    _atomic_write(digest_path, (hashlib.sha256(data).hexdigest() + "\n").encode())
+    digest = hashlib.sha256(data).hexdigest()
+    _atomic_write(digest_path, (digest + "\n").encode())
+    _remember((str(path.resolve()), digest), obj)
     return obj
+
+
+def _remember(key: tuple[str, str], obj: Any) -> None:
+    while len(_LOADED) >= _KEEP_LOADED:
+        _LOADED.pop(next(iter(_LOADED)))
+    _LOADED[key] = obj
