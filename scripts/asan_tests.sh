@@ -37,7 +37,7 @@ tests=(
   # the kernels as torch.library ops (issue 30): the same C calls through opcheck / compile
   tests/functional/test_dnas_ops.py tests/functional/test_generalized_ops.py
   tests/functional/test_periodic_ops.py tests/functional/test_kernel_ops.py
-  tests/nn/test_spectral_ops.py tests/nn/test_small_ops.py
+  tests/functional/test_sparse_ops.py tests/nn/test_spectral_ops.py tests/nn/test_small_ops.py
 )
 set +e
 # the sanitizers' instrumentation changes how the compiler vectorizes float sums, so the few tests
