@@ -47,6 +47,7 @@ def test_reproduce_skips_claims_that_need_extras(tmp_path):
     assert "Verdict: skipped" in report and "pip install 'attnopt[reproduce]'" in report
 
 
+@pytest.mark.slow  # ~11 s of subprocesses in the plain install: `pytest -m slow`
 def test_analyze_and_bench_name_their_extra_in_one_line(tmp_path):
     res = _run("analyze", "--out", str(tmp_path / "an"), cwd=tmp_path)
     assert res.returncode == 2
@@ -61,6 +62,7 @@ def test_analyze_and_bench_name_their_extra_in_one_line(tmp_path):
     assert "pip install 'attnopt[oracles]'" in res.stdout
 
 
+@pytest.mark.slow  # ~11 s of subprocesses in the plain install: `pytest -m slow`
 def test_version_list_and_python_m(tmp_path):
     from attnopt import __version__
 
