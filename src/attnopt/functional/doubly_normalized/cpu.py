@@ -154,6 +154,24 @@ def _check_dn(
         raise fail(kernel, "rs", "missing")
 
 
+def _operands(
+    q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, scale: float
+) -> tuple[tuple[int, int, int, int, int, int], tuple[Tensor, Tensor, Tensor],
+           tuple[bool, Tensor | None, Tensor | None]]:
+    """What :func:`dn_forward` and :func:`dn_backward` both derive from their inputs:
+    ``(B, H, Nq, Nk, dv, G = B·H)``, the per-head ``scale·q (G, Nq, d)``, ``k (G, Nk, d)``,
+    ``v (G, Nk, dv)``, and the mask split (key-only?, the full ``(…, Nq, Nk)`` mask or None, the
+    per-head weight ``w`` or None)."""
+    b, h, nq, _ = q.shape
+    nk, dv = k.shape[-2], v.shape[-1]
+    g = b * h
+    qs = (q * scale).reshape(g, nq, -1)
+    k3, v3 = k.reshape(g, nk, -1), v.reshape(g, nk, dv)
+    key_only = mask is not None and mask.shape[-2] == 1
+    full = mask if mask is not None and not key_only else None
+    return (b, h, nq, nk, dv, g), (qs, k3, v3), (key_only, full, _flat(w, b, h, (1, 1)))
+
+
 @_native.untraced
 def dn_forward(
     q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, causal: bool, scale: float,
@@ -169,15 +187,8 @@ def dn_forward(
     """
     lib = _native.library("dnas")
     assert lib is not None
-    b, h, nq, _ = q.shape
-    nk, dv = k.shape[-2], v.shape[-1]
-    g = b * h
-    qs = (q * scale).reshape(g, nq, -1)
-    k3, v3 = k.reshape(g, nk, -1), v.reshape(g, nk, dv)
-    key_only = mask is not None and mask.shape[-2] == 1
+    (b, h, nq, nk, dv, g), (qs, k3, v3), (key_only, full, wv) = _operands(q, k, v, w, mask, scale)
     kbias = _flat(mask, b, h, (1, nk)) if key_only else None
-    full = mask if mask is not None and not key_only else None
-    wv = _flat(w, b, h, (1, 1))
     m, beta = q.new_empty(g, nk), q.new_empty(g, nk)
     u = q.new_empty(g, nk) if w is not None else None
     alpha, rs = q.new_empty(g, nq), q.new_empty(g, nq)
@@ -214,14 +225,7 @@ def dn_backward(
     ``attnopt::dn_bwd`` op."""
     lib = _native.library("dnas")
     assert lib is not None
-    b, h, nq, _ = q.shape
-    nk, dv_ = k.shape[-2], v.shape[-1]
-    g = b * h
-    qs = (q * scale).reshape(g, nq, -1)
-    k3, v3 = k.reshape(g, nk, -1), v.reshape(g, nk, dv_)
-    key_only = mask is not None and mask.shape[-2] == 1
-    full = mask if mask is not None and not key_only else None
-    wv = _flat(w, b, h, (1, 1))
+    (b, h, nq, nk, dv_, g), (qs, k3, v3), (key_only, full, wv) = _operands(q, k, v, w, mask, scale)
     hyb = w is not None
     uu, bb = (u, binv) if hyb else (None, None)
     d3 = dout.reshape(g, nq, dv_).contiguous()
