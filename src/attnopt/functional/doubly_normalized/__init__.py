@@ -176,6 +176,37 @@ def _materialized(
     return out.to(orig)
 
 
+def _compiled_op(
+    q: Tensor, k: Tensor, v: Tensor, weight: Tensor | None, attn_mask: Tensor | None, scale: float,
+    is_causal: bool, batch: tuple[int, ...],
+) -> Tensor:
+    """Under ``torch.compile`` / ``torch.export`` (K = 1, float32 CPU tensors): the C passes as the
+    one op ``attnopt::dn_fwd`` (its registered autograd runs ``attnopt::dn_bwd``), then the log-domain
+    reference where the op reports ``ok`` False (an underflowing normalizer, or no C library where the
+    graph runs) as a traced selection: ``torch.cond`` (the reference runs only then) when autograd
+    records nothing, else ``torch.where`` (both run: ``torch.cond``'s backward in torch 2.13 refuses
+    branches whose gradients differ in strides)."""
+    nq, nk, dv = q.shape[-2], k.shape[-2], v.shape[-1]
+    mask = additive_mask(attn_mask, (*batch, nq, nk), torch.float32)
+    m = None if mask is None else mask.detach()
+    w = None if weight is None else weight.to(torch.float32)
+    qkv = [x if tuple(x.shape[:-2]) == batch else x.expand(*batch, *x.shape[-2:]) for x in (q, k, v)]
+    (q4, k4, v4), w4, m4 = _as_4d(qkv, w, m, batch)
+    res = torch.ops.attnopt.dn_fwd(q4, k4, v4, w4, m4, is_causal, scale)
+    out, ok = res[0].reshape(*batch, nq, dv), res[-1]
+    extra = [t for t in (weight, m) if t is not None]
+
+    def fallback(*ts: Tensor) -> Tensor:
+        rest = list(ts[4:])
+        wt = rest.pop(0) if weight is not None else None
+        mt = rest.pop(0) if m is not None else None
+        return reference.attention(ts[1], ts[2], ts[3], 1, wt, mt, scale, is_causal).contiguous()
+
+    if records_graph(q, k, v, weight):
+        return torch.where(ok, out, fallback(out, q, k, v, *extra))
+    return torch.cond(ok, lambda *ts: ts[0].clone(), fallback, (out, q, k, v, *extra))
+
+
 def _route(
     mech: str, q: Tensor, k: Tensor, v: Tensor, iterations: int, weight: Tensor | None,
     attn_mask: Tensor | None, scale: float, is_causal: bool, impl: str, forced: bool,
@@ -197,7 +228,10 @@ def _route(
     path = dispatch.choose_impl(mech, nq=q.shape[-2], nk=k.shape[-2], batch=g, dtype=q.dtype, impl=impl)
     dispatch.record(mech, path)
     if path == "materialized":
-        if not host_readable(q):  # off the CPU / compiling: one graph of plain ops, no host read
+        if not host_readable(q):  # off the CPU / compiling: one graph, no host read
+            if torch.compiler.is_compiling() and iterations == 1 and q.dtype == torch.float32 \
+                    and v.dtype == torch.float32 and q.device.type == "cpu":
+                return _compiled_op(q, k, v, weight, attn_mask, scale, is_causal, batch)
             return reference.attention(q, k, v, iterations, weight, attn_mask, scale, is_causal)
         return _materialized(q, k, v, iterations, weight, attn_mask, scale, is_causal, batch)
     run = flash_cpu.run_passes if flash_cpu.flash_available(q) else None

@@ -353,8 +353,28 @@ def native_sinkhorn(
 def dn_fwd(
     q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, causal: bool, scale: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(out, m, β, u, α, 1/β', ok)`` of DNAS / HNAS, K = 1 (:func:`dn_forward`)."""
+    """``(out, m, β, u, α, 1/β', ok)`` of DNAS / HNAS, K = 1 (:func:`dn_forward`).
+
+    Where the library cannot be used when the op runs (no compiler, ``ATTNOPT_NATIVE=0``): zeros
+    with ``ok`` False, so that a compiled or exported graph holding the op selects its fallback
+    (the router's ``torch.cond`` / ``torch.where`` on ``ok``) instead of failing.
+    """
+    if _native.library("dnas") is None:
+        return _no_library(q, k, v, w)  # type: ignore[return-value]
     return dn_forward(q.contiguous(), k.contiguous(), v.contiguous(), w, mask, causal, scale)
+
+
+def _no_library(q: Tensor, k: Tensor, v: Tensor, w: Tensor | None) -> tuple[Tensor, ...]:
+    """``dn_fwd``'s outputs as zeros (the fake implementation's shapes) with ``ok`` False."""
+    b, h, nq, _ = q.shape
+    nk, dv = k.shape[-2], v.shape[-1]
+    g, hyb = b * h, w is not None
+
+    def z(*shape: int) -> Tensor:
+        return torch.zeros(shape, dtype=q.dtype, device=q.device)
+
+    return (z(b, h, nq, dv), z(g, nk), z(g, nk), z(g, nk) if hyb else z(0), z(g, nq),
+            z(g, nq) if hyb else z(0), torch.zeros((), dtype=torch.bool, device=q.device))
 
 
 @dn_fwd.register_fake
@@ -374,7 +394,12 @@ def dn_bwd(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, m: Tensor,
     beta: Tensor, u: Tensor, alpha: Tensor, binv: Tensor, causal: bool, scale: float, need_w: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(dQ, dK, dV, ∂L/∂w per row)`` of :func:`dn_fwd` (:func:`dn_backward`)."""
+    """``(dQ, dK, dV, ∂L/∂w per row)`` of :func:`dn_fwd` (:func:`dn_backward`); zeros where the library
+    cannot be used (``dn_fwd`` then returned ``ok`` False and its caller selected the fallback)."""
+    if _native.library("dnas") is None:
+        b, h, nq, _ = q.shape
+        return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
+                q.new_zeros(b * h, nq) if need_w and w is not None else q.new_zeros(0))
     return dn_backward(dout, q.contiguous(), k.contiguous(), v.contiguous(), w, mask, m, beta, u, alpha, binv,
                        causal, scale, need_w)
 
@@ -390,17 +415,22 @@ def _(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Ten
 
 def _dn_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
     q, k, v, w, mask, causal, scale = inputs
-    _, m, beta, u, alpha, binv, _ = output
+    _, m, beta, u, alpha, binv, ok = output
     ctx.causal, ctx.scale = causal, scale
-    ctx.save_for_backward(q, k, v, w, mask, m, beta, u, alpha, binv)
+    ctx.save_for_backward(q, k, v, w, mask, m, beta, u, alpha, binv, ok)
 
 
 def _dn_backward(ctx: Any, dout: Tensor, *_unused: Tensor | None) -> tuple[Tensor | None, ...]:
-    q, k, v, w, mask, m, beta, u, alpha, binv = ctx.saved_tensors
+    """The op's backward; gradients are zero where the forward reported ``ok`` False (an underflow
+    or no library: the output was not used, and its saved state may hold ``inf``), selected on the
+    device (``torch.where``, no host read), so that a graph's fallback alone carries the gradient."""
+    q, k, v, w, mask, m, beta, u, alpha, binv, ok = ctx.saved_tensors
     need_w = w is not None and ctx.needs_input_grad[3]
     dq, dk, dv, drow = torch.ops.attnopt.dn_bwd(dout, q, k, v, w, mask, m, beta, u, alpha, binv, ctx.causal,
                                                 ctx.scale, need_w)
-    dw = reduce_to(drow.view(*q.shape[:3], 1), w.shape) if need_w else None
+    zero = q.new_zeros(())
+    dq, dk, dv = (torch.where(ok, x, zero) for x in (dq, dk, dv))
+    dw = reduce_to(torch.where(ok, drow, zero).view(*q.shape[:3], 1), w.shape) if need_w else None
     return dq, dk, dv, dw, None, None, None
 
 
