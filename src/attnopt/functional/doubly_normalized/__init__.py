@@ -25,9 +25,17 @@ another:
 
 * :mod:`.reference` — plain PyTorch, log domain, any device: ``attnopt.backend("reference")``,
   ``torch.func`` transforms, meta tensors, a mask that requires grad, and (below the crossover)
-  every tensor that cannot be read on the host (off the CPU, while ``torch.compile`` traces: no
-  host sync, no loop over batch × heads); also the recomputation when a fast kernel reports an
-  underflowing normalizer (rare, never silent).
+  every tensor that cannot be read on the host (off the CPU, e.g. the fake-device fixture; while
+  ``torch.compile`` / ``torch.export`` trace, but for the op below: no host sync, no loop over
+  batch × heads); also the recomputation when a fast kernel reports an underflowing normalizer
+  (rare, never silent).
+* under ``torch.compile`` / ``torch.export`` (below the crossover) with CPU float32 tensors and
+  K = 1 (DNAS, HNAS; any mask that does not require grad, ``is_causal``): the C passes as the one
+  op ``torch.ops.attnopt.dn_fwd`` (:mod:`.cpu`; its registered backward ``dn_bwd``), then the
+  reference where the op's ``ok`` output is False, as a traced selection (``torch.cond`` without
+  autograd, ``torch.where`` with it) — :func:`_compiled_op`. Sinkhorn-K (K >= 2), float64 and half
+  keep the reference under compile. Plain eager calls keep the autograd Functions below (the
+  Python ``custom_op`` dispatch costs tens of µs a call).
 * ``impl="materialized"`` (``auto`` below ``dispatch.CROSSOVERS``), host-readable CPU tensors:
   :mod:`.cpu` (the C passes, K = 1 in float32: one no-grad pass over all heads for inference
   without a mask up to ``THRESHOLDS.dnas_cpu_no_grad_max_entries``, else the chunked passes from
