@@ -143,20 +143,3 @@ def test_float32_c_pass_and_its_fallback(native_or_torch, calls, monkeypatch, ca
     # the router runs the one C pass (native) or the PyTorch no-grad forward, never both
     assert calls == ([] if native_or_torch == "native" else [True, True, True])
     assert len(c_calls) == (3 if native_or_torch == "native" else 0)
-
-
-@pytest.mark.parametrize("chunk", [1, 30, 1 << 40])
-def test_chunks_of_heads_match_the_reference(calls, monkeypatch, chunk):
-    """The no-grad forward in chunks of heads (one head, a few, all): DNAS / Sinkhorn-K and HNAS
-    with a per-head weight equal the float64 reference."""
-    from attnopt.functional._thresholds import THRESHOLDS
-
-    monkeypatch.setattr(THRESHOLDS, "dnas_no_grad_chunk_entries", chunk)
-    q, k, v = _qkv((2, 3), 4, 5, seed=3)  # 30 scores a head: chunks of 1, 1 and 6 heads
-    w = torch.tensor([0.0, 0.6, 1.0], dtype=torch.float64)
-    with torch.no_grad():
-        out = doubly_normalized_attention(q, k, v, iterations=2, impl="materialized")
-        hyb = hybrid_normalized_attention(q, k, v, w, iterations=2, impl="materialized")
-    assert calls == [True, True]
-    torch.testing.assert_close(out, attention_ref(q, k, v, 2), rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(hyb, hybrid_ref(q, k, v, w, 2), rtol=1e-10, atol=1e-12)

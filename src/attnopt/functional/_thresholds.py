@@ -57,10 +57,6 @@ class Thresholds:
     #: pass over all heads (``doubly_normalized/cpu.py``: ``no_grad_small``, nothing chunked or
     #: saved); above, the chunked C passes
     dnas_cpu_no_grad_max_entries: int = 1 << 20
-    #: score entries per chunk of heads of the materialized no-grad forward
-    #: (``doubly_normalized/materialized.py``; at N = 1024, B·H = 8, Sinkhorn K = 3 one head a
-    #: chunk ran faster than all heads at once: the temporaries stay in cache)
-    dnas_no_grad_chunk_entries: int = 1 << 20
     #: from this many score entries the C passes (``doubly_normalized/cpu.py``: K = 1, float32,
     #: CPU) run instead of the probability-domain kernel (measured fwd+bwd, d = 64, 1 thread:
     #: equal at 64·64², the C passes ahead from 8·256²)

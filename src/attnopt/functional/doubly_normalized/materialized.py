@@ -45,7 +45,6 @@ from torch import Tensor
 
 from attnopt._validation import host_readable
 from attnopt.functional._autograd import records_graph, reduce_to, refuse_double_backward
-from attnopt.functional._thresholds import THRESHOLDS
 
 __all__ = ["materialized_sinkhorn"]
 
@@ -208,41 +207,17 @@ def _no_grad_forward(
     (over dim −2 of ``Sᵀ``) before one product with ``V``. (K = 1 in float32 on the CPU the
     router prefers the one C pass of :func:`.cpu.no_grad_small`.) The gains over the autograd
     Function's forward are in the bench's forward rows (``attnopt bench --only small_n``: the
-    Sinkhorn K = 3 forward rows run it). The heads run in chunks of about
-    ``THRESHOLDS.dnas_no_grad_chunk_entries`` scores (cache-sized; nothing is kept between chunks).
-    An underflowing first row sum (a dominated row) returns ``None``: the router recomputes with
-    the reference.
+    Sinkhorn K = 3 forward rows run it). An underflowing
+    first row sum (a dominated row) returns ``None``: the router recomputes with the reference.
     """
     nq, nk = q.shape[-2], k.shape[-2]
     batch = q.shape[:-2]
     q3, k3 = q.reshape(-1, nq, q.shape[-1]), k.reshape(-1, nk, k.shape[-1])
     v3 = v.reshape(-1, nk, v.shape[-1])
-    g = q3.shape[0]
-    wf = None
-    if w is not None:
-        wf = w.reshape(-1, 1, 1) if w.dim() else w.reshape(1, 1, 1)  # () or one per head, heads last
-        wf = wf.repeat(g // wf.shape[0], 1, 1)
-    step = max(1, THRESHOLDS.dnas_no_grad_chunk_entries // (nq * nk))  # heads per cache-sized chunk
-    out = q3.new_empty(g, nq, v.shape[-1])
-    for h0 in range(0, g, step):
-        h1 = min(h0 + step, g)
-        wc = None if wf is None else wf[h0:h1]
-        part = _no_grad_chunk(q3[h0:h1], k3[h0:h1], v3[h0:h1], wc, causal, scale, iterations)
-        if part is None:
-            return None
-        out[h0:h1] = part
-    return out.view(*batch, nq, v.shape[-1])
-
-
-def _no_grad_chunk(
-    q3: Tensor, k3: Tensor, v3: Tensor, wf: Tensor | None, causal: bool, scale: float, iterations: int,
-) -> Tensor | None:
-    """:func:`_no_grad_forward` on the 3-D heads of one chunk (``wf``: one weight per head)."""
-    nq, nk = q3.shape[-2], k3.shape[-2]
     st = torch.baddbmm(q3.new_empty(1, 1, 1), k3, q3.transpose(-2, -1), beta=0.0, alpha=scale)  # (G, Nk, Nq)
     if causal:  # key j > query i is dropped
         st.masked_fill_(torch.ones(nk, nq, dtype=torch.bool, device=st.device).tril_(-1), float("-inf"))
-    p_lnas = torch.softmax(st, -2) if wf is not None else None
+    p_lnas = torch.softmax(st, -2) if w is not None else None
     e = torch.softmax(st, -1)  # the column step: normalized over the queries of each key
     del st
     sigma = e.sum(-2, keepdim=True)  # (G, 1, Nq) row sums; >= 1 per column, only a row can underflow
@@ -252,6 +227,11 @@ def _no_grad_chunk(
         e.div_(sigma)
         e.div_(e.sum(-1, keepdim=True))
         sigma = e.sum(-2, keepdim=True)
-    if p_lnas is None or wf is None:
-        return torch.bmm(e.transpose(-2, -1), v3).div_(sigma.transpose(-2, -1))
-    return torch.bmm(p_lnas.lerp_(e.div_(sigma), wf).transpose(-2, -1), v3)
+    if p_lnas is None or w is None:
+        out = torch.bmm(e.transpose(-2, -1), v3).div_(sigma.transpose(-2, -1))
+    else:
+        wf = w.reshape(-1, 1, 1) if w.dim() else w  # () or one per head, the heads last in the batch
+        if wf.dim() and wf.shape[0] != e.shape[0]:
+            wf = wf.repeat(e.shape[0] // wf.shape[0], 1, 1)
+        out = torch.bmm(p_lnas.lerp_(e.div_(sigma), wf).transpose(-2, -1), v3)
+    return out.view(*batch, nq, v.shape[-1])
