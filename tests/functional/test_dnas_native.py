@@ -1,7 +1,7 @@
 """The native (C) DNAS / HNAS path (``doubly_normalized/cpu.py``, ``_native/dnas.c``) and its fallback.
 
 The C passes are float32 only: values and gradients are checked against the float64 reference
-(``tests/reference``) at float32 tolerances, and against the PyTorch materialized path they replace.
+(``tests/reference``) at float32 tolerances, and against the PyTorch fused path they replace.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import attnopt.functional.doubly_normalized.cpu as native
+import attnopt.functional.doubly_normalized.scaling as fused
 from attnopt import _native
 from attnopt.functional._thresholds import THRESHOLDS
 from attnopt.functional.doubly_normalized import doubly_normalized_attention, hybrid_normalized_attention
@@ -20,9 +21,8 @@ from tests.reference.doubly_normalized import attention_ref, hybrid_ref
 
 @pytest.fixture
 def small(monkeypatch):
-    """Every float32 K = 1 call takes the C passes (no one-pass inference); native chunks of a few
-    heads (splits across batches)."""
-    monkeypatch.setattr(THRESHOLDS, "dnas_cpu_no_grad_max_entries", 0)
+    """Every float32 call takes the fused kernel; native chunks of a few heads (splits across batches)."""
+    monkeypatch.setattr(THRESHOLDS, "dnas_scaling_chunk_entries", 0)
     monkeypatch.setattr(THRESHOLDS, "dnas_native_min_entries", 0)
     monkeypatch.setattr(THRESHOLDS, "dnas_cpu_chunk_entries", 100)
 
@@ -103,7 +103,7 @@ def test_admissible_rows_of_a_full_mask_read_without_broadcasting(shape):
 
 
 @needs_native
-def test_native_path_taken_and_agrees_with_the_pytorch_materialized_path(monkeypatch):
+def test_native_path_taken_and_agrees_with_the_pytorch_fused_path(monkeypatch):
     monkeypatch.setattr(_native, "_LIBS", {})
     monkeypatch.delenv("ATTNOPT_NATIVE", raising=False)
     calls = []
@@ -114,14 +114,16 @@ def test_native_path_taken_and_agrees_with_the_pytorch_materialized_path(monkeyp
     mask = torch.zeros(2, 1, 1, 40)
     mask[1, ..., 30:] = float("-inf")
     monkeypatch.setattr(THRESHOLDS, "dnas_native_min_entries", 0)
+    monkeypatch.setattr(THRESHOLDS, "dnas_scaling_chunk_entries", 0)
     results = []
     for env in ("1", "0"):
-        monkeypatch.setenv("ATTNOPT_NATIVE", env)  # the router runs the C passes, then the PyTorch kernel
+        monkeypatch.setenv("ATTNOPT_NATIVE", env)  # the router runs the C passes, then the scaling form
         out = hybrid_normalized_attention(q, k, v, w.view(3), attn_mask=mask, scale=0.3, impl="materialized")
         results.append([out, *torch.autograd.grad(out.square().sum(), (q, k, v, w))])
-    assert calls == [1]  # ATTNOPT_NATIVE=0 ran the probability-domain kernel (materialized.py)
-    ref = hybrid_ref(q.double(), k.double(), v.double(), w.double(), 1, mask=mask.double(), scale=0.3)
-    torch.testing.assert_close(results[0][0].double(), ref, rtol=1e-5, atol=1e-6)
+    assert calls == [1]  # ATTNOPT_NATIVE=0 ran the PyTorch scaling-form kernel
+    direct = fused.fused_sinkhorn(q, k, v, w, mask, False, 0.3, 1)
+    assert direct is not None
+    torch.testing.assert_close(direct, results[1][0], rtol=1e-6, atol=1e-7)
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)
 

@@ -1,4 +1,4 @@
-"""The no-grad forward of materialized DNAS / Sinkhorn-K / HNAS (``materialized._no_grad_forward``,
+"""The no-grad forward of materialized DNAS / Sinkhorn-K / HNAS (``materialized.no_grad_forward``,
 and the C pass ``cpu.no_grad_small``, in ``functional/doubly_normalized/``).
 
 Inference (``torch.no_grad()`` or inputs that do not require grad) skips the autograd Function:
@@ -21,14 +21,14 @@ from tests.reference.doubly_normalized import attention_ref, hybrid_ref
 def calls(monkeypatch):
     """Count the no-grad forward's calls and the results it returned (``None`` = handed back)."""
     seen: list[bool] = []
-    real = dm._no_grad_forward
+    real = dm.no_grad_forward
 
     def spy(*args, **kwargs):
         out = real(*args, **kwargs)
         seen.append(out is not None)
         return out
 
-    monkeypatch.setattr(dm, "_no_grad_forward", spy)
+    monkeypatch.setattr(dm, "no_grad_forward", spy)
     return seen
 
 

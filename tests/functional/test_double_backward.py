@@ -140,6 +140,16 @@ def test_internal_path_second_derivative_is_exact_or_refused(path):
     _second_order(fn, _leaves(*shapes))
 
 
+@pytest.mark.parametrize("iterations", [1, 2])
+def test_scaling_form_dnas_kernel_refuses(monkeypatch, iterations):
+    """The chunked scaling-form kernel (large sizes only): forced by lowering its threshold."""
+    monkeypatch.setattr(THRESHOLDS, "dnas_scaling_chunk_entries", 0)
+    q, k, v = _leaves(*QKV)
+    out = DN(q, k, v, iterations=iterations, impl="materialized")
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(out.square().sum(), q, create_graph=True)
+
+
 @pytest.mark.parametrize("hybrid", [False, True])
 def test_native_dnas_kernel_refuses(monkeypatch, hybrid):
     """The native C path (float32 CPU, large sizes only): forced by lowering its thresholds."""

@@ -9,23 +9,22 @@ import torch
 
 from attnopt.functional import _thresholds, dispatch
 from attnopt.functional._thresholds import THRESHOLDS, Thresholds, overrides
-from attnopt.functional.doubly_normalized import cpu, doubly_normalized_attention, materialized
+from attnopt.functional.doubly_normalized import doubly_normalized_attention, materialized, scaling
 from tests.reference.doubly_normalized import attention_ref
 
 
 def test_overrides_set_and_restore():
-    before = THRESHOLDS.dnas_cpu_no_grad_max_entries
-    with overrides(dnas_cpu_no_grad_max_entries=7) as table:
-        assert table is THRESHOLDS and THRESHOLDS.dnas_cpu_no_grad_max_entries == 7
-    assert THRESHOLDS.dnas_cpu_no_grad_max_entries == before
-    with pytest.raises(RuntimeError), overrides(dnas_cpu_no_grad_max_entries=3):
+    before = THRESHOLDS.dnas_scaling_chunk_entries
+    with overrides(dnas_scaling_chunk_entries=7) as table:
+        assert table is THRESHOLDS and THRESHOLDS.dnas_scaling_chunk_entries == 7
+    assert THRESHOLDS.dnas_scaling_chunk_entries == before
+    with pytest.raises(RuntimeError), overrides(dnas_scaling_chunk_entries=3):
         raise RuntimeError
-    assert THRESHOLDS.dnas_cpu_no_grad_max_entries == before
+    assert THRESHOLDS.dnas_scaling_chunk_entries == before
 
 
-@pytest.mark.parametrize("bad", [{"no_such_threshold": 1}, {"dnas_cpu_no_grad_max_entries": -1},
-                                 {"dnas_cpu_no_grad_max_entries": 1.5},
-                                 {"dnas_cpu_no_grad_max_entries": True},
+@pytest.mark.parametrize("bad", [{"no_such_threshold": 1}, {"dnas_scaling_chunk_entries": -1},
+                                 {"dnas_scaling_chunk_entries": 1.5}, {"dnas_scaling_chunk_entries": True},
                                  {"crossovers": 1}])
 def test_overrides_refuse_unknown_names_and_bad_values(bad):
     before = dataclasses.asdict(THRESHOLDS)
@@ -51,21 +50,18 @@ def test_crossovers_are_the_dispatch_table():
 
 
 def test_a_threshold_picks_the_kernel_not_the_result(monkeypatch):
-    """``dnas_native_min_entries`` moves float32 DNAS from the probability-domain kernel to the C
-    passes; same values (to float32 rounding)."""
-    if cpu.library(torch.zeros(1), 1) is None:
-        pytest.skip("no native library (no compiler or ATTNOPT_NATIVE=0)")
+    """The chunk size moves DNAS from the probability-domain kernel to the scaling form; same values."""
     calls = []
-    for module, name in ((materialized, "materialized_sinkhorn"), (cpu, "native_sinkhorn")):
+    for module, name in ((materialized, "materialized_sinkhorn"), (scaling, "fused_sinkhorn")):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 3, 5, 4, generator=g).requires_grad_() for _ in range(3))
-    ref = attention_ref(q.double(), k.double(), v.double(), 1)
+    q, k, v = (torch.randn(2, 3, 5, 4, generator=g, dtype=torch.float64).requires_grad_() for _ in range(3))
+    ref = attention_ref(q, k, v, 2)
     outs = []
-    for least in (1 << 40, 0):
-        with overrides(dnas_native_min_entries=least):
-            outs.append(doubly_normalized_attention(q, k, v, iterations=1, impl="materialized"))
-    assert calls == ["materialized_sinkhorn", "native_sinkhorn"]
+    for chunk in (1 << 20, 0):
+        with overrides(dnas_scaling_chunk_entries=chunk):
+            outs.append(doubly_normalized_attention(q, k, v, iterations=2, impl="materialized"))
+    assert calls == ["materialized_sinkhorn", "fused_sinkhorn"]
     for out in outs:
-        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out, ref)

@@ -6,7 +6,7 @@ one live instance :data:`THRESHOLDS` *at call time*, so a change is seen by the 
 * in code, for a block: ``with overrides(dnas_native_min_entries=0): ...`` (restored on exit);
 * in a test: ``monkeypatch.setattr(THRESHOLDS, "dnas_native_min_entries", 0)``;
 * for a process: the environment variable ``ATTNOPT_THRESHOLDS``, read once at import, e.g.
-  ``ATTNOPT_THRESHOLDS="dnas_native_min_entries=0,dnas_cpu_no_grad_max_entries=65536"``.
+  ``ATTNOPT_THRESHOLDS="dnas_native_min_entries=0,dnas_scaling_chunk_entries=65536"``.
 
 The per-mechanism crossovers between a materialized and a streaming path
 (:data:`attnopt.functional.dispatch.CROSSOVERS`, ``impl="auto"``) are the field
@@ -53,10 +53,12 @@ class Thresholds:
     crossovers: dict[str, dict[str, int]] = field(default_factory=_crossovers)
 
     # -- doubly_normalized/ ------------------------------------------------------------------------
-    #: largest ``B·H·Nq·Nk`` a K = 1 float32 call without autograd and without a mask runs in one C
-    #: pass over all heads (``doubly_normalized/cpu.py``: ``no_grad_small``, nothing chunked or
-    #: saved); above, the chunked C passes
-    dnas_cpu_no_grad_max_entries: int = 1 << 20
+    #: scaling-form kernel (``doubly_normalized/scaling.py``): score entries per chunk of
+    #: (batch, head) slices, so the ``Nq × Nk`` temporaries of one chunk stay in the L2 cache;
+    #: also the size above which it replaces the probability-domain kernel
+    #: (``materialized.py``, which saves the weights and wins while they fit in cache), and
+    #: the largest problem the no-grad forward runs in one piece
+    dnas_scaling_chunk_entries: int = 1 << 20
     #: from this many score entries the C passes (``doubly_normalized/cpu.py``: K = 1, float32,
     #: CPU) run instead of the probability-domain kernel (measured fwd+bwd, d = 64, 1 thread:
     #: equal at 64·64², the C passes ahead from 8·256²)

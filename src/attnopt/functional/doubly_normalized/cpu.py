@@ -1,12 +1,9 @@
 r"""Native (C) DNAS / HNAS, one Sinkhorn step, float32 on CPU (internal; ``_native/dnas.c``).
 
-doubly-normalized-attention eq. (6)–(8) and Sec. 6 in scaling form: the scores
-``S = scale·QKᵀ + M`` are exponentiated once, shifted by their *column* maxima ``m``,
-``E = e^{S − m}``, and ``π = diag(α) E diag(β)`` with ``β = 1/z``, ``z_j = Σ_i E_ij ≥ 1`` (the
-column step) and ``α = 1/r``, ``r_i = Σ_j E_ij β_j`` (the row step). LNAS shares ``E``: with
-``u_j = e^{m_j − μ}``, ``μ = max_j m_j``, ``softmax_j(S)_ij = E_ij u_j / ρ_i``, ``ρ_i = Σ_j E_ij u_j``.
-All ``Nq × Nk`` elementwise work of each direction is one C call per chunk of heads, every matmul
-has the inner width of the head (``d`` or ``dv``), and no elementwise pass leaves the cache:
+Same math as :mod:`.scaling` (scaling form ``E = e^{S − m}`` with column maxima ``m``,
+doubly-normalized-attention eq. (6)–(8) and Sec. 6), with all ``Nq × Nk`` elementwise work of
+each direction in one C call per chunk of heads, so that every matmul has the inner width of
+the head (``d`` or ``dv``) instead of ``2·dv + 2`` and no elementwise pass leaves the cache:
 
 * forward: ``S = (scale·Q) Kᵀ``; in C, per head: column maxima; ``E`` and its column sums ``z``
   (``β = 1/z``); per row ``r_i = Σ_j E_ij β_j`` (and ``ρ_i = Σ_j E_ij u_j``), then ``E`` is
@@ -20,8 +17,7 @@ has the inner width of the head (``d`` or ``dv``), and no elementwise pass leave
   ``f_ij = w α_i β_j + (1 − w) u_j / ρ_i``, and ``P = E ⊙ f``; then ``dV = Pᵀ dO``,
   ``dQ = scale·dS K``, ``dK = dSᵀ (scale·Q)``, ``∂L/∂w = Σ_i (δ^D_i − δ^L_i)``.
 
-That is the closed-form backward of the scaling form for K = 1 (``∂L/∂S = E ⊙ ∂L/∂E``, the
-column shift cancels; each normalization adds a rank-one term) with its rank-one terms applied
+That is the closed form of :mod:`.scaling` for K = 1 with its rank-one terms applied
 elementwise. Masks: a key-only mask ``(…, 1, Nk)`` is never added to ``S`` — a finite key bias
 cancels in ``E`` (it shifts ``S_·j`` and ``m_j`` alike) and enters only the LNAS factor
 ``u_j = e^{m_j + b_j − μ}``; a dropped key gets ``m_j = +∞`` (``E_·j = 0``). ``is_causal`` is
@@ -29,13 +25,11 @@ applied inside the passes (no mask tensor, the hidden half is skipped); a full
 ``(…, Nq, Nk)`` mask is added to ``S``.
 
 The C exponential is a polynomial (about 1.4 ulp; 0 below ``e^{−87}``); results agree with the
-float64 reference to float32 rounding. A chunk holds about
+PyTorch path of :mod:`.scaling` to float32 rounding. A chunk holds about
 ``THRESHOLDS.dnas_cpu_chunk_entries`` scores per thread (``S`` and ``dP`` stay in a 2 MiB L2 cache); its heads
 are split over ``torch.get_num_threads()`` threads (:func:`attnopt._native.parallel_rows`).
-``z_j ≥ 1``, but a row normalizer (``r_i`` of a row dominated by other rows in every column,
-``ρ_i`` of a row whose best score is far below the head's best) can underflow: below
-``tiny·2^40`` on an admissible row the call returns ``None`` and the caller recomputes in the log
-domain (rare, never silent).
+Underflow of a row normalizer of an admissible row returns ``None`` (the caller recomputes in
+the log domain), as in :mod:`.scaling`.
 
 The same passes are ``torch.library`` ops (issue 30 item 2), so that dynamo, ``torch.export`` and
 the profiler see one op each way: ``attnopt::dn_fwd(q, k, v, w, mask, causal, scale) -> (out, m,
@@ -296,7 +290,7 @@ def no_grad_small(
     """DNAS / HNAS (K = 1) forward without autograd on 3-D ``(G, N, ·)`` float32, no mask (and
     ``is_causal`` only with ``Nk <= Nq``: every row and key admissible); ``None`` on underflow.
 
-    One C call over all heads (up to ``THRESHOLDS.dnas_cpu_no_grad_max_entries``
+    One C call over all heads (up to ``THRESHOLDS.dnas_scaling_chunk_entries``
     scores, split over threads by heads) on scores scaled in the GEMM, then ``P V``: no autograd
     Function, no chunking, one flat buffer for the per-head vectors. ``w``: ``None``
     (DNAS) or a float32 tensor of ``G`` contiguous entries.
@@ -336,9 +330,7 @@ def native_sinkhorn(
 ) -> Tensor | None:
     """DNAS (``w=None``) or HNAS (K = 1) on contiguous ``(B, H, N, ·)`` float32; ``None`` on underflow.
 
-    ``q, k, v`` share their ``(B, H)`` (expanded); ``mask`` is additive (not differentiated) and
-    ``w`` broadcastable to ``(B, H, 1, 1)``, both 4-D with batch / head dims of size 1 or full;
-    ``Nq, Nk >= 1``.
+    Arguments as :func:`attnopt.functional.doubly_normalized.scaling.fused_sinkhorn`.
     """
     info = [True]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()

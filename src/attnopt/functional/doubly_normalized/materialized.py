@@ -1,13 +1,8 @@
 r"""Materialized DNAS / Sinkhorn-K / HNAS in the probability domain (internal; CPU tensors).
 
-The one materialized implementation of the family: the router runs it below the crossover
-(``dispatch.CROSSOVERS``) wherever the C passes of :mod:`.cpu` (K = 1, float32, from
-``THRESHOLDS.dnas_native_min_entries`` scores) do not apply — Sinkhorn-K (K >= 2), float64, half
-precision (in float32), small K = 1 problems. It saves the weights instead of recomputing them,
-which wins at short sequences; its contract is the materialized one: the ``Nq × Nk`` weights
-(Sinkhorn-K: the ``2K − 1`` intermediate matrices too) of *all* heads are held at once, up to the
-crossover (``impl="auto"`` goes streaming above it). Without autograd and without a mask the
-forward runs in place and saves nothing (:func:`_no_grad_forward`).
+The kernel the router runs while the scores fit in cache (``B·H·Nq·Nk`` up to
+``THRESHOLDS.dnas_scaling_chunk_entries``; above, the chunked scaling form of :mod:`.scaling`):
+it saves the weights instead of recomputing them, which wins at short sequences.
 
 doubly-normalized-attention eq. (6)–(8), (10), Sec. 6. Scores ``S = scale·QKᵀ + M`` are formed
 once; the normalizations run in place in the probability domain:
@@ -44,9 +39,9 @@ import torch
 from torch import Tensor
 
 from attnopt._validation import host_readable
-from attnopt.functional._autograd import records_graph, reduce_to, refuse_double_backward
+from attnopt.functional._autograd import reduce_to, refuse_double_backward
 
-__all__ = ["materialized_sinkhorn"]
+__all__ = ["materialized_sinkhorn", "no_grad_forward"]
 
 _INSTEAD = "use doubly_normalized_weights / hybrid_normalized_weights(q, k, ...) @ v (plain ops)"
 
@@ -182,18 +177,14 @@ def materialized_sinkhorn(
 
     ``q, k, v`` of one compute dtype, expanded to one batch shape, ``Nq, Nk >= 1``; ``mask``
     additive (not differentiated), broadcastable to ``(*batch, Nq, Nk)``; ``w`` shaped to
-    broadcast against ``(…, H, Nq, Nk)``. When autograd records nothing, there is no mask and every
-    row and column has an admissible entry (``is_causal`` only with ``Nk <= Nq``), the in-place
-    forward :func:`_no_grad_forward` runs instead of the autograd Function.
+    broadcast against ``(…, H, Nq, Nk)``.
     """
-    if mask is None and not (causal and k.shape[-2] > q.shape[-2]) and not records_graph(q, k, v, w):
-        return _no_grad_forward(q, k, v, w, causal, scale, iterations)
     info = [True]
     out: Tensor = _MaterializedSinkhorn.apply(q, k, v, w, mask, causal, scale, iterations, info)
     return out if info[0] else None
 
 
-def _no_grad_forward(
+def no_grad_forward(
     q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, causal: bool, scale: float, iterations: int,
 ) -> Tensor | None:
     """:class:`_MaterializedSinkhorn`'s forward when nothing is differentiated; ``None`` on underflow.
@@ -206,8 +197,7 @@ def _no_grad_forward(
     of the weights (``P = diag(1/σ) E``: ``P V = (E V) / σ``). HNAS mixes in the row softmax
     (over dim −2 of ``Sᵀ``) before one product with ``V``. (K = 1 in float32 on the CPU the
     router prefers the one C pass of :func:`.cpu.no_grad_small`.) The gains over the autograd
-    Function's forward are in the bench's forward rows (``attnopt bench --only small_n``: the
-    Sinkhorn K = 3 forward rows run it). An underflowing
+    Function are in the bench's forward rows (``attnopt bench --only small_n``). An underflowing
     first row sum (a dominated row) returns ``None``: the router recomputes with the reference.
     """
     nq, nk = q.shape[-2], k.shape[-2]

@@ -1,10 +1,10 @@
-"""The materialized DNAS / Sinkhorn-K / HNAS kernel (``doubly_normalized/materialized.py``), its fallbacks."""
+"""The scaling-form DNAS / Sinkhorn-K / HNAS kernel (``doubly_normalized/scaling.py``): chunks, fallbacks."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-import attnopt.functional.doubly_normalized.materialized as mat
+import attnopt.functional.doubly_normalized.scaling as fused
 from attnopt.functional import dispatch
 from attnopt.functional._thresholds import THRESHOLDS
 from attnopt.functional.doubly_normalized import (
@@ -13,6 +13,12 @@ from attnopt.functional.doubly_normalized import (
     reference,
 )
 from tests.reference.doubly_normalized import attention_ref, hybrid_ref
+
+
+@pytest.fixture
+def tiny_chunks(monkeypatch):
+    """Chunks of one or two (batch, head) slices: every split of ``_chunks`` is exercised."""
+    monkeypatch.setattr(THRESHOLDS, "dnas_scaling_chunk_entries", 60)
 
 
 def _qkv(shape, nq, nk, d=3, dv=2, seed=0):
@@ -45,7 +51,7 @@ def _check(out, ref, leaves):
 @pytest.mark.parametrize(("shape", "kind", "iterations"), [
     ((3, 4), None, 1), ((3, 4), "key", 3), ((5,), "full", 1), ((2, 2, 3), "full", 2), ((2, 2, 3), "key", 1),
 ])
-def test_materialized_matches_float64_reference(shape, kind, iterations):
+def test_chunked_matches_float64_reference(tiny_chunks, shape, kind, iterations):
     for causal in (False, True):
         nq, nk = (5, 5) if causal else (5, 6)
         q, k, v = _qkv(shape, nq, nk)
@@ -62,8 +68,22 @@ def test_materialized_matches_float64_reference(shape, kind, iterations):
             _check(out, hybrid_ref(q, k, v, w, iterations, mask=mask, is_causal=causal), (q, k, v, w))
 
 
+def test_chunks_cover_every_slice_once():
+    for b, h, per in ((7, 3, 10), (2, 9, 25), (1, 1, 10**9), (4, 4, 1)):
+        for limit in (1, 30, 64, 1000):
+            THRESHOLDS.dnas_scaling_chunk_entries, saved = limit, THRESHOLDS.dnas_scaling_chunk_entries
+            try:
+                parts = fused._chunks(b, h, per)
+            finally:
+                THRESHOLDS.dnas_scaling_chunk_entries = saved
+            seen = torch.zeros(b, h, dtype=torch.long)
+            for bs, hs in parts:
+                seen[bs, hs] += 1
+            assert torch.equal(seen, torch.ones(b, h, dtype=torch.long)), (b, h, per, limit)
+
+
 @pytest.mark.parametrize("iterations", [1, 2])
-def test_gradcheck_hybrid_with_mask(iterations):
+def test_chunked_gradcheck_hybrid_with_mask(tiny_chunks, iterations):
     q, k, v = _qkv((2, 2), 4, 5, seed=5)
     w = torch.tensor([0.25, 0.7], dtype=torch.float64, requires_grad=True)
     mask = _mask("full", (2, 2), 4, 5)
@@ -72,7 +92,7 @@ def test_gradcheck_hybrid_with_mask(iterations):
                                                        impl="materialized"), (q, k, v, w), fast_mode=True)
 
 
-def test_materialized_path_taken_and_inference_matches_training():
+def test_fused_path_taken_and_inference_matches_training():
     q, k, v = _qkv((2, 3), 6, 6)
     with torch.no_grad():
         inf = doubly_normalized_attention(q, k, v, iterations=2, impl="auto")
@@ -80,29 +100,21 @@ def test_materialized_path_taken_and_inference_matches_training():
     # inference runs the no-grad forward (in place, transposed): the same up to rounding
     train = doubly_normalized_attention(q, k, v, iterations=2)
     torch.testing.assert_close(inf, train, rtol=1e-12, atol=1e-13)
-    out = mat.materialized_sinkhorn(q, k, v, None, None, False, 0.5, 1)
-    assert out is not None  # the kernel itself, not its log-domain fallback
+    out = fused.fused_sinkhorn(q, k, v, None, None, False, 0.5, 1)
+    assert out is not None  # the fused kernel itself, not its log-domain fallback
     torch.testing.assert_close(out, attention_ref(q, k, v, 1, scale=0.5))
 
 
 @pytest.mark.parametrize("iterations", [1, 3])
 def test_underflow_detected_for_each_normalizer_and_falls_back(iterations):
-    """float32: a row ~200 below the rest in every column underflows its first row sum σ, with
-    and without the LNAS share of HNAS, under autograd and in the no-grad forward."""
+    """float32: a row ~200 below the rest underflows σ (DNAS) and ρ (the LNAS share of HNAS)."""
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(1, 2, 6, 3, generator=g) for _ in range(3))
     bias = torch.zeros(1, 1, 6, 6)
     bias[..., 2, :] = -200.0
     w = torch.tensor(0.4)
-    q.requires_grad_()
-    assert mat.materialized_sinkhorn(q, k, v, None, bias, False, 0.5, iterations) is None
-    assert mat.materialized_sinkhorn(q, k, v, w, bias, False, 0.5, iterations) is None
-    low = torch.zeros(6, 3)
-    low[2] = -400.0  # scale 0.5 · <q_2, k_j> with k_j = (1, 0, 0): row 2 is 200 below the rest
-    kk = torch.zeros(1, 2, 6, 3)
-    kk[..., 0] = 1.0
-    with torch.no_grad():
-        assert mat.materialized_sinkhorn(q + low, kk, v, None, None, False, 0.5, iterations) is None
+    assert fused.fused_sinkhorn(q, k, v, None, bias, False, 0.5, iterations) is None
+    assert fused.fused_sinkhorn(q, k, v, w.view(1, 1, 1, 1), bias, False, 0.5, iterations) is None
     out = hybrid_normalized_attention(q, k, v, w, iterations=iterations, attn_mask=bias, impl="materialized")
     ref = hybrid_ref(q.double(), k.double(), v.double(), w.double(), iterations, mask=bias.double())
     assert torch.isfinite(out).all()
@@ -110,14 +122,17 @@ def test_underflow_detected_for_each_normalizer_and_falls_back(iterations):
     # an admissible row is never mistaken for an empty one: a fully masked row is not an underflow
     empty = torch.zeros(1, 1, 6, 6)
     empty[..., 2, :] = float("-inf")
-    assert mat.materialized_sinkhorn(q, k, v, w, empty, False, 0.5, iterations) is not None
+    assert fused.fused_sinkhorn(q, k, v, w.view(1, 1, 1, 1), empty, False, 0.5, iterations) is not None
 
 
+@pytest.mark.parametrize("chunk", ["probability-domain", "scaling-form"])
 @pytest.mark.parametrize("iterations", [1, 3])
-def test_underflow_fallback_gives_the_reference_values_and_gradients(monkeypatch, iterations):
-    """A dominated row (float32, ~200 below the rest in every column) under autograd: the
+def test_underflow_fallback_gives_the_reference_values_and_gradients(monkeypatch, chunk, iterations):
+    """A dominated row (float32, ~200 below the rest in every column) under autograd: either
     materialized kernel reports the underflow and the router's log-domain reference answers,
     values and gradients (q, k, v, w) equal to the float64 reference."""
+    if chunk == "scaling-form":
+        monkeypatch.setattr(THRESHOLDS, "dnas_scaling_chunk_entries", 0)
     monkeypatch.setattr(THRESHOLDS, "dnas_native_min_entries", 1 << 40)  # the PyTorch kernels only
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(1, 2, 6, 3, generator=g) for _ in range(3))
