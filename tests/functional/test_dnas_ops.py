@@ -44,7 +44,7 @@ def test_opcheck(hnas: bool, mask: str | None, causal: bool) -> None:
     out, mx, beta, u, alpha, binv, ok = torch.ops.attnopt.dn_fwd(*det, w, m, causal, 0.5)
     assert bool(ok)
     for need in (True, False):
-        args = (torch.randn_like(out), *det, w, m, mx, beta, u, alpha, binv, causal, 0.5, need)
+        args = (torch.randn_like(out), *det, w, m, mx, beta, u, alpha, binv, ok, causal, 0.5, need)
         torch.library.opcheck(torch.ops.attnopt.dn_bwd, args)
 
 

@@ -31,9 +31,9 @@ another:
   (rare, never silent).
 * under ``torch.compile`` / ``torch.export`` (below the crossover) with CPU float32 tensors and
   K = 1 (DNAS, HNAS; any mask that does not require grad, ``is_causal``): the C passes as the one
-  op ``torch.ops.attnopt.dn_fwd`` (:mod:`.cpu`; its registered backward ``dn_bwd``), then the
-  reference where the op's ``ok`` output is False, as a traced selection (``torch.cond`` without
-  autograd, ``torch.where`` with it) — :func:`_compiled_op`. Sinkhorn-K (K >= 2), float64 and half
+  op ``torch.ops.attnopt.dn_fwd`` (:mod:`.cpu`; its registered backward ``dn_bwd``); on an
+  underflow, or without the C library where the graph runs, the ops recompute in the log domain
+  (this reference) inside their bodies — :func:`_compiled_op`. Sinkhorn-K (K >= 2), float64 and half
   keep the reference under compile. Plain eager calls keep the autograd Functions below (the
   Python ``custom_op`` dispatch costs tens of µs a call).
 * ``impl="materialized"`` (``auto`` below ``dispatch.CROSSOVERS``), host-readable CPU tensors:
@@ -81,6 +81,8 @@ from attnopt.functional._thresholds import THRESHOLDS
 from attnopt.functional.doubly_normalized import cpu, flash_cpu, materialized, reference, scaling, streaming
 from attnopt.functional.doubly_normalized import prefix as prefix
 from attnopt.functional.generalized import generalized_attention
+
+cpu.FALLBACK[:] = [reference.attention]  # the ops' log-domain recomputation (a leaf imports no leaf)
 
 __all__ = [
     "doubly_normalized_attention",
@@ -198,30 +200,17 @@ def _compiled_op(
     is_causal: bool, batch: tuple[int, ...],
 ) -> Tensor:
     """Under ``torch.compile`` / ``torch.export`` (K = 1, float32 CPU tensors): the C passes as the
-    one op ``attnopt::dn_fwd`` (its registered autograd runs ``attnopt::dn_bwd``), then the log-domain
-    reference where the op reports ``ok`` False (an underflowing normalizer, or no C library where the
-    graph runs) as a traced selection: ``torch.cond`` (the reference runs only then) when autograd
-    records nothing, else ``torch.where`` (both run: ``torch.cond``'s backward in torch 2.13 refuses
-    branches whose gradients differ in strides)."""
+    one op ``attnopt::dn_fwd`` (its registered autograd runs ``attnopt::dn_bwd``). An underflowing
+    normalizer, or no C library where the graph runs, is answered inside the ops (they recompute in
+    the log domain, :data:`cpu.FALLBACK`), so the graph holds no data-dependent branch."""
     nq, nk, dv = q.shape[-2], k.shape[-2], v.shape[-1]
     mask = additive_mask(attn_mask, (*batch, nq, nk), torch.float32)
     m = None if mask is None else mask.detach()
     w = None if weight is None else weight.to(torch.float32)
     qkv = [x if tuple(x.shape[:-2]) == batch else x.expand(*batch, *x.shape[-2:]) for x in (q, k, v)]
     (q4, k4, v4), w4, m4 = _as_4d(qkv, w, m, batch)
-    res = torch.ops.attnopt.dn_fwd(q4, k4, v4, w4, m4, is_causal, scale)
-    out, ok = res[0].reshape(*batch, nq, dv), res[-1]
-    extra = [t for t in (weight, m) if t is not None]
-
-    def fallback(*ts: Tensor) -> Tensor:
-        rest = list(ts[4:])
-        wt = rest.pop(0) if weight is not None else None
-        mt = rest.pop(0) if m is not None else None
-        return reference.attention(ts[1], ts[2], ts[3], 1, wt, mt, scale, is_causal).contiguous()
-
-    if records_graph(q, k, v, weight):
-        return torch.where(ok, out, fallback(out, q, k, v, *extra))
-    return torch.cond(ok, lambda *ts: ts[0].clone(), fallback, (out, q, k, v, *extra))
+    out: Tensor = torch.ops.attnopt.dn_fwd(q4, k4, v4, w4, m4, is_causal, scale)[0]
+    return out.reshape(*batch, nq, dv)
 
 
 def _route(

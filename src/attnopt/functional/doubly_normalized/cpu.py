@@ -45,6 +45,7 @@ that added the ops and in the issue-30 note). Both agree bitwise
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -347,13 +348,50 @@ def dn_fwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(out, m, β, u, α, 1/β', ok)`` of DNAS / HNAS, K = 1 (:func:`dn_forward`).
 
-    Where the library cannot be used when the op runs (no compiler, ``ATTNOPT_NATIVE=0``): zeros
-    with ``ok`` False, so that a compiled or exported graph holding the op selects its fallback
-    (the router's ``torch.cond`` / ``torch.where`` on ``ok``) instead of failing.
+    ``out`` is always the answer: where the C passes report an underflowing normalizer (``ok``
+    False), or the library cannot be used when the op runs (no compiler, ``ATTNOPT_NATIVE=0``), the
+    op recomputes ``out`` in the log domain (:data:`FALLBACK`, the family's reference) inside its
+    body — a CPU op may read its own flag — so a compiled or exported graph holds this one op and
+    no data-dependent branch. ``dn_bwd`` does the same for the gradients.
     """
     if _native.library("dnas") is None:
-        return _no_library(q, k, v, w)  # type: ignore[return-value]
-    return dn_forward(q.contiguous(), k.contiguous(), v.contiguous(), w, mask, causal, scale)
+        res = _no_library(q, k, v, w)
+    else:
+        res = dn_forward(q.contiguous(), k.contiguous(), v.contiguous(), w, mask, causal, scale)
+    if bool(res[-1]):
+        return res
+    out = _fallback(q, k, v, w, mask, causal, scale).contiguous()
+    return (out, *res[1:])  # type: ignore[return-value]
+
+
+#: The log-domain recomputation of :func:`dn_fwd` / :func:`dn_bwd` on an underflow or without the C
+#: library: ``reference.attention`` of this family, set by the router (``doubly_normalized/__init__``)
+#: so that this leaf does not import another leaf.
+FALLBACK: list[Callable[..., Tensor]] = []
+
+
+def _fallback(q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, causal: bool,
+              scale: float) -> Tensor:
+    """K = 1 in the log domain on the op's 4-D inputs (``w`` broadcasting as ``(…, H, ·, 1)``)."""
+    return FALLBACK[0](q, k, v, 1, w, mask, scale, causal)
+
+
+def _fallback_grads(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, causal: bool,
+    scale: float, need_w: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``dn_bwd``'s outputs from the log-domain recomputation (``torch.func.vjp``: autograd is off
+    inside an op's body, functorch's transform is not); ``∂L/∂w`` per row through a per-row copy
+    of ``w``."""
+    b, h, nq, _ = q.shape
+    wr = None if w is None else w.expand(b, h, 1, 1).expand(b, h, nq, 1).contiguous()
+    if wr is None or not need_w:
+        out, vjp = torch.func.vjp(lambda *t: _fallback(*t, wr, mask, causal, scale), q, k, v)
+        dq, dk, dv = vjp(dout)
+        return dq, dk, dv, q.new_zeros(0)
+    out, vjp = torch.func.vjp(lambda *t: _fallback(*t[:3], t[3], mask, causal, scale), q, k, v, wr)
+    dq, dk, dv, dw = vjp(dout)
+    return dq, dk, dv, dw.reshape(b * h, nq)
 
 
 def _no_library(q: Tensor, k: Tensor, v: Tensor, w: Tensor | None) -> tuple[Tensor, ...]:
@@ -384,22 +422,21 @@ def _(q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, ca
 @torch.library.custom_op("attnopt::dn_bwd", mutates_args=(), device_types="cpu")
 def dn_bwd(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, m: Tensor,
-    beta: Tensor, u: Tensor, alpha: Tensor, binv: Tensor, causal: bool, scale: float, need_w: bool,
+    beta: Tensor, u: Tensor, alpha: Tensor, binv: Tensor, ok: Tensor, causal: bool, scale: float,
+    need_w: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(dQ, dK, dV, ∂L/∂w per row)`` of :func:`dn_fwd` (:func:`dn_backward`); zeros where the library
-    cannot be used (``dn_fwd`` then returned ``ok`` False and its caller selected the fallback)."""
-    if _native.library("dnas") is None:
-        b, h, nq, _ = q.shape
-        return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
-                q.new_zeros(b * h, nq) if need_w and w is not None else q.new_zeros(0))
+    """``(dQ, dK, dV, ∂L/∂w per row)`` of :func:`dn_fwd` (:func:`dn_backward`); where ``dn_fwd``
+    reported ``ok`` False, the gradients of its log-domain recomputation (:func:`_fallback_grads`)."""
+    if not bool(ok) or _native.library("dnas") is None:
+        return _fallback_grads(dout, q, k, v, w, mask, causal, scale, need_w)
     return dn_backward(dout, q.contiguous(), k.contiguous(), v.contiguous(), w, mask, m, beta, u, alpha, binv,
                        causal, scale, need_w)
 
 
 @dn_bwd.register_fake
 def _(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None,  # noqa: ARG001
-      m: Tensor, beta: Tensor, u: Tensor, alpha: Tensor, binv: Tensor, causal: bool,  # noqa: ARG001
-      scale: float, need_w: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # noqa: ARG001
+      m: Tensor, beta: Tensor, u: Tensor, alpha: Tensor, binv: Tensor, ok: Tensor,  # noqa: ARG001
+      causal: bool, scale: float, need_w: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # noqa: ARG001
     b, h, nq, _ = q.shape
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             q.new_empty(b * h, nq) if need_w and w is not None else q.new_empty(0))
@@ -413,16 +450,12 @@ def _dn_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
 
 
 def _dn_backward(ctx: Any, dout: Tensor, *_unused: Tensor | None) -> tuple[Tensor | None, ...]:
-    """The op's backward; gradients are zero where the forward reported ``ok`` False (an underflow
-    or no library: the output was not used, and its saved state may hold ``inf``), selected on the
-    device (``torch.where``, no host read), so that a graph's fallback alone carries the gradient."""
+    """The op's backward: ``attnopt::dn_bwd`` (which handles an ``ok`` False forward itself)."""
     q, k, v, w, mask, m, beta, u, alpha, binv, ok = ctx.saved_tensors
     need_w = w is not None and ctx.needs_input_grad[3]
-    dq, dk, dv, drow = torch.ops.attnopt.dn_bwd(dout, q, k, v, w, mask, m, beta, u, alpha, binv, ctx.causal,
-                                                ctx.scale, need_w)
-    zero = q.new_zeros(())
-    dq, dk, dv = (torch.where(ok, x, zero) for x in (dq, dk, dv))
-    dw = reduce_to(torch.where(ok, drow, zero).view(*q.shape[:3], 1), w.shape) if need_w else None
+    dq, dk, dv, drow = torch.ops.attnopt.dn_bwd(dout, q, k, v, w, mask, m, beta, u, alpha, binv, ok,
+                                                ctx.causal, ctx.scale, need_w)
+    dw = reduce_to(drow.view(*q.shape[:3], 1), w.shape) if need_w else None
     return dq, dk, dv, dw, None, None, None
 
 
