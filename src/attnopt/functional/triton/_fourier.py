@@ -161,6 +161,36 @@ def _load_scalars(SC):
 
 
 @triton.jit
+def _query_block(Q, W, H, NQ, DA, R, coef, sqb, sqh, sqn, sqd, swb, swh, swr, swd, BLOCK_M: tl.constexpr,
+                 D: tl.constexpr, RP: tl.constexpr, S: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
+    """A program over one block of queries (grid ``(Nq blocks, B·H)``): ``(pid_m, pid_g, ob, oh,
+    offs_m, w_ptr, q, φ_cos(q), φ_sin(q), u_0, u_1)``, its ids, its (batch, head)'s points and its
+    query tile with the features."""
+    pid_m, pid_g, ob, oh, offs_m = _program(H, BLOCK_M)
+    w_ptr = W + ob * swb + oh * swh
+    q, cq, sq, u0, u1 = _side(Q, ob, oh, sqb, sqh, sqn, sqd, offs_m, NQ, w_ptr, swr, swd, tl.arange(0, RP),
+                              tl.arange(0, D), R, DA, coef, S, ACC, PREC)
+    return pid_m, pid_g, ob, oh, offs_m, w_ptr, q, cq, sq, u0, u1
+
+
+@triton.jit
+def _key_tile(K, CB, M, ob, oh, start_n, offs_m, cq, sq, w_ptr, skb, skh, skn, skd, scb, sch, scn, smb, smh,
+              smi, smj, swr, swd, NQ, NK, DA, R, coef, eps, half_s, p, cap, dt: tl.constexpr,
+              CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MAG: tl.constexpr, S: tl.constexpr,
+              D: tl.constexpr, RP: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr,
+              PREC: tl.constexpr):
+    """The key tile at ``start_n`` against a block of queries (features ``cq, sq``): ``(offs_n,
+    φ_cos(k), φ_sin(k), t, x)`` (:func:`_key_side`, :func:`_score`)."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    _k, ck, sk, _u0, _u1, cb = _key_side(
+        K, ob, oh, skb, skh, skn, skd, offs_n, NK, w_ptr, swr, swd, tl.arange(0, RP), tl.arange(0, D), R, DA,
+        coef, CB + ob * scb + oh * sch + offs_n * scn, half_s, p, cap, MAG, S, ACC, PREC)
+    t, x = _score(cq, sq, ck, sk, cb, M + ob * smb + oh * smh + offs_m[:, None] * smi + offs_n[None, :] * smj,
+                  offs_m, offs_n, NQ, NK, eps, dt, CAUSAL, HAS_MASK, ACC, PREC)
+    return offs_n, ck, sk, t, x
+
+
+@triton.jit
 def _fwd_kernel(
     Q, K, V, W, CB, M, O, L, SC, H, NQ, NK, DA, DVA, R,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, swb, swh, swr, swd, scb, sch, scn,
@@ -170,17 +200,10 @@ def _fwd_kernel(
     PREC: tl.constexpr,
 ):
     """Output and row log-sum-exp of one block of queries (a loop over the key tiles)."""
-    pid_m, pid_g, ob, oh, offs_m = _program(H, BLOCK_M)
     coef, eps, half_s, p, cap = _load_scalars(SC)
-    offs_d = tl.arange(0, D)
+    pid_m, pid_g, ob, oh, offs_m, w_ptr, q, cq, sq, _u0, _u1 = _query_block(
+        Q, W, H, NQ, DA, R, coef, sqb, sqh, sqn, sqd, swb, swh, swr, swd, BLOCK_M, D, RP, S, ACC, PREC)
     offs_dv = tl.arange(0, DV)
-    offs_r = tl.arange(0, RP)
-    offs_n0 = tl.arange(0, BLOCK_N)
-    w_ptr = W + ob * swb + oh * swh
-    m_ptr = M + ob * smb + oh * smh
-    cb_ptr = CB + ob * scb + oh * sch
-    q, cq, sq, _u0, _u1 = _side(Q, ob, oh, sqb, sqh, sqn, sqd, offs_m, NQ, w_ptr, swr, swd, offs_r, offs_d, R,
-                                DA, coef, S, ACC, PREC)
     m_i = tl.full([BLOCK_M], float("-inf"), ACC)
     l_i = tl.zeros([BLOCK_M], ACC)
     acc = tl.zeros([BLOCK_M, DV], ACC)
@@ -188,12 +211,10 @@ def _fwd_kernel(
     if CAUSAL:
         hi = tl.minimum(NK, (pid_m + 1) * BLOCK_M)
     for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + offs_n0
-        _k, ck, sk, _v0, _v1, cb = _key_side(
-            K, ob, oh, skb, skh, skn, skd, offs_n, NK, w_ptr, swr, swd, offs_r, offs_d, R, DA, coef,
-            cb_ptr + offs_n * scn, half_s, p, cap, MAG, S, ACC, PREC)
-        t, _x = _score(cq, sq, ck, sk, cb, m_ptr + offs_m[:, None] * smi + offs_n[None, :] * smj,
-                       offs_m, offs_n, NQ, NK, eps, q.dtype, CAUSAL, HAS_MASK, ACC, PREC)
+        offs_n, ck, sk, t, _x = _key_tile(
+            K, CB, M, ob, oh, start_n, offs_m, cq, sq, w_ptr, skb, skh, skn, skd, scb, sch, scn, smb, smh,
+            smi, smj, swr, swd, NQ, NK, DA, R, coef, eps, half_s, p, cap, q.dtype, CAUSAL, HAS_MASK, MAG, S,
+            D, RP, BLOCK_N, ACC, PREC)
         pt, corr, m_i, l_i = _online(t, m_i, l_i)
         v = _load_tile(V, ob, oh, svb, svh, svn, svd, offs_n, NK, offs_dv, DVA)
         acc = _accumulate(acc, corr, pt, v, ACC, PREC)
@@ -298,17 +319,10 @@ def _bwd_queries_kernel(
     PREC: tl.constexpr,
 ):
     """``dq`` and the queries' share of ``dW`` for one block of queries (a loop over keys)."""
-    pid_m, pid_g, ob, oh, offs_m = _program(H, BLOCK_M)
     coef, eps, half_s, p, cap = _load_scalars(SC)
-    offs_d = tl.arange(0, D)
+    pid_m, pid_g, ob, oh, offs_m, w_ptr, q, cq, sq, uq0, uq1 = _query_block(
+        Q, W, H, NQ, DA, R, coef, sqb, sqh, sqn, sqd, swb, swh, swr, swd, BLOCK_M, D, RP, S, ACC, PREC)
     offs_dv = tl.arange(0, DV)
-    offs_r = tl.arange(0, RP)
-    offs_n0 = tl.arange(0, BLOCK_N)
-    w_ptr = W + ob * swb + oh * swh
-    m_ptr = M + ob * smb + oh * smh
-    cb_ptr = CB + ob * scb + oh * sch
-    q, cq, sq, uq0, uq1 = _side(Q, ob, oh, sqb, sqh, sqn, sqd, offs_m, NQ, w_ptr, swr, swd, offs_r, offs_d, R,
-                                DA, coef, S, ACC, PREC)
     lse = _load_lse(L, ob, oh, slb, slh, sln, offs_m, NQ, ACC)
     delta = tl.load(DELTA + pid_g * NQ + offs_m, mask=offs_m < NQ, other=0.0).to(ACC)
     do = _load_tile(DO, ob, oh, sdob, sdoh, sdon, sdod, offs_m, NQ, offs_dv, DVA)
@@ -318,12 +332,10 @@ def _bwd_queries_kernel(
     if CAUSAL:
         hi = tl.minimum(NK, (pid_m + 1) * BLOCK_M)
     for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + offs_n0
-        _k, ck, sk, _v0, _v1, cb = _key_side(
-            K, ob, oh, skb, skh, skn, skd, offs_n, NK, w_ptr, swr, swd, offs_r, offs_d, R, DA, coef,
-            cb_ptr + offs_n * scn, half_s, p, cap, MAG, S, ACC, PREC)
-        t, x = _score(cq, sq, ck, sk, cb, m_ptr + offs_m[:, None] * smi + offs_n[None, :] * smj,
-                      offs_m, offs_n, NQ, NK, eps, q.dtype, CAUSAL, HAS_MASK, ACC, PREC)
+        offs_n, ck, sk, t, x = _key_tile(
+            K, CB, M, ob, oh, start_n, offs_m, cq, sq, w_ptr, skb, skh, skn, skd, scb, sch, scn, smb, smh,
+            smi, smj, swr, swd, NQ, NK, DA, R, coef, eps, half_s, p, cap, q.dtype, CAUSAL, HAS_MASK, MAG, S,
+            D, RP, BLOCK_N, ACC, PREC)
         pt = tl.exp(t - lse[:, None])
         v = _load_tile(V, ob, oh, svb, svh, svn, svd, offs_n, NK, offs_dv, DVA)
         dp = tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=PREC)
@@ -331,8 +343,9 @@ def _bwd_queries_kernel(
         dcq += tl.dot(dx, ck, out_dtype=ACC, input_precision=PREC)
         dsq += tl.dot(dx, sk, out_dtype=ACC, input_precision=PREC)
     # MAG = 0: no magnitude term for queries (its ``da`` argument is then unused)
-    _input_grad(DQ, q, dcq, dsq, uq0, uq1, dcq, pid_g * NQ + offs_m, offs_m, NQ, w_ptr, swr, swd, offs_r,
-                offs_d, R, DA, coef, DW + pid_g * S * R * D, half_s, p, cap, 0, D, S, ACC, PREC)
+    _input_grad(DQ, q, dcq, dsq, uq0, uq1, dcq, pid_g * NQ + offs_m, offs_m, NQ, w_ptr, swr, swd,
+                tl.arange(0, RP), tl.arange(0, D), R, DA, coef, DW + pid_g * S * R * D, half_s, p, cap, 0, D,
+                S, ACC, PREC)
 
 
 def _common(q: Tensor, v: Tensor, w: Tensor, sets: int) -> tuple[int, int, int, dict[str, Any]]:
