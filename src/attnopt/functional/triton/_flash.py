@@ -42,6 +42,7 @@ from attnopt.functional.triton._tiles import (
     _load_tile,
     _online,
     _program,
+    _span,
     _store_rows,
 )
 
@@ -88,6 +89,21 @@ def _scores(a, b_ptrs, cb_ptrs, m_ptrs, offs_m, offs_n, NA, NB, DA, scale, offs_
 
 
 @triton.jit
+def _row_tile(a, B, CB, M, ob, oh, offs_m, start_n, offs_d, sbb, sbh, sbn, sbd, scb, sch, scn, smb, smh, smi,
+              smj, NA, NB, DA, scale, eps, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, SCORE: tl.constexpr,
+              BLOCK_N: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
+    """The column tile at ``start_n`` against a block of rows ``a``: ``(offs_n, t, b, x, t0)`` of
+    :func:`_scores_x`, reading ``B``, ``CB`` and ``M`` of the (batch, head) ``(ob, oh)``."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    t, b, x, t0 = _scores_x(
+        a, B + ob * sbb + oh * sbh + offs_n[:, None] * sbn + offs_d[None, :] * sbd,
+        CB + ob * scb + oh * sch + offs_n * scn,
+        M + ob * smb + oh * smh + offs_m[:, None] * smi + offs_n[None, :] * smj,
+        offs_m, offs_n, NA, NB, DA, scale, offs_d, eps, CAUSAL, HAS_MASK, SCORE, ACC, PREC)
+    return offs_n, t, b, x, t0
+
+
+@triton.jit
 def _dx(ds, x, eps, SCORE: tl.constexpr):
     """Gradient with respect to the raw products ``x`` from the one with respect to ``t``."""
     if SCORE == 0:
@@ -111,7 +127,6 @@ def _fwd_kernel(
     pid_m, pid_g, ob, oh, offs_m = _program(H, BLOCK_M)
     offs_d = tl.arange(0, D)
     offs_dv = tl.arange(0, DV)
-    offs_n0 = tl.arange(0, BLOCK_N)
     a = _load_tile(A, ob, oh, sab, sah, san, sad, offs_m, NA, offs_d, DA)
     m_i = tl.full([BLOCK_M], float("-inf"), ACC)
     l_i = tl.zeros([BLOCK_M], ACC)
@@ -120,19 +135,11 @@ def _fwd_kernel(
         m2 = tl.full([BLOCK_M], float("-inf"), ACC)
         l2 = tl.zeros([BLOCK_M], ACC)
         acc2 = tl.zeros([BLOCK_M, DV], ACC)
-    lo = 0
-    hi = NB
-    if CAUSAL == 1:
-        hi = tl.minimum(NB, (pid_m + 1) * BLOCK_M)
-    if CAUSAL == 2:
-        lo = (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N
+    lo, hi = _span(pid_m, NB, CAUSAL == 1, CAUSAL == 2, BLOCK_M, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + offs_n0
-        s, _b, _x, s0 = _scores_x(
-            a, B + ob * sbb + oh * sbh + offs_n[:, None] * sbn + offs_d[None, :] * sbd,
-            CB + ob * scb + oh * sch + offs_n * scn,
-            M + ob * smb + oh * smh + offs_m[:, None] * smi + offs_n[None, :] * smj,
-            offs_m, offs_n, NA, NB, DA, scale, offs_d, eps, CAUSAL, HAS_MASK, SCORE, ACC, PREC)
+        offs_n, s, _b, _x, s0 = _row_tile(
+            a, B, CB, M, ob, oh, offs_m, start_n, offs_d, sbb, sbh, sbn, sbd, scb, sch, scn, smb, smh, smi,
+            smj, NA, NB, DA, scale, eps, CAUSAL, HAS_MASK, SCORE, BLOCK_N, ACC, PREC)
         p, corr, m_i, l_i = _online(s, m_i, l_i)
         if HAS_V:
             v = _load_tile(V, ob, oh, svb, svh, svn, svd, offs_n, NB, offs_dv, DVA)
@@ -170,12 +177,7 @@ def _bwd_cols_kernel(
     if DUAL:
         wgt = tl.load(WG + pid_g).to(ACC)
         cb2 = tl.load(CB2 + ob * scb + oh * sch + offs_n * scn, mask=offs_n < NB, other=float("-inf")).to(ACC)
-    lo = 0
-    hi = NA
-    if CAUSAL == 1:
-        lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M
-    if CAUSAL == 2:
-        hi = tl.minimum(NA, (pid_n + 1) * BLOCK_N)
+    lo, hi = _span(pid_n, NA, CAUSAL == 2, CAUSAL == 1, BLOCK_N, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
         a = _load_tile(A, ob, oh, sab, sah, san, sad, offs_m, NA, offs_d, DA)
@@ -225,7 +227,6 @@ def _bwd_rows_kernel(
     pid_m, pid_g, ob, oh, offs_m = _program(H, BLOCK_M)
     offs_d = tl.arange(0, D)
     offs_dv = tl.arange(0, DV)
-    offs_n0 = tl.arange(0, BLOCK_N)
     a = _load_tile(A, ob, oh, sab, sah, san, sad, offs_m, NA, offs_d, DA)
     lse = _load_lse(L, ob, oh, slb, slh, sln, offs_m, NA, ACC)
     delta = tl.load(DELTA + pid_g * NA + offs_m, mask=offs_m < NA, other=0.0).to(ACC)
@@ -236,19 +237,11 @@ def _bwd_rows_kernel(
         wgt = tl.load(WG + pid_g).to(ACC)
         lse2 = _load_lse(L2, ob, oh, slb, slh, sln, offs_m, NA, ACC)
         delta2 = tl.load(DELTA2 + pid_g * NA + offs_m, mask=offs_m < NA, other=0.0).to(ACC)
-    lo = 0
-    hi = NB
-    if CAUSAL == 1:
-        hi = tl.minimum(NB, (pid_m + 1) * BLOCK_M)
-    if CAUSAL == 2:
-        lo = (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N
+    lo, hi = _span(pid_m, NB, CAUSAL == 1, CAUSAL == 2, BLOCK_M, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + offs_n0
-        s, b, x, s0 = _scores_x(
-            a, B + ob * sbb + oh * sbh + offs_n[:, None] * sbn + offs_d[None, :] * sbd,
-            CB + ob * scb + oh * sch + offs_n * scn,
-            M + ob * smb + oh * smh + offs_m[:, None] * smi + offs_n[None, :] * smj,
-            offs_m, offs_n, NA, NB, DA, scale, offs_d, eps, CAUSAL, HAS_MASK, SCORE, ACC, PREC)
+        offs_n, s, b, x, s0 = _row_tile(
+            a, B, CB, M, ob, oh, offs_m, start_n, offs_d, sbb, sbh, sbn, sbd, scb, sch, scn, smb, smh, smi,
+            smj, NA, NB, DA, scale, eps, CAUSAL, HAS_MASK, SCORE, BLOCK_N, ACC, PREC)
         p = tl.exp(s - lse[:, None])
         if HAS_V:
             v = _load_tile(V, ob, oh, svb, svh, svn, svd, offs_n, NB, offs_dv, DVA)

@@ -39,6 +39,7 @@ from attnopt.functional.triton._tiles import (
     _load_tile,
     _online,
     _program,
+    _span,
     _store_rows,
 )
 
@@ -207,10 +208,8 @@ def _fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), ACC)
     l_i = tl.zeros([BLOCK_M], ACC)
     acc = tl.zeros([BLOCK_M, DV], ACC)
-    hi = NK
-    if CAUSAL:
-        hi = tl.minimum(NK, (pid_m + 1) * BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
+    lo, hi = _span(pid_m, NK, CAUSAL == 1, False, BLOCK_M, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
         offs_n, ck, sk, t, _x = _key_tile(
             K, CB, M, ob, oh, start_n, offs_m, cq, sq, w_ptr, skb, skh, skn, skd, scb, sch, scn, smb, smh,
             smi, smj, swr, swd, NQ, NK, DA, R, coef, eps, half_s, p, cap, q.dtype, CAUSAL, HAS_MASK, MAG, S,
@@ -283,10 +282,8 @@ def _bwd_keys_kernel(
     dsk = tl.zeros([BLOCK_N, RP], ACC)
     dv = tl.zeros([BLOCK_N, DV], ACC)
     da = tl.zeros([BLOCK_N], ACC)
-    lo = 0
-    if CAUSAL:
-        lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M
-    for start_m in range(lo, NQ, BLOCK_M):
+    lo, hi = _span(pid_n, NQ, False, CAUSAL == 1, BLOCK_N, BLOCK_M)
+    for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
         q, cq, sq, _q0, _q1 = _side(Q, ob, oh, sqb, sqh, sqn, sqd, offs_m, NQ, w_ptr, swr, swd, offs_r,
                                     offs_d, R, DA, coef, S, ACC, PREC)
@@ -328,10 +325,8 @@ def _bwd_queries_kernel(
     do = _load_tile(DO, ob, oh, sdob, sdoh, sdon, sdod, offs_m, NQ, offs_dv, DVA)
     dcq = tl.zeros([BLOCK_M, RP], ACC)
     dsq = tl.zeros([BLOCK_M, RP], ACC)
-    hi = NK
-    if CAUSAL:
-        hi = tl.minimum(NK, (pid_m + 1) * BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
+    lo, hi = _span(pid_m, NK, CAUSAL == 1, False, BLOCK_M, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
         offs_n, ck, sk, t, x = _key_tile(
             K, CB, M, ob, oh, start_n, offs_m, cq, sq, w_ptr, skb, skh, skn, skd, scb, sch, scn, smb, smh,
             smi, smj, swr, swd, NQ, NK, DA, R, coef, eps, half_s, p, cap, q.dtype, CAUSAL, HAS_MASK, MAG, S,

@@ -27,6 +27,21 @@ def _program(H, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _span(pid, N, UPPER: tl.constexpr, LOWER: tl.constexpr, BLOCK: tl.constexpr, BLOCK_O: tl.constexpr):
+    """``(lo, hi)``: the range of the other axis (``N`` long, walked in ``BLOCK_O`` tiles from ``lo``)
+    that block ``pid`` of ``BLOCK`` visits under a causal rule seen from its axis: ``UPPER`` keeps
+    only indices up to the block's own (stop at its end), ``LOWER`` only from them on (start at the
+    tile holding its first index)."""
+    lo = 0
+    hi = N
+    if UPPER:
+        hi = tl.minimum(N, (pid + 1) * BLOCK)
+    if LOWER:
+        lo = (pid * BLOCK // BLOCK_O) * BLOCK_O
+    return lo, hi
+
+
+@triton.jit
 def _load_tile(X, ob, oh, sb, sh, sn, sd, offs, N, offs_c, CA):
     """The ``(BLOCK, C)`` tile of ``X[ob, oh]`` (strides ``sb, sh, sn, sd``) at rows ``offs`` and
     columns ``offs_c``; 0 outside ``N`` rows and ``CA`` columns."""
