@@ -10,8 +10,7 @@ and finish (flash-attention-2, Dao 2023):
           o = \frac{\mathrm{acc}}{\ell},\quad \mathrm{lse} = m + \log \ell
 
 (a row with no admissible column keeps ``ℓ = 0`` and gets ``lse = -inf``, ``o = 0``). Triton
-inlines them into the kernels: they cost nothing on the GPU, and each computes exactly what the
-kernels wrote in place before (same operations, same order).
+inlines them into the kernels, so they cost nothing on the GPU.
 """
 import triton
 import triton.language as tl
