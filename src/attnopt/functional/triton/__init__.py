@@ -6,6 +6,8 @@ dependency, the ``gpu`` extra; CUDA wheels of torch bring it):
 * :mod:`._flash` — the one flash-style primitive every normalization pass is built from:
   ``t_ij = scale <a_i, b_j> + cb_j + m_ij``, row log-sum-exp and (optionally) the softmax
   average of values, with a Triton backward; a ``torch.library.triton_op``.
+* :mod:`._tiles` — the ``@triton.jit`` tile helpers the flash-style kernels share (program ids,
+  strided tile loads and stores, causal loop bounds, the online-softmax step and finish).
 * :mod:`.doubly_normalized` — DNAS, Sinkhorn-K and HNAS as chains of that primitive.
 * :mod:`.sparse` — sparsemax / α-entmax attention (per-row threshold over key blocks).
 * :mod:`.flex_generalized` — generalized attention with a preference through FlexAttention.

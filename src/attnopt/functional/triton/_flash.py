@@ -35,6 +35,16 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from attnopt.functional.triton import interpreting
+from attnopt.functional.triton._tiles import (
+    _accumulate,
+    _finish,
+    _load_lse,
+    _load_tile,
+    _online,
+    _program,
+    _span,
+    _store_rows,
+)
 
 __all__ = ["flash", "hnas_attention", "INTERPRETED", "BLOCKS"]
 
@@ -79,6 +89,21 @@ def _scores(a, b_ptrs, cb_ptrs, m_ptrs, offs_m, offs_n, NA, NB, DA, scale, offs_
 
 
 @triton.jit
+def _row_tile(a, B, CB, M, ob, oh, offs_m, start_n, offs_d, sbb, sbh, sbn, sbd, scb, sch, scn, smb, smh, smi,
+              smj, NA, NB, DA, scale, eps, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, SCORE: tl.constexpr,
+              BLOCK_N: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
+    """The column tile at ``start_n`` against a block of rows ``a``: ``(offs_n, t, b, x, t0)`` of
+    :func:`_scores_x`, reading ``B``, ``CB`` and ``M`` of the (batch, head) ``(ob, oh)``."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    t, b, x, t0 = _scores_x(
+        a, B + ob * sbb + oh * sbh + offs_n[:, None] * sbn + offs_d[None, :] * sbd,
+        CB + ob * scb + oh * sch + offs_n * scn,
+        M + ob * smb + oh * smh + offs_m[:, None] * smi + offs_n[None, :] * smj,
+        offs_m, offs_n, NA, NB, DA, scale, offs_d, eps, CAUSAL, HAS_MASK, SCORE, ACC, PREC)
+    return offs_n, t, b, x, t0
+
+
+@triton.jit
 def _dx(ds, x, eps, SCORE: tl.constexpr):
     """Gradient with respect to the raw products ``x`` from the one with respect to ``t``."""
     if SCORE == 0:
@@ -98,16 +123,11 @@ def _fwd_kernel(
     DUAL: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ACC: tl.constexpr, PREC: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_g = tl.program_id(1)
-    ob = pid_g // H
-    oh = pid_g % H
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    """Row log-sum-exp and (``HAS_V``) output of one block of rows (a loop over the columns)."""
+    pid_m, pid_g, ob, oh, offs_m = _program(H, BLOCK_M)
     offs_d = tl.arange(0, D)
     offs_dv = tl.arange(0, DV)
-    offs_n0 = tl.arange(0, BLOCK_N)
-    a = tl.load(A + ob * sab + oh * sah + offs_m[:, None] * san + offs_d[None, :] * sad,
-                mask=(offs_m[:, None] < NA) & (offs_d[None, :] < DA), other=0.0)
+    a = _load_tile(A, ob, oh, sab, sah, san, sad, offs_m, NA, offs_d, DA)
     m_i = tl.full([BLOCK_M], float("-inf"), ACC)
     l_i = tl.zeros([BLOCK_M], ACC)
     acc = tl.zeros([BLOCK_M, DV], ACC)
@@ -115,54 +135,24 @@ def _fwd_kernel(
         m2 = tl.full([BLOCK_M], float("-inf"), ACC)
         l2 = tl.zeros([BLOCK_M], ACC)
         acc2 = tl.zeros([BLOCK_M, DV], ACC)
-    lo = 0
-    hi = NB
-    if CAUSAL == 1:
-        hi = tl.minimum(NB, (pid_m + 1) * BLOCK_M)
-    if CAUSAL == 2:
-        lo = (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N
+    lo, hi = _span(pid_m, NB, CAUSAL == 1, CAUSAL == 2, BLOCK_M, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + offs_n0
-        s, _b, _x, s0 = _scores_x(
-            a, B + ob * sbb + oh * sbh + offs_n[:, None] * sbn + offs_d[None, :] * sbd,
-            CB + ob * scb + oh * sch + offs_n * scn,
-            M + ob * smb + oh * smh + offs_m[:, None] * smi + offs_n[None, :] * smj,
-            offs_m, offs_n, NA, NB, DA, scale, offs_d, eps, CAUSAL, HAS_MASK, SCORE, ACC, PREC)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        corr = tl.exp(m_i - m_safe)
-        l_i = l_i * corr + tl.sum(p, 1)
+        offs_n, s, _b, _x, s0 = _row_tile(
+            a, B, CB, M, ob, oh, offs_m, start_n, offs_d, sbb, sbh, sbn, sbd, scb, sch, scn, smb, smh, smi,
+            smj, NA, NB, DA, scale, eps, CAUSAL, HAS_MASK, SCORE, BLOCK_N, ACC, PREC)
+        p, corr, m_i, l_i = _online(s, m_i, l_i)
         if HAS_V:
-            v = tl.load(V + ob * svb + oh * svh + offs_n[:, None] * svn + offs_dv[None, :] * svd,
-                        mask=(offs_n[:, None] < NB) & (offs_dv[None, :] < DVA), other=0.0)
-            acc = acc * corr[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=ACC, input_precision=PREC)
+            v = _load_tile(V, ob, oh, svb, svh, svn, svd, offs_n, NB, offs_dv, DVA)
+            acc = _accumulate(acc, corr, p, v, ACC, PREC)
             if DUAL:
                 cb2 = tl.load(CB2 + ob * scb + oh * sch + offs_n * scn, mask=offs_n < NB,
                               other=float("-inf")).to(ACC)
-                s2 = s0 + cb2[None, :]
-                m2_new = tl.maximum(m2, tl.max(s2, 1))
-                m2_safe = tl.where(m2_new == float("-inf"), 0.0, m2_new)
-                p2 = tl.exp(s2 - m2_safe[:, None])
-                corr2 = tl.exp(m2 - m2_safe)
-                l2 = l2 * corr2 + tl.sum(p2, 1)
-                acc2 = acc2 * corr2[:, None] + tl.dot(p2.to(v.dtype), v, out_dtype=ACC, input_precision=PREC)
-                m2 = m2_new
-        m_i = m_new
-    some = l_i > 0
-    lse = tl.where(some, m_i + tl.log(tl.where(some, l_i, 1.0)), float("-inf"))
-    tl.store(L + ob * slb + oh * slh + offs_m * sln, lse, mask=offs_m < NA)
-    if HAS_V:
-        out = acc / tl.where(some, l_i, 1.0)[:, None]
-        tl.store(O + ob * sob + oh * soh + offs_m[:, None] * son + offs_dv[None, :] * sod,
-                 out.to(O.dtype.element_ty), mask=(offs_m[:, None] < NA) & (offs_dv[None, :] < DVA))
+                p2, corr2, m2, l2 = _online(s0 + cb2[None, :], m2, l2)
+                acc2 = _accumulate(acc2, corr2, p2, v, ACC, PREC)
+    _finish(O, L, ob, oh, sob, soh, son, sod, slb, slh, sln, offs_m, NA, offs_dv, DVA, acc, m_i, l_i, HAS_V)
     if DUAL:
-        some2 = l2 > 0
-        lse2 = tl.where(some2, m2 + tl.log(tl.where(some2, l2, 1.0)), float("-inf"))
-        tl.store(L2 + ob * slb + oh * slh + offs_m * sln, lse2, mask=offs_m < NA)
-        out2 = acc2 / tl.where(some2, l2, 1.0)[:, None]
-        tl.store(O2 + ob * sob + oh * soh + offs_m[:, None] * son + offs_dv[None, :] * sod,
-                 out2.to(O2.dtype.element_ty), mask=(offs_m[:, None] < NA) & (offs_dv[None, :] < DVA))
+        _finish(O2, L2, ob, oh, sob, soh, son, sod, slb, slh, sln, offs_m, NA, offs_dv, DVA, acc2, m2, l2,
+                True)
 
 
 @triton.jit
@@ -175,49 +165,33 @@ def _bwd_cols_kernel(
     ACC: tl.constexpr, PREC: tl.constexpr,
 ):
     """``db``, ``dv``, ``dcb`` for one block of columns (a loop over the rows)."""
-    pid_n = tl.program_id(0)
-    pid_g = tl.program_id(1)
-    ob = pid_g // H
-    oh = pid_g % H
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_n, pid_g, ob, oh, offs_n = _program(H, BLOCK_N)
     offs_d = tl.arange(0, D)
     offs_dv = tl.arange(0, DV)
     offs_m0 = tl.arange(0, BLOCK_M)
     b_ptrs = B + ob * sbb + oh * sbh + offs_n[:, None] * sbn + offs_d[None, :] * sbd
-    v = tl.load(V + ob * svb + oh * svh + offs_n[:, None] * svn + offs_dv[None, :] * svd,
-                mask=(offs_n[:, None] < NB) & (offs_dv[None, :] < DVA), other=0.0)
+    v = _load_tile(V, ob, oh, svb, svh, svn, svd, offs_n, NB, offs_dv, DVA)
     db = tl.zeros([BLOCK_N, D], ACC)
     dv = tl.zeros([BLOCK_N, DV], ACC)
     dcb = tl.zeros([BLOCK_N], ACC)
     if DUAL:
         wgt = tl.load(WG + pid_g).to(ACC)
         cb2 = tl.load(CB2 + ob * scb + oh * sch + offs_n * scn, mask=offs_n < NB, other=float("-inf")).to(ACC)
-    lo = 0
-    hi = NA
-    if CAUSAL == 1:
-        lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M
-    if CAUSAL == 2:
-        hi = tl.minimum(NA, (pid_n + 1) * BLOCK_N)
+    lo, hi = _span(pid_n, NA, CAUSAL == 2, CAUSAL == 1, BLOCK_N, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
-        a = tl.load(A + ob * sab + oh * sah + offs_m[:, None] * san + offs_d[None, :] * sad,
-                    mask=(offs_m[:, None] < NA) & (offs_d[None, :] < DA), other=0.0)
+        a = _load_tile(A, ob, oh, sab, sah, san, sad, offs_m, NA, offs_d, DA)
         s, _b, x, s0 = _scores_x(
             a, b_ptrs, CB + ob * scb + oh * sch + offs_n * scn,
             M + ob * smb + oh * smh + offs_m[:, None] * smi + offs_n[None, :] * smj,
             offs_m, offs_n, NA, NB, DA, scale, offs_d, eps, CAUSAL, HAS_MASK, SCORE, ACC, PREC)
-        lse = tl.load(L + ob * slb + oh * slh + offs_m * sln, mask=offs_m < NA, other=float("-inf")).to(ACC)
-        lse = tl.where(lse == float("-inf"), float("inf"), lse)  # no admissible column: P = 0
-        p = tl.exp(s - lse[:, None])
+        p = tl.exp(s - _load_lse(L, ob, oh, slb, slh, sln, offs_m, NA, ACC)[:, None])
         delta = tl.load(DELTA + pid_g * NA + offs_m, mask=offs_m < NA, other=0.0).to(ACC)
         if HAS_V:
-            do = tl.load(DO + ob * sdob + oh * sdoh + offs_m[:, None] * sdon + offs_dv[None, :] * sdod,
-                         mask=(offs_m[:, None] < NA) & (offs_dv[None, :] < DVA), other=0.0)
+            do = _load_tile(DO, ob, oh, sdob, sdoh, sdon, sdod, offs_m, NA, offs_dv, DVA)
             dp = tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=PREC)
             if DUAL:  # out = w o1 + (1 - w) o2: DELTA = w do.o1, DELTA2 = (1 - w) do.o2
-                lse2 = tl.load(L2 + ob * slb + oh * slh + offs_m * sln, mask=offs_m < NA,
-                               other=float("-inf")).to(ACC)
-                lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
+                lse2 = _load_lse(L2, ob, oh, slb, slh, sln, offs_m, NA, ACC)
                 p2 = tl.exp(s0 + cb2[None, :] - lse2[:, None])
                 delta2 = tl.load(DELTA2 + pid_g * NA + offs_m, mask=offs_m < NA, other=0.0).to(ACC)
                 pm = wgt * p + (1.0 - wgt) * p2
@@ -234,12 +208,10 @@ def _bwd_cols_kernel(
         db += tl.dot(tl.trans(_dx(dsx, x, eps, SCORE).to(a.dtype)), a, out_dtype=ACC, input_precision=PREC)
         dcb += tl.sum(ds, 0)
     nb = pid_g * NB + offs_n
-    tl.store(DB + nb[:, None] * D + offs_d[None, :], (db * scale).to(DB.dtype.element_ty),
-             mask=(offs_n[:, None] < NB) & (offs_d[None, :] < DA))
+    _store_rows(DB, nb, offs_n, NB, db * scale, D, DA)
     tl.store(DCB + nb, dcb, mask=offs_n < NB)
     if HAS_V:
-        tl.store(DV_ + nb[:, None] * DV + offs_dv[None, :], dv.to(DV_.dtype.element_ty),
-                 mask=(offs_n[:, None] < NB) & (offs_dv[None, :] < DVA))
+        _store_rows(DV_, nb, offs_n, NB, dv, DV, DVA)
 
 
 @triton.jit
@@ -252,44 +224,27 @@ def _bwd_rows_kernel(
     ACC: tl.constexpr, PREC: tl.constexpr,
 ):
     """``da`` for one block of rows (a loop over the columns)."""
-    pid_m = tl.program_id(0)
-    pid_g = tl.program_id(1)
-    ob = pid_g // H
-    oh = pid_g % H
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pid_m, pid_g, ob, oh, offs_m = _program(H, BLOCK_M)
     offs_d = tl.arange(0, D)
     offs_dv = tl.arange(0, DV)
-    offs_n0 = tl.arange(0, BLOCK_N)
-    a = tl.load(A + ob * sab + oh * sah + offs_m[:, None] * san + offs_d[None, :] * sad,
-                mask=(offs_m[:, None] < NA) & (offs_d[None, :] < DA), other=0.0)
-    lse = tl.load(L + ob * slb + oh * slh + offs_m * sln, mask=offs_m < NA, other=float("-inf")).to(ACC)
-    lse = tl.where(lse == float("-inf"), float("inf"), lse)
+    a = _load_tile(A, ob, oh, sab, sah, san, sad, offs_m, NA, offs_d, DA)
+    lse = _load_lse(L, ob, oh, slb, slh, sln, offs_m, NA, ACC)
     delta = tl.load(DELTA + pid_g * NA + offs_m, mask=offs_m < NA, other=0.0).to(ACC)
     do = tl.load(DO + ob * sdob + oh * sdoh + offs_m[:, None] * sdon + offs_dv[None, :] * sdod,
                  mask=(offs_m[:, None] < NA) & (offs_dv[None, :] < DVA) & HAS_V, other=0.0)
     da = tl.zeros([BLOCK_M, D], ACC)
     if DUAL:
         wgt = tl.load(WG + pid_g).to(ACC)
-        lse2 = tl.load(L2 + ob * slb + oh * slh + offs_m * sln, mask=offs_m < NA, other=float("-inf")).to(ACC)
-        lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
+        lse2 = _load_lse(L2, ob, oh, slb, slh, sln, offs_m, NA, ACC)
         delta2 = tl.load(DELTA2 + pid_g * NA + offs_m, mask=offs_m < NA, other=0.0).to(ACC)
-    lo = 0
-    hi = NB
-    if CAUSAL == 1:
-        hi = tl.minimum(NB, (pid_m + 1) * BLOCK_M)
-    if CAUSAL == 2:
-        lo = (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N
+    lo, hi = _span(pid_m, NB, CAUSAL == 1, CAUSAL == 2, BLOCK_M, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + offs_n0
-        s, b, x, s0 = _scores_x(
-            a, B + ob * sbb + oh * sbh + offs_n[:, None] * sbn + offs_d[None, :] * sbd,
-            CB + ob * scb + oh * sch + offs_n * scn,
-            M + ob * smb + oh * smh + offs_m[:, None] * smi + offs_n[None, :] * smj,
-            offs_m, offs_n, NA, NB, DA, scale, offs_d, eps, CAUSAL, HAS_MASK, SCORE, ACC, PREC)
+        offs_n, s, b, x, s0 = _row_tile(
+            a, B, CB, M, ob, oh, offs_m, start_n, offs_d, sbb, sbh, sbn, sbd, scb, sch, scn, smb, smh, smi,
+            smj, NA, NB, DA, scale, eps, CAUSAL, HAS_MASK, SCORE, BLOCK_N, ACC, PREC)
         p = tl.exp(s - lse[:, None])
         if HAS_V:
-            v = tl.load(V + ob * svb + oh * svh + offs_n[:, None] * svn + offs_dv[None, :] * svd,
-                        mask=(offs_n[:, None] < NB) & (offs_dv[None, :] < DVA), other=0.0)
+            v = _load_tile(V, ob, oh, svb, svh, svn, svd, offs_n, NB, offs_dv, DVA)
             dp = tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=PREC)
             if DUAL:
                 cb2 = tl.load(CB2 + ob * scb + oh * sch + offs_n * scn, mask=offs_n < NB,
@@ -301,9 +256,7 @@ def _bwd_rows_kernel(
         else:
             ds = p * (-delta[:, None])
         da += tl.dot(_dx(ds, x, eps, SCORE).to(b.dtype), b, out_dtype=ACC, input_precision=PREC)
-    rows = pid_g * NA + offs_m
-    tl.store(DA_ + rows[:, None] * D + offs_d[None, :], (da * scale).to(DA_.dtype.element_ty),
-             mask=(offs_m[:, None] < NA) & (offs_d[None, :] < DA))
+    _store_rows(DA_, pid_g * NA + offs_m, offs_m, NA, da * scale, D, DA)
 
 
 def _pow2(n: int) -> int:

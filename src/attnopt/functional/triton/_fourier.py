@@ -32,6 +32,16 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from attnopt.functional.triton._flash import BLOCKS, _blocks, _meta, _pow2
+from attnopt.functional.triton._tiles import (
+    _accumulate,
+    _finish,
+    _load_lse,
+    _load_tile,
+    _online,
+    _program,
+    _span,
+    _store_rows,
+)
 
 __all__ = ["ika_attention", "magnitude_mode"]
 
@@ -98,11 +108,22 @@ def _magnitude(x, half_s, p, cap, MAG: tl.constexpr):
 
 
 @triton.jit
-def _key_side(k_ptrs, w_ptr, cb_ptrs, offs_n, offs_d, offs_r, NK, DA, R, swr, swd, coef, half_s, p, cap,
-              MAG: tl.constexpr, S: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
+def _side(X, ob, oh, sb, sh, sn, sd, offs, N, w_ptr, swr, swd, offs_r, offs_d, R, DA, coef, S: tl.constexpr,
+          ACC: tl.constexpr, PREC: tl.constexpr):
+    """A query or key tile of ``X[ob, oh]`` at rows ``offs`` (0 past ``N``) and its features:
+    ``(x, φ_cos(x), φ_sin(x), u_0, u_1)`` (:func:`_features`)."""
+    x = _load_tile(X, ob, oh, sb, sh, sn, sd, offs, N, offs_d, DA)
+    fc, fs, u0, u1 = _features(x, w_ptr, swr, swd, offs_r, offs_d, R, DA, coef, S, ACC, PREC)
+    return x, fc, fs, u0, u1
+
+
+@triton.jit
+def _key_side(K, ob, oh, skb, skh, skn, skd, offs_n, NK, w_ptr, swr, swd, offs_r, offs_d, R, DA, coef,
+              cb_ptrs, half_s, p, cap, MAG: tl.constexpr, S: tl.constexpr, ACC: tl.constexpr,
+              PREC: tl.constexpr):
     """A key tile: ``(k, φ_cos(k), φ_sin(k), u_0, u_1, cb + a)`` (the column bias with the magnitude)."""
-    k = tl.load(k_ptrs, mask=(offs_n[:, None] < NK) & (offs_d[None, :] < DA), other=0.0)
-    ck, sk, u0, u1 = _features(k, w_ptr, swr, swd, offs_r, offs_d, R, DA, coef, S, ACC, PREC)
+    k, ck, sk, u0, u1 = _side(K, ob, oh, skb, skh, skn, skd, offs_n, NK, w_ptr, swr, swd, offs_r, offs_d, R,
+                              DA, coef, S, ACC, PREC)
     cb = tl.load(cb_ptrs, mask=offs_n < NK, other=float("-inf")).to(ACC)
     if MAG > 0:
         a, _g = _magnitude(k.to(ACC), half_s, p, cap, MAG)
@@ -141,6 +162,36 @@ def _load_scalars(SC):
 
 
 @triton.jit
+def _query_block(Q, W, H, NQ, DA, R, coef, sqb, sqh, sqn, sqd, swb, swh, swr, swd, BLOCK_M: tl.constexpr,
+                 D: tl.constexpr, RP: tl.constexpr, S: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
+    """A program over one block of queries (grid ``(Nq blocks, B·H)``): ``(pid_m, pid_g, ob, oh,
+    offs_m, w_ptr, q, φ_cos(q), φ_sin(q), u_0, u_1)``, its ids, its (batch, head)'s points and its
+    query tile with the features."""
+    pid_m, pid_g, ob, oh, offs_m = _program(H, BLOCK_M)
+    w_ptr = W + ob * swb + oh * swh
+    q, cq, sq, u0, u1 = _side(Q, ob, oh, sqb, sqh, sqn, sqd, offs_m, NQ, w_ptr, swr, swd, tl.arange(0, RP),
+                              tl.arange(0, D), R, DA, coef, S, ACC, PREC)
+    return pid_m, pid_g, ob, oh, offs_m, w_ptr, q, cq, sq, u0, u1
+
+
+@triton.jit
+def _key_tile(K, CB, M, ob, oh, start_n, offs_m, cq, sq, w_ptr, skb, skh, skn, skd, scb, sch, scn, smb, smh,
+              smi, smj, swr, swd, NQ, NK, DA, R, coef, eps, half_s, p, cap, dt: tl.constexpr,
+              CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MAG: tl.constexpr, S: tl.constexpr,
+              D: tl.constexpr, RP: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr,
+              PREC: tl.constexpr):
+    """The key tile at ``start_n`` against a block of queries (features ``cq, sq``): ``(offs_n,
+    φ_cos(k), φ_sin(k), t, x)`` (:func:`_key_side`, :func:`_score`)."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    _k, ck, sk, _u0, _u1, cb = _key_side(
+        K, ob, oh, skb, skh, skn, skd, offs_n, NK, w_ptr, swr, swd, tl.arange(0, RP), tl.arange(0, D), R, DA,
+        coef, CB + ob * scb + oh * sch + offs_n * scn, half_s, p, cap, MAG, S, ACC, PREC)
+    t, x = _score(cq, sq, ck, sk, cb, M + ob * smb + oh * smh + offs_m[:, None] * smi + offs_n[None, :] * smj,
+                  offs_m, offs_n, NQ, NK, eps, dt, CAUSAL, HAS_MASK, ACC, PREC)
+    return offs_n, ck, sk, t, x
+
+
+@triton.jit
 def _fwd_kernel(
     Q, K, V, W, CB, M, O, L, SC, H, NQ, NK, DA, DVA, R,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, swb, swh, swr, swd, scb, sch, scn,
@@ -149,51 +200,24 @@ def _fwd_kernel(
     DV: tl.constexpr, RP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_g = tl.program_id(1)
-    ob = pid_g // H
-    oh = pid_g % H
+    """Output and row log-sum-exp of one block of queries (a loop over the key tiles)."""
     coef, eps, half_s, p, cap = _load_scalars(SC)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D)
+    pid_m, pid_g, ob, oh, offs_m, w_ptr, q, cq, sq, _u0, _u1 = _query_block(
+        Q, W, H, NQ, DA, R, coef, sqb, sqh, sqn, sqd, swb, swh, swr, swd, BLOCK_M, D, RP, S, ACC, PREC)
     offs_dv = tl.arange(0, DV)
-    offs_r = tl.arange(0, RP)
-    offs_n0 = tl.arange(0, BLOCK_N)
-    w_ptr = W + ob * swb + oh * swh
-    m_ptr = M + ob * smb + oh * smh
-    cb_ptr = CB + ob * scb + oh * sch
-    q = tl.load(Q + ob * sqb + oh * sqh + offs_m[:, None] * sqn + offs_d[None, :] * sqd,
-                mask=(offs_m[:, None] < NQ) & (offs_d[None, :] < DA), other=0.0)
-    cq, sq, _u0, _u1 = _features(q, w_ptr, swr, swd, offs_r, offs_d, R, DA, coef, S, ACC, PREC)
     m_i = tl.full([BLOCK_M], float("-inf"), ACC)
     l_i = tl.zeros([BLOCK_M], ACC)
     acc = tl.zeros([BLOCK_M, DV], ACC)
-    hi = NK
-    if CAUSAL:
-        hi = tl.minimum(NK, (pid_m + 1) * BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + offs_n0
-        _k, ck, sk, _v0, _v1, cb = _key_side(
-            K + ob * skb + oh * skh + offs_n[:, None] * skn + offs_d[None, :] * skd, w_ptr,
-            cb_ptr + offs_n * scn, offs_n, offs_d, offs_r, NK, DA, R, swr, swd, coef, half_s,
-            p, cap, MAG, S, ACC, PREC)
-        t, _x = _score(cq, sq, ck, sk, cb, m_ptr + offs_m[:, None] * smi + offs_n[None, :] * smj,
-                       offs_m, offs_n, NQ, NK, eps, q.dtype, CAUSAL, HAS_MASK, ACC, PREC)
-        m_new = tl.maximum(m_i, tl.max(t, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        pt = tl.exp(t - m_safe[:, None])
-        corr = tl.exp(m_i - m_safe)
-        l_i = l_i * corr + tl.sum(pt, 1)
-        v = tl.load(V + ob * svb + oh * svh + offs_n[:, None] * svn + offs_dv[None, :] * svd,
-                    mask=(offs_n[:, None] < NK) & (offs_dv[None, :] < DVA), other=0.0)
-        acc = acc * corr[:, None] + tl.dot(pt.to(v.dtype), v, out_dtype=ACC, input_precision=PREC)
-        m_i = m_new
-    some = l_i > 0
-    lse = tl.where(some, m_i + tl.log(tl.where(some, l_i, 1.0)), float("-inf"))
-    tl.store(L + ob * slb + oh * slh + offs_m * sln, lse, mask=offs_m < NQ)
-    out = acc / tl.where(some, l_i, 1.0)[:, None]
-    tl.store(O + ob * sob + oh * soh + offs_m[:, None] * son + offs_dv[None, :] * sod,
-             out.to(O.dtype.element_ty), mask=(offs_m[:, None] < NQ) & (offs_dv[None, :] < DVA))
+    lo, hi = _span(pid_m, NK, CAUSAL == 1, False, BLOCK_M, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n, ck, sk, t, _x = _key_tile(
+            K, CB, M, ob, oh, start_n, offs_m, cq, sq, w_ptr, skb, skh, skn, skd, scb, sch, scn, smb, smh,
+            smi, smj, swr, swd, NQ, NK, DA, R, coef, eps, half_s, p, cap, q.dtype, CAUSAL, HAS_MASK, MAG, S,
+            D, RP, BLOCK_N, ACC, PREC)
+        pt, corr, m_i, l_i = _online(t, m_i, l_i)
+        v = _load_tile(V, ob, oh, svb, svh, svn, svd, offs_n, NK, offs_dv, DVA)
+        acc = _accumulate(acc, corr, pt, v, ACC, PREC)
+    _finish(O, L, ob, oh, sob, soh, son, sod, slb, slh, sln, offs_m, NQ, offs_dv, DVA, acc, m_i, l_i, True)
 
 
 @triton.jit
@@ -218,6 +242,21 @@ def _points_grad(x, dc, ds_, u0, u1, w_ptr, swr, swd, offs_r, offs_d, R, DA, coe
 
 
 @triton.jit
+def _input_grad(DX, x, dc, ds_, u0, u1, da, rows, offs, N, w_ptr, swr, swd, offs_r, offs_d, R, DA, coef,
+                dw_ptr, half_s, p, cap, MAG: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
+                ACC: tl.constexpr, PREC: tl.constexpr):
+    """Store ``dx`` of a query or key tile ``x`` as rows ``rows`` of ``DX``: the features' gradient
+    ``(dc, ds_)`` through :func:`_points_grad` (which adds the points' share at ``dw_ptr``) plus, for
+    keys with the in-kernel magnitude (``MAG > 0``), ``da_j ∂a_j/∂k_j``."""
+    gx = _points_grad(x, dc, ds_, u0, u1, w_ptr, swr, swd, offs_r, offs_d, R, DA, coef, dw_ptr, D, S, ACC,
+                      PREC)
+    if MAG > 0:
+        _a, g = _magnitude(x.to(ACC), half_s, p, cap, MAG)
+        gx += da[:, None] * g
+    _store_rows(DX, rows, offs, N, gx, D, DA)
+
+
+@triton.jit
 def _bwd_keys_kernel(
     Q, K, V, W, CB, M, DO, L, DELTA, DK, DV_, DW, DCB, SC, H, NQ, NK, DA, DVA, R,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, swb, swh, swr, swd, scb, sch, scn,
@@ -227,45 +266,32 @@ def _bwd_keys_kernel(
     PREC: tl.constexpr,
 ):
     """``dk``, ``dv``, ``dcb`` and the keys' share of ``dW`` for one block of keys (a loop over queries)."""
-    pid_n = tl.program_id(0)
-    pid_g = tl.program_id(1)
-    ob = pid_g // H
-    oh = pid_g % H
+    pid_n, pid_g, ob, oh, offs_n = _program(H, BLOCK_N)
     coef, eps, half_s, p, cap = _load_scalars(SC)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     offs_dv = tl.arange(0, DV)
     offs_r = tl.arange(0, RP)
     offs_m0 = tl.arange(0, BLOCK_M)
     w_ptr = W + ob * swb + oh * swh
     m_ptr = M + ob * smb + oh * smh
-    cb_ptr = CB + ob * scb + oh * sch
     k, ck, sk, u0, u1, cb = _key_side(
-        K + ob * skb + oh * skh + offs_n[:, None] * skn + offs_d[None, :] * skd, w_ptr,
-        cb_ptr + offs_n * scn, offs_n, offs_d, offs_r, NK, DA, R, swr, swd, coef, half_s, p, cap,
-        MAG, S, ACC, PREC)
-    v = tl.load(V + ob * svb + oh * svh + offs_n[:, None] * svn + offs_dv[None, :] * svd,
-                mask=(offs_n[:, None] < NK) & (offs_dv[None, :] < DVA), other=0.0)
+        K, ob, oh, skb, skh, skn, skd, offs_n, NK, w_ptr, swr, swd, offs_r, offs_d, R, DA, coef,
+        CB + ob * scb + oh * sch + offs_n * scn, half_s, p, cap, MAG, S, ACC, PREC)
+    v = _load_tile(V, ob, oh, svb, svh, svn, svd, offs_n, NK, offs_dv, DVA)
     dck = tl.zeros([BLOCK_N, RP], ACC)
     dsk = tl.zeros([BLOCK_N, RP], ACC)
     dv = tl.zeros([BLOCK_N, DV], ACC)
     da = tl.zeros([BLOCK_N], ACC)
-    lo = 0
-    if CAUSAL:
-        lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M
-    for start_m in range(lo, NQ, BLOCK_M):
+    lo, hi = _span(pid_n, NQ, False, CAUSAL == 1, BLOCK_N, BLOCK_M)
+    for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
-        q = tl.load(Q + ob * sqb + oh * sqh + offs_m[:, None] * sqn + offs_d[None, :] * sqd,
-                    mask=(offs_m[:, None] < NQ) & (offs_d[None, :] < DA), other=0.0)
-        cq, sq, _q0, _q1 = _features(q, w_ptr, swr, swd, offs_r, offs_d, R, DA, coef, S, ACC, PREC)
+        q, cq, sq, _q0, _q1 = _side(Q, ob, oh, sqb, sqh, sqn, sqd, offs_m, NQ, w_ptr, swr, swd, offs_r,
+                                    offs_d, R, DA, coef, S, ACC, PREC)
         t, x = _score(cq, sq, ck, sk, cb, m_ptr + offs_m[:, None] * smi + offs_n[None, :] * smj,
                       offs_m, offs_n, NQ, NK, eps, q.dtype, CAUSAL, HAS_MASK, ACC, PREC)
-        lse = tl.load(L + ob * slb + oh * slh + offs_m * sln, mask=offs_m < NQ, other=float("-inf")).to(ACC)
-        lse = tl.where(lse == float("-inf"), float("inf"), lse)  # no admissible key: P = 0
-        pt = tl.exp(t - lse[:, None])
+        pt = tl.exp(t - _load_lse(L, ob, oh, slb, slh, sln, offs_m, NQ, ACC)[:, None])
         delta = tl.load(DELTA + pid_g * NQ + offs_m, mask=offs_m < NQ, other=0.0).to(ACC)
-        do = tl.load(DO + ob * sdob + oh * sdoh + offs_m[:, None] * sdon + offs_dv[None, :] * sdod,
-                     mask=(offs_m[:, None] < NQ) & (offs_dv[None, :] < DVA), other=0.0)
+        do = _load_tile(DO, ob, oh, sdob, sdoh, sdon, sdod, offs_m, NQ, offs_dv, DVA)
         dp = tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=PREC)
         dv += tl.dot(tl.trans(pt.to(do.dtype)), do, out_dtype=ACC, input_precision=PREC)
         dt = pt * (dp - delta[:, None])
@@ -274,17 +300,10 @@ def _bwd_keys_kernel(
         dsk += tl.dot(dxt, sq, out_dtype=ACC, input_precision=PREC)
         da += tl.sum(dt, 0)
     nb = pid_g * NK + offs_n
-    dw_ptr = DW + pid_g * S * R * D
-    gk = _points_grad(k, dck, dsk, u0, u1, w_ptr, swr, swd, offs_r, offs_d, R, DA, coef, dw_ptr,
-                      D, S, ACC, PREC)
-    if MAG > 0:
-        _a, g = _magnitude(k.to(ACC), half_s, p, cap, MAG)
-        gk += da[:, None] * g
-    tl.store(DK + nb[:, None] * D + offs_d[None, :], gk.to(DK.dtype.element_ty),
-             mask=(offs_n[:, None] < NK) & (offs_d[None, :] < DA))
+    _input_grad(DK, k, dck, dsk, u0, u1, da, nb, offs_n, NK, w_ptr, swr, swd, offs_r, offs_d, R, DA, coef,
+                DW + pid_g * S * R * D, half_s, p, cap, MAG, D, S, ACC, PREC)
     tl.store(DCB + nb, da, mask=offs_n < NK)
-    tl.store(DV_ + nb[:, None] * DV + offs_dv[None, :], dv.to(DV_.dtype.element_ty),
-             mask=(offs_n[:, None] < NK) & (offs_dv[None, :] < DVA))
+    _store_rows(DV_, nb, offs_n, NK, dv, DV, DVA)
 
 
 @triton.jit
@@ -297,53 +316,31 @@ def _bwd_queries_kernel(
     PREC: tl.constexpr,
 ):
     """``dq`` and the queries' share of ``dW`` for one block of queries (a loop over keys)."""
-    pid_m = tl.program_id(0)
-    pid_g = tl.program_id(1)
-    ob = pid_g // H
-    oh = pid_g % H
     coef, eps, half_s, p, cap = _load_scalars(SC)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D)
+    pid_m, pid_g, ob, oh, offs_m, w_ptr, q, cq, sq, uq0, uq1 = _query_block(
+        Q, W, H, NQ, DA, R, coef, sqb, sqh, sqn, sqd, swb, swh, swr, swd, BLOCK_M, D, RP, S, ACC, PREC)
     offs_dv = tl.arange(0, DV)
-    offs_r = tl.arange(0, RP)
-    offs_n0 = tl.arange(0, BLOCK_N)
-    w_ptr = W + ob * swb + oh * swh
-    m_ptr = M + ob * smb + oh * smh
-    cb_ptr = CB + ob * scb + oh * sch
-    q = tl.load(Q + ob * sqb + oh * sqh + offs_m[:, None] * sqn + offs_d[None, :] * sqd,
-                mask=(offs_m[:, None] < NQ) & (offs_d[None, :] < DA), other=0.0)
-    cq, sq, uq0, uq1 = _features(q, w_ptr, swr, swd, offs_r, offs_d, R, DA, coef, S, ACC, PREC)
-    lse = tl.load(L + ob * slb + oh * slh + offs_m * sln, mask=offs_m < NQ, other=float("-inf")).to(ACC)
-    lse = tl.where(lse == float("-inf"), float("inf"), lse)
+    lse = _load_lse(L, ob, oh, slb, slh, sln, offs_m, NQ, ACC)
     delta = tl.load(DELTA + pid_g * NQ + offs_m, mask=offs_m < NQ, other=0.0).to(ACC)
-    do = tl.load(DO + ob * sdob + oh * sdoh + offs_m[:, None] * sdon + offs_dv[None, :] * sdod,
-                 mask=(offs_m[:, None] < NQ) & (offs_dv[None, :] < DVA), other=0.0)
+    do = _load_tile(DO, ob, oh, sdob, sdoh, sdon, sdod, offs_m, NQ, offs_dv, DVA)
     dcq = tl.zeros([BLOCK_M, RP], ACC)
     dsq = tl.zeros([BLOCK_M, RP], ACC)
-    hi = NK
-    if CAUSAL:
-        hi = tl.minimum(NK, (pid_m + 1) * BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + offs_n0
-        _k, ck, sk, _v0, _v1, cb = _key_side(
-            K + ob * skb + oh * skh + offs_n[:, None] * skn + offs_d[None, :] * skd, w_ptr,
-            cb_ptr + offs_n * scn, offs_n, offs_d, offs_r, NK, DA, R, swr, swd, coef, half_s,
-            p, cap, MAG, S, ACC, PREC)
-        t, x = _score(cq, sq, ck, sk, cb, m_ptr + offs_m[:, None] * smi + offs_n[None, :] * smj,
-                      offs_m, offs_n, NQ, NK, eps, q.dtype, CAUSAL, HAS_MASK, ACC, PREC)
+    lo, hi = _span(pid_m, NK, CAUSAL == 1, False, BLOCK_M, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n, ck, sk, t, x = _key_tile(
+            K, CB, M, ob, oh, start_n, offs_m, cq, sq, w_ptr, skb, skh, skn, skd, scb, sch, scn, smb, smh,
+            smi, smj, swr, swd, NQ, NK, DA, R, coef, eps, half_s, p, cap, q.dtype, CAUSAL, HAS_MASK, MAG, S,
+            D, RP, BLOCK_N, ACC, PREC)
         pt = tl.exp(t - lse[:, None])
-        v = tl.load(V + ob * svb + oh * svh + offs_n[:, None] * svn + offs_dv[None, :] * svd,
-                    mask=(offs_n[:, None] < NK) & (offs_dv[None, :] < DVA), other=0.0)
+        v = _load_tile(V, ob, oh, svb, svh, svn, svd, offs_n, NK, offs_dv, DVA)
         dp = tl.dot(do, tl.trans(v), out_dtype=ACC, input_precision=PREC)
         dx = _dx(pt * (dp - delta[:, None]), x, eps)
         dcq += tl.dot(dx, ck, out_dtype=ACC, input_precision=PREC)
         dsq += tl.dot(dx, sk, out_dtype=ACC, input_precision=PREC)
-    dw_ptr = DW + pid_g * S * R * D
-    gq = _points_grad(q, dcq, dsq, uq0, uq1, w_ptr, swr, swd, offs_r, offs_d, R, DA, coef,
-                      dw_ptr, D, S, ACC, PREC)
-    rows = pid_g * NQ + offs_m
-    tl.store(DQ + rows[:, None] * D + offs_d[None, :], gq.to(DQ.dtype.element_ty),
-             mask=(offs_m[:, None] < NQ) & (offs_d[None, :] < DA))
+    # MAG = 0: no magnitude term for queries (its ``da`` argument is then unused)
+    _input_grad(DQ, q, dcq, dsq, uq0, uq1, dcq, pid_g * NQ + offs_m, offs_m, NQ, w_ptr, swr, swd,
+                tl.arange(0, RP), tl.arange(0, D), R, DA, coef, DW + pid_g * S * R * D, half_s, p, cap, 0, D,
+                S, ACC, PREC)
 
 
 def _common(q: Tensor, v: Tensor, w: Tensor, sets: int) -> tuple[int, int, int, dict[str, Any]]:

@@ -47,14 +47,14 @@ from torch.library import triton_op, wrap_triton
 
 from attnopt.functional.triton._flash import BLOCKS, INTERPRETED, _meta, _pow2
 from attnopt.functional.triton._fourier import (
-    _features,
+    _input_grad,
     _key_side,
     _load_scalars,
-    _magnitude,
-    _points_grad,
     _scalars,
+    _side,
     magnitude_mode,
 )
+from attnopt.functional.triton._tiles import _load_tile, _store_rows, _store_tile
 
 __all__ = ["ika_causal_scan"]
 
@@ -75,18 +75,14 @@ def _chunk(Q, K, V, W, CB, ob, oh, start, N, DA, DVA, R, sqb, sqh, sqn, sqd, skb
     u_k1)`` (``v`` zero-padded to ``EP`` columns, ``a`` the key log-weight, ``-inf`` past ``N``)."""
     offs = start + tl.arange(0, CH)
     offs_d = tl.arange(0, D)
-    offs_e = tl.arange(0, EP)
     offs_r = tl.arange(0, RP)
     w_ptr = W + ob * swb + oh * swh
-    q = tl.load(Q + ob * sqb + oh * sqh + offs[:, None] * sqn + offs_d[None, :] * sqd,
-                mask=(offs[:, None] < N) & (offs_d[None, :] < DA), other=0.0)
-    cq, sq, uq0, uq1 = _features(q, w_ptr, swr, swd, offs_r, offs_d, R, DA, coef, S, ACC, PREC)
+    q, cq, sq, uq0, uq1 = _side(Q, ob, oh, sqb, sqh, sqn, sqd, offs, N, w_ptr, swr, swd, offs_r, offs_d, R,
+                                DA, coef, S, ACC, PREC)
     k, ck, sk, uk0, uk1, a = _key_side(
-        K + ob * skb + oh * skh + offs[:, None] * skn + offs_d[None, :] * skd, w_ptr,
-        CB + ob * scb + oh * sch + offs * scn, offs, offs_d, offs_r, N, DA, R, swr, swd, coef, half_s, p, cap,
-        MAG, S, ACC, PREC)
-    v = tl.load(V + ob * svb + oh * svh + offs[:, None] * svn + offs_e[None, :] * svd,
-                mask=(offs[:, None] < N) & (offs_e[None, :] < DVA), other=0.0).to(ACC)
+        K, ob, oh, skb, skh, skn, skd, offs, N, w_ptr, swr, swd, offs_r, offs_d, R, DA, coef,
+        CB + ob * scb + oh * sch + offs * scn, half_s, p, cap, MAG, S, ACC, PREC)
+    v = _load_tile(V, ob, oh, svb, svh, svn, svd, offs, N, tl.arange(0, EP), DVA).to(ACC)
     return q, k, v, a, cq, sq, uq0, uq1, ck, sk, uk0, uk1
 
 
@@ -111,6 +107,73 @@ def _block(cq, sq, ck, sk, a, c_row, CH: tl.constexpr, ACC: tl.constexpr, PREC: 
 
 
 @triton.jit
+def _program(ST, ZT, H, R, CH: tl.constexpr, EP: tl.constexpr, RP: tl.constexpr):
+    """A program's ``(pid_g, ob, oh)`` (one (batch, head) on the grid ``(B·H,)``), its scratch state
+    ``(st, zt)`` (:func:`_slice`), and the offsets of a chunk's rows and of the features."""
+    pid_g = tl.program_id(0)
+    return (pid_g, pid_g // H, pid_g % H, ST + pid_g * (2 * R * 2 * RP * EP), ZT + pid_g * (2 * R * 2 * RP),
+            tl.arange(0, CH), tl.arange(0, RP))
+
+
+@triton.jit
+def _slice(st, zt, f, RP: tl.constexpr, EP: tl.constexpr):
+    """Pointers to slice ``f`` of a scan state: the ``(RP, EP)`` value blocks of the cos and the sin
+    features (``S[f, :R]``, ``S[f, R:]``) and their ``(RP,)`` denominator entries."""
+    offs_r = tl.arange(0, RP)
+    base = st + f * (2 * RP * EP)
+    s_ptrs = offs_r[:, None] * EP + tl.arange(0, EP)[None, :]
+    zb = zt + f * (2 * RP)
+    return base + s_ptrs, base + RP * EP + s_ptrs, zb + offs_r, zb + RP + offs_r
+
+
+@triton.jit
+def _load_slice(st, zt, f, RP: tl.constexpr, EP: tl.constexpr):
+    """Slice ``f`` of a scan state (:func:`_slice`): ``(s_cos, s_sin, z_cos, z_sin)``."""
+    pc, ps, zc, zs = _slice(st, zt, f, RP, EP)
+    return tl.load(pc), tl.load(ps), tl.load(zc), tl.load(zs)
+
+
+@triton.jit
+def _carry(st, zt, f, s_c, s_s, z_c, z_s, decay, c, s, col, rhs, wt, RP: tl.constexpr, EP: tl.constexpr,
+           ACC: tl.constexpr, PREC: tl.constexpr):
+    """Slice ``f`` of a scan state, read as ``(s_c, s_s, z_c, z_s)``, moved past the chunk and
+    written back: ``S ← decay·S + (φ φ_f)ᵀ rhs``, ``z ← decay·z + Σ_rows φ φ_f wt`` for the
+    features ``φ = [c, s]`` of the chunk's rows entering the state and their column ``f`` (``col``):
+    keys with ``(V1·m, m)`` in the forward scans, queries with ``(g·r, g_d·r)`` in the reverse one."""
+    cm = c * col[:, None]
+    sm = s * col[:, None]
+    s_c = s_c * decay + tl.dot(tl.trans(cm), rhs, out_dtype=ACC, input_precision=PREC)
+    s_s = s_s * decay + tl.dot(tl.trans(sm), rhs, out_dtype=ACC, input_precision=PREC)
+    z_c = z_c * decay + tl.sum(cm * wt[:, None], 0)
+    z_s = z_s * decay + tl.sum(sm * wt[:, None], 0)
+    pc, ps, zc, zs = _slice(st, zt, f, RP, EP)
+    tl.debug_barrier()  # every warp has read the slice before it is overwritten
+    tl.store(pc, s_c)
+    tl.store(ps, s_s)
+    tl.store(zc, z_c)
+    tl.store(zs, z_s)
+
+
+@triton.jit
+def _chunk_end(c_prev, a):
+    """``(c_end, decay, m)``: the running max at the chunk's end ``max(c_prev, max_j a_j)``, the
+    state's factor ``e^{c_prev − c_end}`` and the chunk's ``m_j = e^{a_j − c_end}`` (0 where a
+    log-weight is ``-inf``)."""
+    c_end = tl.maximum(c_prev, tl.max(a, 0))
+    end_ok = c_end > float("-inf")
+    c_end_s = tl.where(end_ok, c_end, 0.0)
+    decay = tl.where(end_ok, tl.where(c_prev > float("-inf"), tl.exp(c_prev - c_end_s), 0.0), 0.0)
+    return c_end, decay, tl.where(a > float("-inf"), tl.exp(a - c_end_s), 0.0)
+
+
+@triton.jit
+def _add_column(dc, ds_, col, offs_r, f, R):
+    """``(dc, ds_)`` with ``col`` added to column ``f`` of ``[dc, ds_]`` (``f < R``: of ``dc``)."""
+    return (dc + tl.where((offs_r == f)[None, :], col[:, None], 0.0),
+            ds_ + tl.where((offs_r == f - R)[None, :], col[:, None], 0.0))
+
+
+@triton.jit
 def _fwd_kernel(
     Q, K, V, W, CB, O, CR, DEN, ST, ZT, SC, H, N, DA, DVA, R,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, swb, swh, swr, swd, scb, sch, scn,
@@ -118,16 +181,9 @@ def _fwd_kernel(
     CH: tl.constexpr, D: tl.constexpr, EP: tl.constexpr, RP: tl.constexpr, MAG: tl.constexpr, S: tl.constexpr,
     ACC: tl.constexpr, PREC: tl.constexpr,
 ):
-    pid_g = tl.program_id(0)
-    ob = pid_g // H
-    oh = pid_g % H
+    """The output, ``c_i`` and the denominator ``n_{i,dv}`` of one (batch, head): the forward scan."""
     coef, eps, half_s, p, cap = _load_scalars(SC)
-    offs_e = tl.arange(0, EP)
-    offs_r = tl.arange(0, RP)
-    loc = tl.arange(0, CH)
-    st = ST + pid_g * (2 * R * 2 * RP * EP)
-    zt = ZT + pid_g * (2 * R * 2 * RP)
-    s_ptrs = offs_r[:, None] * EP + offs_e[None, :]
+    pid_g, ob, oh, st, zt, loc, offs_r = _program(ST, ZT, H, R, CH, EP, RP)
     c_prev = tl.max(tl.full([CH], float("-inf"), ACC), 0)
     esum = tl.zeros([EP], ACC)
     zsum = tl.sum(tl.zeros([CH], ACC), 0)
@@ -144,37 +200,18 @@ def _fwd_kernel(
         w = (x * x + eps) * e
         num = tl.dot(w, v, out_dtype=ACC, input_precision=PREC)
         den = tl.sum(w, 1)
-        c_end = tl.maximum(c_prev, tl.max(a, 0))
-        end_ok = c_end > float("-inf")
-        c_end_s = tl.where(end_ok, c_end, 0.0)
-        decay = tl.where(end_ok, tl.where(c_prev > float("-inf"), tl.exp(c_prev - c_end_s), 0.0), 0.0)
-        mk = tl.where(a > float("-inf"), tl.exp(a - c_end_s), 0.0)
+        c_end, decay, mk = _chunk_end(c_prev, a)
         vm = v * mk[:, None]
         inter = tl.zeros([CH, EP], ACC) + eps * esum[None, :]
         inter_d = tl.zeros([CH], ACC) + eps * zsum
         for f in range(0, 2 * R):
+            s_c, s_s, z_c, z_s = _load_slice(st, zt, f, RP, EP)
             colq = _column(cq, sq, offs_r, f, R)
-            colk = _column(ck, sk, offs_r, f, R)
-            base = st + f * (2 * RP * EP)
-            s_c = tl.load(base + s_ptrs)
-            s_s = tl.load(base + RP * EP + s_ptrs)
-            zb = zt + f * (2 * RP)
-            z_c = tl.load(zb + offs_r)
-            z_s = tl.load(zb + RP + offs_r)
             inter += colq[:, None] * (tl.dot(cq, s_c, out_dtype=ACC, input_precision=PREC)
                                       + tl.dot(sq, s_s, out_dtype=ACC, input_precision=PREC))
             inter_d += colq * tl.sum(cq * z_c[None, :] + sq * z_s[None, :], 1)
-            ckm = ck * colk[:, None]
-            skm = sk * colk[:, None]
-            s_c = s_c * decay + tl.dot(tl.trans(ckm), vm, out_dtype=ACC, input_precision=PREC)
-            s_s = s_s * decay + tl.dot(tl.trans(skm), vm, out_dtype=ACC, input_precision=PREC)
-            z_c = z_c * decay + tl.sum(ckm * mk[:, None], 0)
-            z_s = z_s * decay + tl.sum(skm * mk[:, None], 0)
-            tl.debug_barrier()  # every warp has read the slice before it is overwritten
-            tl.store(base + s_ptrs, s_c)
-            tl.store(base + RP * EP + s_ptrs, s_s)
-            tl.store(zb + offs_r, z_c)
-            tl.store(zb + RP + offs_r, z_s)
+            _carry(st, zt, f, s_c, s_s, z_c, z_s, decay, ck, sk, _column(ck, sk, offs_r, f, R), vm, mk, RP,
+                   EP, ACC, PREC)
         tl.debug_barrier()
         num += carry[:, None] * inter
         den += carry * inter_d
@@ -183,8 +220,7 @@ def _fwd_kernel(
         c_prev = c_end
         ok = den > 0
         out = tl.where(ok[:, None], num / tl.where(ok, den, 1.0)[:, None], 0.0)
-        tl.store(O + ob * sob + oh * soh + offs[:, None] * son + offs_e[None, :] * sod,
-                 out.to(O.dtype.element_ty), mask=(offs[:, None] < N) & (offs_e[None, :] < DVA))
+        _store_tile(O, ob, oh, sob, soh, son, sod, offs, N, tl.arange(0, EP), DVA, out)
         tl.store(CR + pid_g * N + offs, c_row, mask=offs < N)
         tl.store(DEN + pid_g * N + offs, den, mask=offs < N)
 
@@ -195,10 +231,8 @@ def _row_grad(DO, O, DEN, ob, oh, pid_g, offs, N, DVA, sob, soh, son, sod, EP: t
     """``(g_v, g_d)``: ``g_i = [do_i, −do_i·out_i] / den_i`` split in its value and denominator
     parts (0 for a row with no admissible key)."""
     offs_e = tl.arange(0, EP)
-    msk = (offs[:, None] < N) & (offs_e[None, :] < DVA)
-    do = tl.load(DO + ob * sob + oh * soh + offs[:, None] * son + offs_e[None, :] * sod, mask=msk, other=0.0)
-    out = tl.load(O + ob * sob + oh * soh + offs[:, None] * son + offs_e[None, :] * sod, mask=msk, other=0.0)
-    do = do.to(ACC)
+    do = _load_tile(DO, ob, oh, sob, soh, son, sod, offs, N, offs_e, DVA).to(ACC)
+    out = _load_tile(O, ob, oh, sob, soh, son, sod, offs, N, offs_e, DVA)
     den = tl.load(DEN + pid_g * N + offs, mask=offs < N, other=0.0)
     ok = den > 0
     inv = tl.where(ok, 1.0 / tl.where(ok, den, 1.0), 0.0)
@@ -214,19 +248,8 @@ def _bwd_queries_kernel(
     ACC: tl.constexpr, PREC: tl.constexpr,
 ):
     """``dq`` and the queries' share of ``dW``: the forward scan again, with ``S`` rebuilt."""
-    pid_g = tl.program_id(0)
-    ob = pid_g // H
-    oh = pid_g % H
     coef, eps, half_s, p, cap = _load_scalars(SC)
-    offs_e = tl.arange(0, EP)
-    offs_r = tl.arange(0, RP)
-    offs_d = tl.arange(0, D)
-    loc = tl.arange(0, CH)
-    st = ST + pid_g * (2 * R * 2 * RP * EP)
-    zt = ZT + pid_g * (2 * R * 2 * RP)
-    s_ptrs = offs_r[:, None] * EP + offs_e[None, :]
-    w_ptr = W + ob * swb + oh * swh
-    dw_ptr = DW + pid_g * S * R * D
+    pid_g, ob, oh, st, zt, loc, offs_r = _program(ST, ZT, H, R, CH, EP, RP)
     c_prev = tl.max(tl.full([CH], float("-inf"), ACC), 0)
     for start in range(0, N, CH):
         offs = start + loc
@@ -242,43 +265,21 @@ def _bwd_queries_kernel(
         dx = 2.0 * gg * x * e
         dcq = tl.dot(dx, ck, out_dtype=ACC, input_precision=PREC)
         dsq = tl.dot(dx, sk, out_dtype=ACC, input_precision=PREC)
-        c_end = tl.maximum(c_prev, tl.max(a, 0))
-        end_ok = c_end > float("-inf")
-        c_end_s = tl.where(end_ok, c_end, 0.0)
-        decay = tl.where(end_ok, tl.where(c_prev > float("-inf"), tl.exp(c_prev - c_end_s), 0.0), 0.0)
-        mk = tl.where(a > float("-inf"), tl.exp(a - c_end_s), 0.0)
+        c_end, decay, mk = _chunk_end(c_prev, a)
         vm = v * mk[:, None]
         for f in range(0, 2 * R):
-            colk = _column(ck, sk, offs_r, f, R)
-            base = st + f * (2 * RP * EP)
-            s_c = tl.load(base + s_ptrs)
-            s_s = tl.load(base + RP * EP + s_ptrs)
-            zb = zt + f * (2 * RP)
-            z_c = tl.load(zb + offs_r)
-            z_s = tl.load(zb + RP + offs_r)
+            s_c, s_s, z_c, z_s = _load_slice(st, zt, f, RP, EP)
             hc = tl.dot(g, tl.trans(s_c), out_dtype=ACC, input_precision=PREC) + gd[:, None] * z_c[None, :]
             hs = tl.dot(g, tl.trans(s_s), out_dtype=ACC, input_precision=PREC) + gd[:, None] * z_s[None, :]
-            col = 2.0 * carry * tl.sum(cq * hc + sq * hs, 1)
-            dcq += tl.where((offs_r == f)[None, :], col[:, None], 0.0)
-            dsq += tl.where((offs_r == f - R)[None, :], col[:, None], 0.0)
-            ckm = ck * colk[:, None]
-            skm = sk * colk[:, None]
-            s_c = s_c * decay + tl.dot(tl.trans(ckm), vm, out_dtype=ACC, input_precision=PREC)
-            s_s = s_s * decay + tl.dot(tl.trans(skm), vm, out_dtype=ACC, input_precision=PREC)
-            z_c = z_c * decay + tl.sum(ckm * mk[:, None], 0)
-            z_s = z_s * decay + tl.sum(skm * mk[:, None], 0)
-            tl.debug_barrier()  # every warp has read the slice before it is overwritten
-            tl.store(base + s_ptrs, s_c)
-            tl.store(base + RP * EP + s_ptrs, s_s)
-            tl.store(zb + offs_r, z_c)
-            tl.store(zb + RP + offs_r, z_s)
+            dcq, dsq = _add_column(dcq, dsq, 2.0 * carry * tl.sum(cq * hc + sq * hs, 1), offs_r, f, R)
+            _carry(st, zt, f, s_c, s_s, z_c, z_s, decay, ck, sk, _column(ck, sk, offs_r, f, R), vm, mk, RP,
+                   EP, ACC, PREC)
         tl.debug_barrier()
         c_prev = c_end
-        gq = _points_grad(q, dcq, dsq, uq0, uq1, w_ptr, swr, swd, offs_r, offs_d, R, DA, coef, dw_ptr, D, S,
-                          ACC, PREC)
-        rows = pid_g * N + offs
-        tl.store(DQ + rows[:, None] * D + offs_d[None, :], gq.to(DQ.dtype.element_ty),
-                 mask=(offs[:, None] < N) & (offs_d[None, :] < DA))
+        # MAG = 0: no magnitude term for queries (its ``da`` argument is then unused)
+        _input_grad(DQ, q, dcq, dsq, uq0, uq1, dcq, pid_g * N + offs, offs, N, W + ob * swb + oh * swh, swr,
+                    swd, offs_r, tl.arange(0, D), R, DA, coef, DW + pid_g * S * R * D, half_s, p, cap, 0, D,
+                    S, ACC, PREC)
 
 
 @triton.jit
@@ -290,19 +291,8 @@ def _bwd_keys_kernel(
     ACC: tl.constexpr, PREC: tl.constexpr,
 ):
     """``dk``, ``dv``, ``dcb`` and the keys' share of ``dW``: a reverse scan with the state ``P``."""
-    pid_g = tl.program_id(0)
-    ob = pid_g // H
-    oh = pid_g % H
     coef, eps, half_s, p, cap = _load_scalars(SC)
-    offs_e = tl.arange(0, EP)
-    offs_r = tl.arange(0, RP)
-    offs_d = tl.arange(0, D)
-    loc = tl.arange(0, CH)
-    st = ST + pid_g * (2 * R * 2 * RP * EP)
-    zt = ZT + pid_g * (2 * R * 2 * RP)
-    s_ptrs = offs_r[:, None] * EP + offs_e[None, :]
-    w_ptr = W + ob * swb + oh * swh
-    dw_ptr = DW + pid_g * S * R * D
+    pid_g, ob, oh, st, zt, loc, offs_r = _program(ST, ZT, H, R, CH, EP, RP)
     pe = tl.zeros([EP], ACC)
     pe_d = tl.sum(tl.zeros([CH], ACC), 0)
     chunks = tl.cdiv(N, CH)
@@ -317,11 +307,7 @@ def _bwd_keys_kernel(
         first = (loc == 0) & (start > 0)  # the running max before the chunk: the previous row's
         c_prev = tl.max(tl.load(CR + pid_g * N + start - 1 + 0 * loc, mask=first, other=float("-inf")), 0)
         g, gd = _row_grad(DO, O, DEN, ob, oh, pid_g, offs, N, DVA, sob, soh, son, sod, EP, ACC)
-        c_end = tl.maximum(c_prev, tl.max(a, 0))
-        end_ok = c_end > float("-inf")
-        c_end_s = tl.where(end_ok, c_end, 0.0)
-        m = tl.where(a > float("-inf"), tl.exp(a - c_end_s), 0.0)
-        decay = tl.where(end_ok, tl.where(c_prev > float("-inf"), tl.exp(c_prev - c_end_s), 0.0), 0.0)
+        _c_end, decay, m = _chunk_end(c_prev, a)
         r = _factor(c_prev, c_row, CH, ACC)
         gr = g * r[:, None]
         grd = gd * r
@@ -336,46 +322,24 @@ def _bwd_keys_kernel(
         dsk = tl.dot(dxt, sq, out_dtype=ACC, input_precision=PREC)
         # later queries through P (referenced to c_end), then P moves to c_prev with this chunk's queries
         for f in range(0, 2 * R):
-            colq = _column(cq, sq, offs_r, f, R)
+            p_c, p_s, pz_c, pz_s = _load_slice(st, zt, f, RP, EP)
             colk = _column(ck, sk, offs_r, f, R)
-            base = st + f * (2 * RP * EP)
-            p_c = tl.load(base + s_ptrs)
-            p_s = tl.load(base + RP * EP + s_ptrs)
-            zb = zt + f * (2 * RP)
-            pz_c = tl.load(zb + offs_r)
-            pz_s = tl.load(zb + RP + offs_r)
             y = tl.dot(ck, p_c, out_dtype=ACC, input_precision=PREC) + tl.dot(sk, p_s, out_dtype=ACC,
                                                                               input_precision=PREC)
             yv = tl.sum(y * v, 1) + tl.sum(ck * pz_c[None, :] + sk * pz_s[None, :], 1)
             dv += (m * colk)[:, None] * y
             da += m * colk * yv
-            col = 2.0 * m * yv
-            dck += tl.where((offs_r == f)[None, :], col[:, None], 0.0)
-            dsk += tl.where((offs_r == f - R)[None, :], col[:, None], 0.0)
-            cqm = cq * colq[:, None]
-            sqm = sq * colq[:, None]
-            p_c = p_c * decay + tl.dot(tl.trans(cqm), gr, out_dtype=ACC, input_precision=PREC)
-            p_s = p_s * decay + tl.dot(tl.trans(sqm), gr, out_dtype=ACC, input_precision=PREC)
-            pz_c = pz_c * decay + tl.sum(cqm * grd[:, None], 0)
-            pz_s = pz_s * decay + tl.sum(sqm * grd[:, None], 0)
-            tl.debug_barrier()  # every warp has read the slice before it is overwritten
-            tl.store(base + s_ptrs, p_c)
-            tl.store(base + RP * EP + s_ptrs, p_s)
-            tl.store(zb + offs_r, pz_c)
-            tl.store(zb + RP + offs_r, pz_s)
+            dck, dsk = _add_column(dck, dsk, 2.0 * m * yv, offs_r, f, R)
+            _carry(st, zt, f, p_c, p_s, pz_c, pz_s, decay, cq, sq, _column(cq, sq, offs_r, f, R), gr, grd, RP,
+                   EP, ACC, PREC)
         tl.debug_barrier()
         pe = pe * decay + tl.sum(gr, 0)
         pe_d = pe_d * decay + tl.sum(grd, 0)
-        gk = _points_grad(k, dck, dsk, uk0, uk1, w_ptr, swr, swd, offs_r, offs_d, R, DA, coef, dw_ptr, D, S,
-                          ACC, PREC)
-        if MAG > 0:
-            _mag, gm = _magnitude(k.to(ACC), half_s, p, cap, MAG)
-            gk += da[:, None] * gm
         rows = pid_g * N + offs
-        tl.store(DK + rows[:, None] * D + offs_d[None, :], gk.to(DK.dtype.element_ty),
-                 mask=(offs[:, None] < N) & (offs_d[None, :] < DA))
-        tl.store(DV_ + rows[:, None] * EP + offs_e[None, :], dv.to(DV_.dtype.element_ty),
-                 mask=(offs[:, None] < N) & (offs_e[None, :] < DVA))
+        _input_grad(DK, k, dck, dsk, uk0, uk1, da, rows, offs, N, W + ob * swb + oh * swh, swr, swd, offs_r,
+                    tl.arange(0, D), R, DA, coef, DW + pid_g * S * R * D, half_s, p, cap, MAG, D, S, ACC,
+                    PREC)
+        _store_rows(DV_, rows, offs, N, dv, EP, DVA)
         tl.store(DCB + rows, da, mask=offs < N)
 
 
