@@ -354,12 +354,13 @@ def dn_fwd(
     body — a CPU op may read its own flag — so a compiled or exported graph holds this one op and
     no data-dependent branch. ``dn_bwd`` does the same for the gradients.
     """
+    res: tuple[Tensor, ...]
     if _native.library("dnas") is None:
         res = _no_library(q, k, v, w)
     else:
         res = dn_forward(q.contiguous(), k.contiguous(), v.contiguous(), w, mask, causal, scale)
     if bool(res[-1]):
-        return res
+        return res  # type: ignore[return-value]
     out = _fallback(q, k, v, w, mask, causal, scale).contiguous()
     return (out, *res[1:])  # type: ignore[return-value]
 
@@ -386,10 +387,10 @@ def _fallback_grads(
     b, h, nq, _ = q.shape
     wr = None if w is None else w.expand(b, h, 1, 1).expand(b, h, nq, 1).contiguous()
     if wr is None or not need_w:
-        out, vjp = torch.func.vjp(lambda *t: _fallback(*t, wr, mask, causal, scale), q, k, v)
+        vjp = torch.func.vjp(lambda a, b_, c: _fallback(a, b_, c, wr, mask, causal, scale), q, k, v)[1]
         dq, dk, dv = vjp(dout)
         return dq, dk, dv, q.new_zeros(0)
-    out, vjp = torch.func.vjp(lambda *t: _fallback(*t[:3], t[3], mask, causal, scale), q, k, v, wr)
+    vjp = torch.func.vjp(lambda a, b_, c, d: _fallback(a, b_, c, d, mask, causal, scale), q, k, v, wr)[1]
     dq, dk, dv, dw = vjp(dout)
     return dq, dk, dv, dw.reshape(b * h, nq)
 
