@@ -392,6 +392,52 @@ def biased_backward(
 
 
 
+# --- what a forward saves and its backward computes: one definition for the eager autograd Functions
+# (_NativeBiasedSoftmax, _FusedBiasedSoftmax) and the ops' registered autograd (bs_fwd, bsf_fwd) --------
+
+
+def _bs_save(ctx: Any, inputs: tuple, output: tuple) -> None:
+    """Save what ``bs_bwd`` reads: ``inputs`` = (q, k, v, bias, scale, toeplitz, ...), ``output`` =
+    (out, E or empty, m, 1/r, scale·Q) of :func:`biased_forward` (``output``: the name
+    ``register_autograd`` passes it by)."""
+    _, k, v, bias, scale, toeplitz = inputs[:6]
+    out, p, mx, rinv, qs = output
+    ctx.scale, ctx.toeplitz = scale, toeplitz
+    ctx.save_for_backward(qs, k, v, p, out, bias, mx, rinv)
+
+
+def _bs_grads(ctx: Any, dout: Tensor, backward: Any) -> tuple[Tensor | None, ...]:
+    """``(dQ, dK, dV, d bias or None)`` by ``backward`` (:func:`biased_backward` or its op)."""
+    need = ctx.needs_input_grad[3]
+    dq, dk, dv, gb = backward(dout, *ctx.saved_tensors, ctx.scale, ctx.toeplitz, need)
+    return dq, dk, dv, gb if need else None
+
+
+def _bsf_save(ctx: Any, inputs: tuple, output: tuple) -> None:
+    """Save what ``bsf_bwd`` reads: ``inputs`` = (q, k, v, src, buckets, kind, scale), ``output`` =
+    (out, E, 1/r) of :func:`fused_forward`."""
+    q, k, v, src, buckets, kind, scale = inputs
+    out, e, rinv = output
+    ctx.kind, ctx.scale = kind, scale
+    ctx.save_for_backward(q, k, v, e, out, rinv, src, buckets)
+
+
+def _bsf_grads(ctx: Any, dout: Tensor, backward: Any) -> tuple[Tensor | None, ...]:
+    """``(dQ, dK, dV, d src or None)`` by ``backward`` (:func:`fused_backward` or its op)."""
+    need = ctx.needs_input_grad[3]
+    dq, dk, dv, gsrc = backward(dout, *ctx.saved_tensors, ctx.kind, ctx.scale, need)
+    return dq, dk, dv, gsrc if need else None
+
+
+def _grads_like(
+    q: Tensor, k: Tensor, v: Tensor, b: Tensor, need_bias: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The backward ops' fake outputs: gradients shaped as ``q, k, v, b`` (``b``'s empty unless
+    ``need_bias``)."""
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            b.new_empty(b.shape if need_bias else (0,)))
+
+
 class _NativeBiasedSoftmax(torch.autograd.Function):
     """:func:`biased_forward` / :func:`biased_backward` as one autograd node (plain eager calls)."""
 
@@ -400,20 +446,15 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
     def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float, toeplitz: bool,
     ) -> Tensor:
-        out, p, mx, rinv, qs = biased_forward(q, k, v, bias, scale, toeplitz, any(ctx.needs_input_grad[:4]))
-        ctx.scale, ctx.toeplitz = scale, toeplitz
-        ctx.save_for_backward(qs, k, v, p, out, bias, mx, rinv)
-        return out
+        outputs = biased_forward(q, k, v, bias, scale, toeplitz, any(ctx.needs_input_grad[:4]))
+        _bs_save(ctx, (q, k, v, bias, scale, toeplitz), outputs)
+        return outputs[0]
 
     @staticmethod
     @_native.untraced
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         refuse_double_backward(ctx, "generalized_attention (fused bias)", "use generalized_weights(...) @ v")
-        need = ctx.needs_input_grad[3]
-        qs, k, v, p, out, bias, mx, rinv = ctx.saved_tensors
-        dq, dk, dv, gb = biased_backward(dout, qs, k, v, p, out, bias, mx, rinv, ctx.scale, ctx.toeplitz,
-                                         need)
-        return dq, dk, dv, gb if need else None, None, None
+        return (*_bs_grads(ctx, dout, biased_backward), None, None)
 
 
 def native_biased_softmax(
@@ -631,20 +672,15 @@ class _FusedBiasedSoftmax(torch.autograd.Function):
     @_native.untraced
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, src: Tensor, buckets: Tensor | None, kind: int,
                 scale: float) -> Tensor:
-        out, e, rinv = fused_forward(q, k, v, src, buckets, kind, scale)
-        ctx.kind, ctx.scale = kind, scale
-        ctx.save_for_backward(q, k, v, e, out, rinv, src, buckets)
-        return out
+        outputs = fused_forward(q, k, v, src, buckets, kind, scale)
+        _bsf_save(ctx, (q, k, v, src, buckets, kind, scale), outputs)
+        return outputs[0]
 
     @staticmethod
     @_native.untraced
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         refuse_double_backward(ctx, "generalized_attention (fused bias)", "use generalized_weights(...) @ v")
-        q, k, v, e, out, rinv, src, buckets = ctx.saved_tensors
-        need = ctx.needs_input_grad[3]
-        dq, dk, dvv, gsrc = fused_backward(dout, q, k, v, e, out, rinv, src, buckets, ctx.kind, ctx.scale,
-                                           need)
-        return dq, dk, dvv, gsrc if need else None, None, None, None
+        return (*_bsf_grads(ctx, dout, fused_backward), None, None, None)
 
 
 def fused_attention(
@@ -844,26 +880,14 @@ def bsf_bwd(
 def _(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, e: Tensor, out: Tensor, rinv: Tensor,  # noqa: ARG001
       src: Tensor, buckets: Tensor | None, kind: int, scale: float,  # noqa: ARG001
       need_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
-            src.new_empty(src.shape if need_bias else (0,)))
-
-
-def _bsf_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, src, buckets, kind, scale = inputs
-    out, e, rinv = output
-    ctx.kind, ctx.scale = kind, scale
-    ctx.save_for_backward(q, k, v, e, out, rinv, src, buckets)
+    return _grads_like(q, k, v, src, need_bias)
 
 
 def _bsf_backward(ctx: Any, dout: Tensor, *_unused: Tensor | None) -> tuple[Tensor | None, ...]:
-    q, k, v, e, out, rinv, src, buckets = ctx.saved_tensors
-    need = ctx.needs_input_grad[3]
-    dq, dk, dvv, gsrc = torch.ops.attnopt.bsf_bwd(dout, q, k, v, e, out, rinv, src, buckets, ctx.kind,
-                                                  ctx.scale, need)
-    return dq, dk, dvv, gsrc if need else None, None, None, None
+    return (*_bsf_grads(ctx, dout, torch.ops.attnopt.bsf_bwd), None, None, None)
 
 
-bsf_fwd.register_autograd(_bsf_backward, setup_context=_bsf_setup)
+bsf_fwd.register_autograd(_bsf_backward, setup_context=_bsf_save)
 
 
 @torch.library.custom_op("attnopt::bs_fwd", mutates_args=(), device_types="cpu")
@@ -899,21 +923,11 @@ def bs_bwd(
 def _(dout: Tensor, qs: Tensor, k: Tensor, v: Tensor, p: Tensor, out: Tensor, bias: Tensor,  # noqa: ARG001
       mx: Tensor, rinv: Tensor, scale: float, toeplitz: bool,  # noqa: ARG001
       need_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return (qs.new_empty(qs.shape), k.new_empty(k.shape), v.new_empty(v.shape),
-            bias.new_empty(bias.shape if need_bias else (0,)))
-
-
-def _bs_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
-    _, k, v, bias, scale, toeplitz, _ = inputs
-    out, p, mx, rinv, qs = output
-    ctx.scale, ctx.toeplitz = scale, toeplitz
-    ctx.save_for_backward(qs, k, v, p, out, bias, mx, rinv)
+    return _grads_like(qs, k, v, bias, need_bias)
 
 
 def _bs_backward(ctx: Any, dout: Tensor, *_unused: Tensor | None) -> tuple[Tensor | None, ...]:
-    need = ctx.needs_input_grad[3]
-    dq, dk, dv, gb = torch.ops.attnopt.bs_bwd(dout, *ctx.saved_tensors, ctx.scale, ctx.toeplitz, need)
-    return dq, dk, dv, gb if need else None, None, None, None
+    return (*_bs_grads(ctx, dout, torch.ops.attnopt.bs_bwd), None, None, None)
 
 
-bs_fwd.register_autograd(_bs_backward, setup_context=_bs_setup)
+bs_fwd.register_autograd(_bs_backward, setup_context=_bs_save)
