@@ -30,7 +30,24 @@ Dispatch of :func:`regularized_attention`:
   installed, or under ``attnopt.backend("triton")`` → the Triton kernels of
   :mod:`attnopt.functional.triton.sparse` (``last_dispatch["sparse"] == "triton"``).
 * anything else (a user regularizer, a tensor α, a mask that requires grad) → the
-  materialized ``regularized_attention_weights(...) @ v`` (autograd through the map).
+  materialized ``regularized_attention_weights(...) @ v`` (autograd through the map). So does a
+  call traced by ``torch.compile`` / ``torch.export``: there sparsemax / 1.5-entmax on CPU
+  float32/64 run as the ops ``attnopt::sparse_map_fwd`` / ``sparse_map_bwd`` (:mod:`._maps`).
+
+The maps (:func:`sparsemax`, :func:`entmax`, also re-exported as ``attnopt.functional.X``) and the
+choice of their implementation live in :mod:`._maps` (part of this router). Leaves, one
+implementation each, none importing another (shared math: :mod:`._common`):
+
+* :mod:`.sort` — sparsemax / 1.5-entmax by sorting: their reference, any device;
+* :mod:`.search` — α-entmax by safeguarded Newton: the reference of other α and tensor α;
+* :mod:`.cpu` — the C kernels of sparsemax / 1.5-entmax (ctypes in eager code, ``torch.library``
+  ops ``attnopt::sparse_map_*`` for traced graphs);
+* :mod:`.groups` — the CPU candidate-group forward of other float α > 1 and the row-blocked
+  CPU backward;
+* :mod:`.reference` — the attention in tracked plain ops (the map handed in);
+* :mod:`.materialized` — fused materialized attention (scores once; small sizes search in place,
+  larger ones the chosen map); :mod:`.streaming` — query-blocked attention keeping only ``θ``.
+  Both take the chosen map implementations from this router (:class:`._common.MapKernels`).
 """
 from __future__ import annotations
 

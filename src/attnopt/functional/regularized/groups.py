@@ -1,4 +1,10 @@
-r"""Candidate-group fast path of the sparse maps on CPU (internal; exact, not an approximation).
+r"""Candidate-group fast path of α-entmax on CPU (internal leaf; exact, not an approximation).
+
+The router (:mod:`._maps`) runs it for float ``α > 1`` other than 1.5 and 2 (those have C kernels,
+:mod:`.cpu`, and the sort-based reference, :mod:`.sort`) on long contiguous rows; the dense search
+it falls back to is :mod:`.search`, handed in as ``solve``. :func:`backward_rows` is the map's
+closed-form backward on cache-sized row blocks (CPU, float ``1 < α ≤ 2`` where the C backward
+does not run).
 
 For ``α > 1`` the map ``p = [(α−1)(s − m) − θ]₊^{1/(α−1)}`` is zero below its threshold, and
 the threshold of *any subset* of a row's entries is a lower bound on the row's threshold
