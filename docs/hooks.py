@@ -37,10 +37,10 @@ INTERNAL = ("attnopt.cli", "attnopt.cli_analyze", "attnopt.cli_train", "attnopt.
 #: ops (documented on the package, with its members); its other files are implementations, not API ...
 FAMILIES = ("attnopt.functional.doubly_normalized", "attnopt.functional.generalized",
             "attnopt.functional.kernel", "attnopt.functional.ot", "attnopt.functional.regularized")
-#: ... but for these, which are API of their own (the sparse maps, the Fenchel-Young losses, the
-#: regularizers, the linear mode of kernel attention)
-FAMILY_API = ("attnopt.functional.regularized.maps", "attnopt.functional.regularized.losses",
-              "attnopt.functional.regularized.regularizers", "attnopt.functional.kernel.linear")
+#: ... but for these, which are API of their own (the Fenchel-Young losses, the regularizers, the
+#: linear mode of kernel attention; the sparse maps are members of the regularized package)
+FAMILY_API = ("attnopt.functional.regularized.losses", "attnopt.functional.regularized.regularizers",
+              "attnopt.functional.kernel.linear")
 
 
 def _internal(mod: str) -> bool:

@@ -7,7 +7,7 @@ import entmax as entmax_pkg
 import pytest
 import torch
 
-from attnopt.functional import dispatch
+from attnopt.functional import dispatch, regularized
 from attnopt.functional._thresholds import THRESHOLDS
 from attnopt.functional.doubly_normalized import doubly_normalized_attention, hybrid_normalized_attention
 from attnopt.functional.regularized import materialized as _sparse_attention_fused
@@ -311,5 +311,5 @@ def test_sparse_materialized_native_map_route_matches_reference(reg, native, mon
     beta = torch.tensor([0.3, 0.1], dtype=torch.float64, requires_grad=True)
     out = _check_sparse_against_oracle(reg, q, k, v, mask=mask, causal=True, beta=beta)
     assert dispatch.last_dispatch["sparse"] == "materialized"
-    assert _sparse_attention_fused._native_map(q.reshape(-1, 9, 4), 7) is native
+    assert _sparse_attention_fused._native_map(q.reshape(-1, 9, 4), 7, regularized._KERNELS) is native
     assert torch.equal(out[:, :, 4], torch.zeros_like(out[:, :, 4]))

@@ -1,4 +1,4 @@
-"""Tests of attnopt.functional.regularized.maps: sparsemax and α-entmax (float64 oracles, entmax package)."""
+"""Tests of the regularized family's maps: sparsemax and α-entmax (float64 oracles, entmax package)."""
 from __future__ import annotations
 
 import warnings

@@ -8,10 +8,11 @@ import torch
 
 from attnopt.functional import entmax, sparsemax
 from attnopt.functional.regularized import cpu as _sparse_native
+from attnopt.functional.regularized._common import map_from_threshold
 from tests._marks import needs_native
 from tests.reference.regularized import entmax15_sort, sparsemax_sort
 
-entmax_mod = importlib.import_module("attnopt.functional.regularized.maps")  # the module, not the function
+entmax_mod = importlib.import_module("attnopt.functional.regularized._maps")  # the module, not the function
 
 
 @pytest.fixture
@@ -162,10 +163,10 @@ def test_two_threads_give_identical_results(alpha):
 @needs_native
 @pytest.mark.parametrize("alpha", [1.5, 2.0])
 def test_threshold_recomputes_the_map(alpha):
-    """θ is in the units of ``_map_from_threshold`` (what the blocked attention relies on)."""
+    """θ is in the units of ``map_from_threshold`` (what the blocked attention relies on)."""
     x = _rows(257)
-    p, theta = entmax_mod._threshold_map(x, alpha, -1, 1000, 1e-12)
-    torch.testing.assert_close(entmax_mod._map_from_threshold(x, theta, alpha, -1), p, atol=1e-12, rtol=0)
+    p, theta = entmax_mod.threshold_map(x, alpha, -1, 1000, 1e-12)
+    torch.testing.assert_close(map_from_threshold(x, theta, alpha, -1), p, atol=1e-12, rtol=0)
 
 
 @needs_native

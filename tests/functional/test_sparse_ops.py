@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from attnopt.functional.regularized import cpu as _sparse_ops
-from attnopt.functional.regularized.maps import entmax, sparsemax
+from attnopt.functional.regularized import entmax, sparsemax
 from tests._marks import needs_native
 
 pytestmark = needs_native

@@ -28,8 +28,12 @@ import torch
 
 from attnopt.bench._harness import BenchContext, Measurement, bench_suite, peak_memory_mb, time_call
 from attnopt.functional.regularized import cpu as _sparse_native
-from attnopt.functional.regularized import regularized_attention, regularized_attention_weights
-from attnopt.functional.regularized.maps import entmax, sparsemax
+from attnopt.functional.regularized import (
+    entmax,
+    regularized_attention,
+    regularized_attention_weights,
+    sparsemax,
+)
 from attnopt.functional.regularized.regularizers import SquaredL2, Tsallis
 
 H, D = 8, 64

@@ -22,6 +22,10 @@ from attnopt.functional.kernel import kernel_attention, kernel_weights
 from attnopt.functional.kernel import linear as kernel_linear
 from attnopt.functional.ot import ot_attention, ot_weights
 from attnopt.functional.regularized import (
+    _maps,
+    entmax,
+    entmax15,
+    entmax_bisect,
     locality_bias,
     losses,
     regularized_attention,
@@ -29,10 +33,9 @@ from attnopt.functional.regularized import (
     regularized_weights,
     regularizers,
     softmax_weights,
+    sparsemax,
 )
-from attnopt.functional.regularized import maps as _maps
 from attnopt.functional.regularized.losses import entmax_loss, sparsemax_loss, tsallis_negentropy
-from attnopt.functional.regularized.maps import entmax, entmax15, entmax_bisect, sparsemax
 from attnopt.functional.regularized.regularizers import Regularizer, Shannon, SquaredL2, Tsallis
 
 # the flat modules of earlier versions stay importable under their old names (the same module

@@ -85,13 +85,10 @@ class Thresholds:
     sparse_row_block_entries: int = 1 << 16
     #: live elements of one query block of the streaming attention (``regularized/streaming.py``)
     sparse_streaming_block_elements: int = 1 << 22
-    #: entries per row block of the sparsemax map's CPU threshold search (``regularized/maps.py``)
+    #: entries per row block of the maps' row-blocked CPU backward (``regularized/groups.py``)
     sparsemax_block_entries: int = 1 << 16
-    #: entries per row block of the entmax maps' CPU threshold search (``regularized/maps.py``)
+    #: entries per row block of the α-entmax CPU threshold search (``regularized/search.py``)
     entmax_block_entries: int = 1 << 18
-    #: entries per row block of the 1.5-entmax pass search (``regularized/entmax15_passes.py``):
-    #: the block and its scratch stay in L2
-    entmax15_passes_block_entries: int = 1 << 18
     #: rows shorter than this take the dense map search, not the group search
     #: (``regularized/groups.py``: the dense search is already cheap)
     sparse_groups_min_row: int = 256

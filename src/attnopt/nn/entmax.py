@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from attnopt.functional.regularized.maps import entmax, sparsemax
+from attnopt.functional.regularized import entmax, sparsemax
 
 __all__ = ["Entmax15", "EntmaxBisect", "Sparsemax"]
 

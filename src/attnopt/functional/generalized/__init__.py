@@ -32,7 +32,7 @@ from attnopt.functional._thresholds import THRESHOLDS
 from attnopt.functional.generalized import cpu, materialized, reference
 from attnopt.functional.generalized.bias import check_log_preference_values, preference_to_log, score_bias
 from attnopt.functional.generalized.streaming import biased_flash_attention, flash_bias_available
-from attnopt.functional.generalized.toeplitz import causal_toeplitz, toeplitz_offsets
+from attnopt.functional.generalized.toeplitz import causal_toeplitz, toeplitz_offsets, toeplitz_table
 
 __all__ = [
     "biased_flash_attention",
@@ -151,8 +151,12 @@ def generalized_attention(
             and dropout_p == 0.0 and not gpu.wanted(q)):
         # small sizes: a relative-position bias in one C call each way
         t = THRESHOLDS
-        out = cpu.fused_attention(q, k, v, log_preference, scale, is_causal, t.generalized_wholecall_below,
-                                  t.generalized_wholecall_max_head_scores)
+        table = toeplitz_table(log_preference)
+        offsets = toeplitz_offsets(log_preference) if table is None else None
+        out = None
+        if table is not None or offsets is not None:
+            out = cpu.fused_attention(q, k, v, log_preference, table, offsets, scale, is_causal,
+                                      t.generalized_wholecall_below, t.generalized_wholecall_max_head_scores)
         if out is not None:
             dispatch.record("generalized_kernel", "fused")
             dispatch.record("generalized", "materialized")
@@ -181,6 +185,12 @@ def generalized_attention(
     bias = score_bias(q, k, preference, log_preference, attn_mask, is_causal, check_values=False)
     if bias is not None and _func.under_transform():  # torch.func, forward AD: plain differentiable ops
         return _transformed(q, k, v, bias, log_preference, alpha, dropout_p)
+    if bias is not None and dropout_p == 0.0 and cpu.traced_ops_apply(q, k, v):
+        # torch.compile / export on CPU: the C passes as one op (attnopt::bs_fwd / bs_bwd) in the graph
+        # (the whole-call bsf path needs the Toeplitz marks, which traced tensors do not carry)
+        dispatch.record("generalized", "materialized")
+        dispatch.record("generalized_kernel", "node")
+        return biased_softmax_attention(q, k, v, bias, alpha)
     if is_causal and log_preference is not None and attn_mask is None and bias is not None:
         bias = causal_toeplitz(log_preference, bias)  # a relative-position bias stays one (see .toeplitz)
     path = _path(q, k, v, bias, dropout_p, impl)
@@ -210,13 +220,19 @@ SUBNORMAL_FREE_RANGE = 64.0
 
 def biased_softmax_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
     """``softmax(scale·QKᵀ + bias) V`` materialized (inputs validated): the node's C passes
-    (:mod:`.cpu`) where they run, else its PyTorch version (:mod:`.materialized`)."""
+    (:mod:`.cpu`) where they run (traced by ``torch.compile`` / ``torch.export``: as the op
+    ``attnopt::bs_fwd``), else its PyTorch version (:mod:`.materialized`)."""
     orig, compute = q.dtype, materialized.compute_dtype(q)
     qkv = q.to(compute), k.to(compute), v.to(compute)
-    lib = cpu.library(*qkv, bias) if all(x.numel() for x in qkv) else None
+    nonempty = all(x.numel() for x in qkv)
+    traced = nonempty and cpu.traced_ops_apply(*qkv)  # torch.compile / export: the op attnopt::bs_fwd
+    lib = cpu.library(*qkv, bias) if nonempty and not traced else None
     # the C path takes q, k, v of any strides (they are copied into its own layout anyway)
-    (qc, kc, vc), b4, batch = materialized.batched(*qkv, bias.to(compute), contiguous=lib is None)
-    if lib is not None:
+    contiguous = lib is None and not traced
+    (qc, kc, vc), b4, batch = materialized.batched(*qkv, bias.to(compute), contiguous=contiguous)
+    if traced:
+        out = cpu.biased_softmax_op(qc, kc, vc, b4, scale)
+    elif lib is not None:
         # a relative-position bias's values per offset j − i (heads flattened: no longer one row per head)
         offsets = toeplitz_offsets(bias) if len(batch) == 2 else None
         out = cpu.native_biased_softmax(lib, qc, kc, vc, b4, scale, offsets)

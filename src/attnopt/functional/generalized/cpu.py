@@ -5,9 +5,9 @@ The same math and chunking as :class:`.materialized._BiasedSoftmax`
 ``Nq × Nk`` elementwise pass of a chunk in one C call that works row by row while the row is in
 L1, and the bias read where it lies (a ``(1, H, Nq, Nk)`` bias is shared by the batch: no copy
 per chunk). A relative-position bias (T5, ALiBi) that carries its values per offset ``j − i``
-(:mod:`.toeplitz`) is read from those, ``(H, Nq + Nk − 1)``: row ``i`` is the window from
-``Nq − 1 − i``, a few kB that stay in L1, and its gradient collects into per-thread sums by
-offset (no ``(H, Nq, Nk)`` gradient, no diagonal-sum pass after).
+(:mod:`.toeplitz`, read by the router) is read from those, ``(H, Nq + Nk − 1)``: row ``i`` is
+the window from ``Nq − 1 − i``, a few kB that stay in L1, and its gradient collects into
+per-thread sums by offset (no ``(H, Nq, Nk)`` gradient, no diagonal-sum pass after).
 
 * forward: ``S = (scale·Q) Kᵀ`` (``bmm``); in C, per row: ``x = S + b``, its maximum ``m``,
   ``E = exp(x − m)``, ``r = 1 / Σ E``; ``out = r ⊙ (E V)`` (the normalization on the small
@@ -69,15 +69,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnopt import _native
+from attnopt import _func, _native
 from attnopt._native.checks import fail, require, require_size, require_view
 from attnopt._validation import check_finite, resolve_scale
 from attnopt.functional._autograd import refuse_double_backward
 from attnopt.functional._denormal import flush_denormal
 from attnopt.functional._thresholds import THRESHOLDS
-from attnopt.functional.generalized.toeplitz import toeplitz_offsets, toeplitz_table
 
-__all__ = ["fused_attention", "library", "native_biased_softmax"]
+__all__ = ["READY", "biased_softmax_op", "fused_attention", "library", "native_biased_softmax",
+           "traced_ops_apply"]
 
 _I64, _INT = ctypes.c_int64, ctypes.c_int
 
@@ -90,6 +90,35 @@ def library(q: Tensor, *others: Tensor) -> ctypes.CDLL | None:
             or not _native.has_storage(q, *others) or any(t.device != q.device for t in others)):
         return None
     return _native.library("biased_softmax")  # a built library is returned without a compiler lookup
+
+
+#: Whether ``biased_softmax.c`` was built when this module was imported (no compiler or
+#: ``ATTNOPT_NATIVE=0`` then: False). Read while ``torch.compile`` / ``torch.export`` traces, where the
+#: library lookup itself cannot run (ctypes); eager calls check :func:`library` every time.
+READY: bool = _native.library("biased_softmax") is not None
+
+
+def traced_ops_apply(q: Tensor, *others: Tensor) -> bool:
+    """Whether a traced call (``torch.compile`` / ``torch.export``) takes the ``attnopt::bs_*`` ops
+    (:func:`biased_softmax_op`): :data:`READY`, CPU float32/64 tensors of one dtype (not the meta or
+    another device), no ``torch.func`` transform."""
+    return (READY and torch.compiler.is_compiling() and q.dtype in (torch.float32, torch.float64)
+            and q.device.type == "cpu" and all(t.device == q.device and t.dtype == q.dtype for t in others)
+            and not _func.under_transform())
+
+
+def biased_softmax_op(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
+    """``softmax(scale·QKᵀ + bias) V`` as the one op ``attnopt::bs_fwd`` (its backward ``bs_bwd``): what a
+    traced graph holds in place of :func:`native_biased_softmax` (same inputs: ``(B, H, N, ·)`` q, k, v,
+    a 4-D bias broadcastable to ``(B, H, Nq, Nk)`` of their dtype)."""
+    nk = k.shape[-2]
+    if bias.shape[-1] != nk:
+        bias = bias.expand(*bias.shape[:-1], nk)
+    if bias.stride(-1) != 1 and nk > 1:
+        bias = bias.contiguous()
+    need = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, bias))
+    out: Tensor = torch.ops.attnopt.bs_fwd(q, k, v, bias, scale, False, need)[0]
+    return out
 
 
 def _pieces(x: Tensor, step: int) -> Any:
@@ -363,6 +392,52 @@ def biased_backward(
 
 
 
+# --- what a forward saves and its backward computes: one definition for the eager autograd Functions
+# (_NativeBiasedSoftmax, _FusedBiasedSoftmax) and the ops' registered autograd (bs_fwd, bsf_fwd) --------
+
+
+def _bs_save(ctx: Any, inputs: tuple, output: tuple) -> None:
+    """Save what ``bs_bwd`` reads: ``inputs`` = (q, k, v, bias, scale, toeplitz, ...), ``output`` =
+    (out, E or empty, m, 1/r, scale·Q) of :func:`biased_forward` (``output``: the name
+    ``register_autograd`` passes it by)."""
+    _, k, v, bias, scale, toeplitz = inputs[:6]
+    out, p, mx, rinv, qs = output
+    ctx.scale, ctx.toeplitz = scale, toeplitz
+    ctx.save_for_backward(qs, k, v, p, out, bias, mx, rinv)
+
+
+def _bs_grads(ctx: Any, dout: Tensor, backward: Any) -> tuple[Tensor | None, ...]:
+    """``(dQ, dK, dV, d bias or None)`` by ``backward`` (:func:`biased_backward` or its op)."""
+    need = ctx.needs_input_grad[3]
+    dq, dk, dv, gb = backward(dout, *ctx.saved_tensors, ctx.scale, ctx.toeplitz, need)
+    return dq, dk, dv, gb if need else None
+
+
+def _bsf_save(ctx: Any, inputs: tuple, output: tuple) -> None:
+    """Save what ``bsf_bwd`` reads: ``inputs`` = (q, k, v, src, buckets, kind, scale), ``output`` =
+    (out, E, 1/r) of :func:`fused_forward`."""
+    q, k, v, src, buckets, kind, scale = inputs
+    out, e, rinv = output
+    ctx.kind, ctx.scale = kind, scale
+    ctx.save_for_backward(q, k, v, e, out, rinv, src, buckets)
+
+
+def _bsf_grads(ctx: Any, dout: Tensor, backward: Any) -> tuple[Tensor | None, ...]:
+    """``(dQ, dK, dV, d src or None)`` by ``backward`` (:func:`fused_backward` or its op)."""
+    need = ctx.needs_input_grad[3]
+    dq, dk, dv, gsrc = backward(dout, *ctx.saved_tensors, ctx.kind, ctx.scale, need)
+    return dq, dk, dv, gsrc if need else None
+
+
+def _grads_like(
+    q: Tensor, k: Tensor, v: Tensor, b: Tensor, need_bias: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The backward ops' fake outputs: gradients shaped as ``q, k, v, b`` (``b``'s empty unless
+    ``need_bias``)."""
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            b.new_empty(b.shape if need_bias else (0,)))
+
+
 class _NativeBiasedSoftmax(torch.autograd.Function):
     """:func:`biased_forward` / :func:`biased_backward` as one autograd node (plain eager calls)."""
 
@@ -371,20 +446,15 @@ class _NativeBiasedSoftmax(torch.autograd.Function):
     def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float, toeplitz: bool,
     ) -> Tensor:
-        out, p, mx, rinv, qs = biased_forward(q, k, v, bias, scale, toeplitz, any(ctx.needs_input_grad[:4]))
-        ctx.scale, ctx.toeplitz = scale, toeplitz
-        ctx.save_for_backward(qs, k, v, p, out, bias, mx, rinv)
-        return out
+        outputs = biased_forward(q, k, v, bias, scale, toeplitz, any(ctx.needs_input_grad[:4]))
+        _bs_save(ctx, (q, k, v, bias, scale, toeplitz), outputs)
+        return outputs[0]
 
     @staticmethod
     @_native.untraced
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         refuse_double_backward(ctx, "generalized_attention (fused bias)", "use generalized_weights(...) @ v")
-        need = ctx.needs_input_grad[3]
-        qs, k, v, p, out, bias, mx, rinv = ctx.saved_tensors
-        dq, dk, dv, gb = biased_backward(dout, qs, k, v, p, out, bias, mx, rinv, ctx.scale, ctx.toeplitz,
-                                         need)
-        return dq, dk, dv, gb if need else None, None, None
+        return (*_bs_grads(ctx, dout, biased_backward), None, None)
 
 
 def native_biased_softmax(
@@ -394,7 +464,7 @@ def native_biased_softmax(
     """``softmax(scale·QKᵀ + bias) V`` on contiguous ``(B, H, N, ·)`` q, k, v and a 4-D bias
     broadcastable to ``(B, H, Nq, Nk)`` (same dtype; see :func:`library`).
 
-    ``offsets``: the bias's per-offset values (:func:`.toeplitz.toeplitz_offsets`) where it
+    ``offsets``: the bias's per-offset values (the router's :func:`.toeplitz.toeplitz_offsets`) where it
     is a ``(1, H|1, Nq, Nk)`` Toeplitz bias; then they are read instead of the bias and get
     its gradient."""
     nq, nk = q.shape[-2], k.shape[-2]
@@ -602,39 +672,33 @@ class _FusedBiasedSoftmax(torch.autograd.Function):
     @_native.untraced
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, src: Tensor, buckets: Tensor | None, kind: int,
                 scale: float) -> Tensor:
-        out, e, rinv = fused_forward(q, k, v, src, buckets, kind, scale)
-        ctx.kind, ctx.scale = kind, scale
-        ctx.save_for_backward(q, k, v, e, out, rinv, src, buckets)
-        return out
+        outputs = fused_forward(q, k, v, src, buckets, kind, scale)
+        _bsf_save(ctx, (q, k, v, src, buckets, kind, scale), outputs)
+        return outputs[0]
 
     @staticmethod
     @_native.untraced
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         refuse_double_backward(ctx, "generalized_attention (fused bias)", "use generalized_weights(...) @ v")
-        q, k, v, e, out, rinv, src, buckets = ctx.saved_tensors
-        need = ctx.needs_input_grad[3]
-        dq, dk, dvv, gsrc = fused_backward(dout, q, k, v, e, out, rinv, src, buckets, ctx.kind, ctx.scale,
-                                           need)
-        return dq, dk, dvv, gsrc if need else None, None, None, None
+        return (*_bsf_grads(ctx, dout, fused_backward), None, None, None)
 
 
 def fused_attention(
-    q: Tensor, k: Tensor, v: Tensor, log_u: Tensor, scale: float | None, is_causal: bool, limit: int,
-    head_limit: int,
+    q: Tensor, k: Tensor, v: Tensor, log_u: Tensor, table: tuple[Tensor, Tensor] | None,
+    offsets: Tensor | None, scale: float | None, is_causal: bool, limit: int, head_limit: int,
 ) -> Tensor | None:
     """``softmax(scale·QKᵀ + log_u (+ causal)) V`` by :class:`_FusedBiasedSoftmax` where it applies,
     else ``None`` (then nothing was checked or run).
 
-    It applies to a relative-position ``log_u`` marked by :mod:`.toeplitz` (T5's table, ALiBi's
-    offsets), ``q, k, v`` CPU float32/64 tensors with storage of one shape ``(B, H, N, ·)`` and dtype,
+    It applies to a relative-position ``log_u`` marked by :mod:`.toeplitz` (T5's ``table`` =
+    ``(weights, buckets)``, else ALiBi's per-offset ``offsets``: the router reads the marks),
+    ``q, k, v`` CPU float32/64 tensors with storage of one shape ``(B, H, N, ·)`` and dtype,
     ``0 < B·H·Nq·Nk <= limit`` and ``Nq·Nk <= head_limit``, under autograd with an input that
     needs a gradient, where the native kernels and :func:`attnopt._native.blas` are there. The entry checks of
     :func:`attnopt.functional.generalized.generalized_attention` that remain are made here or in the C forward
     (non-finite ``q``, ``k``, ``v`` or bias rows raise the same ``ValueError``)."""
     if not _native.has_storage(q, k, v, log_u) or log_u.dim() != 4:
         return None
-    table = toeplitz_table(log_u)
-    offsets = toeplitz_offsets(log_u) if table is None else None
     if (table is None and offsets is None) or q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return None
     b, h, nq, d = q.shape
@@ -816,26 +880,14 @@ def bsf_bwd(
 def _(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, e: Tensor, out: Tensor, rinv: Tensor,  # noqa: ARG001
       src: Tensor, buckets: Tensor | None, kind: int, scale: float,  # noqa: ARG001
       need_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
-            src.new_empty(src.shape if need_bias else (0,)))
-
-
-def _bsf_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, src, buckets, kind, scale = inputs
-    out, e, rinv = output
-    ctx.kind, ctx.scale = kind, scale
-    ctx.save_for_backward(q, k, v, e, out, rinv, src, buckets)
+    return _grads_like(q, k, v, src, need_bias)
 
 
 def _bsf_backward(ctx: Any, dout: Tensor, *_unused: Tensor | None) -> tuple[Tensor | None, ...]:
-    q, k, v, e, out, rinv, src, buckets = ctx.saved_tensors
-    need = ctx.needs_input_grad[3]
-    dq, dk, dvv, gsrc = torch.ops.attnopt.bsf_bwd(dout, q, k, v, e, out, rinv, src, buckets, ctx.kind,
-                                                  ctx.scale, need)
-    return dq, dk, dvv, gsrc if need else None, None, None, None
+    return (*_bsf_grads(ctx, dout, torch.ops.attnopt.bsf_bwd), None, None, None)
 
 
-bsf_fwd.register_autograd(_bsf_backward, setup_context=_bsf_setup)
+bsf_fwd.register_autograd(_bsf_backward, setup_context=_bsf_save)
 
 
 @torch.library.custom_op("attnopt::bs_fwd", mutates_args=(), device_types="cpu")
@@ -871,21 +923,11 @@ def bs_bwd(
 def _(dout: Tensor, qs: Tensor, k: Tensor, v: Tensor, p: Tensor, out: Tensor, bias: Tensor,  # noqa: ARG001
       mx: Tensor, rinv: Tensor, scale: float, toeplitz: bool,  # noqa: ARG001
       need_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return (qs.new_empty(qs.shape), k.new_empty(k.shape), v.new_empty(v.shape),
-            bias.new_empty(bias.shape if need_bias else (0,)))
-
-
-def _bs_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
-    _, k, v, bias, scale, toeplitz, _ = inputs
-    out, p, mx, rinv, qs = output
-    ctx.scale, ctx.toeplitz = scale, toeplitz
-    ctx.save_for_backward(qs, k, v, p, out, bias, mx, rinv)
+    return _grads_like(qs, k, v, bias, need_bias)
 
 
 def _bs_backward(ctx: Any, dout: Tensor, *_unused: Tensor | None) -> tuple[Tensor | None, ...]:
-    need = ctx.needs_input_grad[3]
-    dq, dk, dv, gb = torch.ops.attnopt.bs_bwd(dout, *ctx.saved_tensors, ctx.scale, ctx.toeplitz, need)
-    return dq, dk, dv, gb if need else None, None, None, None
+    return (*_bs_grads(ctx, dout, torch.ops.attnopt.bs_bwd), None, None, None)
 
 
-bs_fwd.register_autograd(_bs_backward, setup_context=_bs_setup)
+bs_fwd.register_autograd(_bs_backward, setup_context=_bs_save)

@@ -30,7 +30,24 @@ Dispatch of :func:`regularized_attention`:
   installed, or under ``attnopt.backend("triton")`` → the Triton kernels of
   :mod:`attnopt.functional.triton.sparse` (``last_dispatch["sparse"] == "triton"``).
 * anything else (a user regularizer, a tensor α, a mask that requires grad) → the
-  materialized ``regularized_attention_weights(...) @ v`` (autograd through the map).
+  materialized ``regularized_attention_weights(...) @ v`` (autograd through the map). So does a
+  call traced by ``torch.compile`` / ``torch.export``: there sparsemax / 1.5-entmax on CPU
+  float32/64 run as the ops ``attnopt::sparse_map_fwd`` / ``sparse_map_bwd`` (:mod:`._maps`).
+
+The maps (:func:`sparsemax`, :func:`entmax`, also re-exported as ``attnopt.functional.X``) and the
+choice of their implementation live in :mod:`._maps` (part of this router). Leaves, one
+implementation each, none importing another (shared math: :mod:`._common`):
+
+* :mod:`.sort` — sparsemax / 1.5-entmax by sorting: their reference, any device;
+* :mod:`.search` — α-entmax by safeguarded Newton: the reference of other α and tensor α;
+* :mod:`.cpu` — the C kernels of sparsemax / 1.5-entmax (ctypes in eager code, ``torch.library``
+  ops ``attnopt::sparse_map_*`` for traced graphs);
+* :mod:`.groups` — the CPU candidate-group forward of other float α > 1 and the row-blocked
+  CPU backward;
+* :mod:`.reference` — the attention in tracked plain ops (the map handed in);
+* :mod:`.materialized` — fused materialized attention (scores once; small sizes search in place,
+  larger ones the chosen map); :mod:`.streaming` — query-blocked attention keeping only ``θ``.
+  Both take the chosen map implementations from this router (:class:`._common.MapKernels`).
 """
 from __future__ import annotations
 
@@ -65,17 +82,47 @@ from attnopt.functional.generalized import (
     biased_softmax_attention,
     flash_bias_available,
 )
+from attnopt.functional.regularized import cpu, reference
+from attnopt.functional.regularized._common import MapKernels
+from attnopt.functional.regularized._maps import (
+    entmax,
+    entmax15,
+    entmax_bisect,
+    map_backward,
+    sparsemax,
+    threshold_map,
+)
 from attnopt.functional.regularized.materialized import fused_sparse_attention
 from attnopt.functional.regularized.regularizers import Regularizer, Shannon, SquaredL2, Tsallis
 from attnopt.functional.regularized.streaming import blocked_sparse_attention
 
 __all__ = [
+    "entmax",
+    "entmax15",
+    "entmax_bisect",
+    "sparsemax",
     "softmax_weights",
     "regularized_weights",
     "regularized_attention",
     "regularized_attention_weights",
     "locality_bias",
 ]
+
+
+def _map(s: Tensor, alpha: float) -> Tensor:
+    return sparsemax(s) if alpha == 2.0 else entmax(s, alpha)
+
+
+def _tracked(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, beta: Tensor | None, alpha: float,
+             scale: float, causal: bool) -> Tensor:
+    return reference.sparse_attention(q, k, v, mask, beta, alpha, scale, causal, weights=_map)
+
+
+#: The map implementations the attention leaves (:mod:`.materialized`, :mod:`.streaming`) run: the
+#: choice of :func:`._maps.threshold_map` / :func:`._maps.map_backward`, the C kernel of :mod:`.cpu`
+#: and the tracked reference for double backward.
+_KERNELS = MapKernels(forward=threshold_map, backward=map_backward, native_forward=cpu.forward,
+                      native_available=cpu.library_available, tracked=_tracked)
 
 
 def softmax_weights(scores: Tensor, *, temperature: float = 1.0, dim: int = -1) -> Tensor:
@@ -310,10 +357,10 @@ def regularized_attention(
         path = dispatch.choose_impl("sparse", nq=nq, nk=nk, batch=rows, dtype=q.dtype, impl=wanted)
         if dispatch.record("sparse", path) == "materialized":
             return fused_sparse_attention(q, k, v, alpha=alpha, scale=alpha_scale, mask=mask, beta=beta,
-                                          is_causal=is_causal)
+                                          is_causal=is_causal, kernels=_KERNELS)
         return blocked_sparse_attention(
             q, k, v, alpha=alpha, scale=alpha_scale, mask=mask, beta=beta, is_causal=is_causal,
-            block_size=block_size,
+            block_size=block_size, kernels=_KERNELS,
         )
     weights = regularized_attention_weights(
         q, k, regularizer=reg, attn_mask=attn_mask, scale=scale, locality=locality, is_causal=is_causal

@@ -5,7 +5,7 @@ on first use by :mod:`attnopt._native`; ``torch.get_num_threads()`` threads
 (:func:`attnopt._native.parallel_rows`) claim runs of rows from a shared counter, so a thread
 that a loaded machine deschedules does not hold up the call. Each row is a handful of
 vectorized sweeps over a few kB that stay in the L1 cache, where the PyTorch-op search
-(:mod:`.entmax15_passes`, :mod:`.groups`) pays a
+(:mod:`.groups`) pays a
 dozen streaming ops per cache block and a thread barrier after each. Per row, with
 ``z = x − max x`` (written once into the output):
 
@@ -27,7 +27,7 @@ Sums are vectorized in the input precision over blocks of 256 entries and carrie
 A row whose search does not settle within ``max_iter`` sweeps is reported, and the caller
 reruns it on the PyTorch path (never a silent wrong row).
 
-Backward (the closed forms of :func:`attnopt.functional.regularized.maps._entmax_backward`):
+Backward (the closed forms of :func:`._common.closed_form_backward`):
 ``∂L/∂x = s ⊙ (g − ⟨s, g⟩/⟨s, 1⟩)`` with ``s = √p`` (1.5-entmax) or ``s = 1_{p>0}`` (sparsemax).
 
 The same kernels as ``torch.library`` ops (issue 30 item 2: a C kernel reached through PyTorch's
@@ -43,7 +43,10 @@ dispatcher, so that ``torch.compile``, ``torch.export``, the profiler and ``torc
 
 Both ops have CPU kernels only; other devices have no kernel registered (a clear dispatcher
 error), and the library's routers never hand them a device tensor (they run the sort-based
-closed forms of :mod:`.sort` there). The routers still call the ctypes entry points.
+closed forms of :mod:`.sort` there). In eager code the routers call the ctypes entry points (the
+dispatcher's per-call cost matters at small sizes); while ``torch.compile`` / ``torch.export``
+traces CPU tensors they call the ops, when :data:`READY` (the library built, resolved at import:
+a plain bool that the traced code can read).
 """
 from __future__ import annotations
 
@@ -55,8 +58,8 @@ from torch import Tensor
 from attnopt import _native
 from attnopt._native.checks import require
 
-__all__ = ["backward", "forward", "forward_status", "sparse_map", "sparse_map_bwd", "sparse_map_fwd",
-           "usable"]
+__all__ = ["READY", "backward", "forward", "forward_status", "sparse_map", "sparse_map_bwd",
+           "sparse_map_fwd", "usable"]
 
 _LIB = "sparse_maps"
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
@@ -75,6 +78,11 @@ def usable(x: Tensor, dim: int) -> bool:
 
 
 has_storage = _native.has_storage
+
+#: Whether the C library was built when this module was imported (no compiler or
+#: ``ATTNOPT_NATIVE=0`` then: False). Read by the router while ``torch.compile`` traces, where the
+#: library lookup itself cannot run (ctypes); eager calls check :func:`usable` every time.
+READY: bool = library_available()
 
 
 _ptr = _native.pointer
@@ -124,7 +132,7 @@ def forward(
     before writing it, and later sweeps read only ``p``); the ``redo`` rows then hold a shifted
     copy of their input, not the input.
 
-    ``θ`` (shape ``(..., 1)``) is the threshold of :func:`.maps._map_from_threshold`:
+    ``θ`` (shape ``(..., 1)``) is the threshold of :func:`._common.map_from_threshold`:
     ``p = [(α−1)(x − max x) − θ]₊^{1/(α−1)}``. ``redo`` holds the flat indices of the rows whose
     search did not settle (their ``p`` and ``θ`` are to be recomputed by the caller).
 

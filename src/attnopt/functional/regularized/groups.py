@@ -1,4 +1,10 @@
-r"""Candidate-group fast path of the sparse maps on CPU (internal; exact, not an approximation).
+r"""Candidate-group fast path of α-entmax on CPU (internal leaf; exact, not an approximation).
+
+The router (:mod:`._maps`) runs it for float ``α > 1`` other than 1.5 and 2 (those have C kernels,
+:mod:`.cpu`, and the sort-based reference, :mod:`.sort`) on long contiguous rows; the dense search
+it falls back to is :mod:`.search`, handed in as ``solve``. :func:`backward_rows` is the map's
+closed-form backward on cache-sized row blocks (CPU, float ``1 < α ≤ 2`` where the C backward
+does not run).
 
 For ``α > 1`` the map ``p = [(α−1)(s − m) − θ]₊^{1/(α−1)}`` is zero below its threshold, and
 the threshold of *any subset* of a row's entries is a lower bound on the row's threshold
@@ -19,6 +25,7 @@ made the sparse maps ~2-4x slower than ``torch.softmax`` on (8, 1024, 1024).
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -26,7 +33,7 @@ from torch import Tensor
 
 from attnopt.functional._thresholds import THRESHOLDS
 
-__all__ = ["group_forward", "group_size", "run_blocks", "usable"]
+__all__ = ["backward_rows", "group_forward", "group_size", "run_blocks", "usable"]
 
 _GROUP = 8  # entries per group for sparsemax (α ≥ 2); α < 2 has wider supports: groups of 4
 _MARGIN = 1e-3  # safety margin on the lower bound (z units; θ ∈ [−1, 0])
@@ -126,3 +133,49 @@ def _pick(cand: Tensor, groups: int) -> tuple[Tensor, Tensor] | None:
     idx[rows, slot] = cols
     used = torch.arange(k, device=cand.device) < count.unsqueeze(-1)
     return idx, used
+
+
+def _support_weight(p: Tensor, alpha: float, out: Tensor) -> Tensor:
+    """``p^{2−α}`` on the support, 0 elsewhere, written into ``out`` (float ``1 < α ≤ 2``).
+
+    ``sqrt``/``pow`` of exact zeros take a slow path on x86 CPUs (~20x): computed as
+    ``p · max(p, 1e-30)^{1−α}`` (``p · rsqrt`` for α = 1.5), exactly 0 off the support.
+    """
+    if alpha == 2.0:
+        return torch.sign(p, out=out)
+    torch.clamp_min(p, 1e-30, out=out)
+    if alpha == 1.5:
+        out.rsqrt_()
+    else:
+        out.pow_(1.0 - alpha)
+    return out.mul_(p)
+
+
+def backward_rows(p: Tensor, grad: Tensor, alpha: float) -> Tensor:
+    """The closed-form backward (:func:`._common.closed_form_backward`) on cache-sized row blocks of
+    a contiguous last-dim ``p`` (CPU, float ``1 < α ≤ 2``).
+
+    Five streaming ops per block, all in cache, one reused ``g`` buffer and no full-size
+    temporary besides the result: about what ``torch.softmax``'s backward costs.
+    """
+    n = p.shape[-1]
+    pf = p.view(-1, n)
+    gf = grad.reshape(-1, n)
+    out = torch.empty_like(pf)
+    step = max(1, THRESHOLDS.sparsemax_block_entries // n)
+    local = threading.local()  # one cache-sized buffer per worker thread
+
+    def block(i: int, j: int) -> bool:
+        buf = getattr(local, "buf", None)
+        if buf is None:
+            buf = local.buf = torch.empty((step, n), dtype=p.dtype, device=p.device)
+        w = _support_weight(pf[i:j], alpha, buf[: j - i])
+        wsum = w.sum(dim=-1, keepdim=True)
+        o = torch.mul(w, gf[i:j], out=out[i:j])
+        q = o.sum(dim=-1, keepdim=True) / torch.where(wsum > 0, wsum, torch.ones_like(wsum))
+        o.addcmul_(w, q, value=-1.0)
+        return True
+
+    run_blocks(block, [(i, min(pf.shape[0], i + step)) for i in range(0, pf.shape[0], step)])
+    return out.view(p.shape)
+

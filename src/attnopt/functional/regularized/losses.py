@@ -12,7 +12,7 @@ zero iff ``p = y``. With the Tsallis regularizer
 ``α = 1``: Shannon, i.e. ``cross_entropy`` for class indices and ``KL(y‖softmax s)`` for a
 target distribution).
 
-How it is computed: ``p`` by :func:`attnopt.functional.regularized.maps` without autograd; the loss is
+How it is computed: ``p`` by :func:`attnopt.functional.regularized.entmax` without autograd; the loss is
 ``<s, p − y> + Ω_α(y) − Ω_α(p)`` with ``p`` held fixed, so the gradient in ``s`` is exactly
 ``p − y`` (closed form, no backward through the map) and, for a tensor α, the gradient in α
 is ``∂_α Ω_α(y) − ∂_α Ω_α(p)`` (envelope theorem). ``Ω_α`` is evaluated as
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnopt._validation import check_tensor, device_assert, host_readable, host_values
-from attnopt.functional.regularized.maps import entmax
+from attnopt.functional.regularized._maps import entmax
 
 __all__ = ["entmax_loss", "sparsemax_loss", "tsallis_negentropy"]
 
@@ -160,7 +160,7 @@ def entmax_loss(
     Raises:
         TypeError: non-floating ``scores``, a target that is neither int nor float.
         ValueError: shapes that do not match, indices out of range, a probability target off
-            the simplex, bad ``alpha`` (see :func:`attnopt.functional.regularized.maps`) or ``reduction``.
+            the simplex, bad ``alpha`` (see :func:`attnopt.functional.regularized.entmax`) or ``reduction``.
     """
     check_tensor("scores", scores)
     _check_scores(scores)

@@ -15,7 +15,8 @@ on the whole row block (no shift by the row max, no second score-sized buffer fo
   extra entry of ``S`` falls below it and ``Σ[z − τ]₊² < 1`` — so ``τ`` is taken once
   ``|Σ[z − τ]₊² − 1| ≤ tol`` (or Newton's step is below rounding). Then ``g = [z − τ]₊ = √P``
   and ``P = g²`` (exact to rounding once the support is found).
-* other α: the threshold search of :mod:`attnopt.functional.regularized.maps`.
+* other α, and α ∈ {1.5, 2} from ``THRESHOLDS.sparse_native_min_entries`` scores on: the map
+  implementation the router chose (``kernels.forward``: the C kernel of :mod:`.cpu` for 1.5 / 2).
 
 Rows longer than a cache-sized block are processed in row blocks, so the search's passes run
 in cache. Rows that are entirely masked give ``P = 0`` (and zero gradient).
@@ -65,9 +66,7 @@ from attnopt import _native
 from attnopt._validation import broadcast_shapes
 from attnopt.functional._autograd import double_backward, records_graph, tracked_vjp
 from attnopt.functional._thresholds import THRESHOLDS
-from attnopt.functional.regularized import cpu
-from attnopt.functional.regularized.maps import _default_tol, _entmax_backward, _threshold_map
-from attnopt.functional.regularized.reference import sparse_attention
+from attnopt.functional.regularized._common import MapKernels, default_tol
 
 __all__ = ["fused_sparse_attention"]
 
@@ -218,10 +217,10 @@ def _plain_vjp(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
 
     def attend(*xs: Any) -> Tensor:  # the forward's inputs; q, k, v flattened to (B·H, N, ·)
         qkv = (x.view(*ctx.batch, *x.shape[-2:]) for x in xs[:3])
-        out = sparse_attention(*qkv, xs[4], xs[5], ctx.alpha, ctx.scale, ctx.causal)
+        out = ctx.kernels.tracked(*qkv, xs[4], xs[5], ctx.alpha, ctx.scale, ctx.causal)
         return out.reshape(-1, *out.shape[-2:])
 
-    return tracked_vjp(ctx, attend, (*saved[:3], None, ctx.mask, saved[-1], None, None, None), dout)
+    return tracked_vjp(ctx, attend, (*saved[:3], None, ctx.mask, saved[-1], None, None, None, None), dout)
 
 
 class _FusedSparseAttention(torch.autograd.Function):
@@ -230,7 +229,7 @@ class _FusedSparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, batch: tuple[int, ...], mask: Tensor | None,
-        beta: Tensor | None, alpha: float, scale: float, causal: bool,
+        beta: Tensor | None, alpha: float, scale: float, causal: bool, kernels: MapKernels,
     ) -> Tensor:
         entmax15 = alpha == 1.5
         b = beta.detach() if beta is not None else None
@@ -238,7 +237,7 @@ class _FusedSparseAttention(torch.autograd.Function):
         nq, nk = s.shape[-2], s.shape[-1]
         s2 = s.view(-1, nk)
         rows = s2.shape[0]
-        tol = _default_tol(s.dtype)
+        tol = default_tol(s.dtype)
         if entmax15:
             g_full = torch.empty_like(s2)
             gsum = _per_row_blocks(lambda i, j: _entmax15_rows(s2[i:j], g_full[i:j], tol), rows, nk)
@@ -249,6 +248,7 @@ class _FusedSparseAttention(torch.autograd.Function):
             p, g = s, None
         p3 = p.view(-1, nq, nk)
         ctx.scale, ctx.batch, ctx.alpha, ctx.mask, ctx.causal = scale, batch, alpha, mask, causal
+        ctx.kernels = kernels
         ctx.save_for_backward(q, k, v, p3, g, gsum, beta)
         return torch.bmm(p3, v)
 
@@ -273,22 +273,23 @@ class _FusedSparseAttention(torch.autograd.Function):
             per = -(ds.view(*ctx.batch, p.shape[-2], nk) * dist).sum((-2, -1))
             dbeta = per.sum() if beta.dim() == 0 else per.reshape(-1, beta.shape[0]).sum(0)
             dbeta = dbeta.to(beta.dtype)
-        return dq, dk, dv, None, None, dbeta, None, None, None
+        return dq, dk, dv, None, None, dbeta, None, None, None, None
 
 
 class _FusedEntmaxAttention(torch.autograd.Function):
-    """Any other float α > 1: the threshold search of :mod:`.entmax` on the scores, ``P`` saved."""
+    """Any float α > 1 on the map the router chose (``kernels.forward``), ``P`` saved."""
 
     @staticmethod
     def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, batch: tuple[int, ...], mask: Tensor | None,
-        beta: Tensor | None, alpha: float, scale: float, causal: bool,
+        beta: Tensor | None, alpha: float, scale: float, causal: bool, kernels: MapKernels,
     ) -> Tensor:
         b = beta.detach() if beta is not None else None
         s = _scores(q, k, batch, scale, mask, b, causal, False)
         max_iter = _MAX_ITER_SPARSEMAX if alpha == 2.0 else _MAX_ITER_ENTMAX
-        p = _threshold_map(s, alpha, -1, max_iter, _default_tol(s.dtype))[0].view(-1, *s.shape[-2:])
+        p = kernels.forward(s, alpha, -1, max_iter, default_tol(s.dtype))[0].view(-1, *s.shape[-2:])
         ctx.alpha, ctx.scale, ctx.batch, ctx.mask, ctx.causal = alpha, scale, batch, mask, causal
+        ctx.kernels = kernels
         ctx.save_for_backward(q, k, v, p, beta)
         return torch.bmm(p, v)
 
@@ -299,7 +300,7 @@ class _FusedEntmaxAttention(torch.autograd.Function):
         q, k, v, p, beta = ctx.saved_tensors
         dout = dout.to(v.dtype).contiguous()
         dv = torch.bmm(p.transpose(-2, -1), dout)
-        ds = _entmax_backward(p, torch.bmm(dout, v.transpose(-2, -1)), ctx.alpha, -1)
+        ds = ctx.kernels.backward(p, torch.bmm(dout, v.transpose(-2, -1)), ctx.alpha, -1)
         dq = torch.bmm(ds, k).mul_(ctx.scale)
         dk = torch.bmm(ds.transpose(-2, -1), q).mul_(ctx.scale)
         dbeta = None
@@ -309,12 +310,12 @@ class _FusedEntmaxAttention(torch.autograd.Function):
             per = -(ds.view(*ctx.batch, nq, nk) * dist).sum((-2, -1))
             dbeta = per.sum() if beta.dim() == 0 else per.reshape(-1, beta.shape[0]).sum(0)
             dbeta = dbeta.to(beta.dtype)
-        return dq, dk, dv, None, None, dbeta, None, None, None
+        return dq, dk, dv, None, None, dbeta, None, None, None, None
 
 
 def _no_grad_forward(
     q: Tensor, k: Tensor, v: Tensor, batch: tuple[int, ...], mask: Tensor | None, beta: Tensor | None,
-    alpha: float, scale: float, causal: bool,
+    alpha: float, scale: float, causal: bool, kernels: MapKernels,
 ) -> Tensor:
     """Inference: the scores (scale on the GEMM), the C map of :mod:`.cpu` (exact
     thresholds, rows it does not settle redone by the PyTorch search), ``P V``; nothing saved."""
@@ -333,27 +334,28 @@ def _no_grad_forward(
         return s
 
     max_iter = _MAX_ITER_SPARSEMAX if alpha == 2.0 else _MAX_ITER_ENTMAX
-    p, _, redo = cpu.forward(scores(), alpha, max_iter, in_place=True)  # P over S: no N×N alloc
+    p, _, redo = kernels.native_forward(scores(), alpha, max_iter, in_place=True)  # P over S: no N×N alloc
     if redo.numel():  # rows the C search did not settle (rare): the whole map again, with its fallback
-        p = _threshold_map(scores(), alpha, -1, max_iter, _default_tol(q.dtype))[0]
+        p = kernels.forward(scores(), alpha, -1, max_iter, default_tol(q.dtype))[0]
     return torch.bmm(p.view(-1, nq, nk), v).view(*batch, nq, v.shape[-1])
 
 
-def _native_map(q: Tensor, nk: int, min_entries: int | None = None) -> bool:
+def _native_map(q: Tensor, nk: int, kernels: MapKernels, min_entries: int | None = None) -> bool:
     """Whether the C sparse-map kernel runs the threshold search for these (flattened) queries."""
     limit = THRESHOLDS.sparse_native_min_entries if min_entries is None else min_entries
     return (q.shape[0] * q.shape[1] * nk >= limit and q.device.type == "cpu"
             and q.dtype in (torch.float32, torch.float64) and _native.has_storage(q)
-            and cpu.library_available())
+            and kernels.native_available())
 
 
 def fused_sparse_attention(
     q: Tensor, k: Tensor, v: Tensor, *, alpha: float, scale: float, mask: Tensor | None, beta: Tensor | None,
-    is_causal: bool,
+    is_causal: bool, kernels: MapKernels,
 ) -> Tensor:
     """Sparsemax (``alpha = 2``) / α-entmax attention on materialized scores (inputs validated).
 
-    Same contract as :func:`attnopt.functional.regularized.streaming.blocked_sparse_attention`.
+    Same contract as :func:`attnopt.functional.regularized.streaming.blocked_sparse_attention`;
+    ``kernels``: the map implementations the router chose.
     """
     orig = q.dtype
     compute = torch.float32 if orig in (torch.float16, torch.bfloat16) else orig
@@ -366,11 +368,11 @@ def fused_sparse_attention(
         qkv.append(x.reshape(-1, *x.shape[-2:]))
     m = None if mask is None else mask.detach().to(compute)
     inference = not records_graph(*qkv, beta)
-    no_grad_c = _native_map(qkv[0], k.shape[-2], THRESHOLDS.sparse_no_grad_native_min_entries)
+    no_grad_c = _native_map(qkv[0], k.shape[-2], kernels, THRESHOLDS.sparse_no_grad_native_min_entries)
     if alpha in (1.5, 2.0) and inference and no_grad_c:
-        plain = _no_grad_forward(qkv[0], qkv[1], qkv[2], batch, m, beta, alpha, scale, is_causal)
+        plain = _no_grad_forward(qkv[0], qkv[1], qkv[2], batch, m, beta, alpha, scale, is_causal, kernels)
         return plain if orig == compute else plain.to(orig)
-    fn = _FusedSparseAttention if alpha in (1.5, 2.0) and not _native_map(qkv[0], k.shape[-2]) \
+    fn = _FusedSparseAttention if alpha in (1.5, 2.0) and not _native_map(qkv[0], k.shape[-2], kernels) \
         else _FusedEntmaxAttention
-    out: Tensor = fn.apply(*qkv, batch, m, beta, alpha, scale, is_causal)
+    out: Tensor = fn.apply(*qkv, batch, m, beta, alpha, scale, is_causal, kernels)
     return out.view(*batch, *out.shape[-2:]).to(orig)

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from attnopt.functional._softmax import safe_softmax
-from attnopt.functional.regularized.maps import entmax, sparsemax
+from attnopt.functional.regularized._maps import entmax, sparsemax
 
 __all__ = ["Regularizer", "Shannon", "SquaredL2", "Tsallis"]
 
@@ -128,5 +128,5 @@ class Tsallis:
         return torch.where(one, shannon, (p**safe - p) / (safe * (safe - 1))).sum(dim=dim)
 
     def conjugate_grad(self, scores: Tensor, dim: int = -1) -> Tensor:
-        """:func:`attnopt.functional.regularized.maps` with this ``alpha``."""
+        """:func:`attnopt.functional.regularized.entmax` with this ``alpha``."""
         return entmax(scores, self.alpha, dim=dim)

@@ -1,12 +1,14 @@
-r"""Sparsemax and 1.5-entmax by sorting: exact thresholds with a fixed op count (internal).
+r"""Sparsemax and 1.5-entmax by sorting: exact thresholds with a fixed op count (the reference leaf).
 
-The device path of :mod:`attnopt.functional.regularized.maps`: the threshold searches there stop when a
-value read on the host says so (the support stopped changing, ``|Σp − 1| ≤ tol``), which
-stalls a GPU stream once per iteration and breaks a ``torch.compile`` graph. The sort-based
-algorithms find the same thresholds in closed form with no data-dependent control flow
-(Martins & Astudillo 2016 for sparsemax; Peters, Niculae & Martins 2019, Alg. 2, for
-1.5-entmax), so they run as one fixed sequence of ops on any device. ``O(n log n)`` per row
-instead of a few ``O(n)`` sweeps: the CPU keeps its searches and C kernels.
+The reference of both maps (any device) and the path wherever the C kernels of :mod:`.cpu` do
+not run: a GPU, meta / fake tensors, a compiled graph without the C library, ``dim`` not last,
+``backend("reference")``, rows the C search did not settle. A threshold search stops when a value
+read on the host says so (the support stopped changing, ``|Σp − 1| ≤ tol``), which stalls a GPU
+stream once per iteration and breaks a ``torch.compile`` graph; the sort-based algorithms find
+the same thresholds in closed form with no data-dependent control flow (Martins & Astudillo
+2016 for sparsemax; Peters, Niculae & Martins 2019, Alg. 2, for 1.5-entmax), so they run as one
+fixed sequence of ops on any device. ``O(n log n)`` per row instead of a few ``O(n)`` sweeps:
+CPU rows along the last dim take the C kernels.
 
 With the row sorted decreasingly, ``z_(1) ≥ … ≥ z_(n)`` (``z = x − max x``, ``−inf`` last):
 

@@ -1,7 +1,8 @@
 r"""Blocked sparsemax / α-entmax attention that never keeps the ``Nq × Nk`` weights (internal).
 
 Forward: for each block of queries, compute the scores, the map ``p = [(α−1)(s − max s) − θ]₊^{1/(α−1)}``
-(:mod:`attnopt.functional.regularized.maps`), ``out = p v``; keep only the per-query thresholds ``θ``.
+(``kernels.forward``, the implementation the router chose), ``out = p v``; keep only the per-query
+thresholds ``θ``.
 Backward: recompute the block's scores and ``p`` from ``θ`` (no iteration), then
 
 .. math:: dV \mathrel{+}= p^\top dO,\quad dP = dO\,V^\top,\quad
@@ -22,13 +23,7 @@ from torch import Tensor
 
 from attnopt.functional._autograd import double_backward, tracked_vjp
 from attnopt.functional._thresholds import THRESHOLDS
-from attnopt.functional.regularized.maps import (
-    _default_tol,
-    _entmax_backward,
-    _map_from_threshold,
-    _threshold_map,
-)
-from attnopt.functional.regularized.reference import sparse_attention
+from attnopt.functional.regularized._common import MapKernels, default_tol, map_from_threshold
 
 __all__ = ["blocked_sparse_attention"]
 
@@ -73,9 +68,10 @@ class _BlockedSparseAttention(torch.autograd.Function):
         scale: float,
         causal: bool,
         block: int,
+        kernels: MapKernels,
     ) -> tuple[Tensor, Tensor]:
         compute = _compute(q.dtype)
-        tol = _default_tol(compute)
+        tol = default_tol(compute)
         max_iter = 1000 if alpha == 2.0 else 100
         kc, vc = k.to(compute), v.to(compute)
         b = beta.detach() if beta is not None else None  # bias in the dtype of beta, as ALiBi
@@ -85,23 +81,23 @@ class _BlockedSparseAttention(torch.autograd.Function):
         for i0 in range(0, nq, block):
             qb = q[..., i0 : i0 + block, :].to(compute)
             s = _block_scores(qb, kc, mask, b, causal, scale, i0)
-            p, theta = _threshold_map(s, alpha, -1, max_iter, tol)
+            p, theta = kernels.forward(s, alpha, -1, max_iter, tol)
             thetas[..., i0 : i0 + block, :] = theta
             out[..., i0 : i0 + block, :] = torch.matmul(p, vc).to(q.dtype)
         return out, thetas
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-        q, k, v, mask, beta, alpha, scale, causal, block = inputs
-        ctx.alpha, ctx.scale, ctx.causal, ctx.block = alpha, scale, causal, block
+        q, k, v, mask, beta, alpha, scale, causal, block, kernels = inputs
+        ctx.alpha, ctx.scale, ctx.causal, ctx.block, ctx.kernels = alpha, scale, causal, block, kernels
         ctx.save_for_backward(q, k, v, mask, beta, output[1])
         ctx.mark_non_differentiable(output[1])
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor, _dtheta: Tensor | None) -> tuple[Any, ...]:
         if double_backward(ctx):  # create_graph=True: the plain ops (exact double backward)
-            args = (*ctx.saved_tensors[:5], ctx.alpha, ctx.scale, ctx.causal, 0)
-            return tracked_vjp(ctx, sparse_attention, args, dout)
+            args = (*ctx.saved_tensors[:5], ctx.alpha, ctx.scale, ctx.causal, 0, None)
+            return tracked_vjp(ctx, lambda *a: ctx.kernels.tracked(*a[:8]), args, dout)
         q, k, v, mask, beta, thetas = ctx.saved_tensors
         compute = _compute(q.dtype)
         kc, vc = k.to(compute), v.to(compute)
@@ -115,10 +111,10 @@ class _BlockedSparseAttention(torch.autograd.Function):
         for i0 in range(0, nq, ctx.block):
             qb = q[..., i0 : i0 + ctx.block, :].to(compute)
             s = _block_scores(qb, kc, mask, b, ctx.causal, ctx.scale, i0)
-            p = _map_from_threshold(s, thetas[..., i0 : i0 + ctx.block, :], ctx.alpha, -1)
+            p = map_from_threshold(s, thetas[..., i0 : i0 + ctx.block, :], ctx.alpha, -1)
             do = dout[..., i0 : i0 + ctx.block, :].to(compute)
             dv.add_(torch.matmul(p.transpose(-2, -1), do))
-            ds = _entmax_backward(p, torch.matmul(do, vc.transpose(-2, -1)), ctx.alpha, -1)
+            ds = ctx.kernels.backward(p, torch.matmul(do, vc.transpose(-2, -1)), ctx.alpha, -1)
             dq[..., i0 : i0 + ctx.block, :] = torch.matmul(ds, kc).mul_(ctx.scale)
             dk.add_(torch.matmul(ds.transpose(-2, -1), qb).mul_(ctx.scale))
             if dbeta is not None:
@@ -129,7 +125,7 @@ class _BlockedSparseAttention(torch.autograd.Function):
                 else:
                     dbeta.add_(contrib.reshape(-1, dbeta.shape[0]).sum(0))
         gb = dbeta.to(beta.dtype) if dbeta is not None else None
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, gb, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, gb, None, None, None, None, None
 
 
 def blocked_sparse_attention(
@@ -143,11 +139,13 @@ def blocked_sparse_attention(
     beta: Tensor | None,
     is_causal: bool,
     block_size: int | None,
+    kernels: MapKernels,
 ) -> Tensor:
     """Sparsemax (``alpha = 2``) / α-entmax attention, blocked over queries (inputs validated).
 
     ``mask`` is additive (broadcastable to (B, H, Nq, Nk), not differentiated); ``beta`` is the
-    locality, a 0-d or ``(H,)`` tensor (differentiated).
+    locality, a 0-d or ``(H,)`` tensor (differentiated); ``kernels``: the map implementations the
+    router chose.
     """
     batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     q = q.expand(*batch, *q.shape[-2:])
@@ -159,5 +157,5 @@ def blocked_sparse_attention(
         block_size = max(1, min(nq, THRESHOLDS.sparse_streaming_block_elements // max(1, rows * nk)))
     if mask is not None:
         mask = mask.detach()
-    out, _ = _BlockedSparseAttention.apply(q, k, v, mask, beta, alpha, scale, is_causal, block_size)
+    out, _ = _BlockedSparseAttention.apply(q, k, v, mask, beta, alpha, scale, is_causal, block_size, kernels)
     return out
