@@ -5,7 +5,8 @@ graph), and every other case (Sinkhorn-K, float64) keeps the reference.
 
 Every test compiles (a few seconds each): the default run keeps the graph check of DNAS and HNAS;
 ``pytest -m slow tests/functional/test_dnas_compiled_ops.py`` runs the rest (about a minute).
-Without the C library the ops run their log-domain fallback: the value checks hold either way; :func:`test_the_op_ran_its_c_passes` needs it.
+Without the C library the ops run their log-domain fallback: the value checks hold either way;
+:func:`test_the_op_ran_its_c_passes` needs it.
 """
 
 from __future__ import annotations

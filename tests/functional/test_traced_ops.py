@@ -19,7 +19,7 @@ import collections
 import pytest
 import torch
 
-from attnopt.functional.generalized import cpu as generalized_cpu
+from attnopt import _native
 from attnopt.functional.regularized import cpu as sparse_cpu
 from attnopt.nn.registry import make_attention
 
@@ -48,7 +48,7 @@ def _run(module: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list]:
 @pytest.mark.parametrize("name", [n if n == "sparsemax" else pytest.param(n, marks=pytest.mark.slow)
                                   for n in CASES])
 def test_compiled_and_exported_graphs_hold_the_op(name: str) -> None:
-    if not (sparse_cpu.READY and generalized_cpu.READY):
+    if not (sparse_cpu.ready() and _native.ready("biased_softmax")):
         pytest.skip("the C kernels are not built (no compiler or ATTNOPT_NATIVE=0)")
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
@@ -94,7 +94,7 @@ def test_compiled_and_exported_graphs_hold_the_op(name: str) -> None:
 
 def test_unsettled_rows_take_the_sort_value_in_a_traced_graph() -> None:
     """The traced selection: rows the C search does not settle (``max_iter = 1``) get the sort value."""
-    if not sparse_cpu.READY:
+    if not sparse_cpu.ready():
         pytest.skip("the C kernels are not built")
     from attnopt.functional.regularized import _maps
     from tests.reference.regularized import entmax15_sort

@@ -48,7 +48,7 @@ from attnopt._backend import BACKEND as _BACKEND
 
 __all__ = [
     "FLAGS", "SANITIZERS", "Blas", "blas", "build_flags", "compiler", "enabled", "forward_ad_active",
-    "has_storage", "library", "parallel_rows", "pointer", "switched_off", "untraced",
+    "has_storage", "library", "parallel_rows", "pointer", "ready", "switched_off", "untraced",
 ]
 
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11")
@@ -78,6 +78,11 @@ def switched_off() -> bool:
     """
     if torch.compiler.is_compiling() or _BACKEND[0] == "reference":
         return True
+    return _env_off()
+
+
+def _env_off() -> bool:
+    """``ATTNOPT_NATIVE=0`` is set now."""
     if _ENV_DATA is not None:
         return _ENV_DATA.get(_ENV_KEY) == _ENV_OFF
     return os.environ.get("ATTNOPT_NATIVE", "1") == "0"
@@ -279,10 +284,15 @@ def library(name: str) -> ctypes.CDLL | None:
     """The compiled ``_native/{name}.c``, or ``None`` where native kernels cannot be used."""
     if switched_off():
         return None
+    return _load(name)
+
+
+def _load(name: str) -> ctypes.CDLL | None:
+    """:func:`library` without the switches: build or load ``name`` (``None`` without a compiler)."""
     built = _LIBS.get(name)
     if built is not None:  # built already (so a compiler was found): skip the lookup, ~2 µs a call
         return built
-    if not enabled():
+    if compiler() is None:
         return None
     with _LOCK:
         if name not in _LIBS:
@@ -294,6 +304,16 @@ def library(name: str) -> ctypes.CDLL | None:
                               f"({err})", RuntimeWarning, stacklevel=3)
                 _LIBS[name] = None
         return _LIBS[name]
+
+
+@torch._dynamo.assume_constant_result
+def ready(name: str) -> bool:
+    """Whether :func:`library` gives ``name`` now — readable while ``torch.compile`` / ``torch.export``
+    trace: dynamo runs this function at trace time (it builds or loads the library through ctypes,
+    which a traced region cannot) and keeps its answer as a constant of the graph (so, unlike
+    :func:`library`, it does not answer ``None`` merely because dynamo is tracing). The routers ask
+    it before they put an ``attnopt::`` op into a graph; plain eager code asks :func:`library`."""
+    return _BACKEND[0] != "reference" and not _env_off() and _load(name) is not None
 
 
 def _pool(workers: int) -> ThreadPoolExecutor:

@@ -127,10 +127,11 @@ class T5RelativePreference(PreferenceModule):
             return _t5_plain(weight, buckets, query_len, key_len)
         if torch.compiler.is_compiling():
             # traced by torch.compile / export: the C fill as one op (attnopt::t5_toeplitz) where the
-            # library was built (a plain bool: no library lookup under tracing), else plain ops; never
+            # library is built (_native.ready: answered at trace time), else plain ops; never
             # the custom node (its C forward is untraced: inside an autograd.Function that dynamo
             # traces as a higher-order op, an untraced frame cannot graph-break: fullgraph fails)
-            if _READY and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.float64):
+            if _native.ready("biased_softmax") and weight.device.type == "cpu" \
+                    and weight.dtype in (torch.float32, torch.float64):
                 traced: Tensor = torch.ops.attnopt.t5_toeplitz(weight, buckets, index, query_len, key_len)
                 return traced
             return _t5_plain(weight, buckets, query_len, key_len)
@@ -165,10 +166,6 @@ class T5RelativePreference(PreferenceModule):
 
     def log_preference(self, query: Tensor, key: Tensor) -> Tensor:
         return self(query.shape[-2], key.shape[-2])
-
-
-#: Whether ``biased_softmax.c`` (the T5 fill) was built at import: what traced code reads (no ctypes there).
-_READY: bool = _native.library("biased_softmax") is not None
 
 
 def _toeplitz_view(buf: Tensor, nq: int, nk: int) -> Tensor:

@@ -76,7 +76,7 @@ from attnopt.functional._autograd import refuse_double_backward
 from attnopt.functional._denormal import flush_denormal
 from attnopt.functional._thresholds import THRESHOLDS
 
-__all__ = ["READY", "biased_softmax_op", "fused_attention", "library", "native_biased_softmax",
+__all__ = ["biased_softmax_op", "fused_attention", "library", "native_biased_softmax",
            "traced_ops_apply"]
 
 _I64, _INT = ctypes.c_int64, ctypes.c_int
@@ -92,17 +92,12 @@ def library(q: Tensor, *others: Tensor) -> ctypes.CDLL | None:
     return _native.library("biased_softmax")  # a built library is returned without a compiler lookup
 
 
-#: Whether ``biased_softmax.c`` was built when this module was imported (no compiler or
-#: ``ATTNOPT_NATIVE=0`` then: False). Read while ``torch.compile`` / ``torch.export`` traces, where the
-#: library lookup itself cannot run (ctypes); eager calls check :func:`library` every time.
-READY: bool = _native.library("biased_softmax") is not None
-
-
 def traced_ops_apply(q: Tensor, *others: Tensor) -> bool:
     """Whether a traced call (``torch.compile`` / ``torch.export``) takes the ``attnopt::bs_*`` ops
-    (:func:`biased_softmax_op`): :data:`READY`, CPU float32/64 tensors of one dtype (not the meta or
-    another device), no ``torch.func`` transform."""
-    return (READY and torch.compiler.is_compiling() and q.dtype in (torch.float32, torch.float64)
+    (:func:`biased_softmax_op`): the library built (:func:`attnopt._native.ready`), CPU float32/64
+    tensors of one dtype (not the meta or another device), no ``torch.func`` transform."""
+    return (torch.compiler.is_compiling() and _native.ready("biased_softmax")
+            and q.dtype in (torch.float32, torch.float64)
             and q.device.type == "cpu" and all(t.device == q.device and t.dtype == q.dtype for t in others)
             and not _func.under_transform())
 

@@ -97,9 +97,9 @@ def _sorted(x: Tensor, alpha: float, dim: int) -> tuple[Tensor, Tensor]:
 
 def _op_applies(x: Tensor, dim: int) -> bool:
     """Whether a traced call (``torch.compile`` / ``torch.export``) takes the ``attnopt::sparse_map_*``
-    ops: CPU float32/64 along the last dim, the C library built (:data:`.cpu.READY`, a plain bool
+    ops: CPU float32/64 along the last dim, the C library built (:data:`.cpu.ready()`, a plain bool
     set at import), no ``torch.func`` transform, not ``backend("reference")``."""
-    return (cpu.READY and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
+    return (cpu.ready() and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
             and x.dim() >= 1 and dim % x.dim() == x.dim() - 1 and not under_transform()
             and current_backend() != "reference")
 

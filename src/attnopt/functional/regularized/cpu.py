@@ -45,8 +45,8 @@ Both ops have CPU kernels only; other devices have no kernel registered (a clear
 error), and the library's routers never hand them a device tensor (they run the sort-based
 closed forms of :mod:`.sort` there). In eager code the routers call the ctypes entry points (the
 dispatcher's per-call cost matters at small sizes); while ``torch.compile`` / ``torch.export``
-traces CPU tensors they call the ops, when :data:`READY` (the library built, resolved at import:
-a plain bool that the traced code can read).
+traces CPU tensors they call the ops, when :func:`ready` (the library built; dynamo runs the
+lookup at trace time and keeps the answer as a constant, :func:`attnopt._native.ready`).
 """
 from __future__ import annotations
 
@@ -58,8 +58,8 @@ from torch import Tensor
 from attnopt import _native
 from attnopt._native.checks import require
 
-__all__ = ["READY", "backward", "forward", "forward_status", "sparse_map", "sparse_map_bwd",
-           "sparse_map_fwd", "usable"]
+__all__ = ["backward", "forward", "forward_status", "sparse_map", "sparse_map_bwd",
+           "sparse_map_fwd", "ready", "usable"]
 
 _LIB = "sparse_maps"
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
@@ -79,10 +79,10 @@ def usable(x: Tensor, dim: int) -> bool:
 
 has_storage = _native.has_storage
 
-#: Whether the C library was built when this module was imported (no compiler or
-#: ``ATTNOPT_NATIVE=0`` then: False). Read by the router while ``torch.compile`` traces, where the
-#: library lookup itself cannot run (ctypes); eager calls check :func:`usable` every time.
-READY: bool = library_available()
+def ready() -> bool:
+    """Whether the C library is built (no compiler or ``ATTNOPT_NATIVE=0``: False), readable while
+    ``torch.compile`` traces (:func:`attnopt._native.ready`); eager calls check :func:`usable`."""
+    return _native.ready(_LIB)
 
 
 _ptr = _native.pointer
