@@ -93,7 +93,8 @@ def test_compiled_and_exported_graphs_hold_the_op(name: str) -> None:
 
 
 def test_unsettled_rows_take_the_sort_value_in_a_traced_graph() -> None:
-    """The traced selection: rows the C search does not settle (``max_iter = 1``) get the sort value."""
+    """Rows the C search does not settle (``max_iter = 1``) get the sort value, inside the one op:
+    the graph holds ``sparse_map_fwd`` and no ``where`` selection."""
     if not sparse_cpu.ready():
         pytest.skip("the C kernels are not built")
     from attnopt.functional.regularized import _maps
@@ -107,5 +108,13 @@ def test_unsettled_rows_take_the_sort_value_in_a_traced_graph() -> None:
     _, _, status = sparse_cpu.forward_status(x, 1.5, 1)
     assert (status == 1).any()  # one sweep settles few rows: the fallback is exercised
     torch._dynamo.reset()
-    got = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
+    graphs: list = []
+
+    def backend(gm: torch.fx.GraphModule, inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    got = torch.compile(f, fullgraph=True, backend=backend)(x)
     torch.testing.assert_close(got, entmax15_sort(x), atol=1e-12, rtol=0)
+    targets = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert any("sparse_map_fwd" in t for t in targets) and not any("where" in t for t in targets), targets

@@ -28,11 +28,11 @@ Choice (forward): α ∈ {1.5, 2} → the C kernel where it applies (rows it doe
 sort-based form), the sort-based form elsewhere (a GPU, meta / fake tensors, ``dim`` not last,
 ``backend("reference")``, no C compiler or ``ATTNOPT_NATIVE=0``); while ``torch.compile`` /
 ``torch.export`` traces CPU tensors and the C library is built, the ``attnopt::sparse_map_fwd`` op
-(one node in the graph; rows it does not settle take the sort-based value by a traced
-selection). Other α: :mod:`.groups` on long contiguous CPU rows where the candidates are few, else
-the Newton search (cache-blocked on CPU). Backward: the C kernel (``attnopt::sparse_map_bwd``
-under tracing) for α ∈ {1.5, 2}, the row-blocked CPU form of :mod:`.groups` for float
-``1 < α ≤ 2``, else the closed form of :mod:`._common` in plain ops.
+(one node in the graph; rows its C search does not settle take the sort-based value inside the
+op, so the graph has no selection). Other α: :mod:`.groups` on long contiguous CPU rows where the
+candidates are few, else the Newton search (cache-blocked on CPU). Backward: the C kernel
+(``attnopt::sparse_map_bwd`` under tracing) for α ∈ {1.5, 2}, the row-blocked CPU form of
+:mod:`.groups` for float ``1 < α ≤ 2``, else the closed form of :mod:`._common` in plain ops.
 
 Backward (closed form, only the output is saved): with ``g = p^{2−α}`` on the support,
 ``∂L/∂s = g ⊙ (d − (Σ g d)/(Σ g))`` for the incoming gradient ``d`` (every α > 0); for a
@@ -95,6 +95,9 @@ def _sorted(x: Tensor, alpha: float, dim: int) -> tuple[Tensor, Tensor]:
     return (sparsemax_sort if alpha == 2.0 else entmax15_sort)(z, empty, dim)
 
 
+cpu.FALLBACK[:] = [lambda x, alpha: _sorted(x, alpha, -1)]  # the op's unsettled rows (a leaf imports no leaf)
+
+
 def _op_applies(x: Tensor, dim: int) -> bool:
     """Whether a traced call (``torch.compile`` / ``torch.export``) takes the ``attnopt::sparse_map_*``
     ops: CPU float32/64 along the last dim, the C library built (:data:`.cpu.ready()`, a plain bool
@@ -107,12 +110,9 @@ def _op_applies(x: Tensor, dim: int) -> bool:
 def _exact_map(x: Tensor, alpha: float, dim: int, max_iter: int) -> tuple[Tensor, Tensor]:
     """Sparsemax (``alpha = 2``) / 1.5-entmax: the C kernel, its op under tracing, or the sort."""
     if torch.compiler.is_compiling() and _op_applies(x, dim) and x.numel():
-        p, theta, status = torch.ops.attnopt.sparse_map_fwd(x, alpha, max_iter)
-        # rows the C search did not settle (or with NaN / +inf): the sort-based value, selected on
-        # the device (no host read; the sort runs for every row, a traced graph has no row subset)
-        ps, ts = _sorted(x, alpha, dim)
-        ok = (status == 0).view(theta.shape)
-        return torch.where(ok, p, ps), torch.where(ok, theta, ts)
+        # rows the C search does not settle take the sort-based value inside the op (cpu.FALLBACK)
+        p, theta, _ = torch.ops.attnopt.sparse_map_fwd(x, alpha, max_iter)
+        return p, theta
     if host_readable(x) and current_backend() != "reference" and cpu.usable(x, dim):
         p, theta, redo = cpu.forward(x, alpha, max_iter)
         if redo.numel():  # rows the C search did not settle: the sort-based closed form

@@ -51,6 +51,7 @@ lookup at trace time and keeps the answer as a constant, :func:`attnopt._native.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -188,8 +189,30 @@ def _check_sparse_map(
 
 @torch.library.custom_op("attnopt::sparse_map_fwd", mutates_args=(), device_types="cpu")
 def sparse_map_fwd(x: Tensor, alpha: float, max_iter: int) -> tuple[Tensor, Tensor, Tensor]:
-    """``(p, θ, status)`` of sparsemax (``alpha = 2``) or 1.5-entmax along the last dim of ``x``."""
-    return forward_status(x, alpha, max_iter)
+    """``(p, θ, status)`` of sparsemax (``alpha = 2``) or 1.5-entmax along the last dim of ``x``.
+
+    ``p`` and ``θ`` are always the map: rows the C search did not settle (``status`` != 0), or every
+    row where the library cannot be used when the op runs, take the sort-based closed form
+    (:data:`FALLBACK`) inside the op's body — a CPU op may read its own status — so a traced graph
+    holds this one op and no selection."""
+    if _native.library(_LIB) is None:
+        p, theta = FALLBACK[0](x, alpha)
+        rows = x.numel() // max(x.shape[-1], 1)
+        return p.contiguous(), theta.contiguous(), torch.zeros(rows, dtype=torch.int8)
+    p, theta, status = forward_status(x, alpha, max_iter)
+    redo = status.nonzero().view(-1)
+    if redo.numel():
+        n = x.shape[-1]
+        p_redo, theta_redo = FALLBACK[0](x.reshape(-1, n).index_select(0, redo), alpha)
+        p.view(-1, n).index_copy_(0, redo, p_redo)
+        theta.view(-1, 1).index_copy_(0, redo, theta_redo)
+    return p, theta, status
+
+
+#: The sort-based closed form ``(p, θ) = FALLBACK[0](x, alpha)`` along the last dim, which
+#: :func:`sparse_map_fwd` runs for the rows its C search leaves: set by the router
+#: (``regularized/_maps.py``), so that this leaf does not import another leaf.
+FALLBACK: list[Callable[[Tensor, float], tuple[Tensor, Tensor]]] = []
 
 
 @sparse_map_fwd.register_fake
