@@ -729,18 +729,18 @@ def _size(fn: Any, sizes: tuple[int, ...]) -> int:
     return hit
 
 
-_CHECKED_SIZES: dict[tuple[int, tuple[int, ...]], int] = {}
+_CHECKED_SIZES: dict[tuple[int, int, tuple[int, ...]], tuple[int, int]] = {}
 
 
-def _kernel_size(fn: Any, sizes: tuple[int, ...]) -> int:
-    """``fn(*sizes)`` for :func:`check_whole`, from a cache of its own (not :func:`_size`'s: a size
-    the caller got wrong is not the size the check compares with)."""
-    key = (id(fn), sizes)
+def _kernel_sizes(fns: tuple[Any, Any], sizes: tuple[int, ...]) -> tuple[int, int]:
+    """``(save_size(*sizes), work_size(*sizes))`` for :func:`check_whole`, from a cache of its own (not
+    :func:`_size`'s: a size the caller got wrong is not the size the check compares with)."""
+    key = (id(fns[0]), id(fns[1]), sizes)
     hit = _CHECKED_SIZES.get(key)
     if hit is None:
         if len(_CHECKED_SIZES) > 1024:
             _CHECKED_SIZES.clear()
-        hit = _CHECKED_SIZES[key] = int(fn(*sizes))
+        hit = _CHECKED_SIZES[key] = int(fns[0](*sizes)), int(fns[1](*sizes))
     return hit
 
 
@@ -782,10 +782,16 @@ def check_whole(
     (:func:`_size`). A dense buffer is a tensor or ``(scratch, offset)`` (:func:`require_dense`)."""
     nq, nk, d, dv, r, nsets = sizes
     dtype, sr = q.dtype, r * nsets
-    for name, t, rows, cols in (("q", q, nq, d), ("k", k, nk, d), ("v", v, nk, dv), ("out", out, nq, dv)):
-        require(kernel, name, t, dtype=dtype, numel=g * rows * cols)
+    # (the checks of :func:`require` on q, k, v, out in one expression; the loop names a failure)
+    if not (k.dtype is dtype and v.dtype is dtype and out.dtype is dtype and q.is_cpu and k.is_cpu
+            and v.is_cpu and out.is_cpu and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+            and out.is_contiguous() and q.numel() == g * nq * d and k.numel() == g * nk * d
+            and v.numel() == g * nk * dv and out.numel() == g * nq * dv):
+        for name, t, rows, cols in (("q", q, nq, d), ("k", k, nk, d), ("v", v, nk, dv), ("out", out, nq, dv)):
+            require(kernel, name, t, dtype=dtype, numel=g * rows * cols)
     for name, grad, like in zip(("dq", "dk", "dv"), grads, (q, k, v)):
-        if grad is not None:
+        if grad is not None and not (grad.dtype is dtype and grad.is_cpu and grad.is_contiguous()
+                                     and grad.numel() == like.numel()):
             require(kernel, name, grad, dtype=dtype, numel=like.numel())
     if mask is not None:
         require(kernel, "mask", mask, dtype=dtype, numel=g * nk)
@@ -796,13 +802,17 @@ def check_whole(
         raise fail(kernel, "w", f"shape "
                    f"{tuple(w.shape)}, strides {w.stride()}: expected dense ({sr}, {d}) rows")
     require_view(kernel, "w", wt, dtype=dtype, sizes=heads, strides=(wsb, wsh, 1), offset=w_at, limit=w_end)
-    per_save, per_work = _kernel_size(size_fns[0], sizes), _kernel_size(size_fns[1], sizes)
-    require_dense(kernel, "save", save, dtype=dtype, numel=g * per_save)
+    per_save, per_work = _kernel_sizes(size_fns, sizes)
+    if isinstance(save, tuple) or not (save.dtype is dtype and save.is_cpu and save.is_contiguous()
+                                       and save.numel() == g * per_save):
+        require_dense(kernel, "save", save, dtype=dtype, numel=g * per_save)
     if isinstance(work, tuple):
         row = per_work if step is None else step
         require_size(kernel, "work step", row, at_least=per_work)
         require_dense(kernel, "work", work, dtype=dtype, numel=(threads - 1) * row + per_work)
-    else:
+    elif not (work.dtype is dtype and work.is_cpu and work.is_contiguous()
+              and work.numel() >= threads * per_work
+              and work.shape[0] >= threads and work.shape[1] >= per_work):
         require(kernel, "work", work, dtype=dtype, min_numel=threads * per_work)
         require_size(kernel, "work rows", work.shape[0], at_least=threads)
         require_size(kernel, "work row", work.shape[1], at_least=per_work)
@@ -823,24 +833,23 @@ def check_whole(
 Dense = Tensor | tuple[Tensor, int] | tuple[Tensor, int, int]
 
 
-@_native.untraced
-def whole_forward(
+#: ``(w, wsb, wsh, hi)`` of :func:`_points_layout`
+_Layout = tuple[Tensor, int, int, int]
+
+
+def _forward_body(
     q: Tensor, k: Tensor, v: Tensor, points: Tensor, mask: Tensor | None, eps: float, coef: float, nsets: int,
-    p: float | None, scale: float, need_k: bool, cfg: _WholeConfig | None = None, zeroed: bool = False,
-) -> tuple[Tensor, Tensor]:
-    """``(out (*lead, Nq, dv), saved)``: the forward C call(s) (``ffw_fwd``) of :class:`_WholeFourier`
-    on contiguous ``q, k, v``; ``need_k``: keep what the magnitude's key gradient needs. ``cfg``: the C
-    functions and BLAS addresses (:func:`_whole_call`; looked up when None). ``zeroed``: the saved
-    buffer starts at zeros (the op's output: entries a configuration does not use are then defined).
-    The body of ``attnopt::ffw_fwd``."""
-    fwd, _, save_size, work_size, gemm, set_threads = _whole_config(q.dtype) if cfg is None else cfg
+    p: float | None, scale: float, need_k: bool, cfg: _WholeConfig, zeroed: bool,
+) -> tuple[Tensor, Tensor, _Layout]:
+    """:func:`whole_forward` on contiguous ``q, k, v``, with the points' layout it computed (the
+    eager Function keeps it for the backward: one layout per call, not two). Called untraced."""
+    fwd, _, save_size, work_size, gemm, set_threads = cfg
     lead = q.shape[:-2] or (1,)
     nq, nk, d, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     sr = points.shape[-2]
     r = sr // nsets
     g = math.prod(lead)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    w, wsb, wsh, hi = _points_layout(points, lead)
+    layout = w, wsb, wsh, hi = _points_layout(points, lead)
     mk = None if mask is None else mask.expand(*lead, nk).contiguous()
     sizes = (nq, nk, d, dv, r, nsets)
     save = (q.new_zeros if zeroed else q.new_empty)(g, _size(save_size, sizes))
@@ -866,22 +875,35 @@ def whole_forward(
             fwd(gemm, set_threads, *args, g0, g1, *tail, pw + t * step)
 
         _each(threads, g, heads)
-    return out, save
-
+    return out, save, layout
 
 
 @_native.untraced
-def whole_backward(
+def whole_forward(
+    q: Tensor, k: Tensor, v: Tensor, points: Tensor, mask: Tensor | None, eps: float, coef: float, nsets: int,
+    p: float | None, scale: float, need_k: bool, cfg: _WholeConfig | None = None, zeroed: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """``(out (*lead, Nq, dv), saved)``: the forward C call(s) (``ffw_fwd``) of :class:`_WholeFourier`;
+    ``need_k``: keep what the magnitude's key gradient needs. ``cfg``: the C functions and BLAS
+    addresses (:func:`_whole_call`; looked up when None). ``zeroed``: the saved buffer starts at zeros
+    (the op's output: entries a configuration does not use are then defined). The body of
+    ``attnopt::ffw_fwd``; :class:`_WholeFourier` calls :func:`_forward_body` itself."""
+    cfg = _whole_config(q.dtype) if cfg is None else cfg
+    out, save, _ = _forward_body(q.contiguous(), k.contiguous(), v.contiguous(), points, mask, eps, coef,
+                                 nsets, p, scale, need_k, cfg, zeroed)
+    return out, save
+
+
+def _backward_body(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, points: Tensor, save: Tensor, out: Tensor, eps: float,
     coef: float, nsets: int, magnitude: bool, need_q: bool, need_k: bool, need_v: bool, need_w: bool,
-    cfg: _WholeConfig | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(dQ, dK, dV, d points)`` of :func:`whole_forward` (``ffw_bwd``; a gradient not asked for is
-    empty). The body of ``attnopt::ffw_bwd``."""
-    cfg = _whole_config(q.dtype) if cfg is None else cfg
+    cfg: _WholeConfig, layout: _Layout | None,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+    """:func:`whole_backward` on contiguous ``q, k, v`` with the forward's points ``layout`` (None:
+    computed here), a gradient not asked for None. Called untraced."""
     _, bwd, save_size, work_size, gemm, set_threads = cfg
     lead = q.shape[:-2] or (1,)
-    w, wsb, wsh, hi = _points_layout(points, lead)
+    w, wsb, wsh, hi = _points_layout(points, lead) if layout is None else layout
     r = points.shape[-2] // nsets
     c4 = coef**4
     nq, nk, d, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
@@ -938,11 +960,22 @@ def whole_backward(
             dw = dwb[0].view(*lead, sr, d)
             if dw.shape != points.shape:
                 dw = dw.sum_to_size(points.shape)
+    return dq, dk, dvv, dw
+
+
+@_native.untraced
+def whole_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, points: Tensor, save: Tensor, out: Tensor, eps: float,
+    coef: float, nsets: int, magnitude: bool, need_q: bool, need_k: bool, need_v: bool, need_w: bool,
+    cfg: _WholeConfig | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dQ, dK, dV, d points)`` of :func:`whole_forward` (``ffw_bwd``; a gradient not asked for is
+    empty). The body of ``attnopt::ffw_bwd``; :class:`_WholeFourier` calls :func:`_backward_body`."""
+    cfg = _whole_config(q.dtype) if cfg is None else cfg
+    dq, dk, dv, dw = _backward_body(dout, q.contiguous(), k.contiguous(), v.contiguous(), points, save, out,
+                                    eps, coef, nsets, magnitude, need_q, need_k, need_v, need_w, cfg, None)
     return (q.new_empty(0) if dq is None else dq, k.new_empty(0) if dk is None else dk,
-            v.new_empty(0) if dvv is None else dvv,
-            q.new_empty(0) if dw is None else dw)
-
-
+            v.new_empty(0) if dv is None else dv, q.new_empty(0) if dw is None else dw)
 
 
 def _whole_config(dtype: torch.dtype) -> _WholeConfig:
@@ -968,10 +1001,10 @@ class _WholeFourier(torch.autograd.Function):
         coef: float, nsets: int, p: float | None, scale: float, cfg: _WholeConfig,
     ) -> Tensor:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        need_k = ctx.needs_input_grad[1]
-        out, save = whole_forward(q, k, v, points, mask, eps, coef, nsets, p, scale, need_k, cfg)
-        ctx.cfg, ctx.args = cfg, (eps, coef, nsets, p is not None)
-        ctx.save_for_backward(q, k, v, points, save, out)
+        out, save, layout = _forward_body(q, k, v, points, mask, eps, coef, nsets, p, scale,
+                                          ctx.needs_input_grad[1], cfg, False)
+        ctx.cfg, ctx.args, ctx.layout = cfg, (eps, coef, nsets, p is not None), layout[1:]
+        ctx.save_for_backward(q, k, v, points, save, out, layout[0])
         return out if q.shape[:-2] else out.view(*out.shape[-2:])
 
     @staticmethod
@@ -982,13 +1015,12 @@ class _WholeFourier(torch.autograd.Function):
                 "kernel_attention's whole-call Fourier-feature node has no double backward "
                 "(create_graph=True)"
             )
-        need = ctx.needs_input_grad[:4]
-        q, k, v, points, save, out = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        q, k, v, points, save, out, w = ctx.saved_tensors
         eps, coef, nsets, mag = ctx.args
-        dq, dk, dv, dw = whole_backward(dout, q, k, v, points, save, out, eps, coef, nsets, mag, need[0],
-                                        need[1], need[2], need[3], cfg=ctx.cfg)
-        return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
-                dw if need[3] else None, None, None, None, None, None, None, None)
+        dq, dk, dv, dw = _backward_body(dout, q, k, v, points, save, out, eps, coef, nsets, mag, need[0],
+                                        need[1], need[2], need[3], ctx.cfg, (w, *ctx.layout))
+        return dq, dk, dv, dw, None, None, None, None, None, None, None
 
 
 def _whole_call(
@@ -1097,7 +1129,6 @@ def ffw_fwd(
 ) -> tuple[Tensor, Tensor]:
     """``(out (*lead, Nq, dv), saved)`` of Fourier-feature kernel attention, one C call per thread
     (:func:`whole_forward`)."""
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     return whole_forward(q, k, v, points, mask, eps, coef, nsets, p, scale, need_k, zeroed=True)
 
 
@@ -1119,7 +1150,6 @@ def ffw_bwd(
     coef: float, nsets: int, magnitude: bool, need_q: bool, need_k: bool, need_v: bool, need_w: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(dQ, dK, dV, d points)`` of :func:`ffw_fwd` (:func:`whole_backward`)."""
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     return whole_backward(dout, q, k, v, points, save, out, eps, coef, nsets, magnitude, need_q, need_k,
                           need_v, need_w)
 

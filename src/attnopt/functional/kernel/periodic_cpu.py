@@ -112,15 +112,14 @@ def _check_px(
     dtype = q.dtype
     require_size(kernel, "h1", h1, at_least=h0 + 1, at_most=bh)
     require_size(kernel, "h0", h0, at_least=0)
-    require(kernel, "s", s, dtype=dtype, numel=(h1 - h0) * nq * nk)
-    if dp is not None:
-        require(kernel, "dp", dp, dtype=dtype, numel=(h1 - h0) * nq * nk)
-    if sc is not None:
-        require(kernel, "sc", sc, dtype=dtype, numel=bh * nq * nk)
-    require(kernel, "q", q, dtype=dtype, numel=bh * nq * d)
-    require(kernel, "k", k, dtype=dtype, numel=bh * nk * d)
-    if e is not None:
-        require(kernel, "e", e, dtype=dtype, numel=bh * nk)
+    rows = (h1 - h0) * nq * nk
+    dense = (("s", s, rows), ("dp", dp, rows), ("sc", sc, bh * nq * nk), ("q", q, bh * nq * d),
+             ("k", k, bh * nk * d), ("e", e, bh * nk), ("aux", aux, bh * 2 * nk),
+             ("state", state, 2 * bh * nq), ("rs", rs, bh * nq), ("colsums", colsums, 2 * bh * nk))
+    if dout is not None and out is not None:
+        dv = out.shape[-1]
+        dense += (("dout", dout, bh * nq * dv), ("out", out, bh * nq * dv))
+    _require_dense(kernel, dtype, dense)
     if mask is not None:
         if mask.dim() != 3 or mask.shape[2] != nk or (nk > 1 and mask.stride(2) != 1):
             raise fail(kernel, "mask", f"shape "
@@ -128,16 +127,16 @@ def _check_px(
                                       "unit key stride")
         require_view(kernel, "mask", mask, dtype=dtype, sizes=((bh - 1) // max(rep, 1) + 1, nq, nk),
                      strides=(mask.stride(0), mask.stride(1), 1))
-    require(kernel, "aux", aux, dtype=dtype, numel=bh * 2 * nk)
-    require(kernel, "state", state, dtype=dtype, numel=2 * bh * nq)
-    if dout is not None and out is not None:
-        dv = out.shape[-1]
-        require(kernel, "dout", dout, dtype=dtype, numel=bh * nq * dv)
-        require(kernel, "out", out, dtype=dtype, numel=bh * nq * dv)
-    if rs is not None:
-        require(kernel, "rs", rs, dtype=dtype, numel=bh * nq)
-    if colsums is not None:
-        require(kernel, "colsums", colsums, dtype=dtype, numel=2 * bh * nk)
+
+
+def _require_dense(kernel: str, dtype: torch.dtype,
+                   dense: tuple[tuple[str, Tensor | None, int], ...]) -> None:
+    """:func:`require` (``numel`` exact, contiguous) on each ``(name, tensor or None, numel)``: the tests
+    inline, :func:`require` only to name a failure (~10 tensors a pass at N = 64, where a call's Python
+    is a large share of its time)."""
+    for name, t, n in dense:
+        if t is not None and not (t.dtype is dtype and t.is_cpu and t.is_contiguous() and t.numel() == n):
+            require(kernel, name, t, dtype=dtype, numel=n)
 
 
 def _check_px_fin(gq: Tensor | None, q: Tensor, rs: Tensor, gk: Tensor | None, k: Tensor,
@@ -146,10 +145,9 @@ def _check_px_fin(gq: Tensor | None, q: Tensor, rs: Tensor, gk: Tensor | None, k
     (BH, Nq)``, ``colsums (2, BH, Nk)``."""
     bh, nq, d = q.shape
     nk = k.shape[1]
-    for name, t, n in (("dq", gq, bh * nq * d), ("q", q, bh * nq * d), ("rs", rs, bh * nq),
-                       ("dk", gk, bh * nk * d), ("k", k, bh * nk * d), ("colsums", colsums, 2 * bh * nk)):
-        if t is not None:
-            require("px_fin", name, t, dtype=q.dtype, numel=n)
+    _require_dense("px_fin", q.dtype, (("dq", gq, bh * nq * d), ("q", q, bh * nq * d), ("rs", rs, bh * nq),
+                                       ("dk", gk, bh * nk * d), ("k", k, bh * nk * d),
+                                       ("colsums", colsums, 2 * bh * nk)))
 
 
 @_native.untraced

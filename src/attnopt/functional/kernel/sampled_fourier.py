@@ -160,7 +160,11 @@ def _check_sampled(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, params: tuple[T
                    scratch: Tensor) -> None:
     """The call's tensors against the shape its plan was made for: ``q (B, H, Nq, d)``, ``k (B, H, Nk, d)``,
     ``v (B, H, Nk, Dv)`` contiguous, the parameters' shapes, the scratch of ``plan.scratch`` entries (the
-    regions of each C call are checked before it, by :func:`check_sample` and :func:`check_whole`)."""
+    regions of each C call are checked before it, by :func:`check_sample` and :func:`check_whole`). The
+    parameters' shapes, dtype, layout and device are the plan's: :func:`_still_applies` (or
+    :func:`_checked_plan`) checked them in this call, the only way to :func:`_apply` (no user code runs
+    in between), so neither this nor the forward's :func:`check_sample` repeats that 16–48-tensor loop;
+    the backward's does (``p.data = ...`` between the passes keeps the objects)."""
     _, b, h, _, d, _ = plan.dims
     nq, nk, _, dv = plan.fwd_tail[:4]
     kernel = "sampled_fourier"
@@ -169,8 +173,8 @@ def _check_sampled(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, params: tuple[T
             raise fail(kernel, name, f"shape "
                        f"{tuple(t.shape)}, the plan's {shape}")
         require(kernel, name, t, dtype=q.dtype)
-    if tuple(p.shape for p in params) != plan.param_shapes:
-        raise fail(kernel, None, "parameter shapes differ from the plan's")
+    if len(params) != len(plan.param_shapes):
+        raise fail(kernel, None, f"{len(params)} parameters, the plan's {len(plan.param_shapes)}")
     require(kernel, "scratch", scratch, dtype=q.dtype, numel=plan.scratch)
 
 
@@ -216,7 +220,7 @@ class _SampledFourier(torch.autograd.Function):
                      (scratch, plan.at_noise, plan.scratch) if ne is None else ne, (ns, nb,
                                                                                     nh), rc, params, nsets,
                      (scratch, plan.at_ws, plan.at_save), pts=(scratch, plan.at_pts, plan.at_kl),
-                     kl=(scratch, plan.at_kl, plan.at_ws), klm=klm)
+                     kl=(scratch, plan.at_kl, plan.at_ws), klm=klm, params_checked=True)
         if plan.sample_fwd(*plan.dims, k.data_ptr(), k.shape[2], base + plan.at_h * size, noise_at,
                            ns, nb, nh, None if rc is None else rc.data_ptr(),
                            paddrs, plan.scales, pts, base + plan.at_kl * size, klm.data_ptr(),
@@ -305,7 +309,7 @@ class _SampledFourier(torch.autograd.Function):
                                                                                      nh), rc, params, nsets,
                      (scratch, plan.at_ws, plan.at_save), gpts=(bscratch, 0,
                                                                 _aligned(b * h * sr * d)), gkl=dkl,
-                     gks=0, nkeys=k.shape[2], dkeys=dk, draw=draw, grads=every)
+                     gks=0, nkeys=k.shape[2], dkeys=dk, draw=draw)  # (every: empty_like of checked params)
         if plan.sample_bwd(*plan.dims, base + plan.at_h * size, noise_at, ns, nb, nh,
                            None if rc is None else rc.data_ptr(), paddrs, plan.scales,
                            base + plan.at_ws * size, dpts, dkl.data_ptr(), 0, b, None, k.shape[2], outs[1], 1,

@@ -146,7 +146,7 @@ def check_sample(
     scales: tuple[float, ...] | int, ws: Dense, *, pts: Dense | None = None, kl: Dense | None = None,
     klm: Tensor | None = None, gpts: Dense | None = None, gkl: Tensor | None = None, gks: int = 0,
     dh: Tensor | None = None, nkeys: int = 0, dkeys: Tensor | None = None, dnoise: Tensor | None = None,
-    draw: Tensor | None = None, grads: list[Tensor] | None = None,
+    draw: Tensor | None = None, grads: list[Tensor] | None = None, params_checked: bool = False,
 ) -> None:
     """What ``ss_fwd`` / ``ss_bwd`` of ``spectral_sample.c`` read and write, ``dims = (S, B, H, half,
     d, hid)``, ``M = B·H``, ``R = M·half``: ``h`` dense ``(M, d)``, or with ``n > 0`` keys ``(M, n, d)`` and
@@ -155,7 +155,9 @@ def check_sample(
     (copula); ``pts (M, S, 2, half, d)``, ``kl (B)``, ``klm ()``. The backward's ``gpts`` like ``pts``,
     ``gkl[b·gks]``, ``dh (M, d)``, ``dkeys (M, nkeys, d)``, ``dnoise (S, R, d)``, ``draw (H, H)`` and
     gradients shaped as the parameters. A dense buffer is a tensor or ``(scratch, offset)``
-    (:func:`attnopt._native.checks.require_dense`)."""
+    (:func:`attnopt._native.checks.require_dense`). ``params_checked``: the caller made the parameter
+    checks in this call, against the same shapes (the sampled node's plan lookup), so they are not
+    made twice."""
     n_sets, b, heads, half, d, hid = dims
     m = b * heads
     dtype = (h[0] if isinstance(h, tuple) else h).dtype
@@ -179,7 +181,7 @@ def check_sample(
         raise fail(kernel, None, f"{len(params)} parameters and "
                    f"{n_scales} scales for {n_sets} sets")
     shapes = _shapes(n_sets, d, hid)
-    for i, p in enumerate(params):  # (inline tests, no call per tensor: 16 to 48 tensors a call)
+    for i, p in enumerate(() if params_checked else params):  # (inline tests: 16 to 48 tensors a call)
         if p.shape != shapes[i] or p.dtype is not dtype or not p.is_contiguous() or not p.is_cpu:
             raise fail(kernel, f"parameter {i}", f"shape "
                        f"{tuple(p.shape)}, {p.dtype}, expected a contiguous CPU {tuple(shapes[i])}, {dtype}")
