@@ -18,6 +18,16 @@ under ``attnopt.backend("triton")``) the quadratic mode with a squared feature k
 the Triton kernels of :mod:`attnopt.functional.triton.kernel` (``last_dispatch["kernel"] == "triton"``;
 random Fourier kernels with features and magnitude fused in the kernel), and so does the causal
 linear mode with a random Fourier kernel (a chunked scan).
+
+Implementations on the CPU (this router picks; the leaves never import each other's code paths):
+the whole call of :mod:`.fourier` (Fourier-feature kernels at small sizes, forward and backward one
+C call each), its per-pass node above that size, the fused Expsin node (:mod:`.periodic`, C passes
+of :mod:`.periodic_cpu`), the sampled node (:mod:`.sampled_fourier`, for the modules), the linear
+form (:mod:`.linear`) and the plain log-domain ops (:func:`_quadratic`, also ``backend("reference")``).
+Under ``torch.compile`` / ``torch.export`` on CPU tensors a call the eager router would give to the
+whole call becomes the op ``attnopt::ffw_fwd`` (backward ``attnopt::ffw_bwd``) in the graph, once an
+eager call has found the C library (``fourier.WHOLE_READY``: nothing about the library is read while
+tracing); other traced calls run the plain ops.
 """
 from __future__ import annotations
 
@@ -54,8 +64,10 @@ from attnopt.functional._thresholds import THRESHOLDS
 from attnopt.functional.kernel import periodic, periodic_cpu, spectral, spectral_cpu
 from attnopt.functional.kernel.chunked import chunked_feature_kernel_attention
 from attnopt.functional.kernel.fourier import (
+    WHOLE_READY,
     fused_fourier_attention,
     fused_fourier_magnitude_attention,
+    whole_applies,
 )
 from attnopt.functional.kernel.linear import linear_kernel_attention
 from attnopt.functional.kernel.magnitude import key_bias, log_magnitude
@@ -294,9 +306,11 @@ def _fused_fourier(
     assert isinstance(kernel, Kernel)
     if mode != "quadratic" or is_causal or not (kernel.squared and kernel.bounded and eps > 0):
         return None
-    if q.dtype not in (torch.float32, torch.float64) or not has_storage(q, k, v, attn_mask):
-        return None
     if magnitude_p is not None and not 1.0 <= float(magnitude_p) <= 2.0:
+        return None
+    if torch.compiler.is_compiling():
+        return _traced_fourier(q, k, v, kernel, magnitude_p, attn_mask, scale, eps)
+    if q.dtype not in (torch.float32, torch.float64) or not has_storage(q, k, v, attn_mask):
         return None
     query_dependent = attn_mask is not None and attn_mask.dim() >= 2 and attn_mask.shape[-2] != 1
     if attn_mask is not None and (attn_mask.requires_grad or query_dependent):
@@ -322,6 +336,43 @@ def _fused_fourier(
     dispatch.record("kernel", "materialized")
     p = None if magnitude_p is None else float(magnitude_p)
     return fused_fourier_magnitude_attention(q, k, v, points, nsets, coef, eps, p, s, key_mask)
+
+
+def _traced_fourier(
+    q: Tensor, k: Tensor, v: Tensor, kernel: Kernel, magnitude_p: float | None, attn_mask: Tensor | None,
+    scale: float | None, eps: float,
+) -> Tensor | None:
+    """:func:`_fused_fourier` while ``torch.compile`` / ``torch.export`` traces: the whole-call op
+    ``attnopt::ffw_fwd`` (backward ``attnopt::ffw_bwd``) where the eager call would run the whole call
+    (CPU tensors, the same size rules, an eager call found the C library: ``WHOLE_READY``), else
+    None (the caller's plain ops). Nothing here reads tensor memory or loads a library."""
+    if not WHOLE_READY[0] or q.device.type != "cpu" or k.device.type != "cpu" or v.device.type != "cpu":
+        return None
+    if under_transform():
+        return None
+    if attn_mask is not None and (attn_mask.requires_grad or attn_mask.device.type != "cpu"
+                                  or (attn_mask.dim() >= 2 and attn_mask.shape[-2] != 1)):
+        return None
+    stack = kernel.fourier_stack()
+    if stack is None:
+        return None
+    points, nsets, coef = stack
+    if points.device.type != "cpu" or not whole_applies(q, k, v, points):
+        return None
+    nq, nk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    check_dim("spectral points", points, q)
+    s = resolve_scale(scale, d)
+    key_mask = None
+    if attn_mask is not None:
+        full = additive_mask(attn_mask, (*q.shape[:-2], nq, nk), q.dtype)
+        assert full is not None
+        key_mask = full.squeeze(-2)
+    dispatch.record("kernel", "materialized")
+    p = None if magnitude_p is None else float(magnitude_p)
+    need_k = k.requires_grad and torch.is_grad_enabled()
+    out, _ = torch.ops.attnopt.ffw_fwd(q, k, v, points.to(q.dtype), key_mask, float(eps), float(coef), nsets,
+                                       p, float(s), need_k)
+    return out if q.shape[:-2] else out.view(nq, out.shape[-1])
 
 
 def _periodic(

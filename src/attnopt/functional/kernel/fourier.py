@@ -978,6 +978,12 @@ def whole_backward(
             v.new_empty(0) if dv is None else dv, q.new_empty(0) if dw is None else dw)
 
 
+#: ``[True]`` once an eager call found the whole call's C library and BLAS (:func:`_whole_call`): the
+#: traced routers read it (a plain module constant to dynamo; the ctypes lookups themselves would
+#: break the graph), so a compiled graph holds ``attnopt::ffw_*`` where an eager call could have run it
+WHOLE_READY = [False]
+
+
 def _whole_config(dtype: torch.dtype) -> _WholeConfig:
     """The C functions and BLAS addresses of the whole call for ``dtype`` (the op bodies' lookup)."""
     found = _native.blas()
@@ -1059,7 +1065,21 @@ def _whole_call(
     if lib is None or found is None:
         return None
     f32 = dtype == torch.float32
+    WHOLE_READY[0] = True
     return (*_whole_fns(lib, f32), found.sgemm if f32 else found.dgemm, found.set_threads)
+
+
+def whole_applies(q: Tensor, k: Tensor, v: Tensor, points: Tensor) -> bool:
+    """The size and shape rules of :func:`_whole_call` alone (no storage, library or dispatch-mode
+    test): what a traced router asks before it puts ``attnopt::ffw_fwd`` in the graph, so that the
+    compiled and the eager call take the same path."""
+    nq, nk = q.shape[-2], k.shape[-2]
+    size = math.prod(q.shape[:-2]) * nq * nk
+    t = THRESHOLDS
+    return (0 < size <= t.kernel_wholecall_below and nq * nk <= t.kernel_wholecall_max_head_scores
+            and q.shape[-1] > 0 and v.shape[-1] > 0 and points.shape[-2] > 0
+            and q.shape[:-2] == k.shape[:-2] == v.shape[:-2] and len(points.shape) - 2 <= len(q.shape) - 2
+            and k.dtype == q.dtype and v.dtype == q.dtype and q.dtype in (torch.float32, torch.float64))
 
 
 def _stack_sets(ws: list[Tensor], dtype: torch.dtype) -> Tensor:
