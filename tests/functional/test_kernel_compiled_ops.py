@@ -1,20 +1,22 @@
 """The kernel router under ``torch.compile`` and ``torch.export`` (issue 30): a Fourier-feature call that
 the eager router runs as the whole call becomes the one op ``attnopt::ffw_fwd`` (backward
-``attnopt::ffw_bwd``) in the traced graph, with the eager values and gradients; calls outside the
-whole call's sizes, on meta tensors or before any eager call found the C library keep the plain ops.
+``attnopt::ffw_bwd``) in the traced graph, a fused Expsin call ``attnopt::px_fwd`` (``px_bwd``), with
+the eager values and gradients; calls outside the whole call's sizes, on meta tensors or before any
+eager call found the C library keep the plain ops.
 
 Each test compiles (a few seconds); needs the C library and BLAS (skipped without).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import pytest
 import torch
 
 from attnopt.functional.kernel import fourier, kernel_attention
-from attnopt.kernels import NonStationaryFourier, RandomFourier
+from attnopt.kernels import NonStationaryFourier, Periodic, RandomFourier
 from tests._marks import needs_native
 
 
@@ -149,4 +151,63 @@ def test_export_in_eval_holds_the_op() -> None:
         ep = torch.export.export(mod, (q, k, v))
     targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
     assert sum(t.startswith("attnopt.ffw_fwd") for t in targets) == 1
+    torch.testing.assert_close(ep.module()(q, k, v), want)
+
+
+def _periodic_ready() -> None:
+    """An eager fused Expsin call (what sets ``periodic_cpu.READY``), or a skip without the library."""
+    from attnopt.functional.kernel import periodic_cpu
+
+    q, k, v = _qkv()
+    kernel_attention(q, k, v, kernel=Periodic(2 * math.pi))
+    if not periodic_cpu.READY[0]:
+        pytest.skip("no C library for the Expsin passes")
+
+
+@needs_native
+@pytest.mark.parametrize("p, masked, causal", [(2.0, False, False), (2.0, True, False), (None, False, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_compiled_expsin_holds_the_px_ops(p: float | None, masked: bool, causal: bool,
+                                          dtype: torch.dtype) -> None:
+    """Expsin (periodic kernel, L2 magnitude or none; ``p = 1.5``'s magnitude node has a custom jvp
+    that dynamo does not trace, on every path) compiles to ``attnopt::px_fwd`` / ``px_bwd``."""
+    _periodic_ready()
+    kernel = Periodic(2 * math.pi)
+    mask = None
+    if masked:
+        mask = torch.ones(2, 1, 1, 8, dtype=torch.bool)
+        mask[0, ..., -3:] = False
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return kernel_attention(q, k, v, kernel=kernel, magnitude_p=p, attn_mask=mask, is_causal=causal)
+
+    q, k, v = _qkv(dtype=dtype)
+    want = fn(q, k, v)
+    rec = _Recorder()
+    torch._dynamo.reset()
+    got = torch.compile(fn, fullgraph=True, backend=rec)(q, k, v)
+    torch.testing.assert_close(got, want)
+    go = torch.randn(got.shape, generator=torch.Generator().manual_seed(2), dtype=dtype)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), go), torch.autograd.grad(want, (q, k, v), go),
+                    strict=True):
+        torch.testing.assert_close(a, b)
+    assert rec.count("attnopt.px_fwd") == 1
+    assert rec.count("attnopt.px_bwd") == 1
+
+
+@needs_native
+def test_export_expsin_in_eval_holds_the_op() -> None:
+    _periodic_ready()
+
+    class Expsin(torch.nn.Module):
+        def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return kernel_attention(q, k, v, kernel=Periodic(2 * math.pi))
+
+    mod = Expsin().eval()
+    q, k, v = (t.detach() for t in _qkv())
+    with torch.no_grad():
+        want = mod(q, k, v)
+        ep = torch.export.export(mod, (q, k, v))
+    targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+    assert sum(t.startswith("attnopt.px_fwd") for t in targets) == 1
     torch.testing.assert_close(ep.module()(q, k, v), want)

@@ -19,15 +19,16 @@ the Triton kernels of :mod:`attnopt.functional.triton.kernel` (``last_dispatch["
 random Fourier kernels with features and magnitude fused in the kernel), and so does the causal
 linear mode with a random Fourier kernel (a chunked scan).
 
-Implementations on the CPU (this router picks; the leaves never import each other's code paths):
+Implementations on the CPU (this router picks):
 the whole call of :mod:`.fourier` (Fourier-feature kernels at small sizes, forward and backward one
 C call each), its per-pass node above that size, the fused Expsin node (:mod:`.periodic`, C passes
 of :mod:`.periodic_cpu`), the sampled node (:mod:`.sampled_fourier`, for the modules), the linear
 form (:mod:`.linear`) and the plain log-domain ops (:func:`_quadratic`, also ``backend("reference")``).
 Under ``torch.compile`` / ``torch.export`` on CPU tensors a call the eager router would give to the
-whole call becomes the op ``attnopt::ffw_fwd`` (backward ``attnopt::ffw_bwd``) in the graph, once an
-eager call has found the C library (``fourier.WHOLE_READY``: nothing about the library is read while
-tracing); other traced calls run the plain ops.
+whole call becomes the op ``attnopt::ffw_fwd`` (backward ``attnopt::ffw_bwd``) in the graph, a fused
+Expsin call ``attnopt::px_fwd`` (``px_bwd``), once an eager call has found the C library
+(``fourier.WHOLE_READY``, ``periodic_cpu.READY``: nothing about the library is read while tracing);
+other traced calls run the plain ops.
 """
 from __future__ import annotations
 
@@ -384,7 +385,16 @@ def _periodic(
     gradient, or ``torch.func``'s wrapped tensors, which the plain ops of the general path take)."""
     compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     c = kernel.inv_sq_lengthscale(q.shape[-1])
-    if not (periodic.periodic_fused_ok(c, compute, attn_mask) and has_storage(q, k, v, attn_mask)):
+    if not periodic.periodic_fused_ok(c, compute, attn_mask):
+        return None
+    # traced (compile / export): the op attnopt::px_fwd where an eager call would run the C passes
+    traced = torch.compiler.is_compiling()
+    if traced:
+        devices = {x.device.type for x in (q, k, v, attn_mask) if x is not None}
+        if not (periodic_cpu.READY[0] and devices == {"cpu"} and compute in (torch.float32, torch.float64)) \
+                or under_transform():
+            return None
+    elif not has_storage(q, k, v, attn_mask):
         return None
     _check_options(kernel, magnitude_p, eps, "quadratic")
     s = resolve_scale(scale, q.shape[-1])
@@ -395,14 +405,19 @@ def _periodic(
     qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)
     omega = 2.0 * math.pi / kernel.period
     prep = periodic.prepare(qc, kc, vc, magnitude_scale=s if l2 else None, key_bias=bias, mask=mask)
-    lib = periodic_cpu.library(qc, kc, vc, prep.e3, prep.m3)
-    if lib is None:
+    lib = None if traced else periodic_cpu.library(qc, kc, vc, prep.e3, prep.m3)
+
+    def rows(x: Tensor) -> Tensor:  # no tracked view where the node can flatten x itself
+        same = tuple(x.shape[:-2]) == prep.batch and x.is_contiguous()
+        return x if same else periodic.flat(x, prep.batch)
+
+    if traced:
+        out = periodic_cpu.traced_periodic_attention(
+            rows(qc), rows(kc), rows(vc), prep.e3, prep.m3, prep.rep, omega * omega, float(c), prep.s,
+            prep.save, prep.batch)
+    elif lib is None:
         out = periodic.periodic_node(qc, kc, vc, prep, omega=omega, c=c)
     else:  # the same node with its elementwise passes in C
-        def rows(x: Tensor) -> Tensor:  # no tracked view where the node can flatten x itself
-            same = tuple(x.shape[:-2]) == prep.batch and x.is_contiguous()
-            return x if same else periodic.flat(x, prep.batch)
-
         out = periodic_cpu.native_periodic_attention(
             lib, rows(qc), rows(kc), rows(vc), prep.e3, prep.m3, prep.rep, omega * omega, float(c), prep.s,
             prep.save, THRESHOLDS.periodic_chunk_bytes, prep.batch)

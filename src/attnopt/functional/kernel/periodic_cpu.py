@@ -48,6 +48,7 @@ from torch import Tensor
 from attnopt import _native
 from attnopt._native.checks import fail, require, require_size, require_view
 from attnopt.functional._autograd import refuse_double_backward
+from attnopt.functional._thresholds import THRESHOLDS
 
 __all__ = ["library", "native_periodic_attention"]
 
@@ -63,7 +64,16 @@ def library(*tensors: Tensor | None) -> ctypes.CDLL | None:
         return None
     if not _native.has_storage(*tensors):
         return None
-    return _native.library("periodic")
+    lib = _native.library("periodic")
+    if lib is not None:
+        READY[0] = True
+    return lib
+
+
+#: ``[True]`` once an eager call found ``periodic.c`` (:func:`library`): the traced router reads it (a
+#: constant to dynamo; the library lookup itself would break the graph) before it puts
+#: ``attnopt::px_fwd`` in a graph (:func:`traced_periodic_attention`)
+READY = [False]
 
 
 def _functions(lib: ctypes.CDLL, dtype: torch.dtype) -> tuple[Any, Any, Any]:
@@ -163,14 +173,16 @@ def periodic_forward(
     the backward at N = 64); ``e`` (BH, 1, Nk) contiguous or None; mask (G, Nq, Nk) with unit
     key stride, constant, or None (row ``i`` of the batch reads ``mask[i // rep]``);
     ``om2 = ω²``, ``c``, ``s`` (0: no L2 magnitude); ``save``: keep ``P`` and ``sin θ/θ`` for the
-    backward (else the backward recomputes them from ``S``); ``step``: heads per chunk; ``lead``:
-    the output's batch dims. Gradients come back in the inputs' shapes.
+    backward (else the backward recomputes them from ``S``); ``step``: heads per chunk (<= 0:
+    ``THRESHOLDS.periodic_chunk_bytes`` of scores per thread, as :func:`native_periodic_attention`;
+    the traced op's choice); ``lead``: the output's batch dims. Gradients come back in the inputs' shapes.
     """
     lib = _native.library("periodic")
     assert lib is not None
     nq, d, nk, dv = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
     q, k, v = q.view(-1, nq, d), k.view(-1, nk, d), v.view(-1, nk, dv)
     bh = q.shape[0]
+    step = step if step > 0 else _step(q, k, THRESHOLDS.periodic_chunk_bytes)
     fwd = _functions(lib, q.dtype)[0]
     threads = torch.get_num_threads()
     p = q.new_empty(bh if save else min(step, bh), nq, nk)
@@ -214,6 +226,7 @@ def periodic_backward(
     q, k, v = q.reshape(-1, nq, d), k.reshape(-1, nk, d), v.reshape(-1, nk, dv)
     recompute = int(p_all.numel() == 0)
     bh = q.shape[0]
+    step = step if step > 0 else _step(q, k, THRESHOLDS.periodic_chunk_bytes)
     _, bwd, fin = _functions(lib, q.dtype)
     threads = torch.get_num_threads()
     do = dout.to(q.dtype).contiguous().view(bh, nq, dv)
@@ -310,10 +323,31 @@ def native_periodic_attention(
     ``(*batch, Nq, dv)``."""
     if mask is not None and mask.stride(-1) != 1:
         mask = mask.contiguous()
-    block = q.shape[-2] * k.shape[-2] * q.element_size()
-    step = max(1, chunk_bytes * max(1, torch.get_num_threads()) // max(block, 1))
-    out: Tensor = _NativePeriodic.apply(q, k, v, e, mask, rep, om2, c, s, save, step, batch)
+    out: Tensor = _NativePeriodic.apply(q, k, v, e, mask, rep, om2, c, s, save, _step(q, k, chunk_bytes),
+                                        batch)
     return out
+
+
+def _step(q: Tensor, k: Tensor, chunk_bytes: int) -> int:
+    """Heads per chunk: ``chunk_bytes`` of scores per thread."""
+    block = q.shape[-2] * k.shape[-2] * q.element_size()
+    return max(1, chunk_bytes * max(1, torch.get_num_threads()) // max(block, 1))
+
+
+def traced_periodic_attention(
+    q: Tensor, k: Tensor, v: Tensor, e: Tensor | None, mask: Tensor | None, rep: int, om2: float, c: float,
+    s: float, save: bool, batch: tuple[int, ...],
+) -> Tensor:
+    """:func:`native_periodic_attention` while ``torch.compile`` / ``torch.export`` traces: the op
+    ``attnopt::px_fwd`` (backward ``attnopt::px_bwd`` by its ``register_autograd``), one node in the
+    graph (``chunk_bytes``: THRESHOLDS.periodic_chunk_bytes, which the op reads at run time). Returns
+    ``(*batch, Nq, dv)``."""
+    if mask is not None and mask.stride(-1) != 1:
+        mask = mask.contiguous()
+    # (step 0: the op body takes the chunk from THRESHOLDS and the thread count at run time: the thread
+    # count is not a traceable value)
+    out = torch.ops.attnopt.px_fwd(q, k, v, e, mask, rep, om2, c, s, save, 0)[0]
+    return out.view(*batch, *out.shape[-2:])
 
 
 # --- the passes as torch.library ops (issue 30 item 2) ---------------------------------------------
