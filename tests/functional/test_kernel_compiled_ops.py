@@ -211,3 +211,30 @@ def test_export_expsin_in_eval_holds_the_op() -> None:
     targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
     assert sum(t.startswith("attnopt.px_fwd") for t in targets) == 1
     torch.testing.assert_close(ep.module()(q, k, v), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_compiled_noise_is_the_normal_fill_op(dtype: torch.dtype) -> None:
+    """The seeded noise traced: one ``attnopt::normal_fill`` node (the C fill at run time, or the mirror
+    without the library), bit-equal to eager; export holds it too."""
+    from attnopt.functional.kernel.gaussian_noise import draw_seed, noise_from_seed
+
+    seed = draw_seed(torch.Generator().manual_seed(0))
+    targets: list[str] = []
+
+    def backend(gm: torch.fx.GraphModule, _: list) -> Callable:
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    torch._dynamo.reset()
+    got = torch.compile(lambda s: noise_from_seed(s, (2, 3, 5), dtype), fullgraph=True, backend=backend)(seed)
+    assert torch.equal(got, noise_from_seed(seed, (2, 3, 5), dtype))
+    assert targets == ["attnopt.normal_fill"]
+
+    class Noise(torch.nn.Module):
+        def forward(self, s: torch.Tensor) -> torch.Tensor:
+            return noise_from_seed(s, (4, 7), dtype)
+
+    ep = torch.export.export(Noise(), (seed,))
+    assert any(str(n.target).startswith("attnopt.normal_fill") for n in ep.graph.nodes)
+    assert torch.equal(ep.module()(seed), noise_from_seed(seed, (4, 7), dtype))

@@ -72,12 +72,18 @@ def draw_seed(generator: torch.Generator | None) -> Tensor:
 def noise_from_seed(seed: Tensor, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> Tensor:
     """The draw of ``seed`` (:func:`draw_seed`) as a CPU tensor of ``shape``: float32 values, stored as
     ``dtype`` (float32 or float64). The C fill where it runs (a plain CPU seed, eager), else the
-    PyTorch mirror (same bits): traced code never reaches the untraced C frame, so
-    ``torch.compile(fullgraph=True)`` has no graph break here."""
-    if not torch.compiler.is_compiling() and seed.is_cpu and not _WRAPPED(seed):
-        out = _native_noise(seed, shape, dtype)
-        if out is not None:
+    PyTorch mirror (same bits). Traced (``torch.compile``, ``torch.export``) with a CPU seed: the op
+    ``attnopt::normal_fill`` (the C fill at run time, or the mirror without the library), one node of
+    the graph; on other devices the mirror's ops."""
+    if torch.compiler.is_compiling():
+        if seed.device.type == "cpu" and dtype in _SUFFIX:
+            out: Tensor = torch.ops.attnopt.normal_fill(seed, list(shape), dtype)
             return out
+        return _mirror(seed, shape).to(dtype)
+    if seed.is_cpu and not _WRAPPED(seed):
+        native = _native_noise(seed, shape, dtype)
+        if native is not None:
+            return native
     return _mirror(seed, shape).to(dtype)
 
 
