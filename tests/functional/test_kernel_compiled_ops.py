@@ -238,3 +238,32 @@ def test_compiled_noise_is_the_normal_fill_op(dtype: torch.dtype) -> None:
     ep = torch.export.export(Noise(), (seed,))
     assert any(str(n.target).startswith("attnopt.normal_fill") for n in ep.graph.nodes)
     assert torch.equal(ep.module()(seed), noise_from_seed(seed, (4, 7), dtype))
+
+
+@needs_native
+@pytest.mark.parametrize("variant", ["ikan", "mikan"])
+def test_compiled_sampled_module_holds_the_sampler_noise_and_attention_ops(variant: str) -> None:
+    """The sampled IKAN / MIKAN module traced in training: the spectral sampler ``attnopt::ss_fwd`` /
+    ``ss_bwd``, the seeded noise ``attnopt::normal_fill`` and the attention ``attnopt::ffw_fwd`` /
+    ``ffw_bwd`` (eager runs the same C in one fused node); values and gradients equal eager's."""
+    from attnopt.nn.implicit_kernel import ImplicitKernelAttention
+
+    torch.manual_seed(0)
+    mod = ImplicitKernelAttention(32, 4, variant, num_samples=8, p=1.5)
+    x = torch.randn(2, 8, 32, requires_grad=True)
+
+    def run(m: torch.nn.Module) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        torch.manual_seed(1)  # the noise is drawn in the forward
+        out = m(x, x, x)[0]
+        return out, torch.autograd.grad(out.square().sum(), [x, *mod.parameters()])
+
+    want, want_grads = run(mod)
+    _whole_ready()
+    rec = _Recorder()
+    torch._dynamo.reset()
+    got, got_grads = run(torch.compile(mod, fullgraph=True, backend=rec))
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+    for op in ("ss_fwd", "ss_bwd", "normal_fill", "ffw_fwd", "ffw_bwd"):
+        assert rec.count(f"attnopt.{op}") == 1, op

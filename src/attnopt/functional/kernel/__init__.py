@@ -674,7 +674,7 @@ def sample_spectral_points(
         keys: ``h`` is given as the keys ``(..., H, N ≥ 1, d)``, and the summary is their mean over
             ``N`` (``sum / N``, bitwise ``mean``), taken inside the C node (no nodes of its own).
     The C sampler of :mod:`.spectral_cpu` runs where it applies (CPU float32/64, stock
-    networks), else the node of :mod:`.spectral`.
+    networks; traced: the op ``attnopt::ss_fwd``), else the node of :mod:`.spectral`.
 
     Returns:
         ``(points (..., H, S·R, d), kl (...))``: set ``s`` is rows ``[sR, (s+1)R)``, each
@@ -682,7 +682,14 @@ def sample_spectral_points(
         (the copula term with ``copula_raw`` only).
     """
     scales = tuple(float(getattr(dens, "base_scale")) for dens in densities)  # noqa: B009
-    lib = spectral_cpu.library(h, noise, copula_raw, params, keys)
+    if torch.compiler.is_compiling():  # traced: the C sampler as the op attnopt::ss_fwd (ss_bwd)
+        if not under_transform() and spectral_cpu.traced_applies(h, noise, copula_raw, params, keys):
+            pts, kl, _, _ = torch.ops.attnopt.ss_fwd(h, noise, copula_raw, list(params), list(scales),
+                                                     kl_mean, keys)
+            return pts, kl
+        lib = None
+    else:
+        lib = spectral_cpu.library(h, noise, copula_raw, params, keys)
     if lib is not None:  # the whole forward and backward in C (CPU float32/64)
         return spectral_cpu.native_sample(h, noise, copula_raw, scales, params, lib, kl_mean, keys)
     if keys:

@@ -81,7 +81,38 @@ def library(
         if (p.shape != shape or p.dtype is not dt or type(p) not in _PLAIN or not p.is_contiguous()
                 or not p.is_cpu or _WRAPPED(p)):
             return None
-    return _native.library("spectral_sample")
+    lib = _native.library("spectral_sample")
+    if lib is not None:
+        READY[0] = True
+    return lib
+
+
+#: ``[True]`` once an eager call found ``spectral_sample.c`` (:func:`library`): the traced router
+#: reads it (a constant to dynamo) before it puts ``attnopt::ss_fwd`` in a graph (:func:`traced_applies`)
+READY = [False]
+
+
+def traced_applies(
+    h: Tensor, noise: Tensor, raw: Tensor | None, params: list[Tensor], keys: bool = False,
+) -> bool:
+    """:func:`library`'s rules while ``torch.compile`` / ``torch.export`` traces, without what tracing
+    cannot read (storage, the library, the thread count): CPU float32/64 tensors of one dtype, stock
+    parameter shapes, at most ``THRESHOLDS.spectral_threaded_max_points`` base points (the eager rule
+    with more than one thread), an eager call found the library (:data:`READY`)."""
+    dt = h.dtype
+    if not READY[0] or dt not in _DTYPES or h.dim() < 2 or not params or len(params) % 8:
+        return False
+    if noise.dtype != dt or (raw is not None and raw.dtype != dt):
+        return False
+    if any(x.device.type != "cpu" for x in (h, noise, raw, *params) if x is not None):
+        return False
+    points = h.numel() // max(h.shape[-1], 1) * noise.shape[-2] * (len(params) // 8)
+    if keys:
+        points //= max(h.shape[-2], 1)
+    if points > THRESHOLDS.spectral_threaded_max_points:
+        return False
+    shapes = _shapes(len(params) // 8, h.shape[-1], params[0].shape[0])
+    return all(p.shape == shape and p.dtype == dt for p, shape in zip(params, shapes, strict=True))
 
 
 _DTYPES = (torch.float32, torch.float64)
