@@ -15,7 +15,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from attnopt.functional.kernel import fourier, kernel_attention
+from attnopt.functional.kernel import _fourier_whole, kernel_attention
 from attnopt.kernels import NonStationaryFourier, Periodic, RandomFourier
 from tests._marks import needs_native
 
@@ -53,10 +53,10 @@ def _qkv(b: int = 2, h: int = 3, n: int = 8, dtype: torch.dtype = torch.float32)
 
 
 def _whole_ready() -> None:
-    """An eager whole call (what sets ``fourier.WHOLE_READY``), or a skip without the library."""
+    """An eager whole call (what sets ``_fourier_whole.WHOLE_READY``), or a skip without the library."""
     q, k, v = _qkv()
     kernel_attention(q, k, v, kernel=_kernels()["ika_s"])
-    if not fourier.WHOLE_READY[0]:
+    if not _fourier_whole.WHOLE_READY[0]:
         pytest.skip("no C library / BLAS for the whole call")
 
 

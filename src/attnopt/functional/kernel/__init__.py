@@ -27,7 +27,7 @@ form (:mod:`.linear`) and the plain log-domain ops (:func:`_quadratic`, also ``b
 Under ``torch.compile`` / ``torch.export`` on CPU tensors a call the eager router would give to the
 whole call becomes the op ``attnopt::ffw_fwd`` (backward ``attnopt::ffw_bwd``) in the graph, a fused
 Expsin call ``attnopt::px_fwd`` (``px_bwd``), once an eager call has found the C library
-(``fourier.WHOLE_READY``, ``periodic_cpu.READY``: nothing about the library is read while tracing);
+(``_fourier_whole.WHOLE_READY``, ``periodic_cpu.READY``: nothing about the library is read while tracing);
 other traced calls run the plain ops.
 """
 from __future__ import annotations
@@ -62,14 +62,16 @@ from attnopt.functional._denormal import sdpa
 from attnopt.functional._dropout import check_dropout_p, dropout_attention
 from attnopt.functional._softmax import safe_softmax
 from attnopt.functional._thresholds import THRESHOLDS
-from attnopt.functional.kernel import periodic, periodic_cpu, spectral, spectral_cpu
-from attnopt.functional.kernel.chunked import chunked_feature_kernel_attention
-from attnopt.functional.kernel.fourier import (
-    WHOLE_READY,
-    fused_fourier_attention,
-    fused_fourier_magnitude_attention,
-    whole_applies,
+from attnopt.functional.kernel import (
+    fourier_cpu,  # noqa: F401  (registers attnopt::ffw_*, lp_magnitude)
+    periodic,
+    periodic_cpu,
+    spectral,
+    spectral_cpu,
 )
+from attnopt.functional.kernel._fourier_whole import WHOLE_READY, whole_applies
+from attnopt.functional.kernel.chunked import chunked_feature_kernel_attention
+from attnopt.functional.kernel.fourier import fused_fourier_attention, fused_fourier_magnitude_attention
 from attnopt.functional.kernel.linear import linear_kernel_attention
 from attnopt.functional.kernel.magnitude import key_bias, log_magnitude
 from attnopt.kernels import RBF, Kernel, Periodic

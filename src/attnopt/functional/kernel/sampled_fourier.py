@@ -53,9 +53,9 @@ from attnopt._validation import _finite_fns, check_finite
 from attnopt.functional import dispatch
 from attnopt.functional._autograd import refuse_double_backward
 from attnopt.functional._thresholds import THRESHOLDS
-from attnopt.functional.kernel.fourier import (
+from attnopt.functional.kernel._fourier_c import _LP_MODES
+from attnopt.functional.kernel._fourier_whole import (
     _CAP,
-    _LP_MODES,
     _each,
     _heads_split,
     _size,
