@@ -221,7 +221,7 @@ def test_periodic_checks():
 
 def _sample_args(n_sets: int = 2, b: int = 2, heads: int = 3, half: int = 4, d: int = 5, hid: int = 6,
                  cop: bool = True) -> dict[str, Any]:
-    from attnopt.functional.kernel.spectral_cpu import _set_stride, _shapes
+    from attnopt.functional.kernel._spectral_c import _set_stride, _shapes
 
     m = b * heads
     params = [torch.zeros(s) for s in _shapes(n_sets, d, hid)]
@@ -233,7 +233,7 @@ def _sample_args(n_sets: int = 2, b: int = 2, heads: int = 3, half: int = 4, d: 
 
 
 def test_spectral_sampler_check():
-    from attnopt.functional.kernel.spectral_cpu import check_sample
+    from attnopt.functional.kernel._spectral_c import check_sample
 
     a = _sample_args()
 

@@ -16,16 +16,15 @@ follows ``randomness`` (``"same"``: the plain call's noise, ``"different"``: a s
 """
 from __future__ import annotations
 
-import ctypes
 import math
 import struct
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from attnopt import _native
 from attnopt._native.checks import require
+from attnopt.functional.kernel._normal_c import _SUFFIX, seeded_fill
 
 __all__ = ["draw_seed", "gaussian_noise", "noise_from_seed", "seeded_fill"]
 
@@ -119,22 +118,6 @@ def _check_normal_fill(seed: Tensor, out: Tensor, dtype: torch.dtype) -> None:
     """What ``normal_fill_at_*`` reads and writes: one int64 seed, ``out.numel()`` dense ``dtype`` entries."""
     require("normal_fill_at", "seed", seed, dtype=torch.int64, numel=1)
     require("normal_fill_at", "out", out, dtype=dtype)
-
-
-def seeded_fill(dtype: torch.dtype) -> Any:
-    """``normal_fill_at_{f32,f64}(seed address, out address, n)`` of ``_native/normal.c``, or None
-    (no compiler, ``ATTNOPT_NATIVE=0``, a dtype other than float32 / float64)."""
-    lib = _native.library("normal")
-    if lib is None or dtype not in _SUFFIX:
-        return None
-    fn = getattr(lib, f"normal_fill_at_{_SUFFIX[dtype]}")
-    if fn.restype is not None:  # argument types declared once per library object (ctypes' default: c_int)
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-        fn.restype = None
-    return fn
-
-
-_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 
 
 def _lsr(z: Tensor, s: int) -> Tensor:

@@ -62,8 +62,8 @@ from attnopt.functional.kernel._fourier_whole import (
     _whole_call,
     check_whole,
 )
-from attnopt.functional.kernel.gaussian_noise import seeded_fill
-from attnopt.functional.kernel.spectral_cpu import (
+from attnopt.functional.kernel._normal_c import seeded_fill
+from attnopt.functional.kernel._spectral_c import (
     _PLAIN,
     _WRAPPED,
     _functions,
@@ -72,7 +72,7 @@ from attnopt.functional.kernel.spectral_cpu import (
     _shapes,
     check_sample,
 )
-from attnopt.functional.kernel.spectral_cpu import library as sampler_library
+from attnopt.functional.kernel._spectral_c import library as sampler_library
 
 __all__ = ["sampled_fourier_attention"]
 
