@@ -123,9 +123,10 @@ def _check_px(
     require_size(kernel, "h1", h1, at_least=h0 + 1, at_most=bh)
     require_size(kernel, "h0", h0, at_least=0)
     rows = (h1 - h0) * nq * nk
-    dense = (("s", s, rows), ("dp", dp, rows), ("sc", sc, bh * nq * nk), ("q", q, bh * nq * d),
-             ("k", k, bh * nk * d), ("e", e, bh * nk), ("aux", aux, bh * 2 * nk),
-             ("state", state, 2 * bh * nq), ("rs", rs, bh * nq), ("colsums", colsums, 2 * bh * nk))
+    dense: tuple[tuple[str, Tensor | None, int], ...] = (
+        ("s", s, rows), ("dp", dp, rows), ("sc", sc, bh * nq * nk), ("q", q, bh * nq * d),
+        ("k", k, bh * nk * d), ("e", e, bh * nk), ("aux", aux, bh * 2 * nk),
+        ("state", state, 2 * bh * nq), ("rs", rs, bh * nq), ("colsums", colsums, 2 * bh * nk))
     if dout is not None and out is not None:
         dv = out.shape[-1]
         dense += (("dout", dout, bh * nq * dv), ("out", out, bh * nq * dv))
