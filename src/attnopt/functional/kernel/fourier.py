@@ -516,7 +516,8 @@ class _WholeFourier(torch.autograd.Function):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out, save, layout = _forward_body(q, k, v, points, mask, eps, coef, nsets, p, scale,
                                           ctx.needs_input_grad[1], cfg, False)
-        ctx.cfg, ctx.args, ctx.layout = cfg, (eps, coef, nsets, p is not None), layout[1:]
+        ctx.cfg, ctx.args = cfg, (eps, coef, nsets, p is not None)
+        ctx.layout = (*layout[1:], layout[0].stride())
         ctx.save_for_backward(q, k, v, points, save, out, layout[0])
         return out if q.shape[:-2] else out.view(*out.shape[-2:])
 
@@ -531,8 +532,12 @@ class _WholeFourier(torch.autograd.Function):
         need = ctx.needs_input_grad
         q, k, v, points, save, out, w = ctx.saved_tensors
         eps, coef, nsets, mag = ctx.args
+        wsb, wsh, hi, strides = ctx.layout
+        # the forward's points layout, unless a saved-tensor hook gave w back with other strides (a
+        # materialized copy of a broadcast view): then the layout is recomputed from the points
+        layout = (w, wsb, wsh, hi) if w.stride() == strides else None
         dq, dk, dv, dw = _backward_body(dout, q, k, v, points, save, out, eps, coef, nsets, mag, need[0],
-                                        need[1], need[2], need[3], ctx.cfg, (w, *ctx.layout))
+                                        need[1], need[2], need[3], ctx.cfg, layout)
         return dq, dk, dv, dw, None, None, None, None, None, None, None
 
 
