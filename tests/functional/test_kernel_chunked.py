@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-import attnopt.functional.kernel.chunked as kc
+import attnopt.functional.kernel._blocked as kc
 from attnopt.functional import dispatch
 from attnopt.functional._thresholds import THRESHOLDS
 from attnopt.functional.kernel import kernel_attention

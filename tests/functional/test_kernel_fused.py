@@ -8,6 +8,7 @@ import torch
 
 from attnopt import _native
 from attnopt.functional._thresholds import THRESHOLDS
+from attnopt.functional.kernel import _fourier_c
 from attnopt.functional.kernel.fourier import fused_fourier_attention
 from tests._marks import needs_native
 from tests.reference import kernel as ref
@@ -206,12 +207,12 @@ def test_native_lp_magnitude_matches_torch_path(dtype, monkeypatch):
     tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-14}
     for p in (1.0, 1.3, 1.5, 2.0):
         for grad in (True, False):
-            native = kf._magnitude(k, p, 0.3, grad)
-            assert kf._magnitude_native(k, p, 0.3, grad, torch.finfo(dtype).max / 8) is not None
+            native = _fourier_c._magnitude(k, p, 0.3, grad)
+            assert _fourier_c._magnitude_native(k, p, 0.3, grad, torch.finfo(dtype).max / 8) is not None
             with monkeypatch.context() as m:
                 m.setenv("ATTNOPT_NATIVE", "0")
                 m.setattr(_native, "_LIBS", {})
-                plain = kf._magnitude(k, p, 0.3, grad)
+                plain = _fourier_c._magnitude(k, p, 0.3, grad)
             for x, y in zip(native, plain, strict=True):
                 if y is None:
                     assert x is None
@@ -237,13 +238,12 @@ def test_native_lp_magnitude_matches_torch_path(dtype, monkeypatch):
 @needs_native
 def test_native_lp_magnitude_split_over_threads(monkeypatch):
     """Rows split over threads (``parallel_rows``) give the one-call result."""
-    from attnopt.functional.kernel import fourier as kf
 
     k = torch.randn(3, 41, 16, generator=torch.Generator().manual_seed(2))
-    one = kf._magnitude(k, 1.5, 0.25, True)
+    one = _fourier_c._magnitude(k, 1.5, 0.25, True)
     monkeypatch.setattr(_native, "_MIN_PARALLEL", 1)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
-    for x, y in zip(kf._magnitude(k, 1.5, 0.25, True), one, strict=True):
+    for x, y in zip(_fourier_c._magnitude(k, 1.5, 0.25, True), one, strict=True):
         assert torch.equal(x, y)
 
 
@@ -324,7 +324,7 @@ def test_native_sincos_large_and_exact_arguments():
 
     x = torch.cat([torch.linspace(-8192, 8192, 40001), torch.tensor([0.0, -0.0, 1e4, -3e5, 1e30, 1e-30])])
     x = x[: x.numel() // 2 * 2].view(-1, 2)  # rows of one set of R = 2 points
-    fns = kf._fns(x)
+    fns = _fourier_c._fns(x)
     assert fns is not None
     phi, cp, sp = kf._features(fns, x, 1, 2)
     xd = x.double()

@@ -242,3 +242,23 @@ def test_whole_call_partial_gradients(wanted, spy):
     for i, gr in zip(wanted, got, strict=True):
         torch.testing.assert_close(gr, full[1 + i], rtol=1e-12, atol=1e-13)
     assert len(spy) == 2
+
+
+def test_saved_tensor_hooks_that_copy_the_points_view():
+    """The whole call keeps the forward's points layout for the backward; a saved-tensor hook that gives
+    the (broadcast) points view back as a dense copy has other strides: the layout is then recomputed
+    from the points, and the gradients are those without the hook."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 3, 6, 8, generator=g, dtype=torch.float64).requires_grad_() for _ in range(3))
+    pts = torch.randn(2, 1, 4, 8, generator=g, dtype=torch.float64).requires_grad_()  # broadcast over heads
+
+    def grads():
+        out = kf.fused_fourier_magnitude_attention(q, k, v, pts, 1, 0.5, 1e-3, 1.5, 0.3, None)
+        assert type(out.grad_fn).__name__ == "_WholeFourierBackward"
+        return torch.autograd.grad(out.square().sum(), (q, k, v, pts))
+
+    want = grads()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+        got = grads()
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)

@@ -221,7 +221,7 @@ def test_periodic_checks():
 
 def _sample_args(n_sets: int = 2, b: int = 2, heads: int = 3, half: int = 4, d: int = 5, hid: int = 6,
                  cop: bool = True) -> dict[str, Any]:
-    from attnopt.functional.kernel.spectral_cpu import _set_stride, _shapes
+    from attnopt.functional.kernel._spectral_c import _set_stride, _shapes
 
     m = b * heads
     params = [torch.zeros(s) for s in _shapes(n_sets, d, hid)]
@@ -233,7 +233,7 @@ def _sample_args(n_sets: int = 2, b: int = 2, heads: int = 3, half: int = 4, d: 
 
 
 def test_spectral_sampler_check():
-    from attnopt.functional.kernel.spectral_cpu import check_sample
+    from attnopt.functional.kernel._spectral_c import check_sample
 
     a = _sample_args()
 
@@ -256,8 +256,8 @@ def test_spectral_sampler_check():
 
 
 def test_whole_fourier_check():
-    from attnopt.functional.kernel import fourier as kf
-    from attnopt.functional.kernel.fourier import check_whole
+    from attnopt.functional.kernel import _fourier_whole as kf
+    from attnopt.functional.kernel._fourier_whole import check_whole
 
     fns = kf._whole_fns(attnopt._native.library("fourier_features"),
                         True) if attnopt._native.enabled() else None
@@ -304,7 +304,7 @@ def test_whole_fourier_check():
 
 
 def test_per_pass_fourier_check():
-    from attnopt.functional.kernel.fourier import _check_rows
+    from attnopt.functional.kernel._fourier_c import _check_rows
 
     _check_rows("ff_finish", 4, (("num", torch.zeros(4, 3), 3), ("out", torch.zeros(4, 2), 2), ("inv", None,
                                                                                                 1)))
@@ -417,7 +417,7 @@ def test_e2e_periodic_mask_rows(small_native, monkeypatch):
 
 @needs_native
 def test_e2e_whole_fourier_save_size(small_native, monkeypatch):
-    from attnopt.functional.kernel import fourier as _kernel_fused
+    from attnopt.functional.kernel import _fourier_whole as _kernel_fused
 
     if attnopt._native.blas() is None:
         pytest.skip("no BLAS found in torch's library")

@@ -97,8 +97,8 @@ def require_view(
             low += (size - 1) * stride
         else:
             high += (size - 1) * stride
-    if limit is None and low >= 0 and high < t.numel() and t.is_contiguous():
-        return  # inside t's own (dense) elements: no storage lookup
+    if low >= 0 and high < (t.numel() if limit is None else min(limit, t.numel())) and t.is_contiguous():
+        return  # inside t's own (dense) elements and the region: no storage lookup
     start = t.storage_offset()
     room = t.untyped_storage().nbytes() // t.element_size() - start
     if limit is not None:

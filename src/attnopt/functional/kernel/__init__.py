@@ -18,6 +18,17 @@ under ``attnopt.backend("triton")``) the quadratic mode with a squared feature k
 the Triton kernels of :mod:`attnopt.functional.triton.kernel` (``last_dispatch["kernel"] == "triton"``;
 random Fourier kernels with features and magnitude fused in the kernel), and so does the causal
 linear mode with a random Fourier kernel (a chunked scan).
+
+Implementations on the CPU (this router picks):
+the whole call of :mod:`.fourier` (Fourier-feature kernels at small sizes, forward and backward one
+C call each), its per-pass node above that size, the fused Expsin node (:mod:`.periodic`, C passes
+of :mod:`.periodic_cpu`), the sampled node (:mod:`.sampled_fourier`, for the modules), the linear
+form (:mod:`.linear`) and the plain log-domain ops (:func:`_quadratic`, also ``backend("reference")``).
+Under ``torch.compile`` / ``torch.export`` on CPU tensors a call the eager router would give to the
+whole call becomes the op ``attnopt::ffw_fwd`` (backward ``attnopt::ffw_bwd``) in the graph, a fused
+Expsin call ``attnopt::px_fwd`` (``px_bwd``), once an eager call has found the C library
+(``_fourier_whole.WHOLE_READY``, ``periodic_cpu.READY``: nothing about the library is read while tracing);
+other traced calls run the plain ops.
 """
 from __future__ import annotations
 
@@ -51,12 +62,16 @@ from attnopt.functional._denormal import sdpa
 from attnopt.functional._dropout import check_dropout_p, dropout_attention
 from attnopt.functional._softmax import safe_softmax
 from attnopt.functional._thresholds import THRESHOLDS
-from attnopt.functional.kernel import periodic, periodic_cpu, spectral, spectral_cpu
-from attnopt.functional.kernel.chunked import chunked_feature_kernel_attention
-from attnopt.functional.kernel.fourier import (
-    fused_fourier_attention,
-    fused_fourier_magnitude_attention,
+from attnopt.functional.kernel import (
+    fourier_cpu,  # noqa: F401  (registers attnopt::ffw_*, lp_magnitude)
+    periodic,
+    periodic_cpu,
+    spectral,
+    spectral_cpu,
 )
+from attnopt.functional.kernel._fourier_whole import WHOLE_READY, whole_applies
+from attnopt.functional.kernel.chunked import chunked_feature_kernel_attention
+from attnopt.functional.kernel.fourier import fused_fourier_attention, fused_fourier_magnitude_attention
 from attnopt.functional.kernel.linear import linear_kernel_attention
 from attnopt.functional.kernel.magnitude import key_bias, log_magnitude
 from attnopt.kernels import RBF, Kernel, Periodic
@@ -294,9 +309,11 @@ def _fused_fourier(
     assert isinstance(kernel, Kernel)
     if mode != "quadratic" or is_causal or not (kernel.squared and kernel.bounded and eps > 0):
         return None
-    if q.dtype not in (torch.float32, torch.float64) or not has_storage(q, k, v, attn_mask):
-        return None
     if magnitude_p is not None and not 1.0 <= float(magnitude_p) <= 2.0:
+        return None
+    if torch.compiler.is_compiling():
+        return _traced_fourier(q, k, v, kernel, magnitude_p, attn_mask, scale, eps)
+    if q.dtype not in (torch.float32, torch.float64) or not has_storage(q, k, v, attn_mask):
         return None
     query_dependent = attn_mask is not None and attn_mask.dim() >= 2 and attn_mask.shape[-2] != 1
     if attn_mask is not None and (attn_mask.requires_grad or query_dependent):
@@ -324,6 +341,43 @@ def _fused_fourier(
     return fused_fourier_magnitude_attention(q, k, v, points, nsets, coef, eps, p, s, key_mask)
 
 
+def _traced_fourier(
+    q: Tensor, k: Tensor, v: Tensor, kernel: Kernel, magnitude_p: float | None, attn_mask: Tensor | None,
+    scale: float | None, eps: float,
+) -> Tensor | None:
+    """:func:`_fused_fourier` while ``torch.compile`` / ``torch.export`` traces: the whole-call op
+    ``attnopt::ffw_fwd`` (backward ``attnopt::ffw_bwd``) where the eager call would run the whole call
+    (CPU tensors, the same size rules, an eager call found the C library: ``WHOLE_READY``), else
+    None (the caller's plain ops). Nothing here reads tensor memory or loads a library."""
+    if not WHOLE_READY[0] or q.device.type != "cpu" or k.device.type != "cpu" or v.device.type != "cpu":
+        return None
+    if under_transform():
+        return None
+    if attn_mask is not None and (attn_mask.requires_grad or attn_mask.device.type != "cpu"
+                                  or (attn_mask.dim() >= 2 and attn_mask.shape[-2] != 1)):
+        return None
+    stack = kernel.fourier_stack()
+    if stack is None:
+        return None
+    points, nsets, coef = stack
+    if points.device.type != "cpu" or not whole_applies(q, k, v, points):
+        return None
+    nq, nk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    check_dim("spectral points", points, q)
+    s = resolve_scale(scale, d)
+    key_mask = None
+    if attn_mask is not None:
+        full = additive_mask(attn_mask, (*q.shape[:-2], nq, nk), q.dtype)
+        assert full is not None
+        key_mask = full.squeeze(-2)
+    dispatch.record("kernel", "materialized")
+    p = None if magnitude_p is None else float(magnitude_p)
+    need_k = k.requires_grad and torch.is_grad_enabled()
+    out, _ = torch.ops.attnopt.ffw_fwd(q, k, v, points.to(q.dtype), key_mask, float(eps), float(coef), nsets,
+                                       p, float(s), need_k)
+    return out if q.shape[:-2] else out.view(nq, out.shape[-1])
+
+
 def _periodic(
     q: Tensor, k: Tensor, v: Tensor, kernel: Periodic, magnitude_p: float | None,
     attn_mask: Tensor | None, scale: float | None, is_causal: bool, eps: float,
@@ -333,7 +387,16 @@ def _periodic(
     gradient, or ``torch.func``'s wrapped tensors, which the plain ops of the general path take)."""
     compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     c = kernel.inv_sq_lengthscale(q.shape[-1])
-    if not (periodic.periodic_fused_ok(c, compute, attn_mask) and has_storage(q, k, v, attn_mask)):
+    if not periodic.periodic_fused_ok(c, compute, attn_mask):
+        return None
+    # traced (compile / export): the op attnopt::px_fwd where an eager call would run the C passes
+    traced = torch.compiler.is_compiling()
+    if traced:
+        devices = {x.device.type for x in (q, k, v, attn_mask) if x is not None}
+        if not (periodic_cpu.READY[0] and devices == {"cpu"} and compute in (torch.float32, torch.float64)) \
+                or under_transform():
+            return None
+    elif not has_storage(q, k, v, attn_mask):
         return None
     _check_options(kernel, magnitude_p, eps, "quadratic")
     s = resolve_scale(scale, q.shape[-1])
@@ -344,14 +407,19 @@ def _periodic(
     qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)
     omega = 2.0 * math.pi / kernel.period
     prep = periodic.prepare(qc, kc, vc, magnitude_scale=s if l2 else None, key_bias=bias, mask=mask)
-    lib = periodic_cpu.library(qc, kc, vc, prep.e3, prep.m3)
-    if lib is None:
+    lib = None if traced else periodic_cpu.library(qc, kc, vc, prep.e3, prep.m3)
+
+    def rows(x: Tensor) -> Tensor:  # no tracked view where the node can flatten x itself
+        same = tuple(x.shape[:-2]) == prep.batch and x.is_contiguous()
+        return x if same else periodic.flat(x, prep.batch)
+
+    if traced:
+        out = periodic_cpu.traced_periodic_attention(
+            rows(qc), rows(kc), rows(vc), prep.e3, prep.m3, prep.rep, omega * omega, float(c), prep.s,
+            prep.save, prep.batch)
+    elif lib is None:
         out = periodic.periodic_node(qc, kc, vc, prep, omega=omega, c=c)
     else:  # the same node with its elementwise passes in C
-        def rows(x: Tensor) -> Tensor:  # no tracked view where the node can flatten x itself
-            same = tuple(x.shape[:-2]) == prep.batch and x.is_contiguous()
-            return x if same else periodic.flat(x, prep.batch)
-
         out = periodic_cpu.native_periodic_attention(
             lib, rows(qc), rows(kc), rows(vc), prep.e3, prep.m3, prep.rep, omega * omega, float(c), prep.s,
             prep.save, THRESHOLDS.periodic_chunk_bytes, prep.batch)
@@ -608,7 +676,7 @@ def sample_spectral_points(
         keys: ``h`` is given as the keys ``(..., H, N ≥ 1, d)``, and the summary is their mean over
             ``N`` (``sum / N``, bitwise ``mean``), taken inside the C node (no nodes of its own).
     The C sampler of :mod:`.spectral_cpu` runs where it applies (CPU float32/64, stock
-    networks), else the node of :mod:`.spectral`.
+    networks; traced: the op ``attnopt::ss_fwd``), else the node of :mod:`.spectral`.
 
     Returns:
         ``(points (..., H, S·R, d), kl (...))``: set ``s`` is rows ``[sR, (s+1)R)``, each
@@ -616,7 +684,14 @@ def sample_spectral_points(
         (the copula term with ``copula_raw`` only).
     """
     scales = tuple(float(getattr(dens, "base_scale")) for dens in densities)  # noqa: B009
-    lib = spectral_cpu.library(h, noise, copula_raw, params, keys)
+    if torch.compiler.is_compiling():  # traced: the C sampler as the op attnopt::ss_fwd (ss_bwd)
+        if not under_transform() and spectral_cpu.traced_applies(h, noise, copula_raw, params, keys):
+            pts, kl, _, _ = torch.ops.attnopt.ss_fwd(h, noise, copula_raw, list(params), list(scales),
+                                                     kl_mean, keys)
+            return pts, kl
+        lib = None
+    else:
+        lib = spectral_cpu.library(h, noise, copula_raw, params, keys)
     if lib is not None:  # the whole forward and backward in C (CPU float32/64)
         return spectral_cpu.native_sample(h, noise, copula_raw, scales, params, lib, kl_mean, keys)
     if keys:

@@ -49,122 +49,49 @@ IKAN R = 16, p = 1.5 B·H = 8, N = 64 2.10× → 1.42×; IKA_S R = 8 1.79× → 
 MIKAN module core 3.75× → 3.0×; B·H = 64, N = 64 IKAN 1.04×, IKA_S 0.84×; B·H = 8, N = 128
 IKAN 1.03×.
 
-The whole call is also a pair of ``torch.library`` ops (issue 30 item 2): ``attnopt::ffw_fwd(q, k, v,
-points, mask, eps, coef, nsets, p, scale, need_k) -> (out, saved)`` (:func:`whole_forward`) and
-``attnopt::ffw_bwd`` (:func:`whole_backward`), connected by ``register_autograd``; its fake
-implementation writes out ``ffw_save_size``. Plain eager code (:func:`fused_fourier_magnitude_attention`)
-calls the same functions through :class:`_WholeFourier`: the Python ``custom_op`` path costs a
-fixed few tens of µs per call, a large share of this path's ~0.4 ms at N = 64 (figures in the
-issue-30 note). The per-pass entries of :class:`_FusedFourier` (``ff_*``) are not ops yet.
+The whole call is also a pair of ``torch.library`` ops (issue 30 item 2, :mod:`.fourier_cpu`):
+``attnopt::ffw_fwd(q, k, v, points, mask, eps, coef, nsets, p, scale, need_k) -> (out, saved)`` and
+``attnopt::ffw_bwd``, connected by ``register_autograd``; their bodies (``whole_forward`` /
+``whole_backward`` of :mod:`._fourier_whole`) are what :class:`_WholeFourier` calls in plain eager code
+(the Python ``custom_op`` path costs a fixed few tens of µs per call, a large share of this path's
+~0.4 ms at N = 64: figures in the issue-30 note); the router puts the ops in traced graphs. The
+per-pass entries of :class:`_FusedFourier` (``ff_*``) are not ops yet.
+
+Files: this one holds the two autograd Functions (per pass, whole call) and their per-pass plans;
+:mod:`._fourier_c` the C plumbing both use (argument types, row checks, the L^p magnitude pass),
+:mod:`._fourier_whole` the whole call's checks, layouts and bodies, :mod:`.fourier_cpu` the ops,
+:mod:`._blocked` the blocked ``Nq × Nk`` passes (shared with :mod:`.chunked`).
 """
 from __future__ import annotations
 
-import ctypes
-import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from attnopt import _native
-from attnopt._native.checks import fail, require, require_dense, require_size, require_view
+from attnopt._native.checks import require_size, require_view
 from attnopt._validation import broadcast_shapes
 from attnopt.functional._autograd import double_backward
-from attnopt.functional._thresholds import THRESHOLDS
-from attnopt.functional.kernel.chunked import blocked_backward, blocked_forward
+from attnopt.functional.kernel._blocked import blocked_backward, blocked_forward
+from attnopt.functional.kernel._fourier_c import (
+    _LP_MODES,
+    _base,
+    _check_rows,
+    _dense,
+    _Fns,
+    _fns,
+    _KeyWeights,
+    _magnitude,
+    _off,
+    _Plan,
+    _run,
+    _run2,
+    _Three,
+)
+from attnopt.functional.kernel._fourier_whole import _backward_body, _forward_body, _whole_call, _WholeConfig
 
 __all__ = ["fused_fourier_attention", "fused_fourier_magnitude_attention"]
-
-
-_LP_MODES = {1.0: 1, 1.5: 2, 2.0: 3}
-_F64P = ctypes.c_double
-_I64 = ctypes.c_int64
-
-
-@_native.untraced
-def _magnitude_native(
-    k: Tensor, p: float, scale: float, grad: bool, cap: float
-) -> tuple[Tensor, Tensor | None, Tensor | None] | None:
-    """:func:`_magnitude` by ``_native/lp_magnitude.c`` (one pass per row instead of ~11 ops), or
-    None where it does not apply (no native library, not a contiguous float32/float64 CPU tensor)."""
-    if k.device.type != "cpu" or k.dtype not in (torch.float32, torch.float64) or not k.is_contiguous():
-        return None
-    lib = _native.library("lp_magnitude")
-    if lib is None:
-        return None
-    d = k.shape[-1]
-    rows = k.numel() // d if d else 0
-    a = k.new_empty(k.shape[:-1])
-    u = torch.empty_like(k) if grad else None
-    c = k.new_empty(k.shape[:-1]) if grad else None
-    fn = lib.lp_magnitude_f32 if k.dtype == torch.float32 else lib.lp_magnitude_f64
-    _check_rows("lp_magnitude", rows, (("k", k, d), ("a", a, 1), ("u", u, d), ("c", c, 1)))
-    size = k.element_size()
-    mode = ctypes.c_int(_LP_MODES.get(p, 0))
-
-    def at(t: Tensor | None, offset: int) -> ctypes.c_void_p | None:
-        return None if t is None else ctypes.c_void_p(t.data_ptr() + offset * size)
-
-    def call(r0: int, r1: int) -> None:  # rows [r0, r1)
-        fn(at(k, r0 * d), ctypes.c_int64(r1 - r0), ctypes.c_int64(d), mode, _F64P(p), _F64P(scale),
-           _F64P(cap), at(a, r0), at(u, r0 * d), at(c, r0))
-
-    _native.parallel_rows(call, rows, d)
-    return a, u, c
-
-
-@torch.library.custom_op("attnopt::lp_magnitude", mutates_args=(), device_types="cpu")
-def lp_magnitude(k: Tensor, p: float, scale: float, grad: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """``(a, u, c)`` of :func:`_magnitude` by ``lp_magnitude_*`` as one op (issue 30 item 2; ``u``,
-    ``c`` empty unless ``grad``): the gradient *factors*, no autograd of its own (its consumers apply
-    the chain rule). Eager code calls :func:`_magnitude_native` directly."""
-    k = k.contiguous()
-    out = _magnitude_native(k, p, scale, grad, torch.finfo(k.dtype).max / 8) if k.numel() else None
-    if out is None:
-        out = _magnitude(k, p, scale, grad)
-    a, u, c = out
-    return a, k.new_empty(0) if u is None else u.clone() if u is k else u, k.new_empty(0) if c is None else c
-
-
-@lp_magnitude.register_fake
-def _(k: Tensor, p: float, scale: float, grad: bool) -> tuple[Tensor, Tensor, Tensor]:  # noqa: ARG001
-    return (k.new_empty(k.shape[:-1]), k.new_empty(k.shape if grad else (0,)),
-            k.new_empty(k.shape[:-1] if grad else (0,)))
-
-
-def _magnitude(k: Tensor, p: float, scale: float, grad: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """``a = s·(Σ|k|^p)^{2/p}/2`` (clamped below the dtype's max/8) and, with ``grad``, its gradient
-    factors: ``∂a_j/∂k_j = c_j·u_j`` with ``u = |k|^{p−1}·sign(k)`` and ``c = s·T^{2/p−1}``
-    (``T = Σ|k|^p``; 0 where the clamp is active).
-
-    :func:`attnopt.functional.kernel.log_magnitude`'s ``1 <= p <= 2`` branch, without autograd;
-    by the native kernel where it applies (N = 64, d = 64, p = 1.5: ~10 µs instead of ~55).
-    """
-    cap = torch.finfo(k.dtype).max / 8
-    native = _magnitude_native(k, p, scale, grad, cap) if k.numel() else None
-    if native is not None:
-        return native
-    if p == 2.0:
-        total = (k * k).sum(-1)
-        a = total.mul(0.5 * scale).clamp_(max=cap)
-        if not grad:
-            return a, None, None
-        return a, k, (a < cap).to(k.dtype).mul_(scale)  # (a where of Python scalars would be float32)
-    ax = k.abs()
-    if p == 1.0:  # |k|^{p−1} = 1
-        pw = None
-        total = ax.sum(-1)
-    else:
-        pw = ax.sqrt() if p == 1.5 else ax.pow(p - 1.0)
-        total = (ax * pw).sum(-1)
-    tp = total.pow(2.0 / p - 1.0)  # T^{2/p−1}: a = s·T·T^{2/p−1}/2 (one pow on the rows, not two)
-    a = torch.mul(total, tp).mul_(0.5 * scale).clamp_(max=cap)
-    if not grad:
-        return a, None, None
-    u = k.sign() if pw is None else torch.copysign(pw, k, out=pw)  # |k|^{p−1}·sign(k) (sign(0) = 0: pw = 0)
-    c = torch.where(a < cap, tp.mul_(scale), 0.0)
-    return a, u, c
 
 
 def _sum_sets(x: Tensor, nsets: int, r: int) -> Tensor:
@@ -175,98 +102,6 @@ def _sum_sets(x: Tensor, nsets: int, r: int) -> Tensor:
     for i in range(2, nsets):
         out.add_(x[..., i * r : (i + 1) * r])
     return out
-
-
-_VP = ctypes.c_void_p
-_FEATURES = (_VP, _I64, _I64, _I64, _VP, _VP, _VP)
-_KEY_WEIGHTS = (_VP, _VP, _VP, _I64, _I64, _I64, _I64, ctypes.c_int, _F64P, _F64P, _F64P, _VP, _VP, _VP, _VP)
-_KEY_GRADS = (_VP, _VP, _VP, _VP, _VP, _I64, _I64, _I64, _VP, _VP, _VP)
-_DP = (_VP, _VP, _VP, _I64, _I64, _I64, _VP)
-_SIGS: dict[str, tuple[Any, ...]] = {
-    "ff_features": _FEATURES,
-    "ff_key_weights": _KEY_WEIGHTS,
-    "ff_prepare": _FEATURES + _KEY_WEIGHTS,
-    "ff_finish": (_VP, _I64, _I64, _VP, _VP),
-    "ff_gn": (_VP, _I64, _I64, _VP, _VP, _I64, _I64, _VP),
-    "ff_key_grads": _KEY_GRADS,
-    "ff_dp": _DP,
-    "ff_tail": _KEY_GRADS + _DP,
-}
-#: the C functions of a build per (build, float32?), argument types set once: Python ints and
-#: None are passed without building ctypes objects (a call's overhead ~2 µs instead of ~8)
-_FNS: dict[tuple[int, bool], dict[str, Any]] = {}
-_Fns = dict[str, Any] | None
-#: ``(C function, args(r0, r1) for rows [r0, r1), rows, entries a row)``: one C pass, ready to run
-_Plan = tuple[Any, Callable[[int, int], tuple[Any, ...]], int, int]
-_Three = tuple[Tensor, Tensor, Tensor]
-#: ``(vm, m, u, c)`` of the key weights
-_KeyWeights = tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]
-
-
-def _fns(x: Tensor) -> _Fns:
-    """The native functions for ``x``'s dtype (float32/float64 CPU tensors with storage), or None
-    where they do not apply (then the PyTorch ops run). Looked up once per forward / backward."""
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or not _native.has_storage(x):
-        return None
-    ff = _native.library("fourier_features")
-    if ff is None:
-        return None
-    f32 = x.dtype == torch.float32
-    key = (id(ff), f32)
-    fns = _FNS.get(key)
-    if fns is None:
-        fns = {}
-        for name, sig in _SIGS.items():
-            fn = getattr(ff, name + ("_f32" if f32 else "_f64"))
-            fn.argtypes, fn.restype = sig, None
-            fns[name] = fn
-        _FNS[key] = fns
-    return fns
-
-
-def _dense(fns: _Fns, *ts: Tensor | None) -> _Fns:
-    """``fns`` if every tensor of ``ts`` (``None`` skipped) is contiguous, else None."""
-    if fns is None or not all(t is None or t.is_contiguous() for t in ts):
-        return None
-    return fns
-
-
-def _check_rows(kernel: str, rows: int, args: tuple[tuple[str, Tensor | None, int], ...]) -> None:
-    """What a per-pass kernel (``ff_*``, ``lp_magnitude``) reads and writes: for each ``(name, tensor,
-    per_row)`` (``None`` skipped: NULL) ``rows × per_row`` dense entries of one dtype, the first tensor's.
-    A thread's ``[r0, r1)`` is an address offset by ``r0 × per_row`` entries and ``r1 − r0`` rows, so
-    the whole-range check covers every split."""
-    dtype = args[0][1].dtype if args[0][1] is not None else None
-    for name, t, per_row in args:
-        if t is not None:
-            require(kernel, name, t, dtype=t.dtype if dtype is None else dtype, numel=rows * per_row)
-
-
-def _run(plan: _Plan) -> None:
-    fn, args, rows, row_len = plan
-    _native.parallel_rows(lambda r0, r1: fn(*args(r0, r1)), rows, row_len)
-
-
-def _run2(fn: Any, a: _Plan, b: _Plan) -> None:
-    """Two passes by one C call ``fn`` (their arguments one after the other): one call's overhead
-    at small sizes; with threads, each thread takes the same fraction of both passes' rows."""
-    na, nb = a[2], b[2]
-    v = max(na, nb, 1)
-
-    def call(v0: int, v1: int) -> None:
-        fn(*a[1](v0 * na // v, v1 * na // v), *b[1](v0 * nb // v, v1 * nb // v))
-
-    _native.parallel_rows(call, v, (na * a[3] + nb * b[3]) // v)
-
-
-def _base(t: Tensor | None) -> int | None:
-    """``t``'s address (None for None). The closures that offset it hold ``t`` itself too (a
-    default argument): a buffer only referenced by address would be freed before the C call."""
-    return None if t is None else t.data_ptr()
-
-
-def _off(base: int | None, offset: int) -> int | None:
-    return None if base is None else base + offset
 
 
 def _features_plan(fns: dict[str, Any], pr: Tensor, nsets: int, r: int) -> tuple[_Three, _Plan]:
@@ -665,295 +500,6 @@ class _FusedFourier(torch.autograd.Function):
         return (dq, dk, dv, dw, dkw, None, None, None, None, None, None)
 
 
-# --- whole-call path for small sizes: the forward in one C call, the backward in one -------------
-
-_FWD_SIG = ([_VP] * 6 + [_I64] * 3 + [_VP] + [_I64] * 8 + [ctypes.c_int] + [_F64P] * 5 + [ctypes.c_int]
-            + [_VP] * 3)
-_BWD_SIG = ([_VP] * 6 + [_I64] * 3 + [_VP] + [_I64] * 3 + [_VP] + [_I64] * 8 + [ctypes.c_int] + [_F64P] * 2
-            + [_VP] * 6 + [_I64] * 2 + [ctypes.c_int])
-#: ``(fwd, bwd, save_size, work_size)`` per (build, float32?), argument types declared once
-_WHOLE: dict[tuple[int, bool], tuple[Any, Any, Any, Any]] = {}
-
-
-def _whole_fns(lib: ctypes.CDLL, f32: bool) -> tuple[Any, Any, Any, Any]:
-    key = (id(lib), f32)
-    hit = _WHOLE.get(key)
-    if hit is not None:
-        return hit
-    suffix = "f32" if f32 else "f64"
-    fwd, bwd = getattr(lib, "ffw_fwd_" + suffix), getattr(lib, "ffw_bwd_" + suffix)
-    fwd.argtypes, fwd.restype = _FWD_SIG, None
-    bwd.argtypes, bwd.restype = _BWD_SIG, None
-    sizes = lib.ffw_save_size, lib.ffw_work_size
-    for fn in sizes:
-        fn.argtypes, fn.restype = [_I64] * 6, _I64
-    _WHOLE[key] = (fwd, bwd, *sizes)
-    return _WHOLE[key]
-
-
-def _points_layout(points: Tensor, lead: tuple[int, ...]) -> tuple[Tensor, int, int, int]:
-    """``(w, wsb, wsh, hi)``: head ``g``'s points at ``w + (g // hi)·wsb + (g % hi)·wsh`` (elements),
-    rows of each head contiguous. Shared points: one ``(S·R, d)`` matrix, strides 0."""
-    sr, d = points.shape[-2:]
-    if all(s == 1 for s in points.shape[:-2]):
-        return points.reshape(sr, d).contiguous(), 0, 0, 1
-    if points.shape[:-2] == lead and len(lead) >= 2 and points.is_contiguous():  # per example and head
-        return points, lead[-1] * sr * d, sr * d, lead[-1]
-    if points.stride(-1) != 1 or points.stride(-2) != d:
-        points = points.contiguous()
-    inner = lead[-1]
-    try:
-        w4 = points.expand(*lead, sr, d).view(-1, inner, sr, d)  # no copy of broadcast points
-        return w4, w4.stride(0), w4.stride(1), inner
-    except RuntimeError:
-        w3 = points.expand(*lead, sr, d).reshape(-1, sr, d)
-        return w3, sr * d, 0, 1
-
-
-#: ``(fwd, bwd, save_size, work_size, gemm address, MKL thread setter address)``
-_WholeConfig = tuple[Any, Any, Any, Any, int, int]
-
-
-#: ``torch.finfo(dtype).max / 8`` (the key weights' cap) per dtype
-_CAP = {torch.float32: torch.finfo(torch.float32).max / 8, torch.float64: torch.finfo(torch.float64).max / 8}
-_SIZES: dict[tuple[int, tuple[int, ...]], int] = {}
-
-
-def _size(fn: Any, sizes: tuple[int, ...]) -> int:
-    """``fn(*sizes)`` (``ffw_save_size`` / ``ffw_work_size`` of a library :data:`_WHOLE` keeps
-    alive, a C call) once per sizes."""
-    key = (id(fn), sizes)
-    hit = _SIZES.get(key)
-    if hit is None:
-        hit = _SIZES[key] = int(fn(*sizes))
-    return hit
-
-
-_CHECKED_SIZES: dict[tuple[int, tuple[int, ...]], int] = {}
-
-
-def _kernel_size(fn: Any, sizes: tuple[int, ...]) -> int:
-    """``fn(*sizes)`` for :func:`check_whole`, from a cache of its own (not :func:`_size`'s: a size
-    the caller got wrong is not the size the check compares with)."""
-    key = (id(fn), sizes)
-    hit = _CHECKED_SIZES.get(key)
-    if hit is None:
-        if len(_CHECKED_SIZES) > 1024:
-            _CHECKED_SIZES.clear()
-        hit = _CHECKED_SIZES[key] = int(fn(*sizes))
-    return hit
-
-
-def _heads_split(g: int, work: int) -> int:
-    """Threads for ``g`` heads of ``work`` scores each (one below ``_native._MIN_PARALLEL`` entries)."""
-    return min(torch.get_num_threads(), g) if g * work >= _native._MIN_PARALLEL else 1
-
-
-def _each(threads: int, g: int, call: Callable[[int, int, int], None]) -> None:
-    """``call(t, g0, g1)`` for thread ``t``'s heads ``[g0, g1)``, the threads in parallel."""
-    if threads <= 1:
-        call(0, 0, g)
-        return
-    bounds = [g * i // threads for i in range(threads + 1)]
-    pool = _native._pool(threads)
-    futures = [pool.submit(call, t, bounds[t], bounds[t + 1]) for t in range(1, threads)]
-    call(0, bounds[0], bounds[1])
-    for fut in futures:
-        fut.result()
-
-
-def check_whole(
-    kernel: str, size_fns: tuple[Any, Any], sizes: tuple[int, ...], g: int, q: Tensor, k: Tensor, v: Tensor,
-    w: Dense, wsb: int, wsh: int, hi: int, save: Dense, out: Tensor, work: Dense, threads: int, *,
-    step: int | None = None,
-    mask: Tensor | None = None, dout: Tensor | None = None, dstrides: tuple[int, ...] = (),
-    grads: tuple[Tensor | None, ...] = (), dw: list[Tensor] | Dense | None = None, dsb: int = 0, dsh: int = 0,
-    shared: bool = False,
-) -> None:
-    """What ``ffw_fwd`` / ``ffw_bwd`` (``_native/fourier_features.c``) read and write for heads ``[0, g)``,
-    ``sizes = (Nq, Nk, d, Dv, R, S)``: ``q (g, Nq, d)``, ``k (g, Nk, d)``, ``v (g, Nk, Dv)``, ``out (g, Nq,
-    Dv)`` dense; head ``j``'s points ``S·R × d`` dense at ``w + (j // hi)·wsb + (j % hi)·wsh``, inside ``w``'s
-    storage for every head; ``mask (g, Nk)`` dense; ``ffw_save_size`` entries of ``save`` per head and
-    ``ffw_work_size`` of ``work`` per thread (``size_fns``: those two C functions; rows of ``step``
-    entries: a 2-D ``work``'s row length by
-    default); the backward's ``dout`` element ``(j, i, c)`` at ``j·ds₀ + i·ds₁ + c·ds₂``, the gradients
-    dense like their inputs, ``dw``: one ``(S·R, d)`` buffer per thread (``shared``) or head ``j``'s at
-    ``(j // hi)·dsb + (j % hi)·dsh``. The save and work sizes are the C functions' own
-    (:func:`_size`). A dense buffer is a tensor or ``(scratch, offset)`` (:func:`require_dense`)."""
-    nq, nk, d, dv, r, nsets = sizes
-    dtype, sr = q.dtype, r * nsets
-    for name, t, rows, cols in (("q", q, nq, d), ("k", k, nk, d), ("v", v, nk, dv), ("out", out, nq, dv)):
-        require(kernel, name, t, dtype=dtype, numel=g * rows * cols)
-    for name, grad, like in zip(("dq", "dk", "dv"), grads, (q, k, v)):
-        if grad is not None:
-            require(kernel, name, grad, dtype=dtype, numel=like.numel())
-    if mask is not None:
-        require(kernel, "mask", mask, dtype=dtype, numel=g * nk)
-    heads = ((g - 1) // hi + 1, min(hi, g), sr * d)
-    wt, w_at, w_end = (w[0], w[1], w[2] if len(w) > 2 else None) if isinstance(w, tuple) else (w, 0, None)
-    if not isinstance(w, tuple) and (w.stride(-1) != 1 or (w.shape[-2] > 1 and w.stride(-2) != d)
-                                     or w.shape[-2:] != (sr, d)):
-        raise fail(kernel, "w", f"shape "
-                   f"{tuple(w.shape)}, strides {w.stride()}: expected dense ({sr}, {d}) rows")
-    require_view(kernel, "w", wt, dtype=dtype, sizes=heads, strides=(wsb, wsh, 1), offset=w_at, limit=w_end)
-    per_save, per_work = _kernel_size(size_fns[0], sizes), _kernel_size(size_fns[1], sizes)
-    require_dense(kernel, "save", save, dtype=dtype, numel=g * per_save)
-    if isinstance(work, tuple):
-        row = per_work if step is None else step
-        require_size(kernel, "work step", row, at_least=per_work)
-        require_dense(kernel, "work", work, dtype=dtype, numel=(threads - 1) * row + per_work)
-    else:
-        require(kernel, "work", work, dtype=dtype, min_numel=threads * per_work)
-        require_size(kernel, "work rows", work.shape[0], at_least=threads)
-        require_size(kernel, "work row", work.shape[1], at_least=per_work)
-    if dout is not None:
-        require_view(kernel, "dout", dout, dtype=dtype, sizes=(g, nq, dv), strides=dstrides)
-    if isinstance(dw, list):
-        for t in dw:
-            if shared:
-                require(kernel, "dw", t, dtype=dtype, numel=sr * d)
-            else:
-                require_view(kernel, "dw", t, dtype=dtype, sizes=heads, strides=(dsb, dsh, 1))
-    elif isinstance(dw, tuple):
-        require_view(kernel, "dw", dw[0], dtype=dtype, sizes=heads, strides=(dsb, dsh, 1), offset=dw[1],
-                     limit=dw[2] if len(dw) > 2 else None)
-
-
-#: a dense buffer handed to C: a tensor, or ``(scratch, offset)`` (a region of a plan's scratch)
-Dense = Tensor | tuple[Tensor, int] | tuple[Tensor, int, int]
-
-
-@_native.untraced
-def whole_forward(
-    q: Tensor, k: Tensor, v: Tensor, points: Tensor, mask: Tensor | None, eps: float, coef: float, nsets: int,
-    p: float | None, scale: float, need_k: bool, cfg: _WholeConfig | None = None, zeroed: bool = False,
-) -> tuple[Tensor, Tensor]:
-    """``(out (*lead, Nq, dv), saved)``: the forward C call(s) (``ffw_fwd``) of :class:`_WholeFourier`
-    on contiguous ``q, k, v``; ``need_k``: keep what the magnitude's key gradient needs. ``cfg``: the C
-    functions and BLAS addresses (:func:`_whole_call`; looked up when None). ``zeroed``: the saved
-    buffer starts at zeros (the op's output: entries a configuration does not use are then defined).
-    The body of ``attnopt::ffw_fwd``."""
-    fwd, _, save_size, work_size, gemm, set_threads = _whole_config(q.dtype) if cfg is None else cfg
-    lead = q.shape[:-2] or (1,)
-    nq, nk, d, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
-    sr = points.shape[-2]
-    r = sr // nsets
-    g = math.prod(lead)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    w, wsb, wsh, hi = _points_layout(points, lead)
-    mk = None if mask is None else mask.expand(*lead, nk).contiguous()
-    sizes = (nq, nk, d, dv, r, nsets)
-    save = (q.new_zeros if zeroed else q.new_empty)(g, _size(save_size, sizes))
-    out = q.new_empty(*lead, nq, dv)
-    threads = _heads_split(g, nq * nk)
-    work = q.new_empty(threads, _size(work_size, sizes))
-    mode = -1 if p is None else _LP_MODES.get(p, 0)
-    cap = _CAP[q.dtype]
-    grad = int(p is not None and need_k)
-    c4 = coef**4
-    args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), w.data_ptr(), wsb, wsh, hi, _base(mk))
-    tail = (nq, nk, d, dv, r, nsets, mode, 1.0 if p is None else p, scale, cap, c4, eps, grad,
-            save.data_ptr(), out.data_ptr())
-    pw, step = work.data_ptr(), work.shape[1] * work.element_size()
-    check_whole("ffw_fwd", (save_size, work_size), sizes, g, q, k, v, w, wsb, wsh, hi, save, out, work,
-                threads, mask=mk)
-
-    if threads == 1:
-        fwd(gemm, set_threads, *args, 0, g, *tail, pw)
-    else:
-
-        def heads(t: int, g0: int, g1: int) -> None:
-            fwd(gemm, set_threads, *args, g0, g1, *tail, pw + t * step)
-
-        _each(threads, g, heads)
-    return out, save
-
-
-
-@_native.untraced
-def whole_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, points: Tensor, save: Tensor, out: Tensor, eps: float,
-    coef: float, nsets: int, magnitude: bool, need_q: bool, need_k: bool, need_v: bool, need_w: bool,
-    cfg: _WholeConfig | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(dQ, dK, dV, d points)`` of :func:`whole_forward` (``ffw_bwd``; a gradient not asked for is
-    empty). The body of ``attnopt::ffw_bwd``."""
-    cfg = _whole_config(q.dtype) if cfg is None else cfg
-    _, bwd, save_size, work_size, gemm, set_threads = cfg
-    lead = q.shape[:-2] or (1,)
-    w, wsb, wsh, hi = _points_layout(points, lead)
-    r = points.shape[-2] // nsets
-    c4 = coef**4
-    nq, nk, d, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
-    sr = w.shape[-2]
-    g = math.prod(lead)
-    if dout.dtype != out.dtype:
-        dout = dout.to(out.dtype)
-    # as (g, nq, dv) with its strides (an expanded scalar stays a view with strides 0)
-    d3 = dout.reshape(g, nq, dv) if not dout.is_contiguous() else dout
-    dstrides = (nq * dv, dv, 1) if d3 is dout else (d3.stride(0), d3.stride(1), d3.stride(2))
-    dq = torch.empty_like(q) if need_q else None
-    dk = torch.empty_like(k) if need_k else None
-    dvv = torch.empty_like(v) if need_v else None
-    threads = _heads_split(g, nq * nk)
-    work = q.new_empty(threads, _size(work_size, (nq, nk, d, dv, r, nsets)))
-    shared = wsb == 0 and wsh == 0
-    dwb: list[Tensor] = []
-    dsb = dsh = 0
-    if need_w:
-        if shared:
-            dwb = [q.new_zeros(sr, d) for _ in range(threads)]
-        else:
-            dwb = [q.new_empty(g, sr, d)]
-            dsb, dsh = (hi * sr * d, sr * d) if hi > 1 or wsb != sr * d else (sr * d, 0)
-    args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), w.data_ptr(), wsb, wsh, hi, d3.data_ptr(),
-            *dstrides, out.data_ptr())
-    tail = (nq, nk, d, dv, r, nsets, int(magnitude), c4, eps, save.data_ptr())
-    outs = (_base(dq), _base(dk), _base(dvv))
-    pw, step = work.data_ptr(), work.shape[1] * work.element_size()
-    check_whole("ffw_bwd", (save_size, work_size), (nq, nk, d, dv, r, nsets), g, q, k, v, w, wsb, wsh, hi,
-                save,
-                out, work,
-                threads, dout=d3, dstrides=dstrides, grads=(dq, dk, dvv), dw=dwb, dsb=dsb, dsh=dsh,
-                shared=shared)
-
-    if threads == 1:
-        pdw = None if not dwb else dwb[0].data_ptr()
-        bwd(gemm, set_threads, *args, 0, g, *tail, pw, *outs, pdw, dsb, dsh, int(shared))
-    else:
-
-        def heads(t: int, g0: int, g1: int) -> None:
-            pdw = None if not dwb else dwb[t if shared else 0].data_ptr()
-            bwd(gemm, set_threads, *args, g0, g1, *tail, pw + t * step, *outs, pdw, dsb, dsh, int(shared))
-
-        _each(threads, g, heads)
-    dw = None
-    if need_w:
-        if shared:
-            dw = dwb[0]
-            for extra in dwb[1:]:
-                dw += extra
-            dw = dw.view(points.shape)
-        else:
-            dw = dwb[0].view(*lead, sr, d)
-            if dw.shape != points.shape:
-                dw = dw.sum_to_size(points.shape)
-    return (q.new_empty(0) if dq is None else dq, k.new_empty(0) if dk is None else dk,
-            v.new_empty(0) if dvv is None else dvv,
-            q.new_empty(0) if dw is None else dw)
-
-
-
-
-def _whole_config(dtype: torch.dtype) -> _WholeConfig:
-    """The C functions and BLAS addresses of the whole call for ``dtype`` (the op bodies' lookup)."""
-    found = _native.blas()
-    lib = _native.library("fourier_features")
-    assert found is not None and lib is not None
-    f32 = dtype == torch.float32
-    return (*_whole_fns(lib, f32), found.sgemm if f32 else found.dgemm, found.set_threads)
-
-
 class _WholeFourier(torch.autograd.Function):
     r""":class:`_FusedFourier` with the key magnitude / mask computed inside (no given key weight),
     forward and backward each one C call per thread (``ffw_*`` in ``_native/fourier_features.c``:
@@ -968,10 +514,11 @@ class _WholeFourier(torch.autograd.Function):
         coef: float, nsets: int, p: float | None, scale: float, cfg: _WholeConfig,
     ) -> Tensor:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        need_k = ctx.needs_input_grad[1]
-        out, save = whole_forward(q, k, v, points, mask, eps, coef, nsets, p, scale, need_k, cfg)
+        out, save, layout = _forward_body(q, k, v, points, mask, eps, coef, nsets, p, scale,
+                                          ctx.needs_input_grad[1], cfg, False)
         ctx.cfg, ctx.args = cfg, (eps, coef, nsets, p is not None)
-        ctx.save_for_backward(q, k, v, points, save, out)
+        ctx.layout = (*layout[1:], layout[0].stride())
+        ctx.save_for_backward(q, k, v, points, save, out, layout[0])
         return out if q.shape[:-2] else out.view(*out.shape[-2:])
 
     @staticmethod
@@ -982,52 +529,16 @@ class _WholeFourier(torch.autograd.Function):
                 "kernel_attention's whole-call Fourier-feature node has no double backward "
                 "(create_graph=True)"
             )
-        need = ctx.needs_input_grad[:4]
-        q, k, v, points, save, out = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        q, k, v, points, save, out, w = ctx.saved_tensors
         eps, coef, nsets, mag = ctx.args
-        dq, dk, dv, dw = whole_backward(dout, q, k, v, points, save, out, eps, coef, nsets, mag, need[0],
-                                        need[1], need[2], need[3], cfg=ctx.cfg)
-        return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
-                dw if need[3] else None, None, None, None, None, None, None, None)
-
-
-def _whole_call(
-    q: Tensor, k: Tensor, v: Tensor, points: Tensor, key_mask: Tensor | None
-) -> _WholeConfig | None:
-    """The whole-call configuration where :class:`_WholeFourier` applies, else None: CPU
-    float32/64 tensors of one dtype with storage, no dispatch mode active (a FLOP counter sees the
-    node's products), q, k, v of one batch shape, ``0 < B·H·Nq·Nk <=
-    kernel_wholecall_below``, ``Nq·Nk <= kernel_wholecall_max_head_scores``, the C kernels and
-    :func:`attnopt._native.blas` there."""
-    dtype = q.dtype
-    if dtype not in (torch.float32, torch.float64) or q.device.type != "cpu":
-        return None
-    nq, nk = q.shape[-2], k.shape[-2]
-    size = math.prod(q.shape[:-2]) * nq * nk
-    t = THRESHOLDS
-    if not 0 < size <= t.kernel_wholecall_below or nq * nk > t.kernel_wholecall_max_head_scores:
-        return None
-    if q.shape[-1] == 0 or v.shape[-1] == 0 or points.shape[-2] == 0:
-        return None
-    # (explicit tests, no generators: this runs on every call at N = 64, where a call is ~0.4 ms)
-    if k.dtype != dtype or v.dtype != dtype or points.dtype != dtype:
-        return None
-    if not (k.is_cpu and v.is_cpu and points.is_cpu):
-        return None
-    if key_mask is not None and (key_mask.dtype != dtype or not key_mask.is_cpu):
-        return None
-    if not (_native.has_storage(q, k, v) and _native.has_storage(points, key_mask)):
-        return None
-    # under a dispatch mode (FlopCounterMode, the claims' PeakMemory) the node's aten ops are seen;
-    # the products inside the C call would not be
-    if torch._C._len_torch_dispatch_stack():
-        return None
-    found = _native.blas()
-    lib = _native.library("fourier_features") if found is not None else None
-    if lib is None or found is None:
-        return None
-    f32 = dtype == torch.float32
-    return (*_whole_fns(lib, f32), found.sgemm if f32 else found.dgemm, found.set_threads)
+        wsb, wsh, hi, strides = ctx.layout
+        # the forward's points layout, unless a saved-tensor hook gave w back with other strides (a
+        # materialized copy of a broadcast view): then the layout is recomputed from the points
+        layout = (w, wsb, wsh, hi) if w.stride() == strides else None
+        dq, dk, dv, dw = _backward_body(dout, q, k, v, points, save, out, eps, coef, nsets, mag, need[0],
+                                        need[1], need[2], need[3], ctx.cfg, layout)
+        return dq, dk, dv, dw, None, None, None, None, None, None, None
 
 
 def _stack_sets(ws: list[Tensor], dtype: torch.dtype) -> Tensor:
@@ -1085,65 +596,3 @@ def fused_fourier_magnitude_attention(
     out: Tensor = _FusedFourier.apply(q, k, v, points, None, key_mask, float(eps), float(coef),
                                       nsets, pp, float(scale))
     return out
-
-
-# --- the whole call as torch.library ops (issue 30 item 2) ------------------------------------------
-
-
-@torch.library.custom_op("attnopt::ffw_fwd", mutates_args=(), device_types="cpu")
-def ffw_fwd(
-    q: Tensor, k: Tensor, v: Tensor, points: Tensor, mask: Tensor | None, eps: float, coef: float, nsets: int,
-    p: float | None, scale: float, need_k: bool,
-) -> tuple[Tensor, Tensor]:
-    """``(out (*lead, Nq, dv), saved)`` of Fourier-feature kernel attention, one C call per thread
-    (:func:`whole_forward`)."""
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    return whole_forward(q, k, v, points, mask, eps, coef, nsets, p, scale, need_k, zeroed=True)
-
-
-@ffw_fwd.register_fake
-def _(q: Tensor, k: Tensor, v: Tensor, points: Tensor, mask: Tensor | None, eps: float,  # noqa: ARG001
-      coef: float, nsets: int, p: float | None, scale: float, need_k: bool) -> tuple[Tensor, Tensor]:  # noqa: ARG001
-    lead = q.shape[:-2] or (1,)
-    nq, nk, d, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
-    # ffw_save_size of fourier_features.c, written out (symbolic sizes; opcheck compares it with the C)
-    sr = points.shape[-2]
-    r = sr // nsets
-    save = nq * nk + (nq + nk) * 2 * r + 2 * (nq + nk) * sr + nk + nk * d + nk + nq
-    return q.new_empty(*lead, nq, dv), q.new_empty(math.prod(lead), save)
-
-
-@torch.library.custom_op("attnopt::ffw_bwd", mutates_args=(), device_types="cpu")
-def ffw_bwd(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, points: Tensor, save: Tensor, out: Tensor, eps: float,
-    coef: float, nsets: int, magnitude: bool, need_q: bool, need_k: bool, need_v: bool, need_w: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(dQ, dK, dV, d points)`` of :func:`ffw_fwd` (:func:`whole_backward`)."""
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    return whole_backward(dout, q, k, v, points, save, out, eps, coef, nsets, magnitude, need_q, need_k,
-                          need_v, need_w)
-
-
-@ffw_bwd.register_fake
-def _(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, points: Tensor, save: Tensor, out: Tensor,  # noqa: ARG001
-      eps: float, coef: float, nsets: int, magnitude: bool, need_q: bool, need_k: bool,  # noqa: ARG001
-      need_v: bool, need_w: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return (q.new_empty(q.shape if need_q else (0,)), k.new_empty(k.shape if need_k else (0,)),
-            v.new_empty(v.shape if need_v else (0,)), points.new_empty(points.shape if need_w else (0,)))
-
-
-def _ffw_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, points, _, eps, coef, nsets, p, _, _ = inputs
-    out, save = output
-    ctx.args = eps, coef, nsets, p is not None
-    ctx.save_for_backward(q, k, v, points, save, out)
-
-
-def _ffw_backward(ctx: Any, dout: Tensor, *_unused: Tensor | None) -> tuple[Tensor | None, ...]:
-    need = ctx.needs_input_grad[:4]
-    dq, dk, dv, dw = torch.ops.attnopt.ffw_bwd(dout, *ctx.saved_tensors, *ctx.args, *need)
-    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
-            dw if need[3] else None, None, None, None, None, None, None, None)
-
-
-ffw_fwd.register_autograd(_ffw_backward, setup_context=_ffw_setup)

@@ -16,16 +16,15 @@ follows ``randomness`` (``"same"``: the plain call's noise, ``"different"``: a s
 """
 from __future__ import annotations
 
-import ctypes
 import math
 import struct
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from attnopt import _native
 from attnopt._native.checks import require
+from attnopt.functional.kernel._normal_c import _SUFFIX, seeded_fill
 
 __all__ = ["draw_seed", "gaussian_noise", "noise_from_seed", "seeded_fill"]
 
@@ -72,12 +71,18 @@ def draw_seed(generator: torch.Generator | None) -> Tensor:
 def noise_from_seed(seed: Tensor, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> Tensor:
     """The draw of ``seed`` (:func:`draw_seed`) as a CPU tensor of ``shape``: float32 values, stored as
     ``dtype`` (float32 or float64). The C fill where it runs (a plain CPU seed, eager), else the
-    PyTorch mirror (same bits): traced code never reaches the untraced C frame, so
-    ``torch.compile(fullgraph=True)`` has no graph break here."""
-    if not torch.compiler.is_compiling() and seed.is_cpu and not _WRAPPED(seed):
-        out = _native_noise(seed, shape, dtype)
-        if out is not None:
+    PyTorch mirror (same bits). Traced (``torch.compile``, ``torch.export``) with a CPU seed: the op
+    ``attnopt::normal_fill`` (the C fill at run time, or the mirror without the library), one node of
+    the graph; on other devices the mirror's ops."""
+    if torch.compiler.is_compiling():
+        if seed.device.type == "cpu" and dtype in _SUFFIX:
+            out: Tensor = torch.ops.attnopt.normal_fill(seed, list(shape), dtype)
             return out
+        return _mirror(seed, shape).to(dtype)
+    if seed.is_cpu and not _WRAPPED(seed):
+        native = _native_noise(seed, shape, dtype)
+        if native is not None:
+            return native
     return _mirror(seed, shape).to(dtype)
 
 
@@ -113,22 +118,6 @@ def _check_normal_fill(seed: Tensor, out: Tensor, dtype: torch.dtype) -> None:
     """What ``normal_fill_at_*`` reads and writes: one int64 seed, ``out.numel()`` dense ``dtype`` entries."""
     require("normal_fill_at", "seed", seed, dtype=torch.int64, numel=1)
     require("normal_fill_at", "out", out, dtype=dtype)
-
-
-def seeded_fill(dtype: torch.dtype) -> Any:
-    """``normal_fill_at_{f32,f64}(seed address, out address, n)`` of ``_native/normal.c``, or None
-    (no compiler, ``ATTNOPT_NATIVE=0``, a dtype other than float32 / float64)."""
-    lib = _native.library("normal")
-    if lib is None or dtype not in _SUFFIX:
-        return None
-    fn = getattr(lib, f"normal_fill_at_{_SUFFIX[dtype]}")
-    if fn.restype is not None:  # argument types declared once per library object (ctypes' default: c_int)
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-        fn.restype = None
-    return fn
-
-
-_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 
 
 def _lsr(z: Tensor, s: int) -> Tensor:

@@ -48,6 +48,7 @@ from torch import Tensor
 from attnopt import _native
 from attnopt._native.checks import fail, require, require_size, require_view
 from attnopt.functional._autograd import refuse_double_backward
+from attnopt.functional._thresholds import THRESHOLDS
 
 __all__ = ["library", "native_periodic_attention"]
 
@@ -63,7 +64,16 @@ def library(*tensors: Tensor | None) -> ctypes.CDLL | None:
         return None
     if not _native.has_storage(*tensors):
         return None
-    return _native.library("periodic")
+    lib = _native.library("periodic")
+    if lib is not None:
+        READY[0] = True
+    return lib
+
+
+#: ``[True]`` once an eager call found ``periodic.c`` (:func:`library`): the traced router reads it (a
+#: constant to dynamo; the library lookup itself would break the graph) before it puts
+#: ``attnopt::px_fwd`` in a graph (:func:`traced_periodic_attention`)
+READY = [False]
 
 
 def _functions(lib: ctypes.CDLL, dtype: torch.dtype) -> tuple[Any, Any, Any]:
@@ -112,15 +122,15 @@ def _check_px(
     dtype = q.dtype
     require_size(kernel, "h1", h1, at_least=h0 + 1, at_most=bh)
     require_size(kernel, "h0", h0, at_least=0)
-    require(kernel, "s", s, dtype=dtype, numel=(h1 - h0) * nq * nk)
-    if dp is not None:
-        require(kernel, "dp", dp, dtype=dtype, numel=(h1 - h0) * nq * nk)
-    if sc is not None:
-        require(kernel, "sc", sc, dtype=dtype, numel=bh * nq * nk)
-    require(kernel, "q", q, dtype=dtype, numel=bh * nq * d)
-    require(kernel, "k", k, dtype=dtype, numel=bh * nk * d)
-    if e is not None:
-        require(kernel, "e", e, dtype=dtype, numel=bh * nk)
+    rows = (h1 - h0) * nq * nk
+    dense: tuple[tuple[str, Tensor | None, int], ...] = (
+        ("s", s, rows), ("dp", dp, rows), ("sc", sc, bh * nq * nk), ("q", q, bh * nq * d),
+        ("k", k, bh * nk * d), ("e", e, bh * nk), ("aux", aux, bh * 2 * nk),
+        ("state", state, 2 * bh * nq), ("rs", rs, bh * nq), ("colsums", colsums, 2 * bh * nk))
+    if dout is not None and out is not None:
+        dv = out.shape[-1]
+        dense += (("dout", dout, bh * nq * dv), ("out", out, bh * nq * dv))
+    _require_dense(kernel, dtype, dense)
     if mask is not None:
         if mask.dim() != 3 or mask.shape[2] != nk or (nk > 1 and mask.stride(2) != 1):
             raise fail(kernel, "mask", f"shape "
@@ -128,16 +138,16 @@ def _check_px(
                                       "unit key stride")
         require_view(kernel, "mask", mask, dtype=dtype, sizes=((bh - 1) // max(rep, 1) + 1, nq, nk),
                      strides=(mask.stride(0), mask.stride(1), 1))
-    require(kernel, "aux", aux, dtype=dtype, numel=bh * 2 * nk)
-    require(kernel, "state", state, dtype=dtype, numel=2 * bh * nq)
-    if dout is not None and out is not None:
-        dv = out.shape[-1]
-        require(kernel, "dout", dout, dtype=dtype, numel=bh * nq * dv)
-        require(kernel, "out", out, dtype=dtype, numel=bh * nq * dv)
-    if rs is not None:
-        require(kernel, "rs", rs, dtype=dtype, numel=bh * nq)
-    if colsums is not None:
-        require(kernel, "colsums", colsums, dtype=dtype, numel=2 * bh * nk)
+
+
+def _require_dense(kernel: str, dtype: torch.dtype,
+                   dense: tuple[tuple[str, Tensor | None, int], ...]) -> None:
+    """:func:`require` (``numel`` exact, contiguous) on each ``(name, tensor or None, numel)``: the tests
+    inline, :func:`require` only to name a failure (~10 tensors a pass at N = 64, where a call's Python
+    is a large share of its time)."""
+    for name, t, n in dense:
+        if t is not None and not (t.dtype is dtype and t.is_cpu and t.is_contiguous() and t.numel() == n):
+            require(kernel, name, t, dtype=dtype, numel=n)
 
 
 def _check_px_fin(gq: Tensor | None, q: Tensor, rs: Tensor, gk: Tensor | None, k: Tensor,
@@ -146,10 +156,9 @@ def _check_px_fin(gq: Tensor | None, q: Tensor, rs: Tensor, gk: Tensor | None, k
     (BH, Nq)``, ``colsums (2, BH, Nk)``."""
     bh, nq, d = q.shape
     nk = k.shape[1]
-    for name, t, n in (("dq", gq, bh * nq * d), ("q", q, bh * nq * d), ("rs", rs, bh * nq),
-                       ("dk", gk, bh * nk * d), ("k", k, bh * nk * d), ("colsums", colsums, 2 * bh * nk)):
-        if t is not None:
-            require("px_fin", name, t, dtype=q.dtype, numel=n)
+    _require_dense("px_fin", q.dtype, (("dq", gq, bh * nq * d), ("q", q, bh * nq * d), ("rs", rs, bh * nq),
+                                       ("dk", gk, bh * nk * d), ("k", k, bh * nk * d),
+                                       ("colsums", colsums, 2 * bh * nk)))
 
 
 @_native.untraced
@@ -165,14 +174,16 @@ def periodic_forward(
     the backward at N = 64); ``e`` (BH, 1, Nk) contiguous or None; mask (G, Nq, Nk) with unit
     key stride, constant, or None (row ``i`` of the batch reads ``mask[i // rep]``);
     ``om2 = ω²``, ``c``, ``s`` (0: no L2 magnitude); ``save``: keep ``P`` and ``sin θ/θ`` for the
-    backward (else the backward recomputes them from ``S``); ``step``: heads per chunk; ``lead``:
-    the output's batch dims. Gradients come back in the inputs' shapes.
+    backward (else the backward recomputes them from ``S``); ``step``: heads per chunk (<= 0:
+    ``THRESHOLDS.periodic_chunk_bytes`` of scores per thread, as :func:`native_periodic_attention`;
+    the traced op's choice); ``lead``: the output's batch dims. Gradients come back in the inputs' shapes.
     """
     lib = _native.library("periodic")
     assert lib is not None
     nq, d, nk, dv = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
     q, k, v = q.view(-1, nq, d), k.view(-1, nk, d), v.view(-1, nk, dv)
     bh = q.shape[0]
+    step = step if step > 0 else _step(q, k, THRESHOLDS.periodic_chunk_bytes)
     fwd = _functions(lib, q.dtype)[0]
     threads = torch.get_num_threads()
     p = q.new_empty(bh if save else min(step, bh), nq, nk)
@@ -216,6 +227,7 @@ def periodic_backward(
     q, k, v = q.reshape(-1, nq, d), k.reshape(-1, nk, d), v.reshape(-1, nk, dv)
     recompute = int(p_all.numel() == 0)
     bh = q.shape[0]
+    step = step if step > 0 else _step(q, k, THRESHOLDS.periodic_chunk_bytes)
     _, bwd, fin = _functions(lib, q.dtype)
     threads = torch.get_num_threads()
     do = dout.to(q.dtype).contiguous().view(bh, nq, dv)
@@ -312,10 +324,31 @@ def native_periodic_attention(
     ``(*batch, Nq, dv)``."""
     if mask is not None and mask.stride(-1) != 1:
         mask = mask.contiguous()
-    block = q.shape[-2] * k.shape[-2] * q.element_size()
-    step = max(1, chunk_bytes * max(1, torch.get_num_threads()) // max(block, 1))
-    out: Tensor = _NativePeriodic.apply(q, k, v, e, mask, rep, om2, c, s, save, step, batch)
+    out: Tensor = _NativePeriodic.apply(q, k, v, e, mask, rep, om2, c, s, save, _step(q, k, chunk_bytes),
+                                        batch)
     return out
+
+
+def _step(q: Tensor, k: Tensor, chunk_bytes: int) -> int:
+    """Heads per chunk: ``chunk_bytes`` of scores per thread."""
+    block = q.shape[-2] * k.shape[-2] * q.element_size()
+    return max(1, chunk_bytes * max(1, torch.get_num_threads()) // max(block, 1))
+
+
+def traced_periodic_attention(
+    q: Tensor, k: Tensor, v: Tensor, e: Tensor | None, mask: Tensor | None, rep: int, om2: float, c: float,
+    s: float, save: bool, batch: tuple[int, ...],
+) -> Tensor:
+    """:func:`native_periodic_attention` while ``torch.compile`` / ``torch.export`` traces: the op
+    ``attnopt::px_fwd`` (backward ``attnopt::px_bwd`` by its ``register_autograd``), one node in the
+    graph (``chunk_bytes``: THRESHOLDS.periodic_chunk_bytes, which the op reads at run time). Returns
+    ``(*batch, Nq, dv)``."""
+    if mask is not None and mask.stride(-1) != 1:
+        mask = mask.contiguous()
+    # (step 0: the op body takes the chunk from THRESHOLDS and the thread count at run time: the thread
+    # count is not a traceable value)
+    out = torch.ops.attnopt.px_fwd(q, k, v, e, mask, rep, om2, c, s, save, 0)[0]
+    return out.view(*batch, *out.shape[-2:])
 
 
 # --- the passes as torch.library ops (issue 30 item 2) ---------------------------------------------

@@ -53,17 +53,17 @@ from attnopt._validation import _finite_fns, check_finite
 from attnopt.functional import dispatch
 from attnopt.functional._autograd import refuse_double_backward
 from attnopt.functional._thresholds import THRESHOLDS
-from attnopt.functional.kernel.fourier import (
+from attnopt.functional.kernel._fourier_c import _LP_MODES
+from attnopt.functional.kernel._fourier_whole import (
     _CAP,
-    _LP_MODES,
     _each,
     _heads_split,
     _size,
     _whole_call,
     check_whole,
 )
-from attnopt.functional.kernel.gaussian_noise import seeded_fill
-from attnopt.functional.kernel.spectral_cpu import (
+from attnopt.functional.kernel._normal_c import seeded_fill
+from attnopt.functional.kernel._spectral_c import (
     _PLAIN,
     _WRAPPED,
     _functions,
@@ -72,7 +72,7 @@ from attnopt.functional.kernel.spectral_cpu import (
     _shapes,
     check_sample,
 )
-from attnopt.functional.kernel.spectral_cpu import library as sampler_library
+from attnopt.functional.kernel._spectral_c import library as sampler_library
 
 __all__ = ["sampled_fourier_attention"]
 
@@ -160,7 +160,11 @@ def _check_sampled(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, params: tuple[T
                    scratch: Tensor) -> None:
     """The call's tensors against the shape its plan was made for: ``q (B, H, Nq, d)``, ``k (B, H, Nk, d)``,
     ``v (B, H, Nk, Dv)`` contiguous, the parameters' shapes, the scratch of ``plan.scratch`` entries (the
-    regions of each C call are checked before it, by :func:`check_sample` and :func:`check_whole`)."""
+    regions of each C call are checked before it, by :func:`check_sample` and :func:`check_whole`). The
+    parameters' shapes, dtype, layout and device are the plan's: :func:`_still_applies` (or
+    :func:`_checked_plan`) checked them in this call, the only way to :func:`_apply` (no user code runs
+    in between), so neither this nor the forward's :func:`check_sample` repeats that 16–48-tensor loop;
+    the backward's does (``p.data = ...`` between the passes keeps the objects)."""
     _, b, h, _, d, _ = plan.dims
     nq, nk, _, dv = plan.fwd_tail[:4]
     kernel = "sampled_fourier"
@@ -169,8 +173,8 @@ def _check_sampled(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, params: tuple[T
             raise fail(kernel, name, f"shape "
                        f"{tuple(t.shape)}, the plan's {shape}")
         require(kernel, name, t, dtype=q.dtype)
-    if tuple(p.shape for p in params) != plan.param_shapes:
-        raise fail(kernel, None, "parameter shapes differ from the plan's")
+    if len(params) != len(plan.param_shapes):
+        raise fail(kernel, None, f"{len(params)} parameters, the plan's {len(plan.param_shapes)}")
     require(kernel, "scratch", scratch, dtype=q.dtype, numel=plan.scratch)
 
 
@@ -216,7 +220,7 @@ class _SampledFourier(torch.autograd.Function):
                      (scratch, plan.at_noise, plan.scratch) if ne is None else ne, (ns, nb,
                                                                                     nh), rc, params, nsets,
                      (scratch, plan.at_ws, plan.at_save), pts=(scratch, plan.at_pts, plan.at_kl),
-                     kl=(scratch, plan.at_kl, plan.at_ws), klm=klm)
+                     kl=(scratch, plan.at_kl, plan.at_ws), klm=klm, params_checked=True)
         if plan.sample_fwd(*plan.dims, k.data_ptr(), k.shape[2], base + plan.at_h * size, noise_at,
                            ns, nb, nh, None if rc is None else rc.data_ptr(),
                            paddrs, plan.scales, pts, base + plan.at_kl * size, klm.data_ptr(),
@@ -305,7 +309,7 @@ class _SampledFourier(torch.autograd.Function):
                                                                                      nh), rc, params, nsets,
                      (scratch, plan.at_ws, plan.at_save), gpts=(bscratch, 0,
                                                                 _aligned(b * h * sr * d)), gkl=dkl,
-                     gks=0, nkeys=k.shape[2], dkeys=dk, draw=draw, grads=every)
+                     gks=0, nkeys=k.shape[2], dkeys=dk, draw=draw)  # (every: empty_like of checked params)
         if plan.sample_bwd(*plan.dims, base + plan.at_h * size, noise_at, ns, nb, nh,
                            None if rc is None else rc.data_ptr(), paddrs, plan.scales,
                            base + plan.at_ws * size, dpts, dkl.data_ptr(), 0, b, None, k.shape[2], outs[1], 1,

@@ -30,14 +30,14 @@ from torch import Tensor, nn
 from attnopt import _func
 from attnopt._validation import host_readable
 from attnopt.functional._autograd import double_backward
-from attnopt.functional.kernel.spectral_reference import (
+from attnopt.functional.kernel._spectral_plain import (
     _LS_MAX,
     _LS_MIN,
     _PER_SET,
     copula_factor,
     sample_plain,
 )
-from attnopt.functional.kernel.spectral_reference import strictly_lower as _strictly_lower
+from attnopt.functional.kernel._spectral_plain import strictly_lower as _strictly_lower
 
 __all__ = ["copula_factor", "fusable", "spectral_sample_node"]
 
@@ -215,7 +215,7 @@ def spectral_sample_node(
     h: Tensor, noise: Tensor, copula_raw: Tensor | None, scales: tuple[float, ...], params: list[Tensor],
 ) -> tuple[Tensor, Tensor]:
     """``(points, kl)`` by :class:`_SpectralSample` (inside ``torch.func`` transforms: the plain ops
-    of :mod:`.spectral_reference`, the node being ctx-style with no vmap or forward-mode rule)."""
+    of :mod:`._spectral_plain`, the node being ctx-style with no vmap or forward-mode rule)."""
     if not _func.under_transform():
         out: tuple[Tensor, Tensor] = _SpectralSample.apply(h, noise, copula_raw, scales, *params)
         return out

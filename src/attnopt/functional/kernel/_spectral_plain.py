@@ -1,4 +1,5 @@
-r"""The implicit spectral densities' sampler in plain autograd ops: the readable oracle (internal).
+r"""The implicit spectral densities' sampler in plain autograd ops: the readable oracle (a helper of the
+:mod:`.spectral` node and the :mod:`.spectral_cpu` sampler, not chosen by the router itself).
 
 implicit-kernel-attention eq. 6–8 and the analytic KL of eq. 5, set by set, with the Gaussian
 copula of MIKAN (see :mod:`.spectral` for the equations): the function that the fused node of
