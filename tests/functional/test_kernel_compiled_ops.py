@@ -53,10 +53,9 @@ def _qkv(b: int = 2, h: int = 3, n: int = 8, dtype: torch.dtype = torch.float32)
 
 
 def _whole_ready() -> None:
-    """An eager whole call (what sets ``_fourier_whole.WHOLE_READY``), or a skip without the library."""
-    q, k, v = _qkv()
-    kernel_attention(q, k, v, kernel=_kernels()["ika_s"])
-    if not _fourier_whole.WHOLE_READY[0]:
+    """A skip without the whole call's library / BLAS (no eager call first: the traced router asks
+    :func:`attnopt._native.ready` at trace time)."""
+    if not _fourier_whole.whole_ready():
         pytest.skip("no C library / BLAS for the whole call")
 
 
@@ -155,12 +154,10 @@ def test_export_in_eval_holds_the_op() -> None:
 
 
 def _periodic_ready() -> None:
-    """An eager fused Expsin call (what sets ``periodic_cpu.READY``), or a skip without the library."""
+    """A skip without the Expsin library (no eager call first, as :func:`_whole_ready`)."""
     from attnopt.functional.kernel import periodic_cpu
 
-    q, k, v = _qkv()
-    kernel_attention(q, k, v, kernel=Periodic(2 * math.pi))
-    if not periodic_cpu.READY[0]:
+    if not periodic_cpu.ready():
         pytest.skip("no C library for the Expsin passes")
 
 

@@ -307,13 +307,16 @@ def _load(name: str) -> ctypes.CDLL | None:
 
 
 @torch._dynamo.assume_constant_result
-def ready(name: str) -> bool:
-    """Whether :func:`library` gives ``name`` now — readable while ``torch.compile`` / ``torch.export``
-    trace: dynamo runs this function at trace time (it builds or loads the library through ctypes,
-    which a traced region cannot) and keeps its answer as a constant of the graph (so, unlike
-    :func:`library`, it does not answer ``None`` merely because dynamo is tracing). The routers ask
-    it before they put an ``attnopt::`` op into a graph; plain eager code asks :func:`library`."""
-    return _BACKEND[0] != "reference" and not _env_off() and _load(name) is not None
+def ready(*names: str) -> bool:
+    """Whether :func:`library` gives every one of ``names`` now (``"blas"``: whether :func:`blas`
+    finds PyTorch's BLAS) — readable while ``torch.compile`` / ``torch.export`` trace: dynamo runs
+    this function at trace time (it builds or loads the libraries through ctypes, which a traced
+    region cannot) and keeps its answer as a constant of the graph (so, unlike :func:`library`, it
+    does not answer ``None`` merely because dynamo is tracing). The routers ask it before they put
+    an ``attnopt::`` op into a graph; plain eager code asks :func:`library`."""
+    if _BACKEND[0] == "reference" or _env_off():
+        return False
+    return all((_blas_once() if name == "blas" else _load(name)) is not None for name in names)
 
 
 def _pool(workers: int) -> ThreadPoolExecutor:
@@ -391,6 +394,11 @@ def blas() -> Blas | None:
     """
     if switched_off():
         return None
+    return _blas_once()
+
+
+def _blas_once() -> Blas | None:
+    """:func:`blas` without the switches (looked up once)."""
     if not _BLAS:
         with _LOCK:
             if not _BLAS:

@@ -27,7 +27,7 @@ form (:mod:`.linear`) and the plain log-domain ops (:func:`_quadratic`, also ``b
 Under ``torch.compile`` / ``torch.export`` on CPU tensors a call the eager router would give to the
 whole call becomes the op ``attnopt::ffw_fwd`` (backward ``attnopt::ffw_bwd``) in the graph, a fused
 Expsin call ``attnopt::px_fwd`` (``px_bwd``), once an eager call has found the C library
-(``_fourier_whole.WHOLE_READY``, ``periodic_cpu.READY``: nothing about the library is read while tracing);
+(:func:`attnopt._native.ready`, answered at trace time: no ctypes inside the traced region);
 other traced calls run the plain ops.
 """
 from __future__ import annotations
@@ -69,7 +69,7 @@ from attnopt.functional.kernel import (
     spectral,
     spectral_cpu,
 )
-from attnopt.functional.kernel._fourier_whole import WHOLE_READY, whole_applies
+from attnopt.functional.kernel._fourier_whole import whole_applies, whole_ready
 from attnopt.functional.kernel.chunked import chunked_feature_kernel_attention
 from attnopt.functional.kernel.fourier import fused_fourier_attention, fused_fourier_magnitude_attention
 from attnopt.functional.kernel.linear import linear_kernel_attention
@@ -347,9 +347,9 @@ def _traced_fourier(
 ) -> Tensor | None:
     """:func:`_fused_fourier` while ``torch.compile`` / ``torch.export`` traces: the whole-call op
     ``attnopt::ffw_fwd`` (backward ``attnopt::ffw_bwd``) where the eager call would run the whole call
-    (CPU tensors, the same size rules, an eager call found the C library: ``WHOLE_READY``), else
+    (CPU tensors, the same size rules, the C library there: :func:`whole_ready`), else
     None (the caller's plain ops). Nothing here reads tensor memory or loads a library."""
-    if not WHOLE_READY[0] or q.device.type != "cpu" or k.device.type != "cpu" or v.device.type != "cpu":
+    if not whole_ready() or q.device.type != "cpu" or k.device.type != "cpu" or v.device.type != "cpu":
         return None
     if under_transform():
         return None
@@ -393,7 +393,7 @@ def _periodic(
     traced = torch.compiler.is_compiling()
     if traced:
         devices = {x.device.type for x in (q, k, v, attn_mask) if x is not None}
-        if not (periodic_cpu.READY[0] and devices == {"cpu"} and compute in (torch.float32, torch.float64)) \
+        if not (periodic_cpu.ready() and devices == {"cpu"} and compute in (torch.float32, torch.float64)) \
                 or under_transform():
             return None
     elif not has_storage(q, k, v, attn_mask):

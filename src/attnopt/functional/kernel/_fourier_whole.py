@@ -330,10 +330,11 @@ def whole_backward(
             v.new_empty(0) if dv is None else dv, q.new_empty(0) if dw is None else dw)
 
 
-#: ``[True]`` once an eager call found the whole call's C library and BLAS (:func:`_whole_call`): the
-#: traced routers read it (a plain module constant to dynamo; the ctypes lookups themselves would
-#: break the graph), so a compiled graph holds ``attnopt::ffw_*`` where an eager call could have run it
-WHOLE_READY = [False]
+def whole_ready() -> bool:
+    """Whether the whole call's C library and BLAS are there, readable while ``torch.compile`` /
+    ``torch.export`` trace (:func:`attnopt._native.ready`: answered at trace time, a constant of the
+    graph), so a compiled graph holds ``attnopt::ffw_*`` where an eager call could have run it."""
+    return _native.ready("fourier_features", "blas")
 
 
 def _whole_config(dtype: torch.dtype) -> _WholeConfig:
@@ -381,7 +382,6 @@ def _whole_call(
     if lib is None or found is None:
         return None
     f32 = dtype == torch.float32
-    WHOLE_READY[0] = True
     return (*_whole_fns(lib, f32), found.sgemm if f32 else found.dgemm, found.set_threads)
 
 

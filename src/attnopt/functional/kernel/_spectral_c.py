@@ -55,15 +55,13 @@ def library(
         if (p.shape != shape or p.dtype is not dt or type(p) not in _PLAIN or not p.is_contiguous()
                 or not p.is_cpu or _WRAPPED(p)):
             return None
-    lib = _native.library("spectral_sample")
-    if lib is not None:
-        READY[0] = True
-    return lib
+    return _native.library("spectral_sample")
 
 
-#: ``[True]`` once an eager call found ``spectral_sample.c`` (:func:`library`): the traced router
-#: reads it (a constant to dynamo) before it puts ``attnopt::ss_fwd`` in a graph (:func:`traced_applies`)
-READY = [False]
+def ready() -> bool:
+    """Whether ``spectral_sample.c`` is built, readable while ``torch.compile`` / ``torch.export`` trace
+    (:func:`attnopt._native.ready`: answered at trace time, a constant of the graph)."""
+    return _native.ready("spectral_sample")
 
 
 def traced_applies(
@@ -72,9 +70,9 @@ def traced_applies(
     """:func:`library`'s rules while ``torch.compile`` / ``torch.export`` traces, without what tracing
     cannot read (storage, the library, the thread count): CPU float32/64 tensors of one dtype, stock
     parameter shapes, at most ``THRESHOLDS.spectral_threaded_max_points`` base points (the eager rule
-    with more than one thread), an eager call found the library (:data:`READY`)."""
+    with more than one thread), an eager call found the library (:func:`ready`)."""
     dt = h.dtype
-    if not READY[0] or dt not in _DTYPES or h.dim() < 2 or not params or len(params) % 8:
+    if not ready() or dt not in _DTYPES or h.dim() < 2 or not params or len(params) % 8:
         return False
     if noise.dtype != dt or (raw is not None and raw.dtype != dt):
         return False

@@ -64,16 +64,13 @@ def library(*tensors: Tensor | None) -> ctypes.CDLL | None:
         return None
     if not _native.has_storage(*tensors):
         return None
-    lib = _native.library("periodic")
-    if lib is not None:
-        READY[0] = True
-    return lib
+    return _native.library("periodic")
 
 
-#: ``[True]`` once an eager call found ``periodic.c`` (:func:`library`): the traced router reads it (a
-#: constant to dynamo; the library lookup itself would break the graph) before it puts
-#: ``attnopt::px_fwd`` in a graph (:func:`traced_periodic_attention`)
-READY = [False]
+def ready() -> bool:
+    """Whether ``periodic.c`` is built, readable while ``torch.compile`` / ``torch.export`` trace
+    (:func:`attnopt._native.ready`: answered at trace time, a constant of the graph)."""
+    return _native.ready("periodic")
 
 
 def _functions(lib: ctypes.CDLL, dtype: torch.dtype) -> tuple[Any, Any, Any]:
