@@ -306,7 +306,6 @@ def _load(name: str) -> ctypes.CDLL | None:
         return _LIBS[name]
 
 
-@torch._dynamo.assume_constant_result
 def ready(*names: str) -> bool:
     """Whether :func:`library` gives every one of ``names`` now (``"blas"``: whether :func:`blas`
     finds PyTorch's BLAS) — readable while ``torch.compile`` / ``torch.export`` trace: dynamo runs
@@ -317,6 +316,11 @@ def ready(*names: str) -> bool:
     if _BACKEND[0] == "reference" or _env_off():
         return False
     return all((_blas_once() if name == "blas" else _load(name)) is not None for name in names)
+
+
+# what torch._dynamo.assume_constant_result(ready) does (torch marks its own justknobs_check the
+# same way), without importing torch._dynamo when attnopt is imported
+ready._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _pool(workers: int) -> ThreadPoolExecutor:
