@@ -131,7 +131,8 @@ def test_native_matches_pytorch_path(case: str, data: st.DataObject) -> None:
             assert got is None and want is None or (got if want is None else want).abs().max() == 0
             continue
         # gradients sum many rows' terms: float32 rounding of an exact 0 (a single admissible key)
-        # reaches ~1e-5, so their absolute tolerance is wider
+        # reaches ~1e-4 (hypothesis found 1.06e-4 for dq of one key with 16 Fourier points, d = 8,
+        # where the PyTorch path's own rounding was 3.5e-5), so their absolute tolerance is wider
         scale = max(1.0, float(want.abs().max()))
-        gtol = dict(rtol=1e-3, atol=1e-4) if dtype == torch.float32 else tol
+        gtol = dict(rtol=1e-3, atol=3e-4) if dtype == torch.float32 else tol
         torch.testing.assert_close(got / scale, want / scale, **gtol)
