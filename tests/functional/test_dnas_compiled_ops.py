@@ -19,27 +19,7 @@ import torch
 import attnopt
 from attnopt.functional.doubly_normalized import cpu
 from tests._marks import needs_native
-
-
-class _Recorder:
-    """A dynamo backend that runs AOT autograd and records the call targets of the forward and
-    backward graphs (as ``aot_eager`` would run them)."""
-
-    def __init__(self) -> None:
-        self.targets: list[str] = []
-
-    def __call__(self, gm: torch.fx.GraphModule, inputs: list) -> Callable:
-        from functorch.compile import make_boxed_func
-        from torch._functorch.aot_autograd import aot_module_simplified
-
-        def record(g: torch.fx.GraphModule, _: list) -> Callable:
-            self.targets += [str(n.target) for n in g.graph.nodes if n.op == "call_function"]
-            return make_boxed_func(g.forward)
-
-        return aot_module_simplified(gm, inputs, fw_compiler=record, bw_compiler=record)
-
-    def count(self, name: str) -> int:
-        return sum(t.startswith(name) for t in self.targets)
+from tests.functional._graphs import Recorder
 
 
 def _qkv(b: int = 2, h: int = 3, nq: int = 5, nk: int = 6, dtype: torch.dtype = torch.float32) -> list:
@@ -66,7 +46,7 @@ def _hn(w: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> Callable:
                                                                causal="plan")
 
 
-def _compiled_and_reference(fn: Callable, leaves: list, rec: _Recorder) -> None:
+def _compiled_and_reference(fn: Callable, leaves: list, rec: Recorder) -> None:
     """Compiled values and gradients (w.r.t. ``leaves``) equal the reference's (float32)."""
     q, k, v = leaves[:3]
     torch._dynamo.reset()
@@ -85,7 +65,7 @@ def test_compiled_graph_holds_the_op_and_matches_the_reference(hnas: bool) -> No
     q, k, v = _qkv()
     w = torch.tensor([0.2, 0.5, 0.9], requires_grad=True)
     fn = _hn(w, None, False) if hnas else _dn(None, False)
-    rec = _Recorder()
+    rec = Recorder()
     _compiled_and_reference(fn, [q, k, v, w] if hnas else [q, k, v], rec)
     assert rec.count("attnopt.dn_fwd") == 1 and rec.count("attnopt.dn_bwd") == 1, rec.targets
 
@@ -99,7 +79,7 @@ def test_compiled_masks_and_causal(mask: str, causal: bool, hnas: bool) -> None:
     m = _masks(nq=6, nk=6)[mask]
     w = torch.tensor(0.4, requires_grad=True)
     fn = _hn(w, m, causal) if hnas else _dn(m, causal)
-    rec = _Recorder()
+    rec = Recorder()
     _compiled_and_reference(fn, [q, k, v, w] if hnas else [q, k, v], rec)
     assert rec.count("attnopt.dn_fwd") == 1 and rec.count("attnopt.dn_bwd") == 1
 
@@ -135,11 +115,11 @@ def test_underflow_fallback_under_compile_equals_the_reference(hnas: bool) -> No
             return attnopt.hybrid_normalized_attention(q, k, v, w, scale=1.0)
         return attnopt.doubly_normalized_attention(q, k, v, scale=1.0)
 
-    rec = _Recorder()
+    rec = Recorder()
     _compiled_and_reference(fn, [q, k, v, w] if hnas else [q, k, v], rec)
     assert rec.count("attnopt.dn_fwd") == 1 and rec.count("cond") == 0, rec.targets
     torch._dynamo.reset()
-    rec = _Recorder()
+    rec = Recorder()
     with torch.no_grad():
         got = torch.compile(fn, fullgraph=True, backend=rec)(q, k, v)
         with attnopt.backend("reference"):
@@ -184,7 +164,7 @@ def test_export_in_eval_holds_the_op(hnas: bool) -> None:
 def test_other_cases_keep_the_reference_under_compile(iterations: int, dtype: torch.dtype) -> None:
     q, k, v = _qkv(dtype=dtype)
     fn = lambda q, k, v: attnopt.doubly_normalized_attention(q, k, v, iterations=iterations)  # noqa: E731
-    rec = _Recorder()
+    rec = Recorder()
     _compiled_and_reference(fn, [q, k, v], rec)
     assert rec.count("attnopt.") == 0, rec.targets
 
@@ -219,6 +199,6 @@ def test_the_op_ran_its_c_passes(monkeypatch: pytest.MonkeyPatch) -> None:
         real = getattr(cpu, name)
         monkeypatch.setattr(cpu, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
     q, k, v = _qkv()
-    rec = _Recorder()
+    rec = Recorder()
     _compiled_and_reference(_dn(None, False), [q, k, v], rec)
     assert calls == ["dn_forward", "dn_backward"]

@@ -18,26 +18,7 @@ import torch
 from attnopt.functional.kernel import _fourier_whole, kernel_attention
 from attnopt.kernels import NonStationaryFourier, Periodic, RandomFourier
 from tests._marks import needs_native
-
-
-class _Recorder:
-    """A dynamo backend running AOT autograd that records the call targets of both graphs."""
-
-    def __init__(self) -> None:
-        self.targets: list[str] = []
-
-    def __call__(self, gm: torch.fx.GraphModule, inputs: list) -> Callable:
-        from functorch.compile import make_boxed_func
-        from torch._functorch.aot_autograd import aot_module_simplified
-
-        def record(g: torch.fx.GraphModule, _: list) -> Callable:
-            self.targets += [str(n.target) for n in g.graph.nodes if n.op == "call_function"]
-            return make_boxed_func(g.forward)
-
-        return aot_module_simplified(gm, inputs, fw_compiler=record, bw_compiler=record)
-
-    def count(self, name: str) -> int:
-        return sum(t.startswith(name) for t in self.targets)
+from tests.functional._graphs import Recorder, compiled_equals_eager
 
 
 def _kernels() -> dict[str, object]:
@@ -75,16 +56,7 @@ def test_compiled_graph_holds_the_whole_call_op(name: str, p: float | None, mask
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return kernel_attention(q, k, v, kernel=kernel, magnitude_p=p, attn_mask=mask)
 
-    q, k, v = _qkv(dtype=dtype)
-    want = fn(q, k, v)
-    rec = _Recorder()
-    torch._dynamo.reset()
-    got = torch.compile(fn, fullgraph=True, backend=rec)(q, k, v)
-    torch.testing.assert_close(got, want)
-    go = torch.randn(got.shape, generator=torch.Generator().manual_seed(2), dtype=dtype)
-    for a, b in zip(torch.autograd.grad(got, (q, k, v), go), torch.autograd.grad(want, (q, k, v), go),
-                    strict=True):
-        torch.testing.assert_close(a, b)
+    rec = compiled_equals_eager(fn, tuple(_qkv(dtype=dtype)))
     assert rec.count("attnopt.ffw_fwd") == 1
     assert rec.count("attnopt.ffw_bwd") == 1
 
@@ -103,7 +75,7 @@ def test_points_gradient_through_the_op() -> None:
 
     q, k, v = _qkv()
     want = fn(q, k, v)
-    rec = _Recorder()
+    rec = Recorder()
     torch._dynamo.reset()
     got = torch.compile(fn, fullgraph=True, backend=rec)(q, k, v)
     leaves = (q, k, v, w1, w2)
@@ -123,7 +95,7 @@ def test_outside_the_whole_call_keeps_the_plain_ops(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(THRESHOLDS, "kernel_wholecall_below", 1)
     kernel = _kernels()["ika_s"]
     q, k, v = _qkv()
-    rec = _Recorder()
+    rec = Recorder()
     torch._dynamo.reset()
     got = torch.compile(lambda q, k, v: kernel_attention(q, k, v, kernel=kernel), fullgraph=True,
                         backend=rec)(q, k, v)
@@ -178,16 +150,7 @@ def test_compiled_expsin_holds_the_px_ops(p: float | None, masked: bool, causal:
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return kernel_attention(q, k, v, kernel=kernel, magnitude_p=p, attn_mask=mask, is_causal=causal)
 
-    q, k, v = _qkv(dtype=dtype)
-    want = fn(q, k, v)
-    rec = _Recorder()
-    torch._dynamo.reset()
-    got = torch.compile(fn, fullgraph=True, backend=rec)(q, k, v)
-    torch.testing.assert_close(got, want)
-    go = torch.randn(got.shape, generator=torch.Generator().manual_seed(2), dtype=dtype)
-    for a, b in zip(torch.autograd.grad(got, (q, k, v), go), torch.autograd.grad(want, (q, k, v), go),
-                    strict=True):
-        torch.testing.assert_close(a, b)
+    rec = compiled_equals_eager(fn, tuple(_qkv(dtype=dtype)))
     assert rec.count("attnopt.px_fwd") == 1
     assert rec.count("attnopt.px_bwd") == 1
 
@@ -256,7 +219,7 @@ def test_compiled_sampled_module_holds_the_sampler_noise_and_attention_ops(varia
 
     want, want_grads = run(mod)
     _whole_ready()
-    rec = _Recorder()
+    rec = Recorder()
     torch._dynamo.reset()
     got, got_grads = run(torch.compile(mod, fullgraph=True, backend=rec))
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
