@@ -253,3 +253,22 @@ def test_fake_device_public_ops_no_sync_constant_ops(name: str, fake_device: tor
         counts.append(c)
     assert counts[0]["syncs"] == 0 and counts[1]["syncs"] == 0
     assert counts[0]["ops"] == counts[1]["ops"]
+
+
+@pytest.mark.parametrize("name", ["dnas", "sparsemax"])
+def test_fake_device_query_padding_no_sync(name: str, fake_device: torch.device) -> None:
+    """A query-padding mask on a mechanism that normalizes over queries (``dnas``) adds its
+    ``-inf`` rows without reading the padding on the host; the output matches the CPU's."""
+    torch.manual_seed(0)
+    module = make_attention(name, 16, 2)
+    x = torch.randn(2, 6, 16)
+    pad = torch.zeros(2, 6, dtype=torch.bool)
+    pad[1, 4:] = True
+    want = module(x, x, x, query_padding_mask=pad)[0]
+    module_dev = make_attention(name, 16, 2).to(fake_device)
+    module_dev.load_state_dict(module.state_dict())
+    with fd.counting() as counts:
+        out = module_dev(fd.to_device(x), fd.to_device(x), fd.to_device(x),
+                         query_padding_mask=fd.to_device(pad))[0]
+    assert counts["syncs"] == 0
+    _close(fd.to_cpu(out), want)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from attnopt._validation import check_finite
+from attnopt._validation import check_finite, host_readable
 
 __all__ = ["MultiheadBase", "merge_masks", "query_padding"]
 
@@ -282,7 +282,9 @@ class MultiheadBase(nn.Module):
         if bias is not None:
             mask = bias if mask is None else bias + mask
         rows = None if qpad is None else qpad.view(qpad.shape[0], 1, qpad.shape[1], 1)
-        if rows is not None and self.couples_queries and bool(rows.any()):  # normalizations skip them
+        # normalizations skip padded query rows; off the CPU / compiling the mask is added
+        # unconditionally (zeros where nothing is padded): no host read of the padding
+        if rows is not None and self.couples_queries and (not host_readable(rows) or bool(rows.any())):
             qadd = torch.zeros(rows.shape, dtype=q.dtype, device=q.device).masked_fill_(rows, float("-inf"))
             mask = qadd if mask is None else mask + qadd
         if self.couples_queries:
