@@ -14,7 +14,7 @@ from attnopt.functional import generalized
 from attnopt.functional._thresholds import THRESHOLDS
 from attnopt.functional.generalized import cpu as native
 from attnopt.functional.generalized import generalized_attention
-from attnopt.functional.generalized.toeplitz import mark_toeplitz, toeplitz_offsets
+from attnopt.functional.generalized._toeplitz import mark_toeplitz, toeplitz_offsets
 from attnopt.nn.preference import T5RelativePreference
 from tests._marks import needs_native
 from tests.reference.generalized import generalized_attention_ref

@@ -11,7 +11,7 @@ from attnopt import _native
 from attnopt.functional import dispatch
 from attnopt.functional._thresholds import THRESHOLDS
 from attnopt.functional.generalized import generalized_attention
-from attnopt.functional.generalized.toeplitz import mark_toeplitz_table
+from attnopt.functional.generalized._toeplitz import mark_toeplitz_table
 from attnopt.nn.preference import ALiBiPreference, T5RelativePreference, _T5Bias
 from tests.reference.generalized import generalized_attention_ref
 

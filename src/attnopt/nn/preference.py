@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from attnopt import _func, _native
 from attnopt._native.checks import fail, require, require_view
 from attnopt.functional._thresholds import THRESHOLDS
-from attnopt.functional.generalized.toeplitz import mark_toeplitz, mark_toeplitz_table
+from attnopt.functional.generalized._toeplitz import mark_toeplitz, mark_toeplitz_table
 
 __all__ = [
     "PreferenceModule",
@@ -89,7 +89,7 @@ class T5RelativePreference(PreferenceModule):
         autograd node from the ``num_buckets × H`` table (laid out in C where the native kernels
         run; its backward sums the gradient over diagonals into the buckets); the offset → bucket
         table is cached per (Nq, Nk, device). The returned tensor carries the table and the
-        bucket of each offset (:mod:`attnopt.functional.generalized.toeplitz`): the C paths of
+        bucket of each offset (:mod:`attnopt.functional.generalized._toeplitz`): the C paths of
         generalized attention read the bias from them and send the gradient to the table
         directly — so ``torch.autograd.grad(out, bias)`` for this very tensor finds it unused
         there; ask for the gradient of the table, or of a copy (``bias.clone()`` is an ordinary

@@ -30,9 +30,9 @@ from attnopt.functional import triton as gpu
 from attnopt.functional._denormal import sdpa
 from attnopt.functional._thresholds import THRESHOLDS
 from attnopt.functional.generalized import cpu, materialized, reference
+from attnopt.functional.generalized._toeplitz import causal_toeplitz, toeplitz_offsets, toeplitz_table
 from attnopt.functional.generalized.bias import check_log_preference_values, preference_to_log, score_bias
 from attnopt.functional.generalized.streaming import biased_flash_attention, flash_bias_available
-from attnopt.functional.generalized.toeplitz import causal_toeplitz, toeplitz_offsets, toeplitz_table
 
 __all__ = [
     "biased_flash_attention",
@@ -192,7 +192,7 @@ def generalized_attention(
         dispatch.record("generalized_kernel", "node")
         return biased_softmax_attention(q, k, v, bias, alpha)
     if is_causal and log_preference is not None and attn_mask is None and bias is not None:
-        bias = causal_toeplitz(log_preference, bias)  # a relative-position bias stays one (see .toeplitz)
+        bias = causal_toeplitz(log_preference, bias)  # a relative-position bias stays one (see ._toeplitz)
     path = _path(q, k, v, bias, dropout_p, impl)
     if path == "materialized":
         dispatch.record("generalized_kernel", "node")

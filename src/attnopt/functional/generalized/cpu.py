@@ -5,7 +5,7 @@ The same math and chunking as :class:`.materialized._BiasedSoftmax`
 ``Nq × Nk`` elementwise pass of a chunk in one C call that works row by row while the row is in
 L1, and the bias read where it lies (a ``(1, H, Nq, Nk)`` bias is shared by the batch: no copy
 per chunk). A relative-position bias (T5, ALiBi) that carries its values per offset ``j − i``
-(:mod:`.toeplitz`, read by the router) is read from those, ``(H, Nq + Nk − 1)``: row ``i`` is
+(:mod:`._toeplitz`, read by the router) is read from those, ``(H, Nq + Nk − 1)``: row ``i`` is
 the window from ``Nq − 1 − i``, a few kB that stay in L1, and its gradient collects into
 per-thread sums by offset (no ``(H, Nq, Nk)`` gradient, no diagonal-sum pass after).
 
@@ -459,7 +459,7 @@ def native_biased_softmax(
     """``softmax(scale·QKᵀ + bias) V`` on contiguous ``(B, H, N, ·)`` q, k, v and a 4-D bias
     broadcastable to ``(B, H, Nq, Nk)`` (same dtype; see :func:`library`).
 
-    ``offsets``: the bias's per-offset values (the router's :func:`.toeplitz.toeplitz_offsets`) where it
+    ``offsets``: the bias's per-offset values (the router's :func:`._toeplitz.toeplitz_offsets`) where it
     is a ``(1, H|1, Nq, Nk)`` Toeplitz bias; then they are read instead of the bias and get
     its gradient."""
     nq, nk = q.shape[-2], k.shape[-2]
@@ -685,7 +685,7 @@ def fused_attention(
     """``softmax(scale·QKᵀ + log_u (+ causal)) V`` by :class:`_FusedBiasedSoftmax` where it applies,
     else ``None`` (then nothing was checked or run).
 
-    It applies to a relative-position ``log_u`` marked by :mod:`.toeplitz` (T5's ``table`` =
+    It applies to a relative-position ``log_u`` marked by :mod:`._toeplitz` (T5's ``table`` =
     ``(weights, buckets)``, else ALiBi's per-offset ``offsets``: the router reads the marks),
     ``q, k, v`` CPU float32/64 tensors with storage of one shape ``(B, H, N, ·)`` and dtype,
     ``0 < B·H·Nq·Nk <= limit`` and ``Nq·Nk <= head_limit``, under autograd with an input that

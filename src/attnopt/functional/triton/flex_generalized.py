@@ -5,7 +5,7 @@ r"""Generalized attention with a preference through FlexAttention (fenchel-dual-
 and a ``block_mask`` for ``is_causal`` (whole blocks above the diagonal are skipped):
 
 * a relative-position bias (T5's buckets, ALiBi: the tensor carries its per-offset values,
-  :mod:`attnopt.functional.generalized.toeplitz`) is read as ``offsets[h, j − i + Nq − 1]`` — O(N) per head,
+  :mod:`attnopt.functional.generalized._toeplitz`) is read as ``offsets[h, j − i + Nq − 1]`` — O(N) per head,
   and the gradient reaches the offsets, hence T5's bucket table / ALiBi's slopes;
 * any other bias (a learned key preference ``(B, H, 1, Nk)``, key padding, a full preference) is
   read through a stride-0 view ``bias[b, h, i, j]`` of its own shape — nothing is expanded;
@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from attnopt._validation import additive_mask, broadcast_shapes
-from attnopt.functional.generalized.toeplitz import toeplitz_offsets
+from attnopt.functional.generalized._toeplitz import toeplitz_offsets
 from attnopt.functional.triton._shapes import _to4
 
 __all__ = ["flex_generalized_attention"]
