@@ -24,17 +24,21 @@ The one router (this file) picks an implementation; each lives in its own file a
 another:
 
 * :mod:`.reference` — plain PyTorch, log domain, any device: ``attnopt.backend("reference")``,
-  ``torch.func`` transforms, meta tensors, a mask that requires grad, and (below the crossover)
-  every tensor that cannot be read on the host (off the CPU, e.g. the fake-device fixture; while
-  ``torch.compile`` / ``torch.export`` trace, but for the op below: no host sync, no loop over
-  batch × heads); also the recomputation when a fast kernel reports an underflowing normalizer
-  (rare, never silent).
+  ``torch.func`` transforms (but for the ops below), meta tensors, a mask that requires grad, and
+  (below the crossover) every tensor that cannot be read on the host (off the CPU, e.g. the
+  fake-device fixture; while ``torch.compile`` / ``torch.export`` trace, but for the op below: no
+  host sync, no loop over batch × heads); also the recomputation when a fast kernel reports an
+  underflowing normalizer (rare, never silent).
 * under ``torch.compile`` / ``torch.export`` (below the crossover) with CPU float32 tensors and
   K = 1 (DNAS, HNAS; any mask that does not require grad, ``is_causal``): the C passes as the one
   op ``torch.ops.attnopt.dn_fwd`` (:mod:`.cpu`; its registered backward ``dn_bwd``); on an
   underflow, or without the C library where the graph runs, the ops recompute in the log domain
-  (this reference) inside their bodies — :func:`_compiled_op`. Sinkhorn-K (K >= 2), float64 and half
-  keep the reference under compile. Plain eager calls keep the autograd Functions below (the
+  (this reference) inside their bodies — :func:`_op_call`. The same ops run under ``torch.func``
+  ``vmap`` and one ``grad`` / ``vjp`` / ``jacrev`` level (``vmap(grad(f))``: per-example
+  gradients), through :data:`cpu.TRANSFORM_FUNCTION` and the ops' batching rules
+  (:mod:`attnopt.functional._func_ops`); ``jvp`` / ``jacfwd`` / ``hessian`` / nested ``grad`` keep
+  the reference. Sinkhorn-K (K >= 2), float64 and half keep the reference under compile and
+  ``torch.func``. Plain eager calls keep the autograd Functions below (the
   Python ``custom_op`` dispatch costs tens of µs a call).
 * ``impl="materialized"`` (``auto`` below ``dispatch.CROSSOVERS``), host-readable CPU tensors:
   :mod:`.cpu` (the C passes: K = 1, float32, from ``THRESHOLDS.dnas_native_min_entries``),
@@ -77,6 +81,7 @@ from attnopt.functional import dispatch
 from attnopt.functional import triton as gpu
 from attnopt.functional._autograd import records_graph, under_transform
 from attnopt.functional._dropout import check_dropout_p, dropout_attention
+from attnopt.functional._func_ops import transforms_supported
 from attnopt.functional._thresholds import THRESHOLDS
 from attnopt.functional.doubly_normalized import cpu, flash_cpu, materialized, reference, scaling, streaming
 from attnopt.functional.doubly_normalized import prefix as prefix
@@ -195,21 +200,31 @@ def _materialized(
     return out.to(orig)
 
 
-def _compiled_op(
+def _transform_op_applies(q: Tensor, k: Tensor, v: Tensor, iterations: int, weight: Tensor | None) -> bool:
+    """Under ``torch.func``: whether the C passes run as ops (K = 1, float32 CPU tensors, ``vmap``
+    levels and at most one ``grad`` level, no autograd around them:
+    :func:`attnopt.functional._func_ops.transforms_supported`)."""
+    return (iterations == 1 and q.dtype == torch.float32 and k.dtype == v.dtype == torch.float32
+            and q.device.type == "cpu" and transforms_supported(q, k, v, weight))
+
+
+def _op_call(
     q: Tensor, k: Tensor, v: Tensor, weight: Tensor | None, attn_mask: Tensor | None, scale: float,
-    is_causal: bool, batch: tuple[int, ...],
+    is_causal: bool, batch: tuple[int, ...], transformed: bool,
 ) -> Tensor:
-    """Under ``torch.compile`` / ``torch.export`` (K = 1, float32 CPU tensors): the C passes as the
-    one op ``attnopt::dn_fwd`` (its registered autograd runs ``attnopt::dn_bwd``). An underflowing
-    normalizer, or no C library where the graph runs, is answered inside the ops (they recompute in
-    the log domain, :data:`cpu.FALLBACK`), so the graph holds no data-dependent branch."""
+    """K = 1, float32 CPU tensors, under ``torch.compile`` / ``torch.export`` or (``transformed``)
+    ``torch.func``: the C passes as the one op ``attnopt::dn_fwd`` (backward ``attnopt::dn_bwd``;
+    under ``torch.func`` through :data:`cpu.TRANSFORM_FUNCTION`, with the ops' batching rules). An
+    underflowing normalizer, or no C library where the op runs, is answered inside the ops (they
+    recompute in the log domain, :data:`cpu.FALLBACK`), so a graph holds no data-dependent branch."""
     nq, nk, dv = q.shape[-2], k.shape[-2], v.shape[-1]
     mask = additive_mask(attn_mask, (*batch, nq, nk), torch.float32)
     m = None if mask is None else mask.detach()
     w = None if weight is None else weight.to(torch.float32)
     qkv = [x if tuple(x.shape[:-2]) == batch else x.expand(*batch, *x.shape[-2:]) for x in (q, k, v)]
     (q4, k4, v4), w4, m4 = _as_4d(qkv, w, m, batch)
-    out: Tensor = torch.ops.attnopt.dn_fwd(q4, k4, v4, w4, m4, is_causal, scale)[0]
+    fwd = cpu.TRANSFORM_FUNCTION.apply if transformed else torch.ops.attnopt.dn_fwd
+    out: Tensor = fwd(q4, k4, v4, w4, m4, is_causal, scale)[0]
     return out.reshape(*batch, nq, dv)
 
 
@@ -222,8 +237,11 @@ def _route(
     answer); records the choice in ``last_dispatch``."""
     grad_mask = isinstance(attn_mask, Tensor) and attn_mask.requires_grad and torch.is_grad_enabled()
     if forced or under_transform() or q.is_meta or grad_mask:
-        # torch.func transforms (the fused Functions have no vmap rule and are ctx-style), meta tensors
-        # (the fused paths read values) and a differentiable mask: the plain ops (as SDPA's math kernel)
+        if not (forced or q.is_meta or grad_mask) and _transform_op_applies(q, k, v, iterations, weight):
+            dispatch.record(mech, "materialized")  # vmap / one grad level: the C passes as ops
+            return _op_call(q, k, v, weight, attn_mask, scale, is_causal, _batch_shape(q, k, v), True)
+        # other torch.func transforms (the fused Functions are ctx-style), meta tensors (the fused
+        # paths read values) and a differentiable mask: the plain ops (as SDPA's math kernel)
         return reference.attention(q, k, v, iterations, weight, attn_mask, scale, is_causal)
     if gpu.wanted(q):  # the Triton kernels (attnopt.functional.triton): CUDA, or backend("triton")
         return _on_triton(mech, q, k, v, iterations, weight, attn_mask, scale, is_causal)
@@ -237,7 +255,7 @@ def _route(
         if not host_readable(q):  # off the CPU / compiling: one graph, no host read
             if torch.compiler.is_compiling() and iterations == 1 and q.dtype == torch.float32 \
                     and v.dtype == torch.float32 and q.device.type == "cpu":
-                return _compiled_op(q, k, v, weight, attn_mask, scale, is_causal, batch)
+                return _op_call(q, k, v, weight, attn_mask, scale, is_causal, batch, False)
             return reference.attention(q, k, v, iterations, weight, attn_mask, scale, is_causal)
         return _materialized(q, k, v, iterations, weight, attn_mask, scale, is_causal, batch)
     run = flash_cpu.run_passes if flash_cpu.flash_available(q) else None

@@ -54,9 +54,10 @@ from torch import Tensor
 from attnopt import _native
 from attnopt._native.checks import fail, require, require_size
 from attnopt.functional._autograd import reduce_to, refuse_double_backward
+from attnopt.functional._func_ops import merge_batch, split_batch, transform_function
 from attnopt.functional._thresholds import THRESHOLDS
 
-__all__ = ["library", "native_sinkhorn", "no_grad_small"]
+__all__ = ["TRANSFORM_FUNCTION", "library", "native_sinkhorn", "no_grad_small"]
 
 _I64, _INT = ctypes.c_int64, ctypes.c_int
 
@@ -461,3 +462,44 @@ def _dn_backward(ctx: Any, dout: Tensor, *_unused: Tensor | None) -> tuple[Tenso
 
 
 dn_fwd.register_autograd(_dn_backward, setup_context=_dn_setup)
+
+
+# --- under torch.func: the ops' batching rules and a transform-friendly Function ------------------
+
+
+@dn_fwd.register_vmap
+def _dn_fwd_vmap(info: Any, in_dims: tuple, q: Tensor, k: Tensor, v: Tensor, w: Tensor | None,
+                 mask: Tensor | None, causal: bool, scale: float) -> tuple[tuple, tuple]:
+    """``vmap`` of :func:`dn_fwd`: the vmapped examples folded into ``B`` (one call); the per-head
+    state ``(B·H, ·)`` splits back per example, ``ok`` (one flag for the call) is shared."""
+    size, lead = info.batch_size, q.shape[1] if in_dims[0] is not None else q.shape[0]
+    args = [merge_batch(x, d, size, lead) for x, d in zip((q, k, v, w, mask), in_dims[:5], strict=True)]
+    res = torch.ops.attnopt.dn_fwd(*args, causal, scale)
+    parts = [split_batch(x, size) for x in res]
+    return tuple(x for x, _ in parts), tuple(d for _, d in parts)
+
+
+@dn_bwd.register_vmap
+def _dn_bwd_vmap(info: Any, in_dims: tuple, dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
+                 w: Tensor | None, mask: Tensor | None, m: Tensor, beta: Tensor, u: Tensor, alpha: Tensor,
+                 binv: Tensor, ok: Tensor, causal: bool, scale: float, need_w: bool) -> tuple[tuple, tuple]:
+    """``vmap`` of :func:`dn_bwd` (see :func:`_dn_fwd_vmap`); per-example ``ok`` flags are all-reduced
+    (a flag False anywhere recomputes the whole call in the log domain: the same gradients)."""
+    size = info.batch_size
+    lead = dout.shape[1] if in_dims[0] is not None else dout.shape[0]
+    heads = lead * q.shape[-3]
+    four = [merge_batch(x, d, size, lead) for x, d in zip((dout, q, k, v, w, mask), in_dims[:6], strict=True)]
+    state = [x if x.numel() == 0 and d is None else merge_batch(x, d, size, heads)
+             for x, d in zip((m, beta, u, alpha, binv), in_dims[6:11], strict=True)]
+    flag = ok.all() if in_dims[11] is not None else ok
+    res = torch.ops.attnopt.dn_bwd(*four, *state, flag, causal, scale, need_w)
+    parts = [split_batch(x, size) for x in res]
+    return tuple(x for x, _ in parts), tuple(d for _, d in parts)
+
+
+#: :func:`dn_fwd` with its registered backward as a setup-context-style Function, which
+#: ``torch.func.grad`` / ``vjp`` / ``jacrev`` and ``vmap`` accept (:mod:`attnopt.functional._func_ops`)
+TRANSFORM_FUNCTION = transform_function(
+    torch.ops.attnopt.dn_fwd, _dn_setup, _dn_backward, "doubly_normalized_attention (C passes)",
+    "use doubly_normalized_weights / hybrid_normalized_weights(q, k, ...) @ v (plain ops)",
+)
