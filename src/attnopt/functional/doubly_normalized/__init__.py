@@ -267,6 +267,7 @@ def _route(
     return w * dn + (1 - w) * ln
 
 
+@dispatch.profiled
 def doubly_normalized_attention(
     q: Tensor,
     k: Tensor,
@@ -384,6 +385,7 @@ def _use_prefix(causal: object, is_causal: bool, impl: str, iterations: int) -> 
     return use
 
 
+@dispatch.profiled
 def doubly_normalized_weights(
     q: Tensor,
     k: Tensor,
@@ -445,6 +447,7 @@ def _check_weight(weight: Tensor, q: Tensor) -> Tensor:
     return w
 
 
+@dispatch.profiled
 def hybrid_normalized_attention(
     q: Tensor,
     k: Tensor,
@@ -524,6 +527,7 @@ def hybrid_normalized_attention(
                   is_causal, impl, dispatch.use_reference("hybrid_normalized", q))
 
 
+@dispatch.profiled
 def hybrid_normalized_weights(
     q: Tensor,
     k: Tensor,

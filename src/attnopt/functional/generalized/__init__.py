@@ -46,6 +46,7 @@ __all__ = [
 ]
 
 
+@dispatch.profiled
 def generalized_attention(
     q: Tensor,
     k: Tensor,
@@ -320,6 +321,7 @@ def _path(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, dropout_p: float
     return "flash" if flash_bias_available(q, k, v, bias) else "sdpa"
 
 
+@dispatch.profiled
 def generalized_weights(
     q: Tensor,
     k: Tensor,

@@ -485,6 +485,7 @@ def _linear_on_triton(
                                 scale=scale, eps=eps)
 
 
+@dispatch.profiled
 def kernel_weights(
     q: Tensor,
     k: Tensor,
@@ -523,6 +524,7 @@ def kernel_weights(
     return w.to(q.dtype)
 
 
+@dispatch.profiled
 def kernel_attention(
     q: Tensor,
     k: Tensor,

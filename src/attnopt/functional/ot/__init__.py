@@ -82,6 +82,7 @@ def _prepare(
     return z.to(compute), bank_t.to(compute), u, log_k, bank_mask, alpha, gamma, batch
 
 
+@dispatch.profiled
 def ot_weights(
     z: Tensor,
     templates: Tensor,
@@ -141,6 +142,7 @@ def ot_weights(
     return torch.exp(ot_log_weights(zc, bank_c, u, log_k, alpha, gamma, mask)).to(z.dtype)
 
 
+@dispatch.profiled
 def ot_attention(
     z: Tensor,
     templates: Tensor,

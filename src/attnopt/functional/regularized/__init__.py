@@ -146,6 +146,7 @@ def softmax_weights(scores: Tensor, *, temperature: float = 1.0, dim: int = -1) 
     return Shannon(temperature).conjugate_grad(scores, dim=dim)
 
 
+@dispatch.profiled
 def regularized_weights(scores: Tensor, regularizer: Regularizer, *, dim: int = -1) -> Tensor:
     r"""The regularized prediction map ``∇Ω*(s) = argmax_{p∈Δ} <s,p> − Ω(p)`` (Prop. 4.1–4.3).
 
@@ -205,6 +206,7 @@ def locality_bias(
     return -(float(locality) * dist.abs().to(dtype))
 
 
+@dispatch.profiled
 def regularized_attention_weights(
     q: Tensor,
     k: Tensor,
@@ -237,6 +239,7 @@ def regularized_attention_weights(
     return reg.conjugate_grad(scores, -1).to(q.dtype)
 
 
+@dispatch.profiled
 def regularized_attention(
     q: Tensor,
     k: Tensor,

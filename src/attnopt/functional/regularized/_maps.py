@@ -54,6 +54,7 @@ from torch import Tensor
 
 from attnopt._native import has_storage
 from attnopt._validation import check_tensor, device_assert, host_readable, host_values
+from attnopt.functional import dispatch
 from attnopt.functional._autograd import double_backward, reduce_to, under_transform
 from attnopt.functional._thresholds import THRESHOLDS
 from attnopt.functional.dispatch import current_backend
@@ -414,6 +415,7 @@ def _check_iter(tol: float | None, max_iter: int, dtype: torch.dtype) -> float:
     return float(tol)
 
 
+@dispatch.profiled
 def sparsemax(scores: Tensor, dim: int = -1, *, max_iter: int = 1000) -> Tensor:
     r"""Euclidean projection of scores onto the simplex (sdpa-one-sided-eot Prop. 4.2).
 
@@ -441,6 +443,7 @@ def sparsemax(scores: Tensor, dim: int = -1, *, max_iter: int = 1000) -> Tensor:
     return out
 
 
+@dispatch.profiled
 def entmax(
     scores: Tensor,
     alpha: float | Tensor = 1.5,
@@ -517,6 +520,7 @@ def entmax(
     return res
 
 
+@dispatch.profiled
 def entmax15(scores: Tensor, dim: int = -1) -> Tensor:
     r"""1.5-entmax, :func:`entmax` with ``α = 1.5`` (sdpa-one-sided-eot Prop. 4.3); exact.
 
@@ -535,6 +539,7 @@ def entmax15(scores: Tensor, dim: int = -1) -> Tensor:
     return entmax(scores, 1.5, dim)
 
 
+@dispatch.profiled
 def entmax_bisect(
     scores: Tensor, alpha: float | Tensor = 1.5, dim: int = -1, *, tol: float | None = None,
     max_iter: int = 100,
