@@ -100,11 +100,34 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but no CUDA device is available", file=sys.stderr)
         return 2
+    if args.against is not None:
+        return _cmd_bench_against(args)
     ctx = BenchContext(quick=args.quick, device=args.device, memory=not args.no_memory, repeat=args.repeat,
                        threads=args.threads or None)
     print(f"attnopt bench: torch {torch.__version__}, {args.device}, {torch.get_num_threads()} threads")
     try:
         run_bench(ctx, only=args.only, out=Path(args.out) if args.out else None)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _cmd_bench_against(args: argparse.Namespace) -> int:
+    """``attnopt bench --against PATH``: paired A/B timing (:mod:`attnopt.bench.paired`)."""
+    from attnopt.bench.paired import run_paired
+
+    if args.device != "cpu":
+        print("error: --against times CPU rows (one thread per worker); drop --device", file=sys.stderr)
+        return 2
+    try:
+        suites = tuple(args.only.split(",")) if args.only else ("small_n", "train_step")
+        sizes = tuple(int(x) for x in args.sizes.split(",")) if args.sizes else None
+        rows = tuple(x.strip() for x in args.rows.split(",")) if args.rows else ()
+        print(f"attnopt bench --against {args.against}: paired rounds, this ÷ other "
+              "(median of per-round ratios)")
+        run_paired(Path(args.against), suites=suites, sizes=sizes, rounds=args.rounds, rows=rows,
+                   out=Path(args.out) if args.out else None)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -170,6 +193,17 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="torch threads, and the most any row uses (default: torch's)")
     ben.add_argument("--no-memory", action="store_true", help="skip peak-memory subprocesses")
     ben.add_argument("--out", default=None, help="write results to FILE.md or FILE.json")
+    ben.add_argument("--against", default=None, metavar="PATH",
+                     help="paired A/B against another attnopt checkout (e.g. a git worktree of the old "
+                          "commit): small_n and train_step rows (or --only) in both trees, alternately, "
+                          "one thread each; prints this ÷ other per row (median of per-round ratios)")
+    ben.add_argument("--rounds", type=int, default=10, help="with --against: rounds per case")
+    ben.add_argument("--sizes", default=None,
+                     help="with --against: sequence lengths, comma-separated (default small_n 64,256,1024; "
+                          "train_step 128)")
+    ben.add_argument("--rows", default=None,
+                     help="with --against: only these rows (comma-separated exact names; the sdpa / softmax "
+                          "control is always kept)")
     ben.set_defaults(func=_cmd_bench)
 
     _add_analyze(sub)
