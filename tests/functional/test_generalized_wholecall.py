@@ -60,7 +60,7 @@ def test_without_blas_the_node_runs_and_agrees(monkeypatch):
 
 @pytest.mark.parametrize("kind", ["t5", "alibi"])
 def test_threads_split_heads_and_sum_the_table_gradient(monkeypatch, kind):
-    monkeypatch.setattr(_native, "_MIN_PARALLEL", 0)
+    monkeypatch.setattr(THRESHOLDS, "native_parallel_min_entries", 0)
     torch.set_num_threads(2)
     try:
         _check(_module(kind), *_qkv(3, 3, 5, 7, seed=4), False)

@@ -32,3 +32,19 @@ def test_ready_is_false_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.delenv("ATTNOPT_NATIVE")
     with attnopt.backend("reference"):
         assert not _native.ready("sparse_maps")
+
+
+def test_the_threading_threshold_is_in_the_one_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_native.parallel_rows`` reads ``THRESHOLDS.native_parallel_min_entries`` at call time."""
+    from attnopt.functional._thresholds import THRESHOLDS, overrides
+
+    assert _native.TABLE == [THRESHOLDS]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    seen: list[tuple[int, int]] = []
+    with overrides(native_parallel_min_entries=1 << 30):
+        _native.parallel_rows(lambda a, b: seen.append((a, b)), 4, 8)
+    assert seen == [(0, 4)]  # below the threshold: one call
+    seen.clear()
+    with overrides(native_parallel_min_entries=0):
+        _native.parallel_rows(lambda a, b: seen.append((a, b)), 4, 8)
+    assert sorted(seen) == [(0, 2), (2, 4)]

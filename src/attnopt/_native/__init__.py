@@ -64,7 +64,10 @@ _LOCK = threading.Lock()
 _LIBS: dict[str, ctypes.CDLL | None] = {}
 _POOL: ThreadPoolExecutor | None = None
 _POOL_SIZE = 0
-_MIN_PARALLEL = 1 << 16  # entries below which one thread does the whole call
+#: ``[attnopt.functional._thresholds.THRESHOLDS]`` once that module is imported (it registers
+#: itself: importing it from here would import every family); read for
+#: ``native_parallel_min_entries`` by :func:`min_parallel`
+TABLE: list[Any] = []
 
 
 def switched_off() -> bool:
@@ -334,14 +337,20 @@ def _pool(workers: int) -> ThreadPoolExecutor:
         return _POOL
 
 
+def min_parallel() -> int:
+    """Entries below which a C call runs on one thread (``THRESHOLDS.native_parallel_min_entries``)."""
+    return TABLE[0].native_parallel_min_entries if TABLE else 1 << 16
+
+
 def parallel_rows(call: Callable[[int, int], None], rows: int, row_len: int) -> None:
     """Run ``call(r0, r1)`` on contiguous row ranges covering ``[0, rows)``, one per thread.
 
-    Uses ``torch.get_num_threads()`` threads when there are at least 2¹⁶ entries, else one
-    call. ``call`` must release the GIL (a ctypes foreign call does) and write disjoint rows.
+    Uses ``torch.get_num_threads()`` threads when there are at least :func:`min_parallel`
+    entries, else one call. ``call`` must release the GIL (a ctypes foreign call does) and
+    write disjoint rows.
     """
     threads = min(torch.get_num_threads(), rows)
-    if threads <= 1 or rows * row_len < _MIN_PARALLEL:
+    if threads <= 1 or rows * row_len < min_parallel():
         call(0, rows)
         return
     bounds = [rows * i // threads for i in range(threads + 1)]

@@ -27,6 +27,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from attnopt import _native
+
 __all__ = ["THRESHOLDS", "Thresholds", "overrides"]
 
 
@@ -177,10 +179,16 @@ class Thresholds:
     #: MEM solver (``attnopt.dual``): largest ``K·Q·n²`` solved by a direct LU; above, conjugate
     #: gradients to the tolerance
     mem_direct_max_entries: int = 1 << 21
+    #: the C kernels (``attnopt._native.parallel_rows``): a call with fewer entries (rows × row
+    #: length) runs on one thread; above, on ``torch.get_num_threads()`` threads
+    native_parallel_min_entries: int = 1 << 16
 
 
 #: The live table every router reads.
 THRESHOLDS = Thresholds()
+# attnopt._native reads it too (native_parallel_min_entries); it cannot import this module (its
+# package imports every family, which import attnopt._native), so the table is handed to it here
+_native.TABLE[:] = [THRESHOLDS]
 
 _FIELDS = {f.name for f in dataclasses.fields(Thresholds) if f.name != "crossovers"}
 

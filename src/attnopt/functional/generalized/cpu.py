@@ -569,7 +569,7 @@ def fused_forward(
     _check_bsf("bsf_fwd", q, k, v, (qa, ka, va), bias, e, out, rinv, None, None, (base, (sb, sh, si)))
     po, pe, pr = out.data_ptr(), e.data_ptr(), rinv.data_ptr()
     threads = torch.get_num_threads()
-    if threads <= 1 or g * nq * nk < _native._MIN_PARALLEL:
+    if threads <= 1 or g * nq * nk < _native.min_parallel():
         flags = fwd(gemm, set_threads, *qa, *ka, *va, base, sb, sh, si, pe, po, pr, 0, g, h, nq, nk, d,
                     dv, scale, 1)
     else:
@@ -610,7 +610,7 @@ def fused_backward(
     if dout.dtype != q.dtype:
         dout = dout.to(q.dtype)
     dq, dk, dvv = q.new_empty(b, h, nq, d), k.new_empty(b, h, nk, d), v.new_empty(b, h, nk, dv)
-    threads = min(torch.get_num_threads(), g) if g * nq * nk >= _native._MIN_PARALLEL else 1
+    threads = min(torch.get_num_threads(), g) if g * nq * nk >= _native.min_parallel() else 1
     # the bias gradient, one buffer per thread: T5's table itself (the C pass adds each head's
     # sums by offset into the buckets), else the per-offset values' shape
     table = src if kind == TABLE else None

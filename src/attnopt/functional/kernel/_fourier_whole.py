@@ -97,8 +97,8 @@ def _kernel_sizes(fns: tuple[Any, Any], sizes: tuple[int, ...]) -> tuple[int, in
 
 
 def _heads_split(g: int, work: int) -> int:
-    """Threads for ``g`` heads of ``work`` scores each (one below ``_native._MIN_PARALLEL`` entries)."""
-    return min(torch.get_num_threads(), g) if g * work >= _native._MIN_PARALLEL else 1
+    """Threads for ``g`` heads of ``work`` scores each (one below ``_native.min_parallel()`` entries)."""
+    return min(torch.get_num_threads(), g) if g * work >= _native.min_parallel() else 1
 
 
 def _each(threads: int, g: int, call: Callable[[int, int, int], None]) -> None:

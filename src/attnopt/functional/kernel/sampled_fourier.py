@@ -377,7 +377,7 @@ def _call_key(
             v.shape, noise.shape, noise.requires_grad, half, scales, len(params), p, eps,
             torch.get_num_threads(),
             THRESHOLDS.kernel_wholecall_below, THRESHOLDS.kernel_wholecall_max_head_scores,
-            THRESHOLDS.spectral_threaded_max_points, _native._MIN_PARALLEL)
+            THRESHOLDS.spectral_threaded_max_points, _native.min_parallel())
 
 
 def _still_applies(
