@@ -63,7 +63,7 @@ from attnopt.functional._dropout import check_dropout_p, dropout_attention
 from attnopt.functional._softmax import safe_softmax
 from attnopt.functional._thresholds import THRESHOLDS
 from attnopt.functional.kernel import (
-    fourier_cpu,  # noqa: F401  (registers attnopt::ffw_*, lp_magnitude)
+    fourier_cpu,  # (also registers attnopt::ffw_*, ff_*, lp_magnitude)
     periodic,
     periodic_cpu,
     spectral,
@@ -345,13 +345,14 @@ def _traced_fourier(
     q: Tensor, k: Tensor, v: Tensor, kernel: Kernel, magnitude_p: float | None, attn_mask: Tensor | None,
     scale: float | None, eps: float,
 ) -> Tensor | None:
-    """:func:`_fused_fourier` while ``torch.compile`` / ``torch.export`` traces: the whole-call op
-    ``attnopt::ffw_fwd`` (backward ``attnopt::ffw_bwd``) where the eager call would run the whole call
-    (CPU tensors, the same size rules, the C library there: :func:`whole_ready`), else
-    None (the caller's plain ops). Nothing here reads tensor memory or loads a library."""
-    if not whole_ready() or q.device.type != "cpu" or k.device.type != "cpu" or v.device.type != "cpu":
+    """:func:`_fused_fourier` while ``torch.compile`` / ``torch.export`` traces: where the eager call
+    would run the fused Fourier node (CPU float32/64 tensors, the same size rules, the C library
+    there: :func:`fourier_cpu.ff_ready`), its op — the whole call ``attnopt::ffw_fwd`` (backward
+    ``ffw_bwd``) where that applies, else the per-pass ``attnopt::ff_fwd`` (``ff_bwd``) —, else None
+    (the caller's plain ops). Nothing here reads tensor memory or loads a library."""
+    if not fourier_cpu.ff_ready() or not q.device.type == k.device.type == v.device.type == "cpu":
         return None
-    if under_transform():
+    if under_transform() or q.dtype not in (torch.float32, torch.float64):
         return None
     if attn_mask is not None and (attn_mask.requires_grad or attn_mask.device.type != "cpu"
                                   or (attn_mask.dim() >= 2 and attn_mask.shape[-2] != 1)):
@@ -360,22 +361,29 @@ def _traced_fourier(
     if stack is None:
         return None
     points, nsets, coef = stack
-    if points.device.type != "cpu" or not whole_applies(q, k, v, points):
+    if points.device.type != "cpu":
         return None
     nq, nk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    batch: tuple[int, ...] = q.shape[:-2]
+    if not k.shape[:-2] == v.shape[:-2] == batch:
+        batch = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    if dispatch.choose_impl("kernel", nq=nq, nk=nk, batch=math.prod(batch), dtype=q.dtype) != "materialized":
+        return None
     check_dim("spectral points", points, q)
     s = resolve_scale(scale, d)
     key_mask = None
     if attn_mask is not None:
-        full = additive_mask(attn_mask, (*q.shape[:-2], nq, nk), q.dtype)
+        full = additive_mask(attn_mask, (*batch, nq, nk), q.dtype)
         assert full is not None
         key_mask = full.squeeze(-2)
     dispatch.record("kernel", "materialized")
     p = None if magnitude_p is None else float(magnitude_p)
     need_k = k.requires_grad and torch.is_grad_enabled()
-    out, _ = torch.ops.attnopt.ffw_fwd(q, k, v, points.to(q.dtype), key_mask, float(eps), float(coef), nsets,
-                                       p, float(s), need_k)
-    return out if q.shape[:-2] else out.view(nq, out.shape[-1])
+    if whole_ready() and whole_applies(q, k, v, points):
+        out, _ = torch.ops.attnopt.ffw_fwd(q, k, v, points.to(q.dtype), key_mask, float(eps), float(coef),
+                                           nsets, p, float(s), need_k)
+        return out if q.shape[:-2] else out.view(nq, out.shape[-1])
+    return fourier_cpu.traced_pass_attention(q, k, v, points, nsets, coef, eps, p, s, key_mask, need_k)
 
 
 def _periodic(

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from attnopt._native.checks import require_size, require_view
+from attnopt._validation import broadcast_shapes
 from attnopt.functional.kernel._blocked import blocked_backward, blocked_forward
 from attnopt.functional.kernel._fourier_c import (
     _LP_MODES,
@@ -33,8 +34,8 @@ from attnopt.functional.kernel._fourier_c import (
     _Three,
 )
 
-__all__ = ["PassConsts", "PassState", "pass_backward", "pass_consts", "pass_forward", "pass_layout",
-           "phi_views"]
+__all__ = ["PassConsts", "PassState", "broadcast_batch", "pass_backward", "pass_consts", "pass_forward",
+           "pass_layout", "phi_views"]
 
 
 def _sum_sets(x: Tensor, nsets: int, r: int) -> Tensor:
@@ -269,6 +270,23 @@ def _tail(
     elif f_plan is not None:
         _run(f_plan)
     return dv, dm, dk, dp
+
+
+def broadcast_batch(
+    q: Tensor, k: Tensor, v: Tensor, points: Tensor, key_mask: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``q``, ``k``, ``v`` expanded to the one batch shape of the Fourier-feature node's inputs (``points
+    (…, S·R, d)`` and ``key_mask (…, Nk)`` broadcast with them; no expand where a tensor has it)."""
+    batch: tuple[int, ...] = q.shape[:-2]
+    same = k.shape[:-2] == batch and v.shape[:-2] == batch and len(points.shape[:-2]) <= len(batch)
+    if not (same and (key_mask is None or key_mask.shape[:-1] == batch)):
+        shapes = [q.shape[:-2], k.shape[:-2], v.shape[:-2], points.shape[:-2]]
+        if key_mask is not None:
+            shapes.append(key_mask.shape[:-1])
+        batch = broadcast_shapes(*shapes)
+        # (an expand of a tensor already of this shape would add a backward node per input)
+        q, k, v = (x if x.shape[:-2] == batch else x.expand(*batch, *x.shape[-2:]) for x in (q, k, v))
+    return q, k, v
 
 
 class PassConsts(NamedTuple):

@@ -72,7 +72,7 @@ from torch import Tensor
 from attnopt import _native
 from attnopt._validation import broadcast_shapes
 from attnopt.functional._autograd import double_backward
-from attnopt.functional.kernel._fourier_pass import PassState, pass_backward, pass_forward
+from attnopt.functional.kernel._fourier_pass import PassState, broadcast_batch, pass_backward, pass_forward
 from attnopt.functional.kernel._fourier_whole import _backward_body, _forward_body, _whole_call, _WholeConfig
 
 __all__ = ["fused_fourier_attention", "fused_fourier_magnitude_attention"]
@@ -203,15 +203,7 @@ def fused_fourier_magnitude_attention(
     ``[sR, (s+1)R)``); ``p`` in ``[1, 2]`` or None (no magnitude); ``scale`` the ``s`` of the
     magnitude; ``key_mask (…, Nk)`` additive, no gradient, or None. Batch dimensions broadcast.
     """
-    batch: tuple[int, ...] = q.shape[:-2]
-    same = k.shape[:-2] == batch and v.shape[:-2] == batch and len(points.shape[:-2]) <= len(batch)
-    if not (same and (key_mask is None or key_mask.shape[:-1] == batch)):
-        shapes = [q.shape[:-2], k.shape[:-2], v.shape[:-2], points.shape[:-2]]
-        if key_mask is not None:
-            shapes.append(key_mask.shape[:-1])
-        batch = broadcast_shapes(*shapes)
-        # (an expand of a tensor already of this shape would add a backward node per input)
-        q, k, v = (x if x.shape[:-2] == batch else x.expand(*batch, *x.shape[-2:]) for x in (q, k, v))
+    q, k, v = broadcast_batch(q, k, v, points, key_mask)
     points = points.to(q.dtype)
     pp = None if p is None else float(p)
     if k.shape[:-2] == v.shape[:-2] == q.shape[:-2]:
