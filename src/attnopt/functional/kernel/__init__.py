@@ -219,6 +219,10 @@ def _quadratic(
         if a is not None:
             c = a.amax(dim=-1, keepdim=True).detach()
             m = torch.exp(a - torch.where(torch.isfinite(c), c, torch.zeros_like(c)))
+    if direct and v is not None and kernel.has_features and torch.compiler.is_compiling():
+        out = _traced_weighted_fourier(q, k, v, kernel, m, eps)  # the fused node's op, where it runs
+        if out is not None:
+            return out
     # the fused / blocked nodes need real storage: torch.func's wrapped tensors take the plain ops
     if direct and v is not None and kernel.has_features and has_storage(q, k, v, m):
         rows = math.prod(broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
@@ -384,6 +388,31 @@ def _traced_fourier(
                                            nsets, p, float(s), need_k)
         return out if q.shape[:-2] else out.view(nq, out.shape[-1])
     return fourier_cpu.traced_pass_attention(q, k, v, points, nsets, coef, eps, p, s, key_mask, need_k)
+
+
+def _traced_weighted_fourier(
+    q: Tensor, k: Tensor, v: Tensor, kernel: Kernel, m: Tensor | None, eps: float
+) -> Tensor | None:
+    """:func:`_quadratic`'s fused Fourier node with a given key weight ``m (…, 1, Nk)`` (a magnitude
+    outside ``[1, 2]``, a mask with a gradient, half inputs computed in float32) while ``torch.compile``
+    / ``torch.export`` trace: the op ``attnopt::ff_fwd`` (``ff_bwd``) where the eager call runs
+    :func:`~attnopt.functional.kernel.fourier.fused_fourier_attention` and the C library is there
+    (:func:`fourier_cpu.ff_ready`), else None (the plain ops). Shapes only, no tensor memory read."""
+    if not fourier_cpu.ff_ready() or under_transform() or q.dtype not in (torch.float32, torch.float64):
+        return None
+    if any(x is not None and x.device.type != "cpu" for x in (q, k, v, m)):
+        return None
+    fourier = kernel.fourier_sets()
+    if fourier is None or any(w.device.type != "cpu" for w in fourier[0]):
+        return None
+    rows = math.prod(broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+    if dispatch.record("kernel", dispatch.choose_impl("kernel", nq=q.shape[-2], nk=k.shape[-2], batch=rows,
+                                                      dtype=q.dtype)) != "materialized":
+        return None
+    kernel._check(q, k)
+    sets, coef = fourier
+    check_dim("spectral points", sets[0], q)
+    return fourier_cpu.traced_weighted_attention(q, k, m, v, eps, coef, sets)
 
 
 def _periodic(

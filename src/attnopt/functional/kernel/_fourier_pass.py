@@ -35,7 +35,7 @@ from attnopt.functional.kernel._fourier_c import (
 )
 
 __all__ = ["PassConsts", "PassState", "broadcast_batch", "pass_backward", "pass_consts", "pass_forward",
-           "pass_layout", "phi_views"]
+           "pass_layout", "phi_views", "weighted_inputs"]
 
 
 def _sum_sets(x: Tensor, nsets: int, r: int) -> Tensor:
@@ -287,6 +287,23 @@ def broadcast_batch(
         # (an expand of a tensor already of this shape would add a backward node per input)
         q, k, v = (x if x.shape[:-2] == batch else x.expand(*batch, *x.shape[-2:]) for x in (q, k, v))
     return q, k, v
+
+
+def weighted_inputs(
+    q: Tensor, k: Tensor, key_weight: Tensor | None, v: Tensor, ws: list[Tensor]
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+    """The node's ``(q, k, v, w, kw)`` for a given key weight ``(…, 1, Nk)`` (or None) and point sets
+    ``ws`` (each ``(…, R, d)``): one batch shape, the sets stacked ``(…, S·R, d)`` in ``q``'s dtype,
+    ``kw (…, Nk, 1)``."""
+    batch = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], *(w.shape[:-2] for w in ws),
+                             () if key_weight is None else key_weight.shape[:-2])
+    q, k, v = (x if x.shape[:-2] == batch else x.expand(*batch, *x.shape[-2:]) for x in (q, k, v))
+    kw = None if key_weight is None else key_weight.transpose(-2, -1).to(v.dtype).expand(*v.shape[:-1], 1)
+    sets = [w.to(q.dtype) for w in ws]
+    if len(sets) == 1:
+        return q, k, v, sets[0], kw
+    shape = broadcast_shapes(*(w.shape for w in sets))
+    return q, k, v, torch.cat([w.expand(shape) for w in sets], dim=-2), kw
 
 
 class PassConsts(NamedTuple):

@@ -70,9 +70,14 @@ import torch
 from torch import Tensor
 
 from attnopt import _native
-from attnopt._validation import broadcast_shapes
 from attnopt.functional._autograd import double_backward
-from attnopt.functional.kernel._fourier_pass import PassState, broadcast_batch, pass_backward, pass_forward
+from attnopt.functional.kernel._fourier_pass import (
+    PassState,
+    broadcast_batch,
+    pass_backward,
+    pass_forward,
+    weighted_inputs,
+)
 from attnopt.functional.kernel._fourier_whole import _backward_body, _forward_body, _whole_call, _WholeConfig
 
 __all__ = ["fused_fourier_attention", "fused_fourier_magnitude_attention"]
@@ -168,14 +173,6 @@ class _WholeFourier(torch.autograd.Function):
         return dq, dk, dv, dw, None, None, None, None, None, None, None
 
 
-def _stack_sets(ws: list[Tensor], dtype: torch.dtype) -> Tensor:
-    ws = [w.to(dtype) for w in ws]
-    if len(ws) == 1:
-        return ws[0]
-    shape = broadcast_shapes(*(w.shape for w in ws))
-    return torch.cat([w.expand(shape) for w in ws], dim=-2)
-
-
 def fused_fourier_attention(
     q: Tensor, k: Tensor, key_weight: Tensor | None, v: Tensor, eps: float, coef: float, ws: list[Tensor]
 ) -> Tensor:
@@ -184,12 +181,8 @@ def fused_fourier_attention(
     ``q (…, Nq, d)``, ``k (…, Nk, d)``, ``v (…, Nk, dv)``, ``key_weight (…, 1, Nk)`` or None;
     ``coef`` is the feature normalization (``1/√R`` for one set, ``1/(2√R)`` for two).
     """
-    batch = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], *(w.shape[:-2] for w in ws),
-                             () if key_weight is None else key_weight.shape[:-2])
-    q, k, v = (x if x.shape[:-2] == batch else x.expand(*batch, *x.shape[-2:]) for x in (q, k, v))
-    kw = None if key_weight is None else key_weight.transpose(-2, -1).to(v.dtype).expand(*v.shape[:-1], 1)
-    out: Tensor = _FusedFourier.apply(q, k, v, _stack_sets(ws, q.dtype), kw, None, float(eps), float(coef),
-                                      len(ws), None, 1.0)
+    q, k, v, w, kw = weighted_inputs(q, k, key_weight, v, ws)
+    out: Tensor = _FusedFourier.apply(q, k, v, w, kw, None, float(eps), float(coef), len(ws), None, 1.0)
     return out
 
 

@@ -23,10 +23,12 @@ from attnopt.functional.kernel._fourier_pass import (
     pass_forward,
     pass_layout,
     phi_views,
+    weighted_inputs,
 )
 from attnopt.functional.kernel._fourier_whole import whole_backward, whole_forward
 
-__all__ = ["ff_bwd", "ff_fwd", "ff_ready", "ffw_bwd", "ffw_fwd", "lp_magnitude", "traced_pass_attention"]
+__all__ = ["ff_bwd", "ff_fwd", "ff_ready", "ffw_bwd", "ffw_fwd", "lp_magnitude", "traced_pass_attention",
+           "traced_weighted_attention"]
 
 
 @torch.library.custom_op("attnopt::lp_magnitude", mutates_args=(), device_types="cpu")
@@ -203,8 +205,9 @@ def ff_bwd(
     """``(dQ, dK, dV, d points, d kw)`` of :func:`ff_fwd` (:func:`pass_backward`; a gradient not asked
     for is empty)."""
     st, cs = _pass_state(q, k, v, points, kw, (phi, cp, sp, kwc, vm, inv, out, u, cm, f, w), eps, coef, nsets)
-    grads = pass_backward(dout, st, cs, need_q, need_k, need_v, need_w, need_kw)
-    return tuple(_own(grads, q))  # type: ignore[return-value]
+    needs = (need_q, need_k, need_v, need_w, need_kw)
+    grads = pass_backward(dout, st, cs, *needs)  # (Nq != Nk: dq and dk come together)
+    return tuple(_own(tuple(gr if n else None for gr, n in zip(grads, needs, strict=True)), q))  # type: ignore[return-value]
 
 
 @ff_bwd.register_fake
@@ -252,4 +255,15 @@ def traced_pass_attention(
     outs = torch.ops.attnopt.ff_fwd(q, k, v, points.to(q.dtype), None, key_mask, float(eps), float(coef),
                                     nsets, p, float(scale), need_k)
     out: Tensor = outs[0]
+    return out
+
+
+def traced_weighted_attention(
+    q: Tensor, k: Tensor, key_weight: Tensor | None, v: Tensor, eps: float, coef: float, ws: list[Tensor]
+) -> Tensor:
+    """:func:`~.fourier.fused_fourier_attention` (a given key weight ``(…, 1, Nk)``, point sets ``ws``)
+    as the op ``attnopt::ff_fwd``, for a traced router: ``O (…, Nq, dv)``."""
+    q, k, v, w, kw = weighted_inputs(q, k, key_weight, v, ws)
+    out: Tensor = torch.ops.attnopt.ff_fwd(q, k, v, w, kw, None, float(eps), float(coef), len(ws), None, 1.0,
+                                           False)[0]
     return out
