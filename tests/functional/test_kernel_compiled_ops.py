@@ -1,10 +1,13 @@
 """The kernel router under ``torch.compile`` and ``torch.export`` (issue 30): a Fourier-feature call that
 the eager router runs as the whole call becomes the one op ``attnopt::ffw_fwd`` (backward
-``attnopt::ffw_bwd``) in the traced graph, a fused Expsin call ``attnopt::px_fwd`` (``px_bwd``), with
-the eager values and gradients; calls outside the whole call's sizes, on meta tensors or before any
-eager call found the C library keep the plain ops.
+``attnopt::ffw_bwd``) in the traced graph, one it runs as the per-pass node (above the whole call's
+size, or with a key weight given) ``attnopt::ff_fwd`` (``ff_bwd``), a fused Expsin call
+``attnopt::px_fwd`` (``px_bwd``), with the eager values and gradients; calls outside the fused node's
+sizes, on meta tensors or without the C library keep the plain ops. The ff ops' own checks (opcheck,
+gradcheck, equal to the eager Function) are here too.
 
-Each test compiles (a few seconds); needs the C library and BLAS (skipped without).
+Each test compiles (a few seconds); needs the C library and BLAS (skipped without). The slow-marked
+cases: ``pytest -m slow tests/functional/test_kernel_compiled_ops.py``.
 """
 
 from __future__ import annotations

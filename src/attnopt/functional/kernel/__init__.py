@@ -25,10 +25,11 @@ C call each), its per-pass node above that size, the fused Expsin node (:mod:`.p
 of :mod:`.periodic_cpu`), the sampled node (:mod:`.sampled_fourier`, for the modules), the linear
 form (:mod:`.linear`) and the plain log-domain ops (:func:`_quadratic`, also ``backend("reference")``).
 Under ``torch.compile`` / ``torch.export`` on CPU tensors a call the eager router would give to the
-whole call becomes the op ``attnopt::ffw_fwd`` (backward ``attnopt::ffw_bwd``) in the graph, a fused
-Expsin call ``attnopt::px_fwd`` (``px_bwd``), once an eager call has found the C library
-(:func:`attnopt._native.ready`, answered at trace time: no ctypes inside the traced region);
-other traced calls run the plain ops.
+whole call becomes the op ``attnopt::ffw_fwd`` (backward ``attnopt::ffw_bwd``) in the graph, one it
+would give to the per-pass node (above the whole call's size, or with a key weight computed outside,
+e.g. a magnitude outside ``[1, 2]``) ``attnopt::ff_fwd`` (``ff_bwd``), a fused Expsin call
+``attnopt::px_fwd`` (``px_bwd``), where the C library is there (:func:`attnopt._native.ready`,
+answered at trace time: no ctypes inside the traced region); other traced calls run the plain ops.
 """
 from __future__ import annotations
 

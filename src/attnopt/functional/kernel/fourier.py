@@ -54,13 +54,18 @@ The whole call is also a pair of ``torch.library`` ops (issue 30 item 2, :mod:`.
 ``attnopt::ffw_bwd``, connected by ``register_autograd``; their bodies (``whole_forward`` /
 ``whole_backward`` of :mod:`._fourier_whole`) are what :class:`_WholeFourier` calls in plain eager code
 (the Python ``custom_op`` path costs a fixed few tens of µs per call, a large share of this path's
-~0.4 ms at N = 64: figures in the issue-30 note); the router puts the ops in traced graphs. The
-per-pass entries of :class:`_FusedFourier` (``ff_*``) are not ops yet.
+~0.4 ms at N = 64: figures in the issue-30 note); the router puts the ops in traced graphs. So is
+the per-pass node: ``attnopt::ff_fwd(q, k, v, points, kw, mask, eps, coef, nsets, p, scale, need_k)
+-> (out, φ', cos P, sin P, m, vm, 1/den, u, c, F, W)`` (what the backward reads, each output a tensor
+of its own: the views the Function saves are rebuilt from them and the inputs; one not needed is
+empty) and ``attnopt::ff_bwd`` (``(dq, dk, dv, d points, d kw)``), with ``pass_forward`` /
+``pass_backward`` of :mod:`._fourier_pass` as the bodies of both :class:`_FusedFourier` and the ops.
 
-Files: this one holds the two autograd Functions (per pass, whole call) and their per-pass plans;
-:mod:`._fourier_c` the C plumbing both use (argument types, row checks, the L^p magnitude pass),
-:mod:`._fourier_whole` the whole call's checks, layouts and bodies, :mod:`.fourier_cpu` the ops,
-:mod:`._blocked` the blocked ``Nq × Nk`` passes (shared with :mod:`.chunked`).
+Files: this one holds the two autograd Functions (per pass, whole call) and the public entries;
+:mod:`._fourier_pass` the per-pass passes and bodies (``ff_*``), :mod:`._fourier_c` the C plumbing
+both paths use (argument types, row checks, the L^p magnitude pass), :mod:`._fourier_whole` the whole
+call's checks, layouts and bodies, :mod:`.fourier_cpu` the ops, :mod:`._blocked` the blocked
+``Nq × Nk`` passes (shared with :mod:`.chunked`).
 """
 from __future__ import annotations
 

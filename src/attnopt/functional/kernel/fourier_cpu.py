@@ -1,8 +1,13 @@
 r"""The Fourier-feature C kernels as ``torch.library`` ops (issue 30 item 2): ``attnopt::lp_magnitude``
-(the L^p key magnitude's gradient factors) and ``attnopt::ffw_fwd`` / ``attnopt::ffw_bwd`` (the whole
-call, connected by ``register_autograd``; the fake writes out ``ffw_save_size``). Their bodies are the
-functions the eager autograd Functions of :mod:`.fourier` call (:mod:`._fourier_whole`,
-:mod:`._fourier_c`); the router puts them in traced graphs (compile / export).
+(the L^p key magnitude's gradient factors), ``attnopt::ffw_fwd`` / ``attnopt::ffw_bwd`` (the whole
+call, connected by ``register_autograd``; the fake writes out ``ffw_save_size``) and
+``attnopt::ff_fwd`` / ``attnopt::ff_bwd`` (the per-pass node, every ``ff_*`` entry of
+``fourier_features.c``; its outputs are what the backward reads, the views rebuilt from them). Their
+bodies are the functions the eager autograd Functions of :mod:`.fourier` call (:mod:`._fourier_whole`,
+:mod:`._fourier_pass`, :mod:`._fourier_c`): one implementation; where the C library is missing at run
+time (or for strided tensors) the bodies run the passes' PyTorch ops inside the op. The router puts
+the ops in traced graphs (compile / export); plain eager calls keep the Functions (the ``custom_op``
+dispatch costs tens of µs a call).
 """
 from __future__ import annotations
 
