@@ -131,7 +131,7 @@ class _FusedFourier(torch.autograd.Function):
         saved = ctx.saved_tensors
         nx = ctx.nx
         kept = saved[13 + nx :]
-        st = PassState(*saved[:13], saved[13 : 13 + nx], (kept[0], kept[1]) if kept else None, None)
+        st = PassState._make((*saved[:13], saved[13 : 13 + nx], (kept[0], kept[1]) if kept else None, None))
         need = ctx.needs_input_grad
         dq, dk, dv, dw, dkw = pass_backward(dout, st, ctx.cs, need[0], need[1], need[2], need[3], need[4])
         return (dq, dk, dv, dw, dkw, None, None, None, None, None, None)
