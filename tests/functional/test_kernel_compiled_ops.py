@@ -380,14 +380,17 @@ def _ff_case(nq: int, nk: int, points: tuple[int, ...], p: float | None, masked:
 
 _FF_CASES = [(6, 6, (), 1.5, True, False), (5, 7, (2, 3), None, False, False),
              (6, 6, (3,), 2.0, False, False), (5, 5, (), None, False, True), (4, 6, (), 1.0, True, False)]
+#: (a few seconds each: two in the default run, the rest with -m slow)
+_FF_PARAMS = [(*case, blocked) if (i, blocked) in ((0, False), (1, True))
+              else pytest.param(*case, blocked, marks=pytest.mark.slow)
+              for i, case in enumerate(_FF_CASES) for blocked in (False, True)]
 
 
 @needs_native
-@pytest.mark.parametrize("blocked", [False, True])
-@pytest.mark.parametrize(("nq", "nk", "points", "p", "masked", "weighted"), _FF_CASES)
-def test_ff_opcheck_and_equal_to_the_function(monkeypatch: pytest.MonkeyPatch, blocked: bool, nq: int,
-                                              nk: int, points: tuple[int, ...], p: float | None,
-                                              masked: bool, weighted: bool) -> None:
+@pytest.mark.parametrize(("nq", "nk", "points", "p", "masked", "weighted", "blocked"), _FF_PARAMS)
+def test_ff_opcheck_and_equal_to_the_function(monkeypatch: pytest.MonkeyPatch, nq: int, nk: int,
+                                              points: tuple[int, ...], p: float | None, masked: bool,
+                                              weighted: bool, blocked: bool) -> None:
     """``torch.library.opcheck`` of ``ff_fwd`` (schema, fake, autograd registration, AOT) and
     ``ff_bwd``, and the op bitwise equal to the eager :class:`_FusedFourier` (values and gradients of
     q, k, v, the points and a given key weight): stacked / concatenated ``[Q; K]``, shared / per-head
