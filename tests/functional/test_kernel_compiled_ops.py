@@ -438,3 +438,23 @@ def test_ff_op_gradcheck(p: float | None, weighted: bool) -> None:
         return torch.ops.attnopt.ff_fwd(q, k, v, pts, kw, *args[5:])[0]
 
     assert torch.autograd.gradcheck(fn, leaves, atol=1e-6, rtol=1e-5)
+
+
+@needs_native
+def test_ff_op_without_the_c_library_runs_the_pytorch_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A graph holding ``ff_fwd`` run where the C passes are missing: the op's body takes the PyTorch
+    ops (inside the op, no branch in the graph), same values and gradients to rounding."""
+    _ff_ready()
+    from attnopt.functional.kernel import _fourier_pass
+
+    args = _ff_case(6, 6, (3,), 1.5, True, False)
+    leaves = args[:4]
+
+    def run() -> tuple[torch.Tensor, ...]:
+        out = torch.ops.attnopt.ff_fwd(*args)[0]
+        return (out, *torch.autograd.grad(out.square().sum(), leaves))
+
+    want = run()
+    monkeypatch.setattr(_fourier_pass, "_fns", lambda x: None)
+    for a, b in zip(run(), want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
