@@ -1,10 +1,13 @@
 """The kernel router under ``torch.compile`` and ``torch.export`` (issue 30): a Fourier-feature call that
 the eager router runs as the whole call becomes the one op ``attnopt::ffw_fwd`` (backward
-``attnopt::ffw_bwd``) in the traced graph, a fused Expsin call ``attnopt::px_fwd`` (``px_bwd``), with
-the eager values and gradients; calls outside the whole call's sizes, on meta tensors or before any
-eager call found the C library keep the plain ops.
+``attnopt::ffw_bwd``) in the traced graph, one it runs as the per-pass node (above the whole call's
+size, or with a key weight given) ``attnopt::ff_fwd`` (``ff_bwd``), a fused Expsin call
+``attnopt::px_fwd`` (``px_bwd``), with the eager values and gradients; calls outside the fused node's
+sizes, on meta tensors or without the C library keep the plain ops. The ff ops' own checks (opcheck,
+gradcheck, equal to the eager Function) are here too.
 
-Each test compiles (a few seconds); needs the C library and BLAS (skipped without).
+Each test compiles (a few seconds); needs the C library and BLAS (skipped without). The slow-marked
+cases: ``pytest -m slow tests/functional/test_kernel_compiled_ops.py``.
 """
 
 from __future__ import annotations
@@ -86,13 +89,13 @@ def test_points_gradient_through_the_op() -> None:
 
 
 @needs_native
-def test_outside_the_whole_call_keeps_the_plain_ops(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Above the whole call's size rule the eager router takes the per-pass node (no op yet): the
-    traced one the plain ops, no attnopt op in the graph."""
+def test_outside_the_fused_node_keeps_the_plain_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above the fused node's crossover (``dispatch.CROSSOVERS["kernel"]``) the eager router takes the
+    plain ops: the traced one too, no attnopt op in the graph."""
     _whole_ready()
-    from attnopt.functional._thresholds import THRESHOLDS
+    from attnopt.functional import dispatch
 
-    monkeypatch.setattr(THRESHOLDS, "kernel_wholecall_below", 1)
+    monkeypatch.setitem(dispatch.CROSSOVERS, "kernel", dict.fromkeys(dispatch.CROSSOVERS["kernel"], 1))
     kernel = _kernels()["ika_s"]
     q, k, v = _qkv()
     rec = Recorder()
@@ -227,3 +230,231 @@ def test_compiled_sampled_module_holds_the_sampler_noise_and_attention_ops(varia
         torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
     for op in ("ss_fwd", "ss_bwd", "normal_fill", "ffw_fwd", "ffw_bwd"):
         assert rec.count(f"attnopt.{op}") == 1, op
+
+
+# ---- the per-pass node (above the whole call's size): attnopt::ff_fwd / ff_bwd ----
+
+
+def _ff_ready() -> None:
+    """A skip without the per-pass C library (asked as the traced router asks it)."""
+    from attnopt.functional.kernel import fourier_cpu
+
+    if not fourier_cpu.ff_ready():
+        pytest.skip("no C library for the Fourier-feature passes")
+
+
+@pytest.fixture
+def per_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole call off (``kernel_wholecall_below`` 1): the eager router runs the per-pass node."""
+    from attnopt.functional._thresholds import THRESHOLDS
+
+    _ff_ready()
+    monkeypatch.setattr(THRESHOLDS, "kernel_wholecall_below", 1)
+
+
+_PER_PASS = [("ika_s", 1.5, True, torch.float32), ("ika_ns", 1.0, False, torch.float64)] + [
+    pytest.param(*case, marks=pytest.mark.slow) for case in
+    [("ika_s", None, False, torch.float64), ("ika_ns", 1.5, True, torch.float32),
+     ("ika_s", 2.0, True, torch.float64), ("ika_ns", None, True, torch.float32)]
+]
+
+
+@needs_native
+@pytest.mark.parametrize(("name", "p", "masked", "dtype"), _PER_PASS)
+def test_compiled_graph_holds_the_per_pass_op(per_pass: None, name: str, p: float | None, masked: bool,
+                                              dtype: torch.dtype) -> None:
+    """Above the whole call's size a traced call is ``attnopt::ff_fwd`` / ``ff_bwd`` (the eager
+    router's :class:`_FusedFourier`), with eager's values and gradients (slow-marked cases:
+    ``pytest -m slow -k per_pass``)."""
+    kernel = _kernels()[name]
+    mask = None
+    if masked:
+        mask = torch.ones(2, 1, 1, 8, dtype=torch.bool)
+        mask[0, ..., -3:] = False
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return kernel_attention(q, k, v, kernel=kernel, magnitude_p=p, attn_mask=mask)
+
+    rec = compiled_equals_eager(fn, tuple(_qkv(dtype=dtype)))
+    assert (rec.count("attnopt.ff_fwd"), rec.count("attnopt.ff_bwd")) == (1, 1)
+    assert rec.count("attnopt.ffw_") == 0
+
+
+@needs_native
+def test_per_pass_op_other_lengths_and_learned_points(per_pass: None) -> None:
+    """``Nq != Nk`` (``[Q; K]`` concatenated, not stacked) and learnable points per head (IKA_NS's
+    ``w1``, ``w2`` of shape (H, R, d)): the op's gradients of q, k, v and the points equal eager's."""
+    g = torch.Generator().manual_seed(3)
+    w1 = (0.3 * torch.randn(3, 8, 16, generator=g)).requires_grad_()
+    w2 = (0.4 * torch.randn(3, 8, 16, generator=g)).requires_grad_()
+    q = torch.randn(2, 3, 5, 16, generator=g).requires_grad_()
+    k, v = (torch.randn(2, 3, 9, 16, generator=g).requires_grad_() for _ in range(2))
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return kernel_attention(q, k, v, kernel=NonStationaryFourier(w1, w2), magnitude_p=1.5)
+
+    want = fn(q, k, v)
+    rec = Recorder()
+    torch._dynamo.reset()
+    got = torch.compile(fn, fullgraph=True, backend=rec)(q, k, v)
+    torch.testing.assert_close(got, want)
+    leaves = (q, k, v, w1, w2)
+    for a, b in zip(torch.autograd.grad(got.sum(), leaves), torch.autograd.grad(want.sum(), leaves),
+                    strict=True):
+        torch.testing.assert_close(a, b)
+    assert (rec.count("attnopt.ff_fwd"), rec.count("attnopt.ff_bwd")) == (1, 1)
+
+
+@needs_native
+def test_given_key_weight_is_the_per_pass_op() -> None:
+    """A magnitude outside ``[1, 2]`` (p = 3): the eager router computes the key weight with plain ops
+    and gives it to the node (:func:`fused_fourier_attention`); traced, the op with the weight as an
+    input, its gradient flowing back into the magnitude's ops."""
+    _ff_ready()
+    kernel = _kernels()["ika_s"]
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return kernel_attention(q, k, v, kernel=kernel, magnitude_p=3.0)
+
+    rec = compiled_equals_eager(fn, tuple(_qkv(dtype=torch.float64)))
+    assert (rec.count("attnopt.ff_fwd"), rec.count("attnopt.ff_bwd")) == (1, 1)
+
+
+@needs_native
+@pytest.mark.parametrize("variant, p", [("ikan", 1.5), pytest.param("ikan", 1.0, marks=pytest.mark.slow),
+                                        pytest.param("ika-s", None, marks=pytest.mark.slow)])
+def test_compiled_module_above_the_whole_call_holds_the_per_pass_op(per_pass: None, variant: str,
+                                                                    p: float | None) -> None:
+    """The IKA / IKAN modules above the whole call's size (eager: the sampler's node, then the per-pass
+    node): compiled fullgraph in training, ``attnopt::ff_fwd`` / ``ff_bwd`` in the graphs and eager's
+    values and gradients of the input and every parameter."""
+    from attnopt.nn.implicit_kernel import ImplicitKernelAttention
+
+    torch.manual_seed(0)
+    options = {} if p is None else {"p": p}
+    mod = ImplicitKernelAttention(32, 4, variant, num_samples=8, **options)
+    x = torch.randn(2, 8, 32, requires_grad=True)
+
+    def run(m: torch.nn.Module) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        torch.manual_seed(1)  # the noise is drawn in the forward
+        out = m(x, x, x)[0]
+        return out, torch.autograd.grad(out.square().sum(), [x, *mod.parameters()])
+
+    want, want_grads = run(mod)
+    rec = Recorder()
+    torch._dynamo.reset()
+    got, got_grads = run(torch.compile(mod, fullgraph=True, backend=rec))
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+    assert (rec.count("attnopt.ff_fwd"), rec.count("attnopt.ff_bwd")) == (1, 1)
+
+
+@needs_native
+def test_export_in_eval_holds_the_per_pass_op(per_pass: None) -> None:
+    mod = _Attend().eval()
+    q, k, v = (t.detach() for t in _qkv())
+    with torch.no_grad():
+        want = mod(q, k, v)
+        ep = torch.export.export(mod, (q, k, v))
+    targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+    assert sum(t.startswith("attnopt.ff_fwd") for t in targets) == 1
+    torch.testing.assert_close(ep.module()(q, k, v), want)
+
+
+def _ff_case(nq: int, nk: int, points: tuple[int, ...], p: float | None, masked: bool, weighted: bool,
+             dtype: torch.dtype = torch.float64) -> tuple:
+    g = torch.Generator().manual_seed(4)
+    b, h, d = 2, 3, 4
+    q = torch.randn(b, h, nq, d, generator=g, dtype=dtype).requires_grad_()
+    k = torch.randn(b, h, nk, d, generator=g, dtype=dtype).requires_grad_()
+    v = torch.randn(b, h, nk, 5, generator=g, dtype=dtype).requires_grad_()
+    pts = (0.7 * torch.randn(*points, 6, d, generator=g, dtype=dtype)).requires_grad_()
+    mask = None
+    if masked:
+        mask = torch.zeros(b, h, nk, dtype=dtype)
+        mask[0, 1, 2:] = float("-inf")
+    kw = torch.rand(b, h, nk, 1, generator=g, dtype=dtype).add_(0.1).requires_grad_() if weighted else None
+    return (q, k, v, pts, kw, mask, 1e-3, 1 / (2 * math.sqrt(3)), 2, p, 0.6, True)
+
+
+_FF_CASES = [(6, 6, (), 1.5, True, False), (5, 7, (2, 3), None, False, False),
+             (6, 6, (3,), 2.0, False, False), (5, 5, (), None, False, True), (4, 6, (), 1.0, True, False)]
+#: (a few seconds each: two in the default run, the rest with -m slow)
+_FF_PARAMS = [(*case, blocked) if (i, blocked) in ((0, False), (1, True))
+              else pytest.param(*case, blocked, marks=pytest.mark.slow)
+              for i, case in enumerate(_FF_CASES) for blocked in (False, True)]
+
+
+@needs_native
+@pytest.mark.parametrize(("nq", "nk", "points", "p", "masked", "weighted", "blocked"), _FF_PARAMS)
+def test_ff_opcheck_and_equal_to_the_function(monkeypatch: pytest.MonkeyPatch, nq: int, nk: int,
+                                              points: tuple[int, ...], p: float | None, masked: bool,
+                                              weighted: bool, blocked: bool) -> None:
+    """``torch.library.opcheck`` of ``ff_fwd`` (schema, fake, autograd registration, AOT) and
+    ``ff_bwd``, and the op bitwise equal to the eager :class:`_FusedFourier` (values and gradients of
+    q, k, v, the points and a given key weight): stacked / concatenated ``[Q; K]``, shared / per-head
+    points, the L^p magnitude, a key mask, a given weight; ``blocked``: ``F``, ``W`` not kept (the
+    backward recomputes them by blocks)."""
+    _ff_ready()
+    from attnopt.functional._thresholds import THRESHOLDS
+    from attnopt.functional.kernel.fourier import _FusedFourier
+
+    if blocked:
+        monkeypatch.setattr(THRESHOLDS, "kernel_whole_elements", 8)
+        monkeypatch.setattr(THRESHOLDS, "kernel_block_elements", 16)
+    args = _ff_case(nq, nk, points, p, masked, weighted)
+    torch.library.opcheck(torch.ops.attnopt.ff_fwd.default, args)
+    outs = torch.ops.attnopt.ff_fwd(*args)
+    assert (outs[9].dim() == 3) is not blocked  # F kept or not
+    want = _FusedFourier.apply(*args[:-1])
+    assert torch.equal(outs[0], want)
+    leaves = [t for t in args[:5] if t is not None]
+    dout = torch.randn_like(want)
+    for a, b in zip(torch.autograd.grad(outs[0], leaves, dout), torch.autograd.grad(want, leaves, dout),
+                    strict=True):
+        assert torch.equal(a, b)
+    det = [t.detach() if isinstance(t, torch.Tensor) else t for t in args]
+    outs = torch.ops.attnopt.ff_fwd(*det)
+    saved = (*outs[1:7], outs[0], *outs[7:])
+    for need in (True, False):
+        bargs = (torch.randn_like(outs[0]), *det[:5], *saved, *det[6:9], need, True, need, True,
+                 need and weighted)
+        torch.library.opcheck(torch.ops.attnopt.ff_bwd.default, bargs)
+
+
+@needs_native
+@pytest.mark.parametrize(("p", "weighted"), [(1.5, False), (None, True)])
+def test_ff_op_gradcheck(p: float | None, weighted: bool) -> None:
+    """float64 ``gradcheck`` of a function calling ``torch.ops.attnopt.ff_fwd`` directly: ``ff_bwd``'s
+    gradients of q, k, v, the points (per head) and a given key weight against finite differences."""
+    _ff_ready()
+    args = _ff_case(4, 5, (3,), p, p is not None, weighted)
+    leaves = tuple(t for t in args[:5] if t is not None)
+
+    def fn(*xs: torch.Tensor) -> torch.Tensor:
+        q, k, v, pts = xs[:4]
+        kw = xs[4] if weighted else None
+        return torch.ops.attnopt.ff_fwd(q, k, v, pts, kw, *args[5:])[0]
+
+    assert torch.autograd.gradcheck(fn, leaves, atol=1e-6, rtol=1e-5)
+
+
+@needs_native
+def test_ff_op_without_the_c_library_runs_the_pytorch_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A graph holding ``ff_fwd`` run where the C passes are missing: the op's body takes the PyTorch
+    ops (inside the op, no branch in the graph), same values and gradients to rounding."""
+    _ff_ready()
+    from attnopt.functional.kernel import _fourier_pass
+
+    args = _ff_case(6, 6, (3,), 1.5, True, False)
+    leaves = args[:4]
+
+    def run() -> tuple[torch.Tensor, ...]:
+        out = torch.ops.attnopt.ff_fwd(*args)[0]
+        return (out, *torch.autograd.grad(out.square().sum(), leaves))
+
+    want = run()
+    monkeypatch.setattr(_fourier_pass, "_fns", lambda x: None)
+    for a, b in zip(run(), want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

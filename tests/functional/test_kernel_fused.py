@@ -320,7 +320,7 @@ def test_native_passes_split_over_threads(monkeypatch):
 @needs_native
 def test_native_sincos_large_and_exact_arguments():
     """float32 sin/cos of the C pass: ~1e-7 of libm in double on [-8192, 8192], libm beyond."""
-    from attnopt.functional.kernel import fourier as kf
+    from attnopt.functional.kernel import _fourier_pass as kf
 
     x = torch.cat([torch.linspace(-8192, 8192, 40001), torch.tensor([0.0, -0.0, 1e4, -3e5, 1e30, 1e-30])])
     x = x[: x.numel() // 2 * 2].view(-1, 2)  # rows of one set of R = 2 points

@@ -431,7 +431,7 @@ def test_e2e_whole_fourier_save_size(small_native, monkeypatch):
 
 @needs_native
 def test_e2e_per_pass_fourier_buffer(small_native, monkeypatch):
-    from attnopt.functional.kernel import fourier as _kernel_fused
+    from attnopt.functional.kernel import _fourier_pass as _kernel_fused
 
     monkeypatch.setattr(THRESHOLDS, "kernel_wholecall_below", 0)
     monkeypatch.setattr(_kernel_fused, "torch", _shim(

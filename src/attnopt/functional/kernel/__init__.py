@@ -25,10 +25,11 @@ C call each), its per-pass node above that size, the fused Expsin node (:mod:`.p
 of :mod:`.periodic_cpu`), the sampled node (:mod:`.sampled_fourier`, for the modules), the linear
 form (:mod:`.linear`) and the plain log-domain ops (:func:`_quadratic`, also ``backend("reference")``).
 Under ``torch.compile`` / ``torch.export`` on CPU tensors a call the eager router would give to the
-whole call becomes the op ``attnopt::ffw_fwd`` (backward ``attnopt::ffw_bwd``) in the graph, a fused
-Expsin call ``attnopt::px_fwd`` (``px_bwd``), once an eager call has found the C library
-(:func:`attnopt._native.ready`, answered at trace time: no ctypes inside the traced region);
-other traced calls run the plain ops.
+whole call becomes the op ``attnopt::ffw_fwd`` (backward ``attnopt::ffw_bwd``) in the graph, one it
+would give to the per-pass node (above the whole call's size, or with a key weight computed outside,
+e.g. a magnitude outside ``[1, 2]``) ``attnopt::ff_fwd`` (``ff_bwd``), a fused Expsin call
+``attnopt::px_fwd`` (``px_bwd``), where the C library is there (:func:`attnopt._native.ready`,
+answered at trace time: no ctypes inside the traced region); other traced calls run the plain ops.
 """
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ from attnopt.functional._dropout import check_dropout_p, dropout_attention
 from attnopt.functional._softmax import safe_softmax
 from attnopt.functional._thresholds import THRESHOLDS
 from attnopt.functional.kernel import (
-    fourier_cpu,  # noqa: F401  (registers attnopt::ffw_*, lp_magnitude)
+    fourier_cpu,  # (also registers attnopt::ffw_*, ff_*, lp_magnitude)
     periodic,
     periodic_cpu,
     spectral,
@@ -219,6 +220,10 @@ def _quadratic(
         if a is not None:
             c = a.amax(dim=-1, keepdim=True).detach()
             m = torch.exp(a - torch.where(torch.isfinite(c), c, torch.zeros_like(c)))
+    if direct and v is not None and kernel.has_features and torch.compiler.is_compiling():
+        out = _traced_weighted_fourier(q, k, v, kernel, m, eps)  # the fused node's op, where it runs
+        if out is not None:
+            return out
     # the fused / blocked nodes need real storage: torch.func's wrapped tensors take the plain ops
     if direct and v is not None and kernel.has_features and has_storage(q, k, v, m):
         rows = math.prod(broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
@@ -345,13 +350,14 @@ def _traced_fourier(
     q: Tensor, k: Tensor, v: Tensor, kernel: Kernel, magnitude_p: float | None, attn_mask: Tensor | None,
     scale: float | None, eps: float,
 ) -> Tensor | None:
-    """:func:`_fused_fourier` while ``torch.compile`` / ``torch.export`` traces: the whole-call op
-    ``attnopt::ffw_fwd`` (backward ``attnopt::ffw_bwd``) where the eager call would run the whole call
-    (CPU tensors, the same size rules, the C library there: :func:`whole_ready`), else
-    None (the caller's plain ops). Nothing here reads tensor memory or loads a library."""
-    if not whole_ready() or q.device.type != "cpu" or k.device.type != "cpu" or v.device.type != "cpu":
+    """:func:`_fused_fourier` while ``torch.compile`` / ``torch.export`` traces: where the eager call
+    would run the fused Fourier node (CPU float32/64 tensors, the same size rules, the C library
+    there: :func:`fourier_cpu.ff_ready`), its op — the whole call ``attnopt::ffw_fwd`` (backward
+    ``ffw_bwd``) where that applies, else the per-pass ``attnopt::ff_fwd`` (``ff_bwd``) —, else None
+    (the caller's plain ops). Nothing here reads tensor memory or loads a library."""
+    if not fourier_cpu.ff_ready() or not q.device.type == k.device.type == v.device.type == "cpu":
         return None
-    if under_transform():
+    if under_transform() or q.dtype not in (torch.float32, torch.float64):
         return None
     if attn_mask is not None and (attn_mask.requires_grad or attn_mask.device.type != "cpu"
                                   or (attn_mask.dim() >= 2 and attn_mask.shape[-2] != 1)):
@@ -360,22 +366,54 @@ def _traced_fourier(
     if stack is None:
         return None
     points, nsets, coef = stack
-    if points.device.type != "cpu" or not whole_applies(q, k, v, points):
+    if points.device.type != "cpu":
         return None
     nq, nk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    batch: tuple[int, ...] = q.shape[:-2]
+    if not k.shape[:-2] == v.shape[:-2] == batch:
+        batch = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    if dispatch.choose_impl("kernel", nq=nq, nk=nk, batch=math.prod(batch), dtype=q.dtype) != "materialized":
+        return None
     check_dim("spectral points", points, q)
     s = resolve_scale(scale, d)
     key_mask = None
     if attn_mask is not None:
-        full = additive_mask(attn_mask, (*q.shape[:-2], nq, nk), q.dtype)
+        full = additive_mask(attn_mask, (*batch, nq, nk), q.dtype)
         assert full is not None
         key_mask = full.squeeze(-2)
     dispatch.record("kernel", "materialized")
     p = None if magnitude_p is None else float(magnitude_p)
     need_k = k.requires_grad and torch.is_grad_enabled()
-    out, _ = torch.ops.attnopt.ffw_fwd(q, k, v, points.to(q.dtype), key_mask, float(eps), float(coef), nsets,
-                                       p, float(s), need_k)
-    return out if q.shape[:-2] else out.view(nq, out.shape[-1])
+    if whole_ready() and whole_applies(q, k, v, points):
+        out, _ = torch.ops.attnopt.ffw_fwd(q, k, v, points.to(q.dtype), key_mask, float(eps), float(coef),
+                                           nsets, p, float(s), need_k)
+        return out if q.shape[:-2] else out.view(nq, out.shape[-1])
+    return fourier_cpu.traced_pass_attention(q, k, v, points, nsets, coef, eps, p, s, key_mask, need_k)
+
+
+def _traced_weighted_fourier(
+    q: Tensor, k: Tensor, v: Tensor, kernel: Kernel, m: Tensor | None, eps: float
+) -> Tensor | None:
+    """:func:`_quadratic`'s fused Fourier node with a given key weight ``m (…, 1, Nk)`` (a magnitude
+    outside ``[1, 2]``, a mask with a gradient, half inputs computed in float32) while ``torch.compile``
+    / ``torch.export`` trace: the op ``attnopt::ff_fwd`` (``ff_bwd``) where the eager call runs
+    :func:`~attnopt.functional.kernel.fourier.fused_fourier_attention` and the C library is there
+    (:func:`fourier_cpu.ff_ready`), else None (the plain ops). Shapes only, no tensor memory read."""
+    if not fourier_cpu.ff_ready() or under_transform() or q.dtype not in (torch.float32, torch.float64):
+        return None
+    if any(x is not None and x.device.type != "cpu" for x in (q, k, v, m)):
+        return None
+    fourier = kernel.fourier_sets()
+    if fourier is None or any(w.device.type != "cpu" for w in fourier[0]):
+        return None
+    rows = math.prod(broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+    if dispatch.record("kernel", dispatch.choose_impl("kernel", nq=q.shape[-2], nk=k.shape[-2], batch=rows,
+                                                      dtype=q.dtype)) != "materialized":
+        return None
+    kernel._check(q, k)
+    sets, coef = fourier
+    check_dim("spectral points", sets[0], q)
+    return fourier_cpu.traced_weighted_attention(q, k, m, v, eps, coef, sets)
 
 
 def _periodic(
