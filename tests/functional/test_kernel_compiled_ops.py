@@ -458,3 +458,17 @@ def test_ff_op_without_the_c_library_runs_the_pytorch_passes(monkeypatch: pytest
     monkeypatch.setattr(_fourier_pass, "_fns", lambda x: None)
     for a, b in zip(run(), want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("p", [1.0, 1.5])
+def test_expsin_lp_magnitude_compiles_fullgraph(p: float) -> None:
+    """The L^p key magnitude (1 <= p < 2) of the periodic kernel: eager runs a Function with a
+    custom ``jvp`` (which dynamo cannot trace); traced, the same function in plain ops — no graph
+    break, eager's values and gradients, also with zero key entries (gradient 0 there)."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 12, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    k[0, 0, 3] = 0.0
+    k[0, 1, 4, :3] = 0.0
+    leaves = tuple(t.requires_grad_() for t in (q, k, v))
+    periodic = Periodic(2 * math.pi)
+    compiled_equals_eager(lambda q, k, v: kernel_attention(q, k, v, kernel=periodic, magnitude_p=p), leaves)

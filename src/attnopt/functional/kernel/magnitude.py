@@ -32,6 +32,10 @@ def log_magnitude(x: Tensor, p: float, scale: float) -> Tensor:
         if p == 2:
             total = x.to(dt).square().sum(-1)
             return (0.5 * scale * total).clamp(max=torch.finfo(dt).max / 8)
+        if torch.compiler.is_compiling():  # dynamo cannot trace a Function with a custom jvp:
+            # the same function in plain ops (gradient 0 at x_i = 0 too: both exponents >= 1)
+            total = x.to(dt).abs().pow(float(p)).sum(-1)
+            return (0.5 * scale * total.pow(2.0 / p)).clamp(max=torch.finfo(dt).max / 8)
         out: Tensor = _LpHalfSquare.apply(x.to(dt), float(p), float(scale))[0]
         return out
     if p < 1:
