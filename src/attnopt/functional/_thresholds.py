@@ -88,7 +88,7 @@ class Thresholds:
     #: live elements of one query block of the streaming attention (``regularized/streaming.py``)
     sparse_streaming_block_elements: int = 1 << 22
     #: entries per row block of the maps' row-blocked CPU backward (``regularized/groups.py``)
-    sparsemax_block_entries: int = 1 << 16
+    sparse_backward_block_entries: int = 1 << 16
     #: entries per row block of the α-entmax CPU threshold search (``regularized/search.py``)
     entmax_block_entries: int = 1 << 18
     #: rows shorter than this take the dense map search, not the group search

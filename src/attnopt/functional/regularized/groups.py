@@ -162,7 +162,7 @@ def backward_rows(p: Tensor, grad: Tensor, alpha: float) -> Tensor:
     pf = p.view(-1, n)
     gf = grad.reshape(-1, n)
     out = torch.empty_like(pf)
-    step = max(1, THRESHOLDS.sparsemax_block_entries // n)
+    step = max(1, THRESHOLDS.sparse_backward_block_entries // n)
     local = threading.local()  # one cache-sized buffer per worker thread
 
     def block(i: int, j: int) -> bool:
