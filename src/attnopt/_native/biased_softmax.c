@@ -1,5 +1,5 @@
 /* Softmax with an additive bias: the N x N elementwise passes of
- * attnopt.functional._generalized_native, float32 (suffix f32) and float64 (f64).
+ * attnopt.functional.generalized.cpu, float32 (suffix f32) and float64 (f64).
  *
  * Layout. A call works on the heads [g0, g1) of one chunk and on the query rows [i0, i1) of
  * each of them: "s" (and "dp") hold the chunk's scores row-major, rh rows per head starting at

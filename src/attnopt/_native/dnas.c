@@ -1,5 +1,5 @@
 /* DNAS / HNAS (one Sinkhorn step) in scaling form: the N x N elementwise passes of
- * attnopt.functional._dnas_native, float32.
+ * attnopt.functional.doubly_normalized.cpu, float32.
  *
  * dn_fwd / dn_bwd work on the heads [h0, h1) of one call: "s" (and "dp") hold the scores of
  * the chunk's heads only, (h1 - h0, nq, nk) row-major, "c0" is the first head of the chunk;

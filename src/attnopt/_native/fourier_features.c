@@ -1,6 +1,6 @@
 /* The elementwise passes of kernel attention with Fourier features (implicit-kernel-attention
  * eq. 9, 13, 15-16), one C call each where the PyTorch form takes 3-6 ops; the matmuls stay in
- * PyTorch. Same functions as attnopt.functional._kernel_fused's PyTorch path, to rounding.
+ * PyTorch. Same functions as attnopt.functional.kernel._fourier_pass's PyTorch path, to rounding.
  *
  * ff_features: P (rows, S*R) -> cos P, sin P (kept for the backward) and
  *              phi = [sum_s cos P_s, sum_s sin P_s] (rows, 2R)

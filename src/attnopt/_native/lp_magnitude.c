@@ -1,7 +1,7 @@
 /* The L^p key magnitude of kernel attention (implicit-kernel-attention eq. 11), 1 <= p <= 2,
  * one pass per row: a = s*T^{2/p}/2 with T = sum_i |k_i|^p (clamped at cap), and with grad
  * u_i = |k_i|^{p-1} sign(k_i) (0 at k_i = 0) and c = s*T^{2/p-1} (0 where the clamp is active).
- * Same function as attnopt.functional._kernel_fused._magnitude's PyTorch path, to rounding.
+ * Same function as attnopt.functional.kernel._fourier_c._magnitude's PyTorch path, to rounding.
  * mode: 0 general p (pow), 1 p = 1, 2 p = 1.5 (sqrt), 3 p = 2. */
 #include <math.h>
 #include <stdint.h>

@@ -1,6 +1,6 @@
 /* Exact CPU forward and backward of sparsemax and 1.5-entmax along contiguous rows.
  *
- * Python side: attnopt/functional/_sparse_native.py (which documents the algorithm).
+ * Python side: attnopt/functional/regularized/cpu.py (which documents the algorithm).
  * Entry points, for T = float (suffix f32) and T = double (suffix f64), on `rows` contiguous
  * rows of length n; every thread of a call runs the same call and claims runs of rows from the
  * shared counter *next (0 at the start):
