@@ -41,15 +41,14 @@ another:
   ``torch.func``. Plain eager calls keep the autograd Functions below (the
   Python ``custom_op`` dispatch costs tens of µs a call).
 * ``impl="materialized"`` (``auto`` below ``dispatch.CROSSOVERS``), host-readable CPU tensors:
-  :mod:`.cpu` (the C passes: K = 1, float32, from ``THRESHOLDS.dnas_native_min_entries``),
-  :mod:`.materialized` (probability domain, saves the weights: while the scores fit one
-  ``THRESHOLDS.dnas_scaling_chunk_entries`` chunk) or :mod:`.scaling` (scaling form, chunked
-  over batch × heads, O(N) saved state: above it). Without autograd and without a mask the
-  no-grad forwards of :mod:`.cpu` / :mod:`.materialized` run up to one chunk. Two materialized
-  forms, where issue 30 asked for one: the scaling form runs only where the C passes cannot
-  (Sinkhorn-K, float64, half) above one chunk, and there it is the faster one by a wide margin
-  (the ``sinkhorn K=3`` rows of ``attnopt bench --only small_n`` at N = 1024); the probability
-  domain is the faster one below.
+  :mod:`.cpu` (the C passes: K = 1, float32, from ``THRESHOLDS.dnas_native_min_entries``; its
+  one-call no-grad pass up to one ``THRESHOLDS.dnas_materialized_chunk_entries`` chunk), else
+  :mod:`.materialized`, the one materialized kernel (probability domain, saves the weights;
+  chunk by chunk over batch × heads above one chunk, so that the ``Nq × Nk`` temporaries stay in
+  cache), or its no-grad forward (nothing saved) without autograd and without a mask. Issue 30
+  asked for one materialized form: the chunked scaling form that used to run above one chunk
+  (``scaling.py``, which recomputed ``E`` in the backward) is gone; chunking the probability
+  domain made it as fast there (``attnopt bench --only small_n``, the ``sinkhorn K=3`` rows).
 * ``impl="streaming"`` (``auto`` above the crossover): :mod:`.streaming`, O(N) memory, with the
   CPU flash-kernel passes of :mod:`.flash_cpu` where they apply, else its blocked passes.
 * :mod:`.prefix` — the autoregressive ``causal="prefix"`` variant (a formula of its own).
@@ -83,7 +82,7 @@ from attnopt.functional._autograd import records_graph, under_transform
 from attnopt.functional._dropout import check_dropout_p, dropout_attention
 from attnopt.functional._func_ops import transforms_supported
 from attnopt.functional._thresholds import THRESHOLDS
-from attnopt.functional.doubly_normalized import cpu, flash_cpu, materialized, reference, scaling, streaming
+from attnopt.functional.doubly_normalized import cpu, flash_cpu, materialized, reference, streaming
 from attnopt.functional.doubly_normalized import prefix as prefix
 from attnopt.functional.generalized import generalized_attention
 
@@ -174,27 +173,27 @@ def _materialized(
         entries *= n
     t = THRESHOLDS
     lib = cpu.library(qkv[0], iterations)
+    chunked = entries > t.dnas_materialized_chunk_entries  # more than one cache-sized chunk
+    no_grad = m is None and not (is_causal and nk > nq) and not records_graph(*qkv, w)  # nothing saved
     out: Tensor | None = None
-    if entries <= t.dnas_scaling_chunk_entries and m is None and not (is_causal and nk > nq) \
-            and not records_graph(*qkv, w):  # inference: nothing saved
-        if lib is not None:  # K = 1, float32: one C pass over all heads
-            g = qkv[0].shape[:-2]
-            q3, k3, v3 = (x.reshape(-1, *x.shape[-2:]) for x in qkv)
-            wf = None if w is None else w.expand(*g, 1, 1).reshape(-1).contiguous()
-            out = cpu.no_grad_small(lib, q3, k3, v3, wf, is_causal, scale)
-            out = None if out is None else out.view(*g, nq, v.shape[-1])
-        else:
-            out = materialized.no_grad_forward(qc, kc, vc, w, is_causal, scale, iterations)
+    if lib is not None and no_grad and not chunked:  # K = 1, float32 inference: one C pass, all heads
+        g = qkv[0].shape[:-2]
+        q3, k3, v3 = (x.reshape(-1, *x.shape[-2:]) for x in qkv)
+        wf = None if w is None else w.expand(*g, 1, 1).reshape(-1).contiguous()
+        out = cpu.no_grad_small(lib, q3, k3, v3, wf, is_causal, scale)
+        out = None if out is None else out.view(*g, nq, v.shape[-1])
     elif lib is not None and entries >= t.dnas_native_min_entries:
         (q4, k4, v4), w4, m4 = _as_4d(qkv, w, m, batch)
         out = cpu.native_sinkhorn(lib, q4, k4, v4, w4, m4, is_causal, scale)
         out = None if out is None else out.reshape(*batch, nq, v.shape[-1])
-    elif entries > t.dnas_scaling_chunk_entries:  # more than one cache-sized chunk
-        (q4, k4, v4), w4, m4 = _as_4d(qkv, w, m, batch)
-        out = scaling.fused_sinkhorn(q4, k4, v4, w4, m4, is_causal, scale, iterations)
-        out = None if out is None else out.reshape(*batch, nq, v.shape[-1])
     else:
-        out = materialized.materialized_sinkhorn(qc, kc, vc, w, m, is_causal, scale, iterations)
+        if chunked:  # 4-D (B, H, N, ·): the kernel runs chunk by chunk over batch × heads
+            qkv, w, m = _as_4d(qkv, w, m, batch)
+        if no_grad:
+            out = materialized.no_grad_forward(*qkv, w, is_causal, scale, iterations)
+        else:
+            out = materialized.materialized_sinkhorn(*qkv, w, m, is_causal, scale, iterations)
+        out = None if out is None else out.reshape(*batch, nq, v.shape[-1])
     if out is None:  # an underflowing normalizer (a dominated row): the log domain, exact
         return reference.attention(q, k, v, iterations, weight, attn_mask, scale, is_causal)
     return out.to(orig)

@@ -1,7 +1,7 @@
 r"""Native (C) DNAS / HNAS, one Sinkhorn step, float32 on CPU (internal; ``_native/dnas.c``).
 
-Same math as :mod:`.scaling` (scaling form ``E = e^{S − m}`` with column maxima ``m``,
-doubly-normalized-attention eq. (6)–(8) and Sec. 6), with all ``Nq × Nk`` elementwise work of
+DNAS in scaling form: ``E = e^{S − m}`` with column maxima ``m`` and ``π = diag(α) E diag(β)``
+(doubly-normalized-attention eq. (6)–(8) and Sec. 6), with all ``Nq × Nk`` elementwise work of
 each direction in one C call per chunk of heads, so that every matmul has the inner width of
 the head (``d`` or ``dv``) instead of ``2·dv + 2`` and no elementwise pass leaves the cache:
 
@@ -17,19 +17,20 @@ the head (``d`` or ``dv``) instead of ``2·dv + 2`` and no elementwise pass leav
   ``f_ij = w α_i β_j + (1 − w) u_j / ρ_i``, and ``P = E ⊙ f``; then ``dV = Pᵀ dO``,
   ``dQ = scale·dS K``, ``dK = dSᵀ (scale·Q)``, ``∂L/∂w = Σ_i (δ^D_i − δ^L_i)``.
 
-That is the closed form of :mod:`.scaling` for K = 1 with its rank-one terms applied
-elementwise. Masks: a key-only mask ``(…, 1, Nk)`` is never added to ``S`` — a finite key bias
+That is the closed-form backward of the scaling form for K = 1 (``∂L/∂S = E ⊙ ∂L/∂E``, the
+column shift ``m`` cancels; each normalization adds a rank-one term) applied elementwise.
+Masks: a key-only mask ``(…, 1, Nk)`` is never added to ``S`` — a finite key bias
 cancels in ``E`` (it shifts ``S_·j`` and ``m_j`` alike) and enters only the LNAS factor
 ``u_j = e^{m_j + b_j − μ}``; a dropped key gets ``m_j = +∞`` (``E_·j = 0``). ``is_causal`` is
 applied inside the passes (no mask tensor, the hidden half is skipped); a full
 ``(…, Nq, Nk)`` mask is added to ``S``.
 
 The C exponential is a polynomial (about 1.4 ulp; 0 below ``e^{−87}``); results agree with the
-PyTorch path of :mod:`.scaling` to float32 rounding. A chunk holds about
+PyTorch kernel of :mod:`.materialized` to float32 rounding. A chunk holds about
 ``THRESHOLDS.dnas_cpu_chunk_entries`` scores per thread (``S`` and ``dP`` stay in a 2 MiB L2 cache); its heads
 are split over ``torch.get_num_threads()`` threads (:func:`attnopt._native.parallel_rows`).
 Underflow of a row normalizer of an admissible row returns ``None`` (the caller recomputes in
-the log domain), as in :mod:`.scaling`.
+the log domain), as in :mod:`.materialized`.
 
 The same passes are ``torch.library`` ops (issue 30 item 2), so that dynamo, ``torch.export`` and
 the profiler see one op each way: ``attnopt::dn_fwd(q, k, v, w, mask, causal, scale) -> (out, m,
@@ -292,7 +293,7 @@ def no_grad_small(
     """DNAS / HNAS (K = 1) forward without autograd on 3-D ``(G, N, ·)`` float32, no mask (and
     ``is_causal`` only with ``Nk <= Nq``: every row and key admissible); ``None`` on underflow.
 
-    One C call over all heads (up to ``THRESHOLDS.dnas_scaling_chunk_entries``
+    One C call over all heads (up to ``THRESHOLDS.dnas_materialized_chunk_entries``
     scores, split over threads by heads) on scores scaled in the GEMM, then ``P V``: no autograd
     Function, no chunking, one flat buffer for the per-head vectors. ``w``: ``None``
     (DNAS) or a float32 tensor of ``G`` contiguous entries.
@@ -332,7 +333,8 @@ def native_sinkhorn(
 ) -> Tensor | None:
     """DNAS (``w=None``) or HNAS (K = 1) on contiguous ``(B, H, N, ·)`` float32; ``None`` on underflow.
 
-    Arguments as :func:`attnopt.functional.doubly_normalized.scaling.fused_sinkhorn`.
+    ``q, k, v`` share their ``(B, H)``; ``mask`` additive (not differentiated) and ``w`` broadcastable
+    to ``(B, H, 1, 1)``, both 4-D with batch / head dims of size 1 or full; ``Nq, Nk >= 1``.
     """
     info = [True]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
