@@ -131,7 +131,7 @@ def test_native_path_taken_and_agrees_with_the_pytorch_fused_path(monkeypatch):
 @needs_native
 def test_threads_split_heads_and_match_one_thread(monkeypatch):
     monkeypatch.setattr(THRESHOLDS, "dnas_cpu_chunk_entries", 1 << 12)
-    monkeypatch.setattr(_native, "_MIN_PARALLEL", 1)
+    monkeypatch.setattr(THRESHOLDS, "native_parallel_min_entries", 1)
     q, k, v = (x.requires_grad_() for x in _inputs((2, 5), 33, 33, d=8, dv=4, seed=7))
     lib = native.library(q, 1)
     assert lib is not None

@@ -49,7 +49,7 @@ def test_t5_bias_through_its_offsets_matches_reference(
     # chunks of a few heads across batches, or blocks of 7 query rows of one head
     chunk_bytes = nq * nk * 8 * 3 if chunk == "heads" else nk * 8 * 7 // threads
     monkeypatch.setattr(THRESHOLDS, "generalized_cpu_chunk_bytes", chunk_bytes)
-    monkeypatch.setattr(_native, "_MIN_PARALLEL", 0)  # split rows over threads even at this size
+    monkeypatch.setattr(THRESHOLDS, "native_parallel_min_entries", 0)  # split rows over threads here
     t5 = T5RelativePreference(3, num_buckets=8, max_distance=16).double()
     q, k, v = _qkv(2, 3, nq, nk, seed=1)
     weight = t5.relative_attention_bias.weight
@@ -106,7 +106,7 @@ def test_offsets_are_dropped_after_an_inplace_change_or_a_sum(native_or_torch, c
 
 @pytest.mark.parametrize("bias_shape", [(1, 4, 16, 24), (2, 1, 16, 24), (2, 4, 1, 24)])
 def test_bias_gradient_split_over_threads(monkeypatch, native_or_torch, bias_shape):
-    monkeypatch.setattr(_native, "_MIN_PARALLEL", 0)
+    monkeypatch.setattr(THRESHOLDS, "native_parallel_min_entries", 0)
     q, k, v = _qkv(2, 4, 16, 24, seed=4)
     bias = torch.randn(bias_shape, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     bias[..., 3] = float("-inf")  # a dropped key

@@ -241,7 +241,7 @@ def test_native_lp_magnitude_split_over_threads(monkeypatch):
 
     k = torch.randn(3, 41, 16, generator=torch.Generator().manual_seed(2))
     one = _fourier_c._magnitude(k, 1.5, 0.25, True)
-    monkeypatch.setattr(_native, "_MIN_PARALLEL", 1)
+    monkeypatch.setattr(THRESHOLDS, "native_parallel_min_entries", 1)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
     for x, y in zip(_fourier_c._magnitude(k, 1.5, 0.25, True), one, strict=True):
         assert torch.equal(x, y)
@@ -311,7 +311,7 @@ def test_native_passes_split_over_threads(monkeypatch):
     give the one-call result bit for bit."""
     case = _node_case(torch.float32, (2, 3), 6, 1.5, True)
     one = _node_run(*case, 1.5)
-    monkeypatch.setattr(_native, "_MIN_PARALLEL", 1)
+    monkeypatch.setattr(THRESHOLDS, "native_parallel_min_entries", 1)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
     for a, b in zip(_node_run(*case, 1.5), one, strict=True):
         assert torch.equal(a, b)

@@ -123,7 +123,7 @@ def test_heads_split_over_threads(points_batch, spy, monkeypatch):
     ones = torch.ones(2, 3, 6, 5, dtype=torch.float64).expand(2, 3, 6, 5)
     one = _run(*case, 1.5)
     one_sum = _run(*case, 1.5, torch.ones((), dtype=torch.float64).expand(2, 3, 6, 5))
-    monkeypatch.setattr(_native, "_MIN_PARALLEL", 1)
+    monkeypatch.setattr(THRESHOLDS, "native_parallel_min_entries", 1)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

@@ -82,7 +82,7 @@ def test_float32_c_passes_match_the_pytorch_node(monkeypatch, calls, mask_kind, 
 
 
 def test_threads_split_heads_and_give_the_one_thread_result(monkeypatch, calls):
-    monkeypatch.setattr(_native, "_MIN_PARALLEL", 0)
+    monkeypatch.setattr(THRESHOLDS, "native_parallel_min_entries", 0)
     q, k, v = _qkv(3, 2, 10, 12, seed=3, dtype=torch.float64)
     one = _run(q, k, v, None, True, 2.0)
     torch.set_num_threads(2)

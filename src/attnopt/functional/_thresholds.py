@@ -66,9 +66,9 @@ class Thresholds:
     #: matrix-vector products per iteration) instead of rewriting ``E`` in place (four passes):
     #: the passes won at 8·64², the vectors from 8·256² (one thread, d = 64)
     dnas_no_grad_vector_entries: int = 1 << 17
-    #: from this many score entries the C passes (``doubly_normalized/cpu.py``: K = 1, float32,
-    #: CPU) run instead of the probability-domain kernel (measured fwd+bwd, d = 64, 1 thread:
-    #: equal at 64·64², the C passes ahead from 8·256²)
+    #: from this many score entries the C passes (``doubly_normalized/cpu.py``: DNAS / HNAS /
+    #: Sinkhorn-K, float32, CPU) run instead of the probability-domain kernel (measured fwd+bwd,
+    #: d = 64, 1 thread: equal at 64·64², the C passes ahead from 8·256²)
     dnas_native_min_entries: int = 1 << 18
     #: score entries per thread in one chunk of the C passes (``S`` and ``dP`` of the backward
     #: fit a 2 MiB L2 together; 2^18 ran faster than 2^20 at N = 512, d = 16)
