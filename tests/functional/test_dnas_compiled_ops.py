@@ -160,10 +160,22 @@ def test_export_in_eval_holds_the_op(hnas: bool) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("iterations", "dtype"), [(3, torch.float32), (1, torch.float64)])
-def test_other_cases_keep_the_reference_under_compile(iterations: int, dtype: torch.dtype) -> None:
-    q, k, v = _qkv(dtype=dtype)
-    fn = lambda q, k, v: attnopt.doubly_normalized_attention(q, k, v, iterations=iterations)  # noqa: E731
+def test_sinkhorn_k_is_the_op_under_compile() -> None:
+    """Sinkhorn-K (K = 3, float32, causal and not): the graph holds ``attnopt.dn_fwd`` once (its C
+    passes ``sk_fwd`` / ``sk_bwd``); values and gradients of the reference."""
+    for causal in (False, True):
+        q, k, v = _qkv(nq=6, nk=6)
+        fn = lambda q, k, v, causal=causal: attnopt.doubly_normalized_attention(  # noqa: E731
+            q, k, v, iterations=3, is_causal=causal, causal="plan")
+        rec = Recorder()
+        _compiled_and_reference(fn, [q, k, v], rec)
+        assert rec.count("attnopt.dn_fwd") == 1, rec.targets
+
+
+@pytest.mark.slow
+def test_float64_keeps_the_reference_under_compile() -> None:
+    q, k, v = _qkv(dtype=torch.float64)
+    fn = lambda q, k, v: attnopt.doubly_normalized_attention(q, k, v, iterations=3)  # noqa: E731
     rec = Recorder()
     _compiled_and_reference(fn, [q, k, v], rec)
     assert rec.count("attnopt.") == 0, rec.targets

@@ -177,3 +177,18 @@ def test_ops_opcheck_with_batching_rules() -> None:
     got = torch.func.vmap(lambda q: torch.ops.attnopt.dn_fwd(q, k, v, None, None, False, 0.5)[0])(qs)
     want = torch.stack([torch.ops.attnopt.dn_fwd(x, k, v, None, None, False, 0.5)[0] for x in qs])
     _close(got, want)
+
+
+def test_sinkhorn_k_vmap_grad(calls: dict) -> None:
+    """Sinkhorn-K (K = 3) per-example gradients: the reference's, one C call each way."""
+    q, k, v = _qkv()
+
+    def loss(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attnopt.doubly_normalized_attention(q, k, v, iterations=3, is_causal=True,
+                                                   causal="plan").square().sum()
+
+    per_example = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1, 2)))
+    for a, b in zip(per_example(q, k, v), _reference(per_example, q, k, v), strict=True):  # type: ignore[call-overload]
+        _close(a, b)
+    if cpu.library(q, 3) is not None:
+        assert calls == {"fwd": 1, "bwd": 1}

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import attnopt.functional.doubly_normalized.cpu as native
-import attnopt.functional.doubly_normalized.scaling as fused
+import attnopt.functional.doubly_normalized.materialized as mat
 from attnopt import _native
 from attnopt.functional._thresholds import THRESHOLDS
 from attnopt.functional.doubly_normalized import doubly_normalized_attention, hybrid_normalized_attention
@@ -22,7 +22,7 @@ from tests.reference.doubly_normalized import attention_ref, hybrid_ref
 @pytest.fixture
 def small(monkeypatch):
     """Every float32 call takes the fused kernel; native chunks of a few heads (splits across batches)."""
-    monkeypatch.setattr(THRESHOLDS, "dnas_scaling_chunk_entries", 0)
+    monkeypatch.setattr(THRESHOLDS, "dnas_materialized_chunk_entries", 0)
     monkeypatch.setattr(THRESHOLDS, "dnas_native_min_entries", 0)
     monkeypatch.setattr(THRESHOLDS, "dnas_cpu_chunk_entries", 100)
 
@@ -114,14 +114,14 @@ def test_native_path_taken_and_agrees_with_the_pytorch_fused_path(monkeypatch):
     mask = torch.zeros(2, 1, 1, 40)
     mask[1, ..., 30:] = float("-inf")
     monkeypatch.setattr(THRESHOLDS, "dnas_native_min_entries", 0)
-    monkeypatch.setattr(THRESHOLDS, "dnas_scaling_chunk_entries", 0)
+    monkeypatch.setattr(THRESHOLDS, "dnas_materialized_chunk_entries", 0)
     results = []
     for env in ("1", "0"):
-        monkeypatch.setenv("ATTNOPT_NATIVE", env)  # the router runs the C passes, then the scaling form
+        monkeypatch.setenv("ATTNOPT_NATIVE", env)  # the router runs the C passes, then the PyTorch kernel
         out = hybrid_normalized_attention(q, k, v, w.view(3), attn_mask=mask, scale=0.3, impl="materialized")
         results.append([out, *torch.autograd.grad(out.square().sum(), (q, k, v, w))])
-    assert calls == [1]  # ATTNOPT_NATIVE=0 ran the PyTorch scaling-form kernel
-    direct = fused.fused_sinkhorn(q, k, v, w, mask, False, 0.3, 1)
+    assert calls == [1]  # ATTNOPT_NATIVE=0 ran the PyTorch materialized kernel (chunked)
+    direct = mat.materialized_sinkhorn(q, k, v, w, mask, False, 0.3, 1)
     assert direct is not None
     torch.testing.assert_close(direct, results[1][0], rtol=1e-6, atol=1e-7)
     for a, b in zip(*results, strict=True):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import attnopt.functional.doubly_normalized.materialized as dm
+from attnopt.functional._thresholds import THRESHOLDS
 from attnopt.functional.doubly_normalized import cpu as _dnas_native
 from attnopt.functional.doubly_normalized import doubly_normalized_attention, hybrid_normalized_attention
 from tests.reference.doubly_normalized import attention_ref, hybrid_ref
@@ -38,9 +39,20 @@ def _qkv(shape, nq, nk, dtype=torch.float64, seed=0):
             ((shape, nq, 5), (shape, nk, 5), (shape[-1:], nk, 3))]  # v broadcast over the batch
 
 
+@pytest.fixture(params=["in place", "vectors", "chunked vectors"])
+def steps(request, monkeypatch):
+    """Sinkhorn-K's later steps rewriting ``E`` in place, as scaling vectors, and the latter chunk
+    by chunk over batch × heads (one head per chunk)."""
+    vectors = 1 << 40 if request.param == "in place" else 0
+    monkeypatch.setattr(THRESHOLDS, "dnas_no_grad_vector_entries", vectors)
+    if request.param == "chunked vectors":
+        monkeypatch.setattr(THRESHOLDS, "dnas_materialized_chunk_entries", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("iterations", [1, 2, 3])
 @pytest.mark.parametrize(("nq", "nk", "causal"), [(6, 7, False), (7, 5, True), (6, 6, True)])
-def test_matches_float64_reference_and_the_training_path(calls, iterations, nq, nk, causal):
+def test_matches_float64_reference_and_the_training_path(calls, steps, iterations, nq, nk, causal):
     q, k, v = _qkv((2, 3), nq, nk)
     with torch.no_grad():
         out = doubly_normalized_attention(q, k, v, iterations=iterations, causal="plan", is_causal=causal,

@@ -53,12 +53,39 @@ def test_op_equals_the_function(hnas: bool, mask: str | None, causal: bool) -> N
     """The op and the eager autograd Function run the same C calls: equal values and gradients."""
     q, k, v, w, m = _case(hnas, mask)
     ins = [t for t in (q, k, v, w) if t is not None]
-    want = cpu._NativeSinkhorn.apply(q, k, v, w, m, causal, 0.5, [True])
+    want = cpu._NativeSinkhorn.apply(q, k, v, w, m, causal, 0.5, 1, [True])
     got = torch.ops.attnopt.dn_fwd(q, k, v, w, m, causal, 0.5)[0]
     torch.testing.assert_close(got, want, atol=0, rtol=0)
     dout = torch.randn_like(want)
     for a, b in zip(torch.autograd.grad(got, ins, dout), torch.autograd.grad(want, ins, dout), strict=True):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+SINKHORN = [(2, None, False), (3, "key", False), (3, "full", True), (5, None, True)]
+
+
+@pytest.mark.parametrize(("iterations", "mask", "causal"), SINKHORN)
+def test_sinkhorn_k_op_check_and_reference(iterations: int, mask: str | None, causal: bool) -> None:
+    """Sinkhorn-K (K >= 2) through the same ops (``sk_fwd`` / ``sk_bwd`` of ``_native/dnas.c``):
+    PyTorch's op checks, and values and gradients of the float64 log-domain reference to float32
+    rounding; the eager Function gives the op's numbers bitwise."""
+    from attnopt.functional.doubly_normalized import reference
+
+    q, k, v, _, m = _case(False, mask, nq=6, nk=6)
+    torch.library.opcheck(torch.ops.attnopt.dn_fwd, (q, k, v, None, m, causal, 0.5, iterations))
+    got = torch.ops.attnopt.dn_fwd(q, k, v, None, m, causal, 0.5, iterations)[0]
+    fn = cpu._NativeSinkhorn.apply(q, k, v, None, m, causal, 0.5, iterations, [True])
+    torch.testing.assert_close(got, fn, atol=0, rtol=0)
+    x64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = reference.attention(*x64, iterations, None, None if m is None else m.double(), 0.5, causal)
+    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=2e-6)
+    dout = torch.randn(want.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    gw = torch.autograd.grad(want, x64, dout)
+    gg = torch.autograd.grad(got, (q, k, v), dout.float(), retain_graph=True)
+    gf = torch.autograd.grad(fn, (q, k, v), dout.float())
+    for a, b, c in zip(gg, gw, gf, strict=True):
+        torch.testing.assert_close(a.double(), b, atol=5e-6, rtol=5e-6)
+        torch.testing.assert_close(a, c, atol=0, rtol=0)
 
 
 def test_underflow_is_reported_not_hidden() -> None:
@@ -69,7 +96,7 @@ def test_underflow_is_reported_not_hidden() -> None:
     k = k.detach().clone()
     k[0, 0] = k[0, 0].abs()
     ok = torch.ops.attnopt.dn_fwd(q, k, v.detach(), None, None, False, 1.0)[-1]
-    want = cpu._NativeSinkhorn.apply(q, k, v.detach(), None, None, False, 1.0, info := [True])
+    want = cpu._NativeSinkhorn.apply(q, k, v.detach(), None, None, False, 1.0, 1, info := [True])
     assert bool(ok) == info[0]
     assert want.numel() == 0 or info[0]
 

@@ -141,9 +141,9 @@ def test_internal_path_second_derivative_is_exact_or_refused(path):
 
 
 @pytest.mark.parametrize("iterations", [1, 2])
-def test_scaling_form_dnas_kernel_refuses(monkeypatch, iterations):
-    """The chunked scaling-form kernel (large sizes only): forced by lowering its threshold."""
-    monkeypatch.setattr(THRESHOLDS, "dnas_scaling_chunk_entries", 0)
+def test_chunked_materialized_dnas_kernel_refuses(monkeypatch, iterations):
+    """The materialized kernel chunk by chunk (large sizes only): forced by lowering its threshold."""
+    monkeypatch.setattr(THRESHOLDS, "dnas_materialized_chunk_entries", 0)
     q, k, v = _leaves(*QKV)
     out = DN(q, k, v, iterations=iterations, impl="materialized")
     with pytest.raises(RuntimeError, match="double backward"):

@@ -9,22 +9,23 @@ import torch
 
 from attnopt.functional import _thresholds, dispatch
 from attnopt.functional._thresholds import THRESHOLDS, Thresholds, overrides
-from attnopt.functional.doubly_normalized import doubly_normalized_attention, materialized, scaling
+from attnopt.functional.doubly_normalized import doubly_normalized_attention
 from tests.reference.doubly_normalized import attention_ref
 
 
 def test_overrides_set_and_restore():
-    before = THRESHOLDS.dnas_scaling_chunk_entries
-    with overrides(dnas_scaling_chunk_entries=7) as table:
-        assert table is THRESHOLDS and THRESHOLDS.dnas_scaling_chunk_entries == 7
-    assert THRESHOLDS.dnas_scaling_chunk_entries == before
-    with pytest.raises(RuntimeError), overrides(dnas_scaling_chunk_entries=3):
+    before = THRESHOLDS.dnas_materialized_chunk_entries
+    with overrides(dnas_materialized_chunk_entries=7) as table:
+        assert table is THRESHOLDS and THRESHOLDS.dnas_materialized_chunk_entries == 7
+    assert THRESHOLDS.dnas_materialized_chunk_entries == before
+    with pytest.raises(RuntimeError), overrides(dnas_materialized_chunk_entries=3):
         raise RuntimeError
-    assert THRESHOLDS.dnas_scaling_chunk_entries == before
+    assert THRESHOLDS.dnas_materialized_chunk_entries == before
 
 
-@pytest.mark.parametrize("bad", [{"no_such_threshold": 1}, {"dnas_scaling_chunk_entries": -1},
-                                 {"dnas_scaling_chunk_entries": 1.5}, {"dnas_scaling_chunk_entries": True},
+@pytest.mark.parametrize("bad", [{"no_such_threshold": 1}, {"dnas_materialized_chunk_entries": -1},
+                                 {"dnas_materialized_chunk_entries": 1.5},
+                                 {"dnas_materialized_chunk_entries": True},
                                  {"crossovers": 1}])
 def test_overrides_refuse_unknown_names_and_bad_values(bad):
     before = dataclasses.asdict(THRESHOLDS)
@@ -50,18 +51,19 @@ def test_crossovers_are_the_dispatch_table():
 
 
 def test_a_threshold_picks_the_kernel_not_the_result(monkeypatch):
-    """The chunk size moves DNAS from the probability-domain kernel to the scaling form; same values."""
-    calls = []
-    for module, name in ((materialized, "materialized_sinkhorn"), (scaling, "fused_sinkhorn")):
-        real = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
+    """The chunk size moves Sinkhorn-K from one piece to one chunk per head; same values."""
+    from attnopt.functional.doubly_normalized import materialized
+
+    pieces = []
+    real = materialized._forward_piece
+    monkeypatch.setattr(materialized, "_forward_piece", lambda *a: pieces.append(a[0].shape[:2]) or real(*a))
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 5, 4, generator=g, dtype=torch.float64).requires_grad_() for _ in range(3))
     ref = attention_ref(q, k, v, 2)
     outs = []
     for chunk in (1 << 20, 0):
-        with overrides(dnas_scaling_chunk_entries=chunk):
+        with overrides(dnas_materialized_chunk_entries=chunk):
             outs.append(doubly_normalized_attention(q, k, v, iterations=2, impl="materialized"))
-    assert calls == ["materialized_sinkhorn", "fused_sinkhorn"]
+    assert pieces == [(2, 3), *[(1, 1)] * 6]
     for out in outs:
         torch.testing.assert_close(out, ref)

@@ -185,3 +185,145 @@ int dn_bwd(float *s, float *dp, int64_t c0, const float *w, const float *m, cons
     free(tmp);
     return 0;
 }
+
+/* Sinkhorn-K (K >= 2 steps, DNAS only) in scaling form, heads [h0, h1): beta_1 = 1/z (z = E^T 1),
+ * alpha_t = 1/(E beta_t), beta_{t+1} = 1/(E^T alpha_t), P = diag(alpha_K) E diag(beta_K).
+ * In: s = S (plus a full mask), kbias (NULL or nk per head: a key-only mask). Out: s <- E; m;
+ * beta (K * nk per head: beta_1 .. beta_K), alpha (K * nq per head: alpha_1 .. alpha_{K-1}; the
+ * caller takes alpha_K from the row sums E beta_K that its product E [beta_K V | beta_K] gives with
+ * the output), rs = the smallest row sum E beta_t of each row over steps 1 .. K-1 (the caller's
+ * underflow test). */
+void sk_fwd(float *s, int64_t c0, const float *kbias, float *m, float *beta, float *alpha, float *rs,
+            int64_t h0, int64_t h1, int64_t nq, int64_t nk, int causal, int64_t kk) {
+    for (int64_t h = h0; h < h1; ++h) {
+        float *sh = s + (h - c0) * nq * nk, *mh = m + h * nk;
+        float *bh = beta + h * kk * nk, *ah = alpha + h * kk * nq, *rh = rs + h * nq;
+        for (int64_t j = 0; j < nk; ++j) mh[j] = -__builtin_inff();
+        for (int64_t i = 0; i < nq; ++i) {
+            const float *row = sh + i * nk;
+            const int64_t n = seen(i, nk, causal);
+            #pragma omp simd
+            for (int64_t j = 0; j < n; ++j) mh[j] = row[j] > mh[j] ? row[j] : mh[j];
+        }
+        for (int64_t j = 0; j < nk; ++j) {
+            const float me = kbias ? mh[j] + kbias[h * nk + j] : mh[j];
+            mh[j] = me > -__builtin_inff() ? mh[j] : __builtin_inff();  /* a dead key: E = 0 */
+            bh[j] = 0.0f;
+        }
+        for (int64_t i = 0; i < nq; ++i) {
+            float *row = sh + i * nk;
+            const int64_t n = seen(i, nk, causal);
+            #pragma omp simd
+            for (int64_t j = 0; j < n; ++j) {
+                const float e = pexp(row[j] - mh[j]);
+                row[j] = e;
+                bh[j] += e;
+            }
+            for (int64_t j = n; j < nk; ++j) row[j] = 0.0f;
+        }
+        #pragma omp simd
+        for (int64_t j = 0; j < nk; ++j) bh[j] = inv(bh[j]);
+        /* one pass per step t < K: the row step (alpha_t = 1/(E beta_t)) and, on the same row, the
+         * column sums of the next step (E^T alpha_t) */
+        for (int64_t t = 0; t + 1 < kk; ++t) {
+            const float *bt = bh + t * nk;
+            float *at = ah + t * nq, *bn = bh + (t + 1) * nk;
+            for (int64_t j = 0; j < nk; ++j) bn[j] = 0.0f;
+            for (int64_t i = 0; i < nq; ++i) {
+                const float *row = sh + i * nk;
+                const int64_t n = seen(i, nk, causal);
+                float r = 0.0f;
+                #pragma omp simd reduction(+ : r)
+                for (int64_t j = 0; j < n; ++j) r += row[j] * bt[j];
+                const float a = inv(r);
+                at[i] = a;
+                rh[i] = t == 0 || r < rh[i] ? r : rh[i];
+                #pragma omp simd
+                for (int64_t j = 0; j < n; ++j) bn[j] += a * row[j];
+            }
+            #pragma omp simd
+            for (int64_t j = 0; j < nk; ++j) bn[j] = inv(bn[j]);
+        }
+    }
+}
+
+/* Backward of sk_fwd, heads [h0, h1). In: s = S (as in the forward), dp = dO V^T, the forward's m,
+ * beta, alpha. Out: s <- P (dV = P^T dO), dp <- dS. With A_K = dL/d alpha_K (A_K,i = sum_j E beta_K dP)
+ * and B_K = sum_i alpha_K E dP (the direct terms), the steps reversed: c_t = -A_t alpha_t^2,
+ * B_t += E^T c_t, d_t = -B_t beta_t^2, A_{t-1} = E d_t; then
+ * dS = E (alpha_K beta_K dP + sum_t c_t beta_t^T + sum_t alpha_{t-1} d_t^T), alpha_0 = 1.
+ * Returns 0, or -1 when out of memory. */
+int sk_bwd(float *s, float *dp, int64_t c0, const float *m, const float *beta, const float *alpha,
+           int64_t h0, int64_t h1, int64_t nq, int64_t nk, int causal, int64_t kk) {
+    float *tmp = malloc(sizeof(float) * (size_t)(kk * nq + kk * nk + nk));
+    if (!tmp) return -1;
+    float *cx = tmp, *dy = tmp + kk * nq, *acc = tmp + kk * (nq + nk);
+    for (int64_t h = h0; h < h1; ++h) {
+        float *sh = s + (h - c0) * nq * nk, *gh = dp + (h - c0) * nq * nk;
+        const float *mh = m + h * nk, *bh = beta + h * kk * nk, *ah = alpha + h * kk * nq;
+        const float *bk = bh + (kk - 1) * nk, *ak = ah + (kk - 1) * nq;
+        float *ck = cx + (kk - 1) * nq, *dk = dy + (kk - 1) * nk;
+        for (int64_t j = 0; j < nk; ++j) dk[j] = 0.0f;
+        /* pass A: E again; A_K, c_K and B_K = sum_i E (alpha_K dP + c_K) */
+        for (int64_t i = 0; i < nq; ++i) {
+            float *row = sh + i * nk;
+            const float *g = gh + i * nk;
+            const int64_t n = seen(i, nk, causal);
+            float td = 0.0f;
+            #pragma omp simd reduction(+ : td)
+            for (int64_t j = 0; j < n; ++j) {
+                const float e = pexp(row[j] - mh[j]);
+                row[j] = e;
+                td += e * bk[j] * g[j];
+            }
+            for (int64_t j = n; j < nk; ++j) row[j] = 0.0f;
+            const float a = ak[i], c = -td * a * a;
+            ck[i] = c;
+            #pragma omp simd
+            for (int64_t j = 0; j < n; ++j) dk[j] += row[j] * (a * g[j] + c);
+        }
+        #pragma omp simd
+        for (int64_t j = 0; j < nk; ++j) dk[j] = -dk[j] * bk[j] * bk[j];
+        for (int64_t t = kk - 2; t >= 0; --t) {  /* A_t = E d_{t+1}, c_t, B_t = E^T c_t, d_t */
+            const float *dn = dy + (t + 1) * nk, *at = ah + t * nq, *bt = bh + t * nk;
+            float *ct = cx + t * nq, *dt = dy + t * nk;
+            for (int64_t j = 0; j < nk; ++j) dt[j] = 0.0f;
+            for (int64_t i = 0; i < nq; ++i) {
+                const float *row = sh + i * nk;
+                const int64_t n = seen(i, nk, causal);
+                float r = 0.0f;
+                #pragma omp simd reduction(+ : r)
+                for (int64_t j = 0; j < n; ++j) r += row[j] * dn[j];
+                const float c = -r * at[i] * at[i];
+                ct[i] = c;
+                #pragma omp simd
+                for (int64_t j = 0; j < n; ++j) dt[j] += row[j] * c;
+            }
+            #pragma omp simd
+            for (int64_t j = 0; j < nk; ++j) dt[j] = -dt[j] * bt[j] * bt[j];
+        }
+        /* pass B: P = alpha_K E beta_K; dS = E (alpha_K beta_K dP + sum_t c_t beta_t + alpha_{t-1} d_t) */
+        for (int64_t i = 0; i < nq; ++i) {
+            float *row = sh + i * nk, *g = gh + i * nk;
+            const int64_t n = seen(i, nk, causal);
+            const float a = ak[i];
+            #pragma omp simd
+            for (int64_t j = 0; j < n; ++j) acc[j] = cx[i] * bh[j] + dy[j];  /* t = 1: alpha_0 = 1 */
+            for (int64_t t = 1; t < kk; ++t) {
+                const float c = cx[t * nq + i], ap = ah[(t - 1) * nq + i];
+                const float *bt = bh + t * nk, *dt = dy + t * nk;
+                #pragma omp simd
+                for (int64_t j = 0; j < n; ++j) acc[j] += c * bt[j] + ap * dt[j];
+            }
+            #pragma omp simd
+            for (int64_t j = 0; j < n; ++j) {
+                const float f = a * bk[j], x = row[j];
+                row[j] = x * f;
+                g[j] = x * (g[j] * f + acc[j]);
+            }
+            for (int64_t j = n; j < nk; ++j) g[j] = 0.0f;
+        }
+    }
+    free(tmp);
+    return 0;
+}

@@ -6,7 +6,7 @@ one live instance :data:`THRESHOLDS` *at call time*, so a change is seen by the 
 * in code, for a block: ``with overrides(dnas_native_min_entries=0): ...`` (restored on exit);
 * in a test: ``monkeypatch.setattr(THRESHOLDS, "dnas_native_min_entries", 0)``;
 * for a process: the environment variable ``ATTNOPT_THRESHOLDS``, read once at import, e.g.
-  ``ATTNOPT_THRESHOLDS="dnas_native_min_entries=0,dnas_scaling_chunk_entries=65536"``.
+  ``ATTNOPT_THRESHOLDS="dnas_native_min_entries=0,dnas_materialized_chunk_entries=65536"``.
 
 The per-mechanism crossovers between a materialized and a streaming path
 (:data:`attnopt.functional.dispatch.CROSSOVERS`, ``impl="auto"``) are the field
@@ -55,15 +55,20 @@ class Thresholds:
     crossovers: dict[str, dict[str, int]] = field(default_factory=_crossovers)
 
     # -- doubly_normalized/ ------------------------------------------------------------------------
-    #: scaling-form kernel (``doubly_normalized/scaling.py``): score entries per chunk of
-    #: (batch, head) slices, so the ``Nq × Nk`` temporaries of one chunk stay in the L2 cache;
-    #: also the size above which it replaces the probability-domain kernel
-    #: (``materialized.py``, which saves the weights and wins while they fit in cache), and
-    #: the largest problem the no-grad forward runs in one piece
-    dnas_scaling_chunk_entries: int = 1 << 20
-    #: from this many score entries the C passes (``doubly_normalized/cpu.py``: K = 1, float32,
-    #: CPU) run instead of the probability-domain kernel (measured fwd+bwd, d = 64, 1 thread:
-    #: equal at 64·64², the C passes ahead from 8·256²)
+    #: materialized kernel (``doubly_normalized/materialized.py``): score entries per chunk of
+    #: (batch, head) slices (at least one head), so that the ``Nq × Nk`` temporaries of one chunk
+    #: stay in cache (one piece at the small-N bench sizes, one head per chunk at N = 1024, where
+    #: the unchunked kernel ran about half as fast); also the largest problem the one-call C
+    #: no-grad pass (``cpu.no_grad_small``) runs
+    dnas_materialized_chunk_entries: int = 1 << 20
+    #: from this many score entries in one piece (``G·Nq·Nk``) the no-grad Sinkhorn-K forward of
+    #: ``doubly_normalized/materialized.py`` runs its later steps as scaling vectors (two
+    #: matrix-vector products per iteration) instead of rewriting ``E`` in place (four passes):
+    #: the passes won at 8·64², the vectors from 8·256² (one thread, d = 64)
+    dnas_no_grad_vector_entries: int = 1 << 17
+    #: from this many score entries the C passes (``doubly_normalized/cpu.py``: DNAS / HNAS /
+    #: Sinkhorn-K, float32, CPU) run instead of the probability-domain kernel (measured fwd+bwd,
+    #: d = 64, 1 thread: equal at 64·64², the C passes ahead from 8·256²)
     dnas_native_min_entries: int = 1 << 18
     #: score entries per thread in one chunk of the C passes (``S`` and ``dP`` of the backward
     #: fit a 2 MiB L2 together; 2^18 ran faster than 2^20 at N = 512, d = 16)

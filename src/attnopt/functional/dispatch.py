@@ -18,8 +18,8 @@ there). Both paths compute the same function up to float rounding; both are test
 float64 reference.
 
 Inference (grad mode off, or no input that requires grad) runs a no-grad forward on the
-materialized side, which saves nothing (DNAS / Sinkhorn / HNAS without a mask up to one
-``dnas_scaling_chunk_entries`` chunk; sparsemax / 1.5-entmax with the C map in place on the
+materialized side, which saves nothing (DNAS / Sinkhorn / HNAS without a mask, chunk by chunk
+above ``dnas_materialized_chunk_entries``; sparsemax / 1.5-entmax with the C map in place on the
 scores). ``last_dispatch`` still says ``"materialized"`` for them.
 
 The choice of the last call is observable: :data:`last_dispatch` maps a mechanism name to

@@ -29,27 +29,26 @@ another:
   fake-device fixture; while ``torch.compile`` / ``torch.export`` trace, but for the op below: no
   host sync, no loop over batch × heads); also the recomputation when a fast kernel reports an
   underflowing normalizer (rare, never silent).
-* under ``torch.compile`` / ``torch.export`` (below the crossover) with CPU float32 tensors and
-  K = 1 (DNAS, HNAS; any mask that does not require grad, ``is_causal``): the C passes as the one
+* under ``torch.compile`` / ``torch.export`` (below the crossover) with CPU float32 tensors (DNAS,
+  Sinkhorn-K, HNAS; any mask that does not require grad, ``is_causal``): the C passes as the one
   op ``torch.ops.attnopt.dn_fwd`` (:mod:`.cpu`; its registered backward ``dn_bwd``); on an
   underflow, or without the C library where the graph runs, the ops recompute in the log domain
   (this reference) inside their bodies — :func:`_op_call`. The same ops run under ``torch.func``
   ``vmap`` and one ``grad`` / ``vjp`` / ``jacrev`` level (``vmap(grad(f))``: per-example
   gradients), through :data:`cpu.TRANSFORM_FUNCTION` and the ops' batching rules
   (:mod:`attnopt.functional._func_ops`); ``jvp`` / ``jacfwd`` / ``hessian`` / nested ``grad`` keep
-  the reference. Sinkhorn-K (K >= 2), float64 and half keep the reference under compile and
-  ``torch.func``. Plain eager calls keep the autograd Functions below (the
-  Python ``custom_op`` dispatch costs tens of µs a call).
+  the reference, as do float64 and half under compile and ``torch.func``. Plain eager calls keep
+  the autograd Functions below (the Python ``custom_op`` dispatch costs tens of µs a call).
 * ``impl="materialized"`` (``auto`` below ``dispatch.CROSSOVERS``), host-readable CPU tensors:
-  :mod:`.cpu` (the C passes: K = 1, float32, from ``THRESHOLDS.dnas_native_min_entries``),
-  :mod:`.materialized` (probability domain, saves the weights: while the scores fit one
-  ``THRESHOLDS.dnas_scaling_chunk_entries`` chunk) or :mod:`.scaling` (scaling form, chunked
-  over batch × heads, O(N) saved state: above it). Without autograd and without a mask the
-  no-grad forwards of :mod:`.cpu` / :mod:`.materialized` run up to one chunk. Two materialized
-  forms, where issue 30 asked for one: the scaling form runs only where the C passes cannot
-  (Sinkhorn-K, float64, half) above one chunk, and there it is the faster one by a wide margin
-  (the ``sinkhorn K=3`` rows of ``attnopt bench --only small_n`` at N = 1024); the probability
-  domain is the faster one below.
+  :mod:`.cpu` (the C passes, the device kernel of this family: float32, DNAS / HNAS and
+  Sinkhorn-K, from ``THRESHOLDS.dnas_native_min_entries``; DNAS / HNAS's one-call no-grad pass up
+  to one ``THRESHOLDS.dnas_materialized_chunk_entries`` chunk), else :mod:`.materialized`, the one
+  materialized implementation (probability domain, saves the weights; chunk by chunk over
+  batch × heads above one chunk, so that the ``Nq × Nk`` temporaries stay in cache), or its
+  no-grad forward (nothing saved) without autograd and without a mask. There is no second
+  materialized form: the C passes cover Sinkhorn-K in float32 at the sizes where the
+  probability domain's 2K saved matrices per head were slow; float64 and half run the
+  probability domain at every size.
 * ``impl="streaming"`` (``auto`` above the crossover): :mod:`.streaming`, O(N) memory, with the
   CPU flash-kernel passes of :mod:`.flash_cpu` where they apply, else its blocked passes.
 * :mod:`.prefix` — the autoregressive ``causal="prefix"`` variant (a formula of its own).
@@ -83,7 +82,7 @@ from attnopt.functional._autograd import records_graph, under_transform
 from attnopt.functional._dropout import check_dropout_p, dropout_attention
 from attnopt.functional._func_ops import transforms_supported
 from attnopt.functional._thresholds import THRESHOLDS
-from attnopt.functional.doubly_normalized import cpu, flash_cpu, materialized, reference, scaling, streaming
+from attnopt.functional.doubly_normalized import cpu, flash_cpu, materialized, reference, streaming
 from attnopt.functional.doubly_normalized import prefix as prefix
 from attnopt.functional.generalized import generalized_attention
 
@@ -173,50 +172,53 @@ def _materialized(
     for n in batch:
         entries *= n
     t = THRESHOLDS
-    lib = cpu.library(qkv[0], iterations)
+    lib = cpu.library(qkv[0], iterations) if w is None or iterations == 1 else None
+    chunked = entries > t.dnas_materialized_chunk_entries  # more than one cache-sized chunk
+    no_grad = m is None and not (is_causal and nk > nq) and not records_graph(*qkv, w)  # nothing saved
     out: Tensor | None = None
-    if entries <= t.dnas_scaling_chunk_entries and m is None and not (is_causal and nk > nq) \
-            and not records_graph(*qkv, w):  # inference: nothing saved
-        if lib is not None:  # K = 1, float32: one C pass over all heads
-            g = qkv[0].shape[:-2]
-            q3, k3, v3 = (x.reshape(-1, *x.shape[-2:]) for x in qkv)
-            wf = None if w is None else w.expand(*g, 1, 1).reshape(-1).contiguous()
-            out = cpu.no_grad_small(lib, q3, k3, v3, wf, is_causal, scale)
-            out = None if out is None else out.view(*g, nq, v.shape[-1])
-        else:
-            out = materialized.no_grad_forward(qc, kc, vc, w, is_causal, scale, iterations)
+    if lib is not None and no_grad and not chunked and iterations == 1:  # K = 1 f32 inference: one C pass
+        g = qkv[0].shape[:-2]
+        q3, k3, v3 = (x.reshape(-1, *x.shape[-2:]) for x in qkv)
+        wf = None if w is None else w.expand(*g, 1, 1).reshape(-1).contiguous()
+        out = cpu.no_grad_small(lib, q3, k3, v3, wf, is_causal, scale)
+        out = None if out is None else out.view(*g, nq, v.shape[-1])
     elif lib is not None and entries >= t.dnas_native_min_entries:
         (q4, k4, v4), w4, m4 = _as_4d(qkv, w, m, batch)
-        out = cpu.native_sinkhorn(lib, q4, k4, v4, w4, m4, is_causal, scale)
-        out = None if out is None else out.reshape(*batch, nq, v.shape[-1])
-    elif entries > t.dnas_scaling_chunk_entries:  # more than one cache-sized chunk
-        (q4, k4, v4), w4, m4 = _as_4d(qkv, w, m, batch)
-        out = scaling.fused_sinkhorn(q4, k4, v4, w4, m4, is_causal, scale, iterations)
+        out = cpu.native_sinkhorn(lib, q4, k4, v4, w4, m4, is_causal, scale, iterations)
         out = None if out is None else out.reshape(*batch, nq, v.shape[-1])
     else:
-        out = materialized.materialized_sinkhorn(qc, kc, vc, w, m, is_causal, scale, iterations)
+        if chunked:  # 4-D (B, H, N, ·): the kernel runs chunk by chunk over batch × heads
+            qkv, w, m = _as_4d(qkv, w, m, batch)
+        qm, km, vm = qkv
+        if no_grad:
+            out = materialized.no_grad_forward(qm, km, vm, w, is_causal, scale, iterations)
+        else:
+            out = materialized.materialized_sinkhorn(qm, km, vm, w, m, is_causal, scale, iterations)
+        out = None if out is None else out.reshape(*batch, nq, v.shape[-1])
     if out is None:  # an underflowing normalizer (a dominated row): the log domain, exact
         return reference.attention(q, k, v, iterations, weight, attn_mask, scale, is_causal)
     return out.to(orig)
 
 
 def _transform_op_applies(q: Tensor, k: Tensor, v: Tensor, iterations: int, weight: Tensor | None) -> bool:
-    """Under ``torch.func``: whether the C passes run as ops (K = 1, float32 CPU tensors, ``vmap``
-    levels and at most one ``grad`` level, no autograd around them:
+    """Under ``torch.func``: whether the C passes run as ops (DNAS / Sinkhorn-K / HNAS on float32 CPU
+    tensors, ``vmap`` levels and at most one ``grad`` level, no autograd around them:
     :func:`attnopt.functional._func_ops.transforms_supported`)."""
-    return (iterations == 1 and q.dtype == torch.float32 and k.dtype == v.dtype == torch.float32
-            and q.device.type == "cpu" and transforms_supported(q, k, v, weight))
+    return ((weight is None or iterations == 1) and q.dtype == torch.float32
+            and k.dtype == v.dtype == torch.float32 and q.device.type == "cpu"
+            and transforms_supported(q, k, v, weight))
 
 
 def _op_call(
-    q: Tensor, k: Tensor, v: Tensor, weight: Tensor | None, attn_mask: Tensor | None, scale: float,
-    is_causal: bool, batch: tuple[int, ...], transformed: bool,
+    q: Tensor, k: Tensor, v: Tensor, iterations: int, weight: Tensor | None, attn_mask: Tensor | None,
+    scale: float, is_causal: bool, batch: tuple[int, ...], transformed: bool,
 ) -> Tensor:
-    """K = 1, float32 CPU tensors, under ``torch.compile`` / ``torch.export`` or (``transformed``)
-    ``torch.func``: the C passes as the one op ``attnopt::dn_fwd`` (backward ``attnopt::dn_bwd``;
-    under ``torch.func`` through :data:`cpu.TRANSFORM_FUNCTION`, with the ops' batching rules). An
-    underflowing normalizer, or no C library where the op runs, is answered inside the ops (they
-    recompute in the log domain, :data:`cpu.FALLBACK`), so a graph holds no data-dependent branch."""
+    """DNAS / Sinkhorn-K / HNAS on float32 CPU tensors, under ``torch.compile`` / ``torch.export``
+    or (``transformed``) ``torch.func``: the C passes as the one op ``attnopt::dn_fwd`` (backward
+    ``attnopt::dn_bwd``; under ``torch.func`` through :data:`cpu.TRANSFORM_FUNCTION`, with the
+    ops' batching rules). An underflowing normalizer, or no C library where the op runs, is
+    answered inside the ops (they recompute in the log domain, :data:`cpu.FALLBACK`), so a graph
+    holds no data-dependent branch."""
     nq, nk, dv = q.shape[-2], k.shape[-2], v.shape[-1]
     mask = additive_mask(attn_mask, (*batch, nq, nk), torch.float32)
     m = None if mask is None else mask.detach()
@@ -224,7 +226,7 @@ def _op_call(
     qkv = [x if tuple(x.shape[:-2]) == batch else x.expand(*batch, *x.shape[-2:]) for x in (q, k, v)]
     (q4, k4, v4), w4, m4 = _as_4d(qkv, w, m, batch)
     fwd = cpu.TRANSFORM_FUNCTION.apply if transformed else torch.ops.attnopt.dn_fwd
-    out: Tensor = fwd(q4, k4, v4, w4, m4, is_causal, scale)[0]
+    out: Tensor = fwd(q4, k4, v4, w4, m4, is_causal, scale, iterations)[0]
     return out.reshape(*batch, nq, dv)
 
 
@@ -239,7 +241,8 @@ def _route(
     if forced or under_transform() or q.is_meta or grad_mask:
         if not (forced or q.is_meta or grad_mask) and _transform_op_applies(q, k, v, iterations, weight):
             dispatch.record(mech, "materialized")  # vmap / one grad level: the C passes as ops
-            return _op_call(q, k, v, weight, attn_mask, scale, is_causal, _batch_shape(q, k, v), True)
+            batch = _batch_shape(q, k, v)
+            return _op_call(q, k, v, iterations, weight, attn_mask, scale, is_causal, batch, True)
         # other torch.func transforms (the fused Functions are ctx-style), meta tensors (the fused
         # paths read values) and a differentiable mask: the plain ops (as SDPA's math kernel)
         return reference.attention(q, k, v, iterations, weight, attn_mask, scale, is_causal)
@@ -253,9 +256,9 @@ def _route(
     dispatch.record(mech, path)
     if path == "materialized":
         if not host_readable(q):  # off the CPU / compiling: one graph, no host read
-            if torch.compiler.is_compiling() and iterations == 1 and q.dtype == torch.float32 \
-                    and v.dtype == torch.float32 and q.device.type == "cpu":
-                return _op_call(q, k, v, weight, attn_mask, scale, is_causal, batch, False)
+            if torch.compiler.is_compiling() and (weight is None or iterations == 1) \
+                    and q.dtype == torch.float32 and v.dtype == torch.float32 and q.device.type == "cpu":
+                return _op_call(q, k, v, iterations, weight, attn_mask, scale, is_causal, batch, False)
             return reference.attention(q, k, v, iterations, weight, attn_mask, scale, is_causal)
         return _materialized(q, k, v, iterations, weight, attn_mask, scale, is_causal, batch)
     run = flash_cpu.run_passes if flash_cpu.flash_available(q) else None

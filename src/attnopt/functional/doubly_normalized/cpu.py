@@ -1,7 +1,7 @@
-r"""Native (C) DNAS / HNAS, one Sinkhorn step, float32 on CPU (internal; ``_native/dnas.c``).
+r"""Native (C) DNAS / HNAS (one Sinkhorn step) and Sinkhorn-K, float32 on CPU (internal; ``_native/dnas.c``).
 
-Same math as :mod:`.scaling` (scaling form ``E = e^{S − m}`` with column maxima ``m``,
-doubly-normalized-attention eq. (6)–(8) and Sec. 6), with all ``Nq × Nk`` elementwise work of
+DNAS in scaling form: ``E = e^{S − m}`` with column maxima ``m`` and ``π = diag(α) E diag(β)``
+(doubly-normalized-attention eq. (6)–(8) and Sec. 6), with all ``Nq × Nk`` elementwise work of
 each direction in one C call per chunk of heads, so that every matmul has the inner width of
 the head (``d`` or ``dv``) instead of ``2·dv + 2`` and no elementwise pass leaves the cache:
 
@@ -17,19 +17,29 @@ the head (``d`` or ``dv``) instead of ``2·dv + 2`` and no elementwise pass leav
   ``f_ij = w α_i β_j + (1 − w) u_j / ρ_i``, and ``P = E ⊙ f``; then ``dV = Pᵀ dO``,
   ``dQ = scale·dS K``, ``dK = dSᵀ (scale·Q)``, ``∂L/∂w = Σ_i (δ^D_i − δ^L_i)``.
 
-That is the closed form of :mod:`.scaling` for K = 1 with its rank-one terms applied
-elementwise. Masks: a key-only mask ``(…, 1, Nk)`` is never added to ``S`` — a finite key bias
+That is the closed-form backward of the scaling form for K = 1 (``∂L/∂S = E ⊙ ∂L/∂E``, the
+column shift ``m`` cancels; each normalization adds a rank-one term) applied elementwise.
+
+Sinkhorn-K, K >= 2 (DNAS only; ``sk_fwd`` / ``sk_bwd``): ``β_1 = 1/z``, ``α_t = 1/(E β_t)``,
+``β_{t+1} = 1/(Eᵀ α_t)``, ``π = diag(α_K) E diag(β_K)``. The forward's C call makes ``E`` and
+one pass per step ``t < K`` (the row step and, on the same row, the next column sums); the last
+row sums come with the output from one matmul ``E [β_K ⊙ V | β_K]``. The backward reverses the
+steps: with ``A_K = ∂L/∂α_K`` (``A_K,i = Σ_j E_ij β_K,j dP_ij``) and ``B_K = Σ_i α_K,i E_ij dP_ij``,
+``c_t = −A_t α_t²``, ``B_t += Eᵀ c_t``, ``d_t = −B_t β_t²``, ``A_{t−1} = E d_t``, and
+``dS = E ⊙ (α_K β_Kᵀ ⊙ dP + Σ_t c_t β_tᵀ + α_{t−1} d_tᵀ)`` (``α_0 = 1``): K + 1 passes over ``E``.
+The saved state is ``m``, ``β_1 … β_K`` and ``α_1 … α_K`` (O(K·N) per head).
+Masks: a key-only mask ``(…, 1, Nk)`` is never added to ``S`` — a finite key bias
 cancels in ``E`` (it shifts ``S_·j`` and ``m_j`` alike) and enters only the LNAS factor
 ``u_j = e^{m_j + b_j − μ}``; a dropped key gets ``m_j = +∞`` (``E_·j = 0``). ``is_causal`` is
 applied inside the passes (no mask tensor, the hidden half is skipped); a full
 ``(…, Nq, Nk)`` mask is added to ``S``.
 
 The C exponential is a polynomial (about 1.4 ulp; 0 below ``e^{−87}``); results agree with the
-PyTorch path of :mod:`.scaling` to float32 rounding. A chunk holds about
+PyTorch kernel of :mod:`.materialized` to float32 rounding. A chunk holds about
 ``THRESHOLDS.dnas_cpu_chunk_entries`` scores per thread (``S`` and ``dP`` stay in a 2 MiB L2 cache); its heads
 are split over ``torch.get_num_threads()`` threads (:func:`attnopt._native.parallel_rows`).
 Underflow of a row normalizer of an admissible row returns ``None`` (the caller recomputes in
-the log domain), as in :mod:`.scaling`.
+the log domain), as in :mod:`.materialized`.
 
 The same passes are ``torch.library`` ops (issue 30 item 2), so that dynamo, ``torch.export`` and
 the profiler see one op each way: ``attnopt::dn_fwd(q, k, v, w, mask, causal, scale) -> (out, m,
@@ -63,8 +73,8 @@ _I64, _INT = ctypes.c_int64, ctypes.c_int
 
 
 def library(q: Tensor, iterations: int) -> ctypes.CDLL | None:
-    """The compiled ``dnas.c`` when the native path applies (K = 1, float32, CPU), else ``None``."""
-    if iterations != 1 or q.dtype != torch.float32 or q.device.type != "cpu" or not _native.has_storage(q):
+    """The compiled ``dnas.c`` when the native path applies (K >= 1, float32, CPU), else ``None``."""
+    if iterations < 1 or q.dtype != torch.float32 or q.device.type != "cpu" or not _native.has_storage(q):
         return None
     return _native.library("dnas")
 
@@ -156,6 +166,30 @@ def _check_dn(
         raise fail(kernel, "rs", "missing")
 
 
+def _check_sk(
+    s: Tensor, dp: Tensor | None, h0: int, h1: int, g: int, nq: int, nk: int, kk: int, kbias: Tensor | None,
+    m: Tensor, beta: Tensor, alpha: Tensor, rs: Tensor | None,
+) -> None:
+    """What ``sk_fwd`` (``dp`` None) / ``sk_bwd`` read and write for the heads ``[h0, h1)`` of ``G``: the
+    chunk's dense ``(h1 − h0, Nq, Nk)`` scores ``s`` (and ``dp``), per absolute head ``Nk`` entries of
+    ``kbias`` and ``m``, ``K·Nk`` of ``beta``, ``K·Nq`` of ``alpha``, ``Nq`` of ``rs`` (forward)."""
+    kernel = "sk_fwd" if dp is None else "sk_bwd"
+    f32 = torch.float32
+    if not 0 <= h0 <= h1 <= g:
+        require_size(kernel, "h1", h1, at_least=h0, at_most=g)
+        require_size(kernel, "h0", h0, at_most=h1)
+    require_size(kernel, "iterations", kk, at_least=1)
+    require(kernel, "s", s, dtype=f32, numel=(h1 - h0) * nq * nk)
+    if dp is not None:
+        require(kernel, "dp", dp, dtype=f32, numel=(h1 - h0) * nq * nk)
+    elif rs is None:
+        raise fail(kernel, "rs", "missing")
+    for name, t, n in (("kbias", kbias, nk), ("m", m, nk), ("beta", beta, kk * nk), ("alpha", alpha, kk * nq),
+                       ("rs", rs, nq)):
+        if t is not None:
+            require(kernel, name, t, dtype=f32, numel=g * n)
+
+
 def _operands(
     q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, scale: float
 ) -> tuple[tuple[int, int, int, int, int, int], tuple[Tensor, Tensor, Tensor],
@@ -177,20 +211,24 @@ def _operands(
 @_native.untraced
 def dn_forward(
     q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, causal: bool, scale: float,
+    iterations: int = 1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(out, m, β, u, α, 1/β', ok)``: the forward C passes (``dn_fwd``) of DNAS (``w`` None) or HNAS,
-    K = 1, on contiguous 4-D ``(B, H, N, ·)`` float32 inputs; ``mask`` 4-D additive (key-only
-    ``(…, 1, Nk)`` or full), detached.
+    """``(out, m, β, u, α, 1/β', ok)``: the forward C passes (``dn_fwd``; Sinkhorn-K: ``sk_fwd``) of
+    DNAS (``w`` None), Sinkhorn-K (``iterations`` K >= 2, ``w`` None) or HNAS (K = 1), on contiguous
+    4-D ``(B, H, N, ·)`` float32 inputs; ``mask`` 4-D additive (key-only ``(…, 1, Nk)`` or full),
+    detached.
 
-    ``m, β, u (B·H, Nk)``, ``α, 1/β' (B·H, Nq)`` are what the backward needs (``u``, ``1/β'``
-    empty for DNAS); ``ok`` (0-d bool) is False when the row normalizer of an admissible row
-    underflowed (then ``out`` is not to be used: the caller recomputes in the log domain). The
-    body of the ``attnopt::dn_fwd`` op.
+    ``m, u (B·H, Nk)``, ``β (B·H, K·Nk)`` (``β_1 … β_K``), ``α (B·H, K·Nq)``, ``1/β' (B·H, Nq)`` are
+    what the backward needs (``u``, ``1/β'`` empty but for HNAS); ``ok`` (0-d bool) is False when a
+    row normalizer of an admissible row underflowed (at any of the K steps; then ``out`` is not to
+    be used: the caller recomputes in the log domain). The body of the ``attnopt::dn_fwd`` op.
     """
     lib = _native.library("dnas")
     assert lib is not None
     (b, h, nq, nk, dv, g), (qs, k3, v3), (key_only, full, wv) = _operands(q, k, v, w, mask, scale)
     kbias = _flat(mask, b, h, (1, nk)) if key_only else None
+    if iterations > 1:
+        return _sk_forward(lib, (b, h, nq, nk, dv, g), qs, k3, v3, full, kbias, causal, iterations)
     m, beta = q.new_empty(g, nk), q.new_empty(g, nk)
     u = q.new_empty(g, nk) if w is not None else None
     alpha, rs = q.new_empty(g, nq), q.new_empty(g, nq)
@@ -217,17 +255,53 @@ def dn_forward(
             q.new_empty(0) if binv is None else binv, torch.tensor(ok))  # (distinct empties: no aliasing)
 
 
+def _sk_forward(
+    lib: ctypes.CDLL, sizes: tuple[int, int, int, int, int, int], qs: Tensor, k3: Tensor, v3: Tensor,
+    full: Tensor | None, kbias: Tensor | None, causal: bool, kk: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`dn_forward` for Sinkhorn-K, K >= 2 (``sk_fwd`` of ``_native/dnas.c``)."""
+    b, h, nq, nk, dv, g = sizes
+    m, beta = qs.new_empty(g, nk), qs.new_empty(g, kk * nk)
+    alpha, rs = qs.new_empty(g, kk * nq), qs.new_empty(g, nq)
+    out = qs.new_empty(g, nq, dv)
+    parts = _chunks(g, nq * nk)
+    work = qs.new_empty((parts[0][1] - parts[0][0]) * nq * nk)
+    c = _INT(int(causal))
+    for h0, h1 in parts:
+        ws = work[: (h1 - h0) * nq * nk].view(-1, nq, nk)
+        s = torch.bmm(qs[h0:h1], k3[h0:h1].transpose(-2, -1), out=ws)
+        if full is not None:
+            _add_mask(s, full, h, h0, h1)
+        _check_sk(s, None, h0, h1, g, nq, nk, kk, kbias, m, beta, alpha, rs)
+        _heads(lambda a, e, s=s, h0=h0: lib.sk_fwd(
+            _p(s), _I64(h0), _p(kbias), _p(m), _p(beta), _p(alpha), _p(rs), _I64(a), _I64(e), _I64(nq),
+            _I64(nk), c, _I64(kk)), h0, h1, nq * nk)
+        # the last row step with the output: E [β_K ⊙ V | β_K] = [numerator | row sums r], α_K = 1/r
+        bk = beta[h0:h1, (kk - 1) * nk :].unsqueeze(-1)
+        aug = torch.bmm(s, torch.cat((v3[h0:h1] * bk, bk), -1))
+        r = aug[..., dv]
+        ak = torch.where(r > 0, r, 1.0).reciprocal_().masked_fill_(r <= 0, 0.0)
+        alpha[h0:h1, (kk - 1) * nq :] = ak
+        torch.minimum(rs[h0:h1], r, out=rs[h0:h1])
+        torch.mul(aug[..., :dv], ak.unsqueeze(-1), out=out[h0:h1])
+    low = rs < torch.finfo(torch.float32).tiny * 2.0**40
+    ok = not (bool(low.any()) and bool((low & _admissible_rows(full, kbias, causal, b, h, nq, nk)).any()))
+    return (out.view(b, h, nq, dv), m, beta, qs.new_empty(0), alpha, qs.new_empty(0), torch.tensor(ok))
+
+
 @_native.untraced
 def dn_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, m: Tensor,
     beta: Tensor, u: Tensor, alpha: Tensor, binv: Tensor, causal: bool, scale: float, need_w: bool,
+    iterations: int = 1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(dQ, dK, dV, ∂L/∂w per row (B·H, Nq))`` of :func:`dn_forward` (``dn_bwd``; the last empty
-    unless ``need_w``), from the forward's inputs and its saved vectors. The body of the
-    ``attnopt::dn_bwd`` op."""
+    """``(dQ, dK, dV, ∂L/∂w per row (B·H, Nq))`` of :func:`dn_forward` (``dn_bwd``, Sinkhorn-K
+    ``sk_bwd``; the last empty unless ``need_w``), from the forward's inputs and its saved vectors.
+    The body of the ``attnopt::dn_bwd`` op."""
     lib = _native.library("dnas")
     assert lib is not None
     (b, h, nq, nk, dv_, g), (qs, k3, v3), (key_only, full, wv) = _operands(q, k, v, w, mask, scale)
+    kk = iterations
     hyb = w is not None
     uu, bb = (u, binv) if hyb else (None, None)
     d3 = dout.reshape(g, nq, dv_).contiguous()
@@ -243,10 +317,16 @@ def dn_backward(
         if full is not None:
             _add_mask(s, full, h, h0, h1)
         dp = torch.bmm(d3[h0:h1], v3[h0:h1].transpose(-2, -1), out=work2[:size].view(-1, nq, nk))
-        _check_dn(s, dp, h0, h1, g, nq, nk, None, wv, m, beta, uu, alpha, bb, None, None, drow)
-        _heads(lambda a, e, s=s, dp=dp, h0=h0: lib.dn_bwd(
-            _p(s), _p(dp), _I64(h0), _p(wv), _p(m), _p(beta), _p(uu), _p(alpha), _p(bb), _p(drow),
-            _I64(a), _I64(e), _I64(nq), _I64(nk), c), h0, h1, nq * nk)
+        if kk > 1:
+            _check_sk(s, dp, h0, h1, g, nq, nk, kk, None, m, beta, alpha, None)
+            _heads(lambda a, e, s=s, dp=dp, h0=h0: lib.sk_bwd(
+                _p(s), _p(dp), _I64(h0), _p(m), _p(beta), _p(alpha), _I64(a), _I64(e), _I64(nq), _I64(nk), c,
+                _I64(kk)), h0, h1, nq * nk)
+        else:
+            _check_dn(s, dp, h0, h1, g, nq, nk, None, wv, m, beta, uu, alpha, bb, None, None, drow)
+            _heads(lambda a, e, s=s, dp=dp, h0=h0: lib.dn_bwd(
+                _p(s), _p(dp), _I64(h0), _p(wv), _p(m), _p(beta), _p(uu), _p(alpha), _p(bb), _p(drow),
+                _I64(a), _I64(e), _I64(nq), _I64(nk), c), h0, h1, nq * nk)
         torch.bmm(s.transpose(-2, -1), d3[h0:h1], out=dvv[h0:h1])
         torch.bmm(dp, k3[h0:h1], out=dq[h0:h1])
         torch.bmm(dp.transpose(-2, -1), qs[h0:h1], out=dk[h0:h1])
@@ -263,14 +343,14 @@ class _NativeSinkhorn(torch.autograd.Function):
     @_native.untraced
     def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, causal: bool,
-        scale: float, info: list[bool],
+        scale: float, iterations: int, info: list[bool],
     ) -> Tensor:
-        out, m, beta, u, alpha, binv, ok = dn_forward(q, k, v, w, mask, causal, scale)
+        out, m, beta, u, alpha, binv, ok = dn_forward(q, k, v, w, mask, causal, scale, iterations)
         if not bool(ok):
             info[0] = False
             return q.new_empty(0)
         ctx.save_for_backward(q, k, v, w, mask, m, beta, u, alpha, binv)
-        ctx.causal, ctx.scale = causal, scale
+        ctx.causal, ctx.scale, ctx.iterations = causal, scale, iterations
         return out
 
     @staticmethod
@@ -280,9 +360,9 @@ class _NativeSinkhorn(torch.autograd.Function):
         q, k, v, w, mask, m, beta, u, alpha, binv = ctx.saved_tensors
         need_w = w is not None and ctx.needs_input_grad[3]
         dq, dk, dv, drow = dn_backward(dout, q, k, v, w, mask, m, beta, u, alpha, binv, ctx.causal, ctx.scale,
-                                       need_w)
+                                       need_w, ctx.iterations)
         dw = reduce_to(drow.view(*q.shape[:3], 1), w.shape) if need_w else None
-        return dq, dk, dv, dw, None, None, None, None
+        return dq, dk, dv, dw, None, None, None, None, None
 
 
 @_native.untraced
@@ -292,7 +372,7 @@ def no_grad_small(
     """DNAS / HNAS (K = 1) forward without autograd on 3-D ``(G, N, ·)`` float32, no mask (and
     ``is_causal`` only with ``Nk <= Nq``: every row and key admissible); ``None`` on underflow.
 
-    One C call over all heads (up to ``THRESHOLDS.dnas_scaling_chunk_entries``
+    One C call over all heads (up to ``THRESHOLDS.dnas_materialized_chunk_entries``
     scores, split over threads by heads) on scores scaled in the GEMM, then ``P V``: no autograd
     Function, no chunking, one flat buffer for the per-head vectors. ``w``: ``None``
     (DNAS) or a float32 tensor of ``G`` contiguous entries.
@@ -328,15 +408,17 @@ def no_grad_small(
 
 def native_sinkhorn(
     _lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, causal: bool,
-    scale: float,
+    scale: float, iterations: int = 1,
 ) -> Tensor | None:
-    """DNAS (``w=None``) or HNAS (K = 1) on contiguous ``(B, H, N, ·)`` float32; ``None`` on underflow.
+    """DNAS / Sinkhorn-K (``w=None``, ``iterations`` K >= 1) or HNAS (K = 1) on contiguous
+    ``(B, H, N, ·)`` float32; ``None`` on underflow.
 
-    Arguments as :func:`attnopt.functional.doubly_normalized.scaling.fused_sinkhorn`.
+    ``q, k, v`` share their ``(B, H)``; ``mask`` additive (not differentiated) and ``w`` broadcastable
+    to ``(B, H, 1, 1)``, both 4-D with batch / head dims of size 1 or full; ``Nq, Nk >= 1``.
     """
     info = [True]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out: Tensor = _NativeSinkhorn.apply(q, k, v, w, mask, causal, scale, info)
+    out: Tensor = _NativeSinkhorn.apply(q, k, v, w, mask, causal, scale, iterations, info)
     return out if info[0] else None
 
 
@@ -346,8 +428,10 @@ def native_sinkhorn(
 @torch.library.custom_op("attnopt::dn_fwd", mutates_args=(), device_types="cpu")
 def dn_fwd(
     q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, causal: bool, scale: float,
+    iterations: int = 1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(out, m, β, u, α, 1/β', ok)`` of DNAS / HNAS, K = 1 (:func:`dn_forward`).
+    """``(out, m, β, u, α, 1/β', ok)`` of DNAS / Sinkhorn-K (``w`` None) / HNAS (K = 1)
+    (:func:`dn_forward`).
 
     ``out`` is always the answer: where the C passes report an underflowing normalizer (``ok``
     False), or the library cannot be used when the op runs (no compiler, ``ATTNOPT_NATIVE=0``), the
@@ -357,12 +441,12 @@ def dn_fwd(
     """
     res: tuple[Tensor, ...]
     if _native.library("dnas") is None:
-        res = _no_library(q, k, v, w)
+        res = _no_library(q, k, v, w, iterations)
     else:
-        res = dn_forward(q.contiguous(), k.contiguous(), v.contiguous(), w, mask, causal, scale)
+        res = dn_forward(q.contiguous(), k.contiguous(), v.contiguous(), w, mask, causal, scale, iterations)
     if bool(res[-1]):
         return res  # type: ignore[return-value]
-    out = _fallback(q, k, v, w, mask, causal, scale).contiguous()
+    out = _fallback(q, k, v, w, mask, causal, scale, iterations).contiguous()
     return (out, *res[1:])  # type: ignore[return-value]
 
 
@@ -373,14 +457,14 @@ FALLBACK: list[Callable[..., Tensor]] = []
 
 
 def _fallback(q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, causal: bool,
-              scale: float) -> Tensor:
-    """K = 1 in the log domain on the op's 4-D inputs (``w`` broadcasting as ``(…, H, ·, 1)``)."""
-    return FALLBACK[0](q, k, v, 1, w, mask, scale, causal)
+              scale: float, iterations: int) -> Tensor:
+    """The log domain on the op's 4-D inputs (``w`` broadcasting as ``(…, H, ·, 1)``)."""
+    return FALLBACK[0](q, k, v, iterations, w, mask, scale, causal)
 
 
 def _fallback_grads(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, causal: bool,
-    scale: float, need_w: bool,
+    scale: float, need_w: bool, iterations: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``dn_bwd``'s outputs from the log-domain recomputation (``torch.func.vjp``: autograd is off
     inside an op's body, functorch's transform is not); ``∂L/∂w`` per row through a per-row copy
@@ -388,15 +472,18 @@ def _fallback_grads(
     b, h, nq, _ = q.shape
     wr = None if w is None else w.expand(b, h, 1, 1).expand(b, h, nq, 1).contiguous()
     if wr is None or not need_w:
-        vjp = torch.func.vjp(lambda a, b_, c: _fallback(a, b_, c, wr, mask, causal, scale), q, k, v)[1]
+        def fn(a: Tensor, b_: Tensor, c: Tensor) -> Tensor:
+            return _fallback(a, b_, c, wr, mask, causal, scale, iterations)
+
+        vjp = torch.func.vjp(fn, q, k, v)[1]
         dq, dk, dv = vjp(dout)
         return dq, dk, dv, q.new_zeros(0)
-    vjp = torch.func.vjp(lambda a, b_, c, d: _fallback(a, b_, c, d, mask, causal, scale), q, k, v, wr)[1]
+    vjp = torch.func.vjp(lambda a, b_, c, d: _fallback(a, b_, c, d, mask, causal, scale, 1), q, k, v, wr)[1]
     dq, dk, dv, dw = vjp(dout)
     return dq, dk, dv, dw.reshape(b * h, nq)
 
 
-def _no_library(q: Tensor, k: Tensor, v: Tensor, w: Tensor | None) -> tuple[Tensor, ...]:
+def _no_library(q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, iterations: int) -> tuple[Tensor, ...]:
     """``dn_fwd``'s outputs as zeros (the fake implementation's shapes) with ``ok`` False."""
     b, h, nq, _ = q.shape
     nk, dv = k.shape[-2], v.shape[-1]
@@ -405,49 +492,52 @@ def _no_library(q: Tensor, k: Tensor, v: Tensor, w: Tensor | None) -> tuple[Tens
     def z(*shape: int) -> Tensor:
         return torch.zeros(shape, dtype=q.dtype, device=q.device)
 
-    return (z(b, h, nq, dv), z(g, nk), z(g, nk), z(g, nk) if hyb else z(0), z(g, nq),
+    kk = iterations
+    return (z(b, h, nq, dv), z(g, nk), z(g, kk * nk), z(g, nk) if hyb else z(0), z(g, kk * nq),
             z(g, nq) if hyb else z(0), torch.zeros((), dtype=torch.bool, device=q.device))
 
 
 @dn_fwd.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, causal: bool,  # noqa: ARG001
-      scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # noqa: ARG001
+      scale: float, iterations: int = 1,  # noqa: ARG001
+      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     b, h, nq, _ = q.shape
     nk, dv = k.shape[-2], v.shape[-1]
     g, hyb = b * h, w is not None
     u = q.new_empty(g, nk) if hyb else q.new_empty(0)
     binv = q.new_empty(g, nq) if hyb else q.new_empty(0)
-    return (q.new_empty(b, h, nq, dv), q.new_empty(g, nk), q.new_empty(g, nk), u, q.new_empty(g, nq), binv,
-            q.new_empty((), dtype=torch.bool))
+    return (q.new_empty(b, h, nq, dv), q.new_empty(g, nk), q.new_empty(g, iterations * nk), u,
+            q.new_empty(g, iterations * nq), binv, q.new_empty((), dtype=torch.bool))
 
 
 @torch.library.custom_op("attnopt::dn_bwd", mutates_args=(), device_types="cpu")
 def dn_bwd(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None, m: Tensor,
     beta: Tensor, u: Tensor, alpha: Tensor, binv: Tensor, ok: Tensor, causal: bool, scale: float,
-    need_w: bool,
+    need_w: bool, iterations: int = 1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(dQ, dK, dV, ∂L/∂w per row)`` of :func:`dn_fwd` (:func:`dn_backward`); where ``dn_fwd``
     reported ``ok`` False, the gradients of its log-domain recomputation (:func:`_fallback_grads`)."""
     if not bool(ok) or _native.library("dnas") is None:
-        return _fallback_grads(dout, q, k, v, w, mask, causal, scale, need_w)
+        return _fallback_grads(dout, q, k, v, w, mask, causal, scale, need_w, iterations)
     return dn_backward(dout, q.contiguous(), k.contiguous(), v.contiguous(), w, mask, m, beta, u, alpha, binv,
-                       causal, scale, need_w)
+                       causal, scale, need_w, iterations)
 
 
 @dn_bwd.register_fake
 def _(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, w: Tensor | None, mask: Tensor | None,  # noqa: ARG001
       m: Tensor, beta: Tensor, u: Tensor, alpha: Tensor, binv: Tensor, ok: Tensor,  # noqa: ARG001
-      causal: bool, scale: float, need_w: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # noqa: ARG001
+      causal: bool, scale: float, need_w: bool, iterations: int = 1,  # noqa: ARG001
+      ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     b, h, nq, _ = q.shape
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             q.new_empty(b * h, nq) if need_w and w is not None else q.new_empty(0))
 
 
 def _dn_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, w, mask, causal, scale = inputs
+    q, k, v, w, mask, causal, scale, *rest = inputs
     _, m, beta, u, alpha, binv, ok = output
-    ctx.causal, ctx.scale = causal, scale
+    ctx.causal, ctx.scale, ctx.iterations = causal, scale, (rest[0] if rest else 1)
     ctx.save_for_backward(q, k, v, w, mask, m, beta, u, alpha, binv, ok)
 
 
@@ -456,9 +546,9 @@ def _dn_backward(ctx: Any, dout: Tensor, *_unused: Tensor | None) -> tuple[Tenso
     q, k, v, w, mask, m, beta, u, alpha, binv, ok = ctx.saved_tensors
     need_w = w is not None and ctx.needs_input_grad[3]
     dq, dk, dv, drow = torch.ops.attnopt.dn_bwd(dout, q, k, v, w, mask, m, beta, u, alpha, binv, ok,
-                                                ctx.causal, ctx.scale, need_w)
+                                                ctx.causal, ctx.scale, need_w, ctx.iterations)
     dw = reduce_to(drow.view(*q.shape[:3], 1), w.shape) if need_w else None
-    return dq, dk, dv, dw, None, None, None
+    return dq, dk, dv, dw, None, None, None, None
 
 
 dn_fwd.register_autograd(_dn_backward, setup_context=_dn_setup)
@@ -469,12 +559,12 @@ dn_fwd.register_autograd(_dn_backward, setup_context=_dn_setup)
 
 @dn_fwd.register_vmap
 def _dn_fwd_vmap(info: Any, in_dims: tuple, q: Tensor, k: Tensor, v: Tensor, w: Tensor | None,
-                 mask: Tensor | None, causal: bool, scale: float) -> tuple[tuple, tuple]:
+                 mask: Tensor | None, causal: bool, scale: float, iterations: int = 1) -> tuple[tuple, tuple]:
     """``vmap`` of :func:`dn_fwd`: the vmapped examples folded into ``B`` (one call); the per-head
     state ``(B·H, ·)`` splits back per example, ``ok`` (one flag for the call) is shared."""
     size, lead = info.batch_size, q.shape[1] if in_dims[0] is not None else q.shape[0]
     args = [merge_batch(x, d, size, lead) for x, d in zip((q, k, v, w, mask), in_dims[:5], strict=True)]
-    res = torch.ops.attnopt.dn_fwd(*args, causal, scale)
+    res = torch.ops.attnopt.dn_fwd(*args, causal, scale, iterations)
     parts = [split_batch(x, size) for x in res]
     return tuple(x for x, _ in parts), tuple(d for _, d in parts)
 
@@ -482,7 +572,8 @@ def _dn_fwd_vmap(info: Any, in_dims: tuple, q: Tensor, k: Tensor, v: Tensor, w: 
 @dn_bwd.register_vmap
 def _dn_bwd_vmap(info: Any, in_dims: tuple, dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
                  w: Tensor | None, mask: Tensor | None, m: Tensor, beta: Tensor, u: Tensor, alpha: Tensor,
-                 binv: Tensor, ok: Tensor, causal: bool, scale: float, need_w: bool) -> tuple[tuple, tuple]:
+                 binv: Tensor, ok: Tensor, causal: bool, scale: float, need_w: bool,
+                 iterations: int = 1) -> tuple[tuple, tuple]:
     """``vmap`` of :func:`dn_bwd` (see :func:`_dn_fwd_vmap`); per-example ``ok`` flags are all-reduced
     (a flag False anywhere recomputes the whole call in the log domain: the same gradients)."""
     size = info.batch_size
@@ -492,7 +583,7 @@ def _dn_bwd_vmap(info: Any, in_dims: tuple, dout: Tensor, q: Tensor, k: Tensor, 
     state = [x if x.numel() == 0 and d is None else merge_batch(x, d, size, heads)
              for x, d in zip((m, beta, u, alpha, binv), in_dims[6:11], strict=True)]
     flag = ok.all() if in_dims[11] is not None else ok
-    res = torch.ops.attnopt.dn_bwd(*four, *state, flag, causal, scale, need_w)
+    res = torch.ops.attnopt.dn_bwd(*four, *state, flag, causal, scale, need_w, iterations)
     parts = [split_batch(x, size) for x in res]
     return tuple(x for x, _ in parts), tuple(d for _, d in parts)
 
