@@ -188,11 +188,9 @@ int dn_bwd(float *s, float *dp, int64_t c0, const float *w, const float *m, cons
 
 /* Sinkhorn-K (K >= 2 steps, DNAS only) in scaling form, heads [h0, h1): beta_1 = 1/z (z = E^T 1),
  * alpha_t = 1/(E beta_t), beta_{t+1} = 1/(E^T alpha_t), P = diag(alpha_K) E diag(beta_K).
- * In: s = S (plus a full mask), kbias (NULL or nk per head: a key-only mask). Out: s <- E; m;
- * beta (K * nk per head: beta_1 .. beta_K), alpha (K * nq per head: alpha_1 .. alpha_{K-1}; the
- * caller takes alpha_K from the row sums E beta_K that its product E [beta_K V | beta_K] gives with
- * the output), rs = the smallest row sum E beta_t of each row over steps 1 .. K-1 (the caller's
- * underflow test). */
+ * In: s = S (plus a full mask), kbias (NULL or nk per head: a key-only mask). Out: s <- P; m;
+ * beta (K * nk per head: beta_1 .. beta_K), alpha (K * nq per head: alpha_1 .. alpha_K), rs = the
+ * smallest row sum E beta_t of each row over the K steps (the caller's underflow test). */
 void sk_fwd(float *s, int64_t c0, const float *kbias, float *m, float *beta, float *alpha, float *rs,
             int64_t h0, int64_t h1, int64_t nq, int64_t nk, int causal, int64_t kk) {
     for (int64_t h = h0; h < h1; ++h) {
@@ -223,14 +221,14 @@ void sk_fwd(float *s, int64_t c0, const float *kbias, float *m, float *beta, flo
         }
         #pragma omp simd
         for (int64_t j = 0; j < nk; ++j) bh[j] = inv(bh[j]);
-        /* one pass per step t < K: the row step (alpha_t = 1/(E beta_t)) and, on the same row, the
-         * column sums of the next step (E^T alpha_t) */
-        for (int64_t t = 0; t + 1 < kk; ++t) {
+        /* one pass per step: the row step (alpha_t = 1/(E beta_t)) and, on the same row, the column
+         * sums of the next step (E^T alpha_t) or, at the last step, P = alpha_K E beta_K */
+        for (int64_t t = 0; t < kk; ++t) {
             const float *bt = bh + t * nk;
-            float *at = ah + t * nq, *bn = bh + (t + 1) * nk;
-            for (int64_t j = 0; j < nk; ++j) bn[j] = 0.0f;
+            float *at = ah + t * nq, *bn = t + 1 < kk ? bh + (t + 1) * nk : NULL;
+            if (bn) for (int64_t j = 0; j < nk; ++j) bn[j] = 0.0f;
             for (int64_t i = 0; i < nq; ++i) {
-                const float *row = sh + i * nk;
+                float *row = sh + i * nk;
                 const int64_t n = seen(i, nk, causal);
                 float r = 0.0f;
                 #pragma omp simd reduction(+ : r)
@@ -238,11 +236,18 @@ void sk_fwd(float *s, int64_t c0, const float *kbias, float *m, float *beta, flo
                 const float a = inv(r);
                 at[i] = a;
                 rh[i] = t == 0 || r < rh[i] ? r : rh[i];
-                #pragma omp simd
-                for (int64_t j = 0; j < n; ++j) bn[j] += a * row[j];
+                if (bn) {
+                    #pragma omp simd
+                    for (int64_t j = 0; j < n; ++j) bn[j] += a * row[j];
+                } else {
+                    #pragma omp simd
+                    for (int64_t j = 0; j < n; ++j) row[j] *= a * bt[j];
+                }
             }
-            #pragma omp simd
-            for (int64_t j = 0; j < nk; ++j) bn[j] = inv(bn[j]);
+            if (bn) {
+                #pragma omp simd
+                for (int64_t j = 0; j < nk; ++j) bn[j] = inv(bn[j]);
+            }
         }
     }
 }

@@ -22,8 +22,8 @@ column shift ``m`` cancels; each normalization adds a rank-one term) applied ele
 
 Sinkhorn-K, K >= 2 (DNAS only; ``sk_fwd`` / ``sk_bwd``): ``β_1 = 1/z``, ``α_t = 1/(E β_t)``,
 ``β_{t+1} = 1/(Eᵀ α_t)``, ``π = diag(α_K) E diag(β_K)``. The forward's C call makes ``E`` and
-one pass per step ``t < K`` (the row step and, on the same row, the next column sums); the last
-row sums come with the output from one matmul ``E [β_K ⊙ V | β_K]``. The backward reverses the
+one pass per step (the row step and, on the same row, the next column sums, or at the last step
+``π``); ``out = π V``. The backward reverses the
 steps: with ``A_K = ∂L/∂α_K`` (``A_K,i = Σ_j E_ij β_K,j dP_ij``) and ``B_K = Σ_i α_K,i E_ij dP_ij``,
 ``c_t = −A_t α_t²``, ``B_t += Eᵀ c_t``, ``d_t = −B_t β_t²``, ``A_{t−1} = E d_t``, and
 ``dS = E ⊙ (α_K β_Kᵀ ⊙ dP + Σ_t c_t β_tᵀ + α_{t−1} d_tᵀ)`` (``α_0 = 1``): K + 1 passes over ``E``.
@@ -276,14 +276,7 @@ def _sk_forward(
         _heads(lambda a, e, s=s, h0=h0: lib.sk_fwd(
             _p(s), _I64(h0), _p(kbias), _p(m), _p(beta), _p(alpha), _p(rs), _I64(a), _I64(e), _I64(nq),
             _I64(nk), c, _I64(kk)), h0, h1, nq * nk)
-        # the last row step with the output: E [β_K ⊙ V | β_K] = [numerator | row sums r], α_K = 1/r
-        bk = beta[h0:h1, (kk - 1) * nk :].unsqueeze(-1)
-        aug = torch.bmm(s, torch.cat((v3[h0:h1] * bk, bk), -1))
-        r = aug[..., dv]
-        ak = torch.where(r > 0, r, 1.0).reciprocal_().masked_fill_(r <= 0, 0.0)
-        alpha[h0:h1, (kk - 1) * nq :] = ak
-        torch.minimum(rs[h0:h1], r, out=rs[h0:h1])
-        torch.mul(aug[..., :dv], ak.unsqueeze(-1), out=out[h0:h1])
+        torch.bmm(s, v3[h0:h1], out=out[h0:h1])
     low = rs < torch.finfo(torch.float32).tiny * 2.0**40
     ok = not (bool(low.any()) and bool((low & _admissible_rows(full, kbias, causal, b, h, nq, nk)).any()))
     return (out.view(b, h, nq, dv), m, beta, qs.new_empty(0), alpha, qs.new_empty(0), torch.tensor(ok))
