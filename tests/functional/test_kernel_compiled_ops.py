@@ -43,13 +43,9 @@ def _whole_ready() -> None:
         pytest.skip("no C library / BLAS for the whole call")
 
 
-@needs_native
-@pytest.mark.parametrize("name", ["ika_s", "ika_ns"])
-@pytest.mark.parametrize("p, masked", [(None, False), (1.5, True), (2.0, False)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_compiled_graph_holds_the_whole_call_op(name: str, p: float | None, masked: bool,
-                                                dtype: torch.dtype) -> None:
-    _whole_ready()
+def _attention(name: str, p: float | None, masked: bool) -> Callable[..., torch.Tensor]:
+    """``kernel_attention`` with the kernel ``name``, magnitude ``p`` and (``masked``) a key mask
+    that drops the last three keys of the first batch."""
     kernel = _kernels()[name]
     mask = None
     if masked:
@@ -59,7 +55,17 @@ def test_compiled_graph_holds_the_whole_call_op(name: str, p: float | None, mask
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return kernel_attention(q, k, v, kernel=kernel, magnitude_p=p, attn_mask=mask)
 
-    rec = compiled_equals_eager(fn, tuple(_qkv(dtype=dtype)))
+    return fn
+
+
+@needs_native
+@pytest.mark.parametrize("name", ["ika_s", "ika_ns"])
+@pytest.mark.parametrize("p, masked", [(None, False), (1.5, True), (2.0, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_compiled_graph_holds_the_whole_call_op(name: str, p: float | None, masked: bool,
+                                                dtype: torch.dtype) -> None:
+    _whole_ready()
+    rec = compiled_equals_eager(_attention(name, p, masked), tuple(_qkv(dtype=dtype)))
     assert rec.count("attnopt.ffw_fwd") == 1
     assert rec.count("attnopt.ffw_bwd") == 1
 
@@ -266,16 +272,7 @@ def test_compiled_graph_holds_the_per_pass_op(per_pass: None, name: str, p: floa
     """Above the whole call's size a traced call is ``attnopt::ff_fwd`` / ``ff_bwd`` (the eager
     router's :class:`_FusedFourier`), with eager's values and gradients (slow-marked cases:
     ``pytest -m slow -k per_pass``)."""
-    kernel = _kernels()[name]
-    mask = None
-    if masked:
-        mask = torch.ones(2, 1, 1, 8, dtype=torch.bool)
-        mask[0, ..., -3:] = False
-
-    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return kernel_attention(q, k, v, kernel=kernel, magnitude_p=p, attn_mask=mask)
-
-    rec = compiled_equals_eager(fn, tuple(_qkv(dtype=dtype)))
+    rec = compiled_equals_eager(_attention(name, p, masked), tuple(_qkv(dtype=dtype)))
     assert (rec.count("attnopt.ff_fwd"), rec.count("attnopt.ff_bwd")) == (1, 1)
     assert rec.count("attnopt.ffw_") == 0
 

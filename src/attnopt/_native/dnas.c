@@ -33,6 +33,35 @@ void dn_exp(float *x, int64_t r0, int64_t r1, int64_t n) {
 
 static inline float inv(float x) { return x > 0.0f ? 1.0f / x : 0.0f; }
 
+/* m_j = max over the rows that see key j of s_ij (-inf for a key no row sees). */
+static void column_max(const float *sh, float *mh, int64_t nq, int64_t nk, int causal) {
+    for (int64_t j = 0; j < nk; ++j) mh[j] = -__builtin_inff();
+    for (int64_t i = 0; i < nq; ++i) {
+        const float *row = sh + i * nk;
+        const int64_t n = seen(i, nk, causal);
+        #pragma omp simd
+        for (int64_t j = 0; j < n; ++j) mh[j] = row[j] > mh[j] ? row[j] : mh[j];
+    }
+}
+
+/* sh <- E = e^{S - m} (0 where a row does not see the key), bh <- beta = 1 / (E^T 1) (bh zeroed by
+ * the caller; 0 for a dead key). */
+static void column_exp(float *sh, const float *mh, float *bh, int64_t nq, int64_t nk, int causal) {
+    for (int64_t i = 0; i < nq; ++i) {
+        float *row = sh + i * nk;
+        const int64_t n = seen(i, nk, causal);
+        #pragma omp simd
+        for (int64_t j = 0; j < n; ++j) {
+            const float e = pexp(row[j] - mh[j]);
+            row[j] = e;
+            bh[j] += e;
+        }
+        for (int64_t j = n; j < nk; ++j) row[j] = 0.0f;
+    }
+    #pragma omp simd
+    for (int64_t j = 0; j < nk; ++j) bh[j] = inv(bh[j]);
+}
+
 /* Forward of heads [h0, h1). In: s = S (scale Q K^T, plus a full mask), kbias (NULL or nk per
  * head: a key-only additive mask, not added to s), w (NULL: DNAS). Out: s <- the weights P;
  * m (+inf for a dead key), beta, u (HNAS), alpha, binv (HNAS) and the row sums rs, rho. */
@@ -42,13 +71,7 @@ void dn_fwd(float *s, int64_t c0, const float *kbias, const float *w, float *m, 
     for (int64_t h = h0; h < h1; ++h) {
         float *sh = s + (h - c0) * nq * nk, *mh = m + h * nk, *bh = beta + h * nk;
         float *uh = w ? u + h * nk : NULL;
-        for (int64_t j = 0; j < nk; ++j) mh[j] = -__builtin_inff();
-        for (int64_t i = 0; i < nq; ++i) {
-            const float *row = sh + i * nk;
-            const int64_t n = seen(i, nk, causal);
-            #pragma omp simd
-            for (int64_t j = 0; j < n; ++j) mh[j] = row[j] > mh[j] ? row[j] : mh[j];
-        }
+        column_max(sh, mh, nq, nk, causal);
         /* m_eff = m + bias: a dead key (m_eff = -inf) gets m = +inf, so E = e^{S - m} = 0 there */
         float mu = -__builtin_inff();
         for (int64_t j = 0; j < nk; ++j) {
@@ -66,19 +89,7 @@ void dn_fwd(float *s, int64_t c0, const float *kbias, const float *w, float *m, 
             #pragma omp simd
             for (int64_t j = 0; j < nk; ++j) uh[j] = pexp(uh[j] - mu);
         }
-        for (int64_t i = 0; i < nq; ++i) {
-            float *row = sh + i * nk;
-            const int64_t n = seen(i, nk, causal);
-            #pragma omp simd
-            for (int64_t j = 0; j < n; ++j) {
-                const float e = pexp(row[j] - mh[j]);
-                row[j] = e;
-                bh[j] += e;
-            }
-            for (int64_t j = n; j < nk; ++j) row[j] = 0.0f;
-        }
-        #pragma omp simd
-        for (int64_t j = 0; j < nk; ++j) bh[j] = inv(bh[j]);
+        column_exp(sh, mh, bh, nq, nk, causal);
         const float ww = w ? w[h] : 1.0f;
         for (int64_t i = 0; i < nq; ++i) {
             float *row = sh + i * nk;
@@ -196,31 +207,13 @@ void sk_fwd(float *s, int64_t c0, const float *kbias, float *m, float *beta, flo
     for (int64_t h = h0; h < h1; ++h) {
         float *sh = s + (h - c0) * nq * nk, *mh = m + h * nk;
         float *bh = beta + h * kk * nk, *ah = alpha + h * kk * nq, *rh = rs + h * nq;
-        for (int64_t j = 0; j < nk; ++j) mh[j] = -__builtin_inff();
-        for (int64_t i = 0; i < nq; ++i) {
-            const float *row = sh + i * nk;
-            const int64_t n = seen(i, nk, causal);
-            #pragma omp simd
-            for (int64_t j = 0; j < n; ++j) mh[j] = row[j] > mh[j] ? row[j] : mh[j];
-        }
+        column_max(sh, mh, nq, nk, causal);
         for (int64_t j = 0; j < nk; ++j) {
             const float me = kbias ? mh[j] + kbias[h * nk + j] : mh[j];
             mh[j] = me > -__builtin_inff() ? mh[j] : __builtin_inff();  /* a dead key: E = 0 */
             bh[j] = 0.0f;
         }
-        for (int64_t i = 0; i < nq; ++i) {
-            float *row = sh + i * nk;
-            const int64_t n = seen(i, nk, causal);
-            #pragma omp simd
-            for (int64_t j = 0; j < n; ++j) {
-                const float e = pexp(row[j] - mh[j]);
-                row[j] = e;
-                bh[j] += e;
-            }
-            for (int64_t j = n; j < nk; ++j) row[j] = 0.0f;
-        }
-        #pragma omp simd
-        for (int64_t j = 0; j < nk; ++j) bh[j] = inv(bh[j]);
+        column_exp(sh, mh, bh, nq, nk, causal);
         /* one pass per step: the row step (alpha_t = 1/(E beta_t)) and, on the same row, the column
          * sums of the next step (E^T alpha_t) or, at the last step, P = alpha_K E beta_K */
         for (int64_t t = 0; t < kk; ++t) {

@@ -55,7 +55,7 @@ that added the ops and in the issue-30 note). Both agree bitwise
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -116,6 +116,21 @@ def _add_mask(s: Tensor, full: Tensor, h: int, h0: int, h1: int) -> None:
             bi = lo // h
             mb = full[bi if full.shape[0] > 1 else 0]
             s[lo - h0 : hi - h0].add_(mb[lo - bi * h : hi - bi * h] if mb.shape[0] > 1 else mb)
+
+
+def _score_chunks(qs: Tensor, k3: Tensor, full: Tensor | None, h: int) -> Iterator[tuple[int, int, Tensor]]:
+    """``(h0, h1, S)`` per chunk of heads (:func:`_chunks`): ``S = (scale·Q) Kᵀ`` (plus the full mask)
+    of the heads ``[h0, h1)`` as a dense ``(h1 − h0, Nq, Nk)`` view of one workspace that every
+    chunk reuses (the caller is done with a chunk's ``S`` before it asks for the next)."""
+    g, nq, nk = qs.shape[0], qs.shape[1], k3.shape[1]
+    parts = _chunks(g, nq * nk)
+    work = qs.new_empty((parts[0][1] - parts[0][0]) * nq * nk)
+    for h0, h1 in parts:
+        ws = work[: (h1 - h0) * nq * nk].view(-1, nq, nk)
+        s = torch.bmm(qs[h0:h1], k3[h0:h1].transpose(-2, -1), out=ws)
+        if full is not None:
+            _add_mask(s, full, h, h0, h1)
+        yield h0, h1, s
 
 
 def _admissible_rows(full: Tensor | None, kbias: Tensor | None, causal: bool, b: int, h: int, nq: int,
@@ -234,14 +249,8 @@ def dn_forward(
     alpha, rs = q.new_empty(g, nq), q.new_empty(g, nq)
     binv, rho = (q.new_empty(g, nq), q.new_empty(g, nq)) if w is not None else (None, None)
     out = q.new_empty(g, nq, dv)
-    parts = _chunks(g, nq * nk)
-    work = q.new_empty((parts[0][1] - parts[0][0]) * nq * nk)
     c = _INT(int(causal))
-    for h0, h1 in parts:
-        ws = work[: (h1 - h0) * nq * nk].view(-1, nq, nk)
-        s = torch.bmm(qs[h0:h1], k3[h0:h1].transpose(-2, -1), out=ws)
-        if full is not None:
-            _add_mask(s, full, h, h0, h1)
+    for h0, h1, s in _score_chunks(qs, k3, full, h):
         _check_dn(s, None, h0, h1, g, nq, nk, kbias, wv, m, beta, u, alpha, binv, rs, rho, None)
         _heads(lambda a, e, s=s, h0=h0: lib.dn_fwd(
             _p(s), _I64(h0), _p(kbias), _p(wv), _p(m), _p(beta), _p(u), _p(alpha), _p(binv), _p(rs),
@@ -264,14 +273,8 @@ def _sk_forward(
     m, beta = qs.new_empty(g, nk), qs.new_empty(g, kk * nk)
     alpha, rs = qs.new_empty(g, kk * nq), qs.new_empty(g, nq)
     out = qs.new_empty(g, nq, dv)
-    parts = _chunks(g, nq * nk)
-    work = qs.new_empty((parts[0][1] - parts[0][0]) * nq * nk)
     c = _INT(int(causal))
-    for h0, h1 in parts:
-        ws = work[: (h1 - h0) * nq * nk].view(-1, nq, nk)
-        s = torch.bmm(qs[h0:h1], k3[h0:h1].transpose(-2, -1), out=ws)
-        if full is not None:
-            _add_mask(s, full, h, h0, h1)
+    for h0, h1, s in _score_chunks(qs, k3, full, h):
         _check_sk(s, None, h0, h1, g, nq, nk, kk, kbias, m, beta, alpha, rs)
         _heads(lambda a, e, s=s, h0=h0: lib.sk_fwd(
             _p(s), _I64(h0), _p(kbias), _p(m), _p(beta), _p(alpha), _p(rs), _I64(a), _I64(e), _I64(nq),
