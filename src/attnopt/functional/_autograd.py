@@ -32,8 +32,8 @@ from torch import Tensor
 
 from attnopt._func import under_transform
 
-__all__ = ["double_backward", "first_order_only", "records_graph", "reduce_to", "refuse_double_backward",
-           "tracked_vjp", "under_transform"]
+__all__ = ["base_requires_grad", "double_backward", "first_order_only", "records_graph", "reduce_to",
+           "refuse_double_backward", "tracked_vjp", "under_transform"]
 
 
 def reduce_to(g: Tensor, shape: torch.Size) -> Tensor:
@@ -81,10 +81,10 @@ def _again(ctx: Any) -> tuple[bool, bool]:
         return not any(t is not None and _ft.is_functorch_wrapped_tensor(t) for t in saved), False
     if sum(i.key() in _DIFFERENTIATING for i in _ft.get_interpreter_stack()) > 1:
         return True, False
-    return False, any(t is not None and _base_requires_grad(t) for t in saved)
+    return False, any(t is not None and base_requires_grad(t) for t in saved)
 
 
-def _base_requires_grad(t: Tensor) -> bool:
+def base_requires_grad(t: Tensor) -> bool:
     """Whether the plain tensor under ``t``'s ``torch.func`` wrappers requires grad."""
     while _ft.is_functorch_wrapped_tensor(t):
         t = _ft.get_unwrapped(t)

@@ -28,7 +28,7 @@ import torch._C._functorch as _ft
 from torch import Tensor
 
 from attnopt._native import forward_ad_active
-from attnopt.functional._autograd import first_order_only, refuse_double_backward
+from attnopt.functional._autograd import base_requires_grad, first_order_only, refuse_double_backward
 
 __all__ = ["merge_batch", "split_batch", "transform_function", "transforms_supported"]
 
@@ -43,11 +43,8 @@ def transforms_supported(*inputs: Tensor | None) -> bool:
     asked for."""
     if forward_ad_active():
         return False
-    for x in inputs:
-        while x is not None and _ft.is_functorch_wrapped_tensor(x):
-            x = _ft.get_unwrapped(x)
-        if x is not None and x.requires_grad:
-            return False
+    if any(x is not None and base_requires_grad(x) for x in inputs):
+        return False
     grads = 0
     for interpreter in _ft.get_interpreter_stack() or ():
         key = interpreter.key()
