@@ -125,3 +125,29 @@ def test_one_node_under_compile_and_in_the_profiler() -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn(q, k, v, w).sum().backward()
     assert {"attnopt::dn_fwd", "attnopt::dn_bwd"} <= {e.name for e in prof.events()}
+
+
+def test_sinkhorn_k_c_path_fully_masked_row_and_dead_key() -> None:
+    """Through the router on the C passes (``dnas_native_min_entries`` 0), K = 3: a query with no
+    admissible key gets zeros, a key no query sees weight 0; values and gradients finite and equal
+    to the reference's."""
+    import attnopt
+    from attnopt.functional import dispatch
+    from attnopt.functional._thresholds import overrides
+
+    q, k, v, _, _ = _case(False, None, nq=6, nk=6)
+    mask = torch.ones(2, 1, 6, 6, dtype=torch.bool)
+    mask[0, :, 2, :] = False
+    mask[1, :, :, 4] = False
+    with overrides(dnas_native_min_entries=0):
+        got = attnopt.doubly_normalized_attention(q, k, v, iterations=3, attn_mask=mask)
+        assert dispatch.last_dispatch["sinkhorn"] == "materialized"
+        grads = torch.autograd.grad(got.sum(), (q, k, v))
+    with attnopt.backend("reference"):
+        want = attnopt.doubly_normalized_attention(q, k, v, iterations=3, attn_mask=mask)
+        want_grads = torch.autograd.grad(want.sum(), (q, k, v))
+    assert torch.all(got[0, :, 2] == 0)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+    for a, b in zip(grads, want_grads, strict=True):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, atol=5e-6, rtol=5e-6)
