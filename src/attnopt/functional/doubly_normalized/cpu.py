@@ -163,18 +163,9 @@ def _check_dn(
     ``kbias``, ``m``, ``beta``, ``u``, ``Nq`` of ``alpha``, ``binv``, ``rs``, ``rho``, ``drow``, one of ``w``;
     HNAS (``w`` given) needs ``u``, ``binv`` (and ``rho`` in the forward)."""
     kernel = "dn_fwd" if dp is None else "dn_bwd"
-    f32 = torch.float32
-    if not 0 <= h0 <= h1 <= g:
-        require_size(kernel, "h1", h1, at_least=h0, at_most=g)
-        require_size(kernel, "h0", h0, at_most=h1)
-    require(kernel, "s", s, dtype=f32, numel=(h1 - h0) * nq * nk)
-    if dp is not None:
-        require(kernel, "dp", dp, dtype=f32, numel=(h1 - h0) * nq * nk)
-    for name, t, n in (("kbias", kbias, nk), ("w", w, 1), ("m", m, nk), ("beta", beta, nk), ("u", u, nk),
-                       ("alpha", alpha, nq), ("binv", binv, nq), ("rs", rs, nq), ("rho", rho, nq),
-                       ("drow", drow, nq)):
-        if t is not None:
-            require(kernel, name, t, dtype=f32, numel=g * n)
+    _check_heads(kernel, s, dp, h0, h1, g, nq, nk, (
+        ("kbias", kbias, nk), ("w", w, 1), ("m", m, nk), ("beta", beta, nk), ("u", u, nk),
+        ("alpha", alpha, nq), ("binv", binv, nq), ("rs", rs, nq), ("rho", rho, nq), ("drow", drow, nq)))
     if w is not None and (u is None or binv is None or (dp is None and rho is None)):
         raise fail(kernel, None, "HNAS (w given) without u / binv / rho")
     if dp is None and rs is None:
@@ -189,18 +180,29 @@ def _check_sk(
     chunk's dense ``(h1 − h0, Nq, Nk)`` scores ``s`` (and ``dp``), per absolute head ``Nk`` entries of
     ``kbias`` and ``m``, ``K·Nk`` of ``beta``, ``K·Nq`` of ``alpha``, ``Nq`` of ``rs`` (forward)."""
     kernel = "sk_fwd" if dp is None else "sk_bwd"
+    require_size(kernel, "iterations", kk, at_least=1)
+    _check_heads(kernel, s, dp, h0, h1, g, nq, nk, (
+        ("kbias", kbias, nk), ("m", m, nk), ("beta", beta, kk * nk), ("alpha", alpha, kk * nq),
+        ("rs", rs, nq)))
+    if dp is None and rs is None:
+        raise fail(kernel, "rs", "missing")
+
+
+def _check_heads(
+    kernel: str, s: Tensor, dp: Tensor | None, h0: int, h1: int, g: int, nq: int, nk: int,
+    vectors: tuple[tuple[str, Tensor | None, int], ...],
+) -> None:
+    """The checks ``dn_*`` and ``sk_*`` share: heads ``[h0, h1)`` inside ``[0, G)``, the chunk's dense
+    float32 ``(h1 − h0, Nq, Nk)`` scores ``s`` (and ``dp``), and each given per-head vector
+    ``(name, tensor, entries per head)`` dense float32 with ``G`` times its entries."""
     f32 = torch.float32
     if not 0 <= h0 <= h1 <= g:
         require_size(kernel, "h1", h1, at_least=h0, at_most=g)
         require_size(kernel, "h0", h0, at_most=h1)
-    require_size(kernel, "iterations", kk, at_least=1)
     require(kernel, "s", s, dtype=f32, numel=(h1 - h0) * nq * nk)
     if dp is not None:
         require(kernel, "dp", dp, dtype=f32, numel=(h1 - h0) * nq * nk)
-    elif rs is None:
-        raise fail(kernel, "rs", "missing")
-    for name, t, n in (("kbias", kbias, nk), ("m", m, nk), ("beta", beta, kk * nk), ("alpha", alpha, kk * nq),
-                       ("rs", rs, nq)):
+    for name, t, n in vectors:
         if t is not None:
             require(kernel, name, t, dtype=f32, numel=g * n)
 
