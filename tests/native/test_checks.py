@@ -160,6 +160,22 @@ def test_dnas_check():
                   None, None, None)
 
 
+def test_sinkhorn_k_check():
+    from attnopt.functional.doubly_normalized.cpu import _check_sk
+
+    g, nq, nk, kk = 4, 3, 5, 3
+    s = torch.zeros(2, nq, nk)
+    m, rs = torch.zeros(g * nk), torch.zeros(g * nq)
+    beta, alpha = torch.zeros(g * kk * nk), torch.zeros(g * kk * nq)
+    _check_sk(s, None, 0, 2, g, nq, nk, kk, None, m, beta, alpha, rs)
+    with _raises("'sk_fwd', argument 'beta'"):  # one step's beta per head, not K
+        _check_sk(s, None, 0, 2, g, nq, nk, kk, None, m, beta[: g * nk], alpha, rs)
+    with _raises("'sk_fwd', argument 'rs'"):
+        _check_sk(s, None, 0, 2, g, nq, nk, kk, None, m, beta, alpha, None)
+    with _raises("'sk_bwd', argument 'dp'"):
+        _check_sk(s, s[:1], 0, 2, g, nq, nk, kk, None, m, beta, alpha, None)
+
+
 def test_biased_softmax_checks():
     from attnopt.functional.generalized import cpu as gn
 
